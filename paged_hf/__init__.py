@@ -1,0 +1,25 @@
+"""paged_hf: paged KV cache, continuous batching and prefix reuse for HuggingFace causal LMs.
+
+    import paged_hf
+    model = paged_hf.patch(model)                       # one line
+    model.generate(input_ids, attention_mask=mask, max_new_tokens=64)
+
+    engine = paged_hf.Engine(model, tokenizer)          # or drive the engine directly
+    engine.generate(["Hello"], paged_hf.SamplingParams(max_new_tokens=32))
+
+Where things live (the four roles of the design):
+  block pool + prefix index  block_pool.py, prefix_index.py, block_manager.py
+  request state              request.py, sampling_params.py, outputs.py
+  scheduler                  scheduler.py
+  execution backend          runner.py, metadata.py, attention.py, backends/, sampler.py
+  front ends                 engine.py, hf_generate.py, patching.py
+"""
+from .config import EngineConfig
+from .engine import Engine
+from .outputs import Completion, RequestOutput
+from .patching import engine_for, is_patched, patch, unpatch
+from .sampling_params import SamplingParams
+
+__all__ = ["Completion", "Engine", "EngineConfig", "RequestOutput", "SamplingParams", "engine_for",
+           "is_patched", "patch", "unpatch"]
+__version__ = "0.1.0"

@@ -1,0 +1,79 @@
+"""The seam into transformers: one attention function and one mask function, registered as
+"paged_hf" in transformers' AttentionInterface / AttentionMaskInterface.
+
+During an engine step the runner makes a backend active (a context variable, set only for
+the duration of that forward): attention then writes and reads the paged KV, and the mask
+function returns None (a paged kernel needs no dense mask). Outside a step the model is a
+plain transformers model: both functions hand over to the attention implementation the model
+had before ``patch``, so training and scoring keep working exactly as before.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import sys
+from typing import Any, Iterator
+
+import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+NAME = "paged_hf"
+
+_active_backend: contextvars.ContextVar[Any] = contextvars.ContextVar("paged_hf_backend", default=None)
+_fallback_impl: dict[int, str] = {}  # id(config) -> implementation the model had before patch
+
+
+@contextlib.contextmanager
+def active_backend(backend: Any) -> Iterator[None]:
+    token = _active_backend.set(backend)
+    try:
+        yield
+    finally:
+        _active_backend.reset(token)
+
+
+def set_fallback(config: Any, implementation: str | None) -> None:
+    if implementation is None:
+        _fallback_impl.pop(id(config), None)
+    else:
+        _fallback_impl[id(config)] = implementation
+
+
+def _fallback(config: Any) -> str:
+    try:
+        return _fallback_impl[id(config)]
+    except KeyError:
+        raise RuntimeError("paged_hf attention called outside an engine step on a model that paged_hf did not "
+                           "patch; use paged_hf.patch(model) rather than set_attn_implementation('paged_hf')") from None
+
+
+def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                            attention_mask: torch.Tensor | None, scaling: float | None = None,
+                            dropout: float = 0.0, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    backend = _active_backend.get()
+    if backend is None:
+        impl = _fallback(module.config)
+        if impl in ALL_ATTENTION_FUNCTIONS:
+            fn = ALL_ATTENTION_FUNCTIONS[impl]
+        else:  # "eager" lives in each modeling file, not in the registry
+            fn = sys.modules[type(module).__module__].eager_attention_forward
+        return fn(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    out = backend.attend(module.layer_idx, query, key, value, scaling=scaling,
+                         sliding_window=kwargs.get("sliding_window"), softcap=kwargs.get("softcap"))
+    return out, None
+
+
+def paged_mask(*args: Any, **kwargs: Any) -> Any:
+    if _active_backend.get() is not None:
+        return None
+    return ALL_MASK_ATTENTION_FUNCTIONS[_fallback(kwargs["config"])](*args, **kwargs)
+
+
+def register() -> None:
+    """Idempotent: make "paged_hf" a valid ``attn_implementation``."""
+    if NAME not in ALL_ATTENTION_FUNCTIONS:
+        AttentionInterface.register(NAME, paged_attention_forward)
+    if NAME not in ALL_MASK_ATTENTION_FUNCTIONS:
+        AttentionMaskInterface.register(NAME, paged_mask)

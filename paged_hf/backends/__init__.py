@@ -1,0 +1,32 @@
+"""Execution backends: where the KV tensors live and how attention reads them.
+
+- ``torch``: pure PyTorch, any device; the reference the others are checked against.
+- ``flashinfer``: CUDA kernels (``pip install paged_hf[cuda]``), imported only when chosen.
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from .torch_backend import TorchBackend
+
+
+def select_backend(name: str, device: torch.device) -> type:
+    if name == "torch":
+        return TorchBackend
+    if name == "flashinfer":
+        if device.type != "cuda":
+            raise ValueError(f"backend='flashinfer' needs a CUDA device, the model is on {device}")
+        from .flashinfer_backend import FlashInferBackend  # lazy: CPU installs never import flashinfer
+        return FlashInferBackend
+    if name != "auto":
+        raise ValueError(f"unknown backend {name!r}; choose 'auto', 'torch' or 'flashinfer'")
+    if device.type == "cuda":
+        try:
+            from .flashinfer_backend import FlashInferBackend
+            return FlashInferBackend
+        except ImportError as e:
+            warnings.warn(f"paged_hf: FlashInfer is not available ({e}); using the torch backend on CUDA, "
+                          "which is much slower. Install it with `pip install paged_hf[cuda]`.", stacklevel=3)
+    return TorchBackend

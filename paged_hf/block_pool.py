@@ -1,0 +1,85 @@
+"""Physical KV blocks: ids, refcounts, the free list, and eviction of cached-but-unused blocks.
+
+A block's refcount is the number of request block tables holding it. At refcount 0 a block
+is either truly free or, when the prefix index holds it, cached: kept for reuse until an
+allocation needs the room, which takes free blocks first, then evicts least recently used
+cached ones.
+"""
+from __future__ import annotations
+
+from collections import deque
+from typing import Iterable
+
+from .prefix_index import RadixPrefixIndex
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, block_size: int, index: RadixPrefixIndex | None = None) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks={num_blocks}, must be >= 1")
+        if block_size < 1:
+            raise ValueError(f"block_size={block_size}, must be >= 1")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.index = index
+        self.refcount = [0] * num_blocks
+        self._free: deque[int] = deque(range(num_blocks))
+        self._is_free = [True] * num_blocks
+        self.evictions = 0
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_cached(self) -> int:
+        """Cached blocks nobody uses (evictable)."""
+        return self.index.evictable_blocks if self.index is not None else 0
+
+    @property
+    def num_available(self) -> int:
+        return self.num_free + self.num_cached
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - self.num_available
+
+    def allocate(self, n: int) -> list[int]:
+        if n > self.num_available:
+            raise RuntimeError(f"allocate({n}): only {self.num_available} blocks available")
+        if n > len(self._free):
+            evicted = self.index.evict(n - len(self._free))
+            self.evictions += len(evicted)
+            for b in evicted:
+                assert self.refcount[b] == 0, f"evicted block {b} still has refcount {self.refcount[b]}"
+                self._release(b)
+        out = [self._free.popleft() for _ in range(n)]
+        for b in out:
+            self._is_free[b] = False
+            self.refcount[b] = 1
+        return out
+
+    def incref(self, blocks: Iterable[int]) -> None:
+        for b in blocks:
+            if self._is_free[b]:
+                raise RuntimeError(f"incref of free block {b}")
+            self.refcount[b] += 1
+
+    def decref(self, blocks: Iterable[int]) -> None:
+        """Drop one reference to each block; a block nobody holds goes back to the free list
+        unless the prefix index caches it."""
+        for b in blocks:
+            if self.refcount[b] <= 0:
+                raise RuntimeError(f"block {b}: refcount underflow (double free)")
+            self.refcount[b] -= 1
+            if self.refcount[b] == 0 and not (self.index is not None and self.index.holds(b)):
+                self._release(b)
+
+    def _release(self, b: int) -> None:
+        if self._is_free[b]:
+            raise RuntimeError(f"block {b} freed twice")
+        self._is_free[b] = True
+        self._free.append(b)
+
+    def is_free(self, b: int) -> bool:
+        return self._is_free[b]

@@ -1,0 +1,54 @@
+"""Engine configuration: one dataclass, validated where it is built."""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+# CPU defaults, measured on a 2-core AVX-512 machine with SmolLM2-135M (see benchmarks/):
+# the step's matmuls saturate at a few hundred rows, so a 2k token budget keeps prefill chunks
+# efficient while a long prompt cannot stall decodes for more than one chunk.
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+DEFAULT_MAX_NUM_SEQS = 128
+DEFAULT_BLOCK_SIZE = 16
+DEFAULT_CPU_KV_BYTES = 1 << 30  # 1 GiB of KV unless told otherwise
+
+
+@dataclass
+class EngineConfig:
+    block_size: int = DEFAULT_BLOCK_SIZE
+    num_blocks: int | None = None  # None: size from kv_cache_memory
+    kv_cache_memory: float | int | None = None  # bytes on CPU, a fraction of free memory on CUDA
+    gpu_memory_utilization: float = 0.9
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    enable_prefix_caching: bool = True
+    backend: str = "auto"  # "auto", "torch" or "flashinfer"
+    namespace: str | None = None  # prefix-cache namespace (model / adapter id); None: derived from the model
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}={value!r}, must be an integer >= 1")
+        if self.num_blocks is not None and (not isinstance(self.num_blocks, int) or self.num_blocks < 1):
+            raise ValueError(f"num_blocks={self.num_blocks!r}, must be an integer >= 1")
+        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
+            raise ValueError(f"max_model_len={self.max_model_len!r}, must be an integer >= 2")
+        if self.kv_cache_memory is not None and not self.kv_cache_memory > 0:
+            raise ValueError(f"kv_cache_memory={self.kv_cache_memory!r}, must be > 0")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization!r}, must be in (0, 1]")
+        if self.max_num_seqs > self.max_num_batched_tokens:
+            raise ValueError(f"max_num_seqs={self.max_num_seqs} exceeds max_num_batched_tokens="
+                             f"{self.max_num_batched_tokens}: decodes need one token of budget each")
+        if self.backend not in ("auto", "torch", "flashinfer"):
+            raise ValueError(f"backend={self.backend!r}, must be 'auto', 'torch' or 'flashinfer'")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise TypeError(f"unknown engine option(s) {unknown}; known: {sorted(names)}")
+        return cls(**kwargs)

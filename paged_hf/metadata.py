@@ -1,0 +1,92 @@
+"""Step metadata: the packed batch in FlashInfer's own CSR format, used by every backend.
+
+For B sequences and T new tokens:
+  input_ids[T], positions[T]   the new tokens, sequence after sequence
+  slot_mapping[T]              where each new token's K/V goes: block * block_size + offset
+  qo_indptr[B+1]               sequence i's new tokens are rows qo_indptr[i]:qo_indptr[i+1]
+  kv_indptr[B+1], kv_indices   sequence i's KV blocks (cached and new) are
+                               kv_indices[kv_indptr[i]:kv_indptr[i+1]]
+  kv_last_page_len[B]          tokens used in each sequence's last block (1..block_size)
+  logits_indices[B']           rows whose logits are sampled: last token of each sequence
+                               whose chunk reaches the end of its known tokens
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .request import Request
+
+
+@dataclass
+class StepMetadata:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    qo_indptr: torch.Tensor
+    kv_indptr: torch.Tensor
+    kv_indices: torch.Tensor
+    kv_last_page_len: torch.Tensor
+    logits_indices: torch.Tensor
+    block_size: int
+    # host copies the backends plan from without a device sync
+    q_lens: list[int]
+    kv_lens: list[int]
+    sampled_requests: list[Request]  # one per logits row, in row order
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.q_lens)
+
+    @property
+    def is_pure_decode(self) -> bool:
+        return all(q == 1 for q in self.q_lens)
+
+
+def build_step_metadata(scheduled: list[tuple[Request, int]], block_size: int,
+                        device: torch.device | str = "cpu") -> StepMetadata:
+    """Metadata for requests that will compute ``n`` more tokens each (before ``mark_computed``)."""
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    qo_indptr, kv_indptr = [0], [0]
+    kv_indices: list[int] = []
+    last_page_len: list[int] = []
+    logits_indices: list[int] = []
+    sampled: list[Request] = []
+    q_lens, kv_lens = [], []
+    bs = block_size
+    for req, n in scheduled:
+        start = req.num_computed_tokens
+        end = start + n
+        table = req.block_table
+        assert len(table) * bs >= end, f"request {req.request_id}: {len(table)} blocks cannot hold {end} tokens"
+        input_ids.extend(req.token_ids[start:end])
+        positions.extend(range(start, end))
+        slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+        n_blocks = -(-end // bs)
+        kv_indices.extend(table[:n_blocks])
+        qo_indptr.append(qo_indptr[-1] + n)
+        kv_indptr.append(kv_indptr[-1] + n_blocks)
+        last_page_len.append(end - (n_blocks - 1) * bs)
+        q_lens.append(n)
+        kv_lens.append(end)
+        if end == req.num_tokens:
+            logits_indices.append(len(input_ids) - 1)
+            sampled.append(req)
+
+    def i32(x: list[int]) -> torch.Tensor:
+        return torch.tensor(x, dtype=torch.int32, device=device)
+
+    return StepMetadata(
+        input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),
+        positions=torch.tensor(positions, dtype=torch.long, device=device),
+        slot_mapping=i32(slots), qo_indptr=i32(qo_indptr), kv_indptr=i32(kv_indptr),
+        kv_indices=i32(kv_indices), kv_last_page_len=i32(last_page_len),
+        logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=device),
+        block_size=bs, q_lens=q_lens, kv_lens=kv_lens, sampled_requests=sampled)

@@ -1,0 +1,108 @@
+"""One request's state: its tokens, sampling params, progress, blocks and timestamps.
+
+The request never decides what runs; the scheduler reads and updates it.
+"""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from .sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
+
+    from .prefix_index import Node
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"      # EOS or a stop token
+    LENGTH = "length"  # max_new_tokens or max_model_len
+    ABORT = "abort"    # cancelled by the caller
+
+
+@dataclass(eq=False)  # identity semantics: requests are dict keys and list members
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: frozenset[int] = frozenset()
+    max_model_len: int = 1 << 62
+    arrival_time: float = field(default_factory=time.perf_counter)
+    sample_index: int = 0            # which of the parent's n samples this is
+    parent: "Request | None" = None  # set on forked samples 1..n-1
+
+    token_ids: list[int] = field(init=False)  # prompt followed by outputs
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    num_computed_tokens: int = 0  # tokens whose KV is in the cache
+    num_cached_tokens: int = 0    # of the prompt, served from the prefix cache at first admission
+    block_table: list[int] = field(default_factory=list)
+    prefix_node: "Node | None" = None  # deepest locked prefix-index node
+    num_tree_blocks: int = 0           # leading blocks of block_table that the prefix index holds
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    admitted_once: bool = False
+    forked: bool = False  # for n > 1: the siblings have been created
+    logprobs: list = field(default_factory=list)
+    generator: "torch.Generator | None" = None
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_ids):]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_ids)
+
+    @property
+    def num_pending_tokens(self) -> int:
+        """Tokens whose KV still has to be computed before the next sample."""
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    @property
+    def cache_salt(self) -> str | None:
+        return self.params.cache_salt
+
+    @property
+    def seqs_when_running(self) -> int:
+        """Sequences this request will occupy once it samples (n > 1 forks into n)."""
+        return 1 if self.forked or self.parent is not None else self.params.n
+
+    def append_token(self, token: int, now: float) -> bool:
+        """Record a sampled token; return True when that finishes the request."""
+        self.token_ids.append(token)
+        if self.first_token_time is None:
+            self.first_token_time = now
+        p = self.params
+        n_out = self.num_output_tokens
+        if n_out >= p.min_new_tokens and (token in p.stop_token_ids
+                                          or (not p.ignore_eos and token in self.eos_token_ids)):
+            self.finish_reason = FinishReason.STOP
+        elif n_out >= p.max_new_tokens or self.num_tokens >= self.max_model_len:
+            self.finish_reason = FinishReason.LENGTH
+        return self.finish_reason is not None

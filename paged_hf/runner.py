@@ -1,0 +1,47 @@
+"""Execution: owns the KV tensors (through a backend) and runs one packed forward per step.
+
+The model is driven unmodified: ``input_ids[1, T]`` and ``position_ids[1, T]`` hold every
+scheduled token of every request, ``use_cache=False`` keeps transformers' own cache out of
+the way, and ``logits_to_keep`` selects just the rows that will be sampled.
+"""
+from __future__ import annotations
+
+import torch
+
+from .attention import active_backend
+from .backends import select_backend
+from .config import EngineConfig
+from .metadata import StepMetadata, build_step_metadata
+from .request import Request
+
+
+def kv_geometry(model: torch.nn.Module) -> tuple[int, int, int]:
+    """(layers, kv_heads, head_dim) from the model's config."""
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    heads = cfg.num_attention_heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    return cfg.num_hidden_layers, kv_heads, head_dim
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, config: EngineConfig, num_blocks: int) -> None:
+        self.model = model
+        self.config = config
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        layers, kv_heads, head_dim = kv_geometry(model)
+        self.backend = select_backend(config.backend, self.device)(
+            layers, num_blocks, config.block_size, kv_heads, head_dim, self.dtype, self.device)
+
+    @torch.inference_mode()
+    def execute(self, scheduled: list[tuple[Request, int]], block_copies: list[tuple[int, int]]
+                ) -> tuple[torch.Tensor, StepMetadata]:
+        """Run the step; return logits [B', V] for ``meta.sampled_requests`` and the metadata."""
+        meta = build_step_metadata(scheduled, self.config.block_size, self.device)
+        self.backend.copy_blocks(block_copies)
+        self.backend.plan(meta)
+        with active_backend(self.backend):
+            out = self.model(input_ids=meta.input_ids[None], position_ids=meta.positions[None],
+                             use_cache=False, logits_to_keep=meta.logits_indices)
+        return out.logits[0], meta

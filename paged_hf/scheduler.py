@@ -1,0 +1,197 @@
+"""Who runs this step, and how many tokens each: decode first, then prefill chunks, within a
+token budget, a sequence cap and the free KV blocks; preempt (by recompute) when blocks run out.
+
+Every request is the same thing to the scheduler: tokens whose KV is not computed yet. A
+decode has one such token; a prompt has many and may take several steps (chunked prefill).
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from .block_manager import BlockManager, blocks_for
+from .request import FinishReason, Request, RequestStatus
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[tuple[Request, int]]  # in batch order: decodes, then prefill chunks
+    preempted: list[Request] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) before the step
+    finished: list[Request] = field(default_factory=list)  # filled in by ``update``
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, kv: BlockManager, max_num_batched_tokens: int, max_num_seqs: int) -> None:
+        if max_num_batched_tokens < 1 or max_num_seqs < 1:
+            raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens} and max_num_seqs={max_num_seqs} "
+                             "must both be >= 1")
+        if max_num_seqs > max_num_batched_tokens:
+            # every running decode needs one token of budget per step, or decodes could starve
+            raise ValueError(f"max_num_seqs={max_num_seqs} exceeds max_num_batched_tokens={max_num_batched_tokens}")
+        self.kv = kv
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order; the tail is preempted first
+        self.num_preemptions = 0
+        self.prefix_hit_tokens = 0
+
+    # ---- submission ----------------------------------------------------------------------
+    def check_fits(self, req: Request) -> None:
+        """A request that could never fit the whole pool alone is refused up front."""
+        longest = min(req.num_prompt_tokens + req.params.max_new_tokens, req.max_model_len)
+        need = blocks_for(longest, self.kv.block_size)
+        if need > self.kv.num_blocks:
+            raise ValueError(f"request {req.request_id}: prompt ({req.num_prompt_tokens}) + max_new_tokens "
+                             f"({req.params.max_new_tokens}) needs {need} KV blocks, the pool has "
+                             f"{self.kv.num_blocks} of {self.kv.block_size} tokens")
+
+    def add(self, req: Request) -> None:
+        self.check_fits(req)
+        req.status = RequestStatus.WAITING
+        self.waiting.append(req)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def num_running_seqs(self) -> int:
+        return sum(r.seqs_when_running for r in self.running)
+
+    # ---- one step ------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(scheduled=[])
+        chosen: dict[Request, int] = {}
+        budget = self.max_num_batched_tokens
+
+        # 1. running requests: decodes first (one token each), then unfinished prefills
+        decodes = [r for r in self.running if r.num_pending_tokens == 1]
+        prefills = [r for r in self.running if r.num_pending_tokens > 1]
+        for req in decodes + prefills:
+            if req.status is not RequestStatus.RUNNING or budget == 0:
+                continue
+            n = min(req.num_pending_tokens, budget)
+            while not self.kv.allocate_slots(req, n, out.block_copies):
+                victim = self.running[-1]
+                budget += chosen.pop(victim, 0)
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is req:
+                    break
+            if req.status is RequestStatus.RUNNING:
+                chosen[req] = n
+                budget -= n
+
+        # 2. waiting requests, in order, while nothing had to be preempted
+        pending = self._blocks_in_flight(chosen)
+        skipped: list[Request] = []
+        while self.waiting and budget > 0 and not out.preempted:
+            req = self.waiting[0]
+            if self.num_running_seqs() + req.seqs_when_running > self.max_num_seqs:
+                break
+            cached = self.kv.admit(req)
+            if self._waits_for_sibling_prefill(req, pending):
+                # the next block of this prompt is being computed this step by another request:
+                # wait one step and take it from the prefix cache instead of computing it twice
+                self.kv.free(req)
+                skipped.append(self.waiting.popleft())
+                continue
+            n = min(req.num_pending_tokens, budget)
+            if not self.kv.allocate_slots(req, n, out.block_copies):
+                self.kv.free(req)
+                break
+            self.waiting.popleft()
+            if not req.admitted_once:
+                req.num_cached_tokens = cached
+                req.admitted_once = True
+            self.prefix_hit_tokens += cached
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            chosen[req] = n
+            budget -= n
+            pending |= self._blocks_in_flight({req: n})
+        self.waiting.extendleft(reversed(skipped))
+
+        out.scheduled = list(chosen.items())
+        return out
+
+    def _blocks_in_flight(self, chosen: dict[Request, int]) -> set:
+        """Prefixes (salt, tokens up to a block end) that this step's prefill chunks complete."""
+        if self.kv.index is None:
+            return set()
+        bs = self.kv.block_size
+        keys = set()
+        for req, n in chosen.items():
+            first, last = req.num_computed_tokens // bs + 1, (req.num_computed_tokens + n) // bs
+            if n < 2 or last < first:
+                continue
+            h = None
+            for b in range(1, last + 1):  # chain hash: each block's key covers its whole prefix
+                h = hash((h, tuple(req.token_ids[(b - 1) * bs: b * bs])))
+                if b >= first:
+                    keys.add((req.cache_salt, h))
+        return keys
+
+    def _waits_for_sibling_prefill(self, req: Request, pending: set) -> bool:
+        if not pending:
+            return False
+        bs = self.kv.block_size
+        end = req.num_computed_tokens + bs
+        if end > req.num_tokens - 1:
+            return False
+        h = None
+        for b in range(1, end // bs + 1):
+            h = hash((h, tuple(req.token_ids[(b - 1) * bs: b * bs])))
+        return (req.cache_salt, h) in pending
+
+    def _preempt(self, req: Request) -> None:
+        """Recompute-style preemption: drop the KV, keep the generated tokens, requeue first."""
+        self.running.remove(req)
+        self.kv.free(req)
+        req.status = RequestStatus.PREEMPTED
+        self.waiting.appendleft(req)
+        self.num_preemptions += 1
+
+    # ---- after the model ran ---------------------------------------------------------------
+    def mark_computed(self, out: SchedulerOutput) -> None:
+        for req, n in out.scheduled:
+            req.num_computed_tokens += n
+
+    def fork(self, parent: Request, children: list[Request]) -> None:
+        """Parallel sampling: children share every block of a parent whose prompt is done."""
+        pos = self.running.index(parent) + 1
+        for child in children:
+            self.kv.fork(parent, child)
+            child.status = RequestStatus.RUNNING
+            child.admitted_once = True
+        self.running[pos:pos] = children
+        parent.forked = True
+
+    def update(self, out: SchedulerOutput, sampled: dict[Request, int], now: float) -> list[Request]:
+        """Record this step's sampled tokens, cache newly full blocks, release finished requests."""
+        finished = [req for req, token in sampled.items() if req.append_token(token, now)]
+        for req in self.running:
+            self.kv.cache_full_blocks(req)
+        for req in finished:
+            self.finish(req, req.finish_reason, now)
+        out.finished = finished
+        return finished
+
+    def finish(self, req: Request, reason: FinishReason, now: float) -> None:
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.kv.free(req)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        req.finish_time = now

@@ -1,0 +1,2 @@
+"""Llama: the plain case (RoPE, GQA/MQA); SmolLM2 is a llama."""
+MODEL_TYPES = ("llama",)

@@ -1,0 +1,2 @@
+"""Phi-3: fused qkv projection inside the module; an optional sliding window on every layer."""
+MODEL_TYPES = ("phi3",)
