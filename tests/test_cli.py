@@ -1,0 +1,73 @@
+"""The paged-hf command: generate over a JSON-lines file (resumable), bench forwarding, -m."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+import paged_hf
+from paged_hf import cli
+from tiny_models import make_tiny_model
+from tiny_tokenizer import make_tiny_tokenizer
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_llama")
+    make_tiny_model("llama").save_pretrained(path)
+    make_tiny_tokenizer().save_pretrained(path)
+    return path
+
+
+def test_generate_from_jsonl(model_dir, tmp_path):
+    rows = [{"question": "hello world", "k": 1}, {"question": "", "k": 2}, {"question": "café 東京", "k": 3}]
+    data = tmp_path / "in.jsonl"
+    data.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    out = tmp_path / "out.jsonl"
+    argv = ["generate", "--model", str(model_dir), "--input", str(data), "--prompt-column", "question",
+            "--output", str(out), "--checkpoint-dir", str(tmp_path / "ckpt"), "--max-new-tokens", "5",
+            "--max-num-seqs", "4", "--dtype", "float32", "--no-progress"]
+    assert cli.main(argv) == 0
+    got = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["k"] for r in got] == [1, 2, 3]
+    assert got[1]["generation_finish_reason"] == "error" and got[1]["generation"] == ""
+    model, tok = make_tiny_model("llama"), make_tiny_tokenizer()
+    ref = paged_hf.Engine(model, tok).generate(["hello world", "café 東京"], paged_hf.SamplingParams(max_new_tokens=5))
+    assert [got[0]["generation"], got[2]["generation"]] == [r.text for r in ref]
+    assert got[0]["generation_num_tokens"] == len(ref[0].token_ids)
+
+    assert cli.main(argv) == 0  # resumed from the checkpoint: same file
+    assert [json.loads(line) for line in out.read_text().splitlines()] == got
+    assert cli.main(argv[:-3] + ["--max-new-tokens", "6", "--no-progress"]) == 2  # changed: refused
+
+
+def test_bad_arguments_fail_cleanly(model_dir, tmp_path, capsys):
+    assert cli.main(["generate", "--model", str(model_dir), "--input", str(tmp_path / "nope.jsonl"),
+                     "--output", str(tmp_path / "o.jsonl")]) == 2
+    assert "no such file" in capsys.readouterr().err
+    assert cli.main(["generate", "--model", str(model_dir), "--input", str(model_dir / "config.json"),
+                     "--output", str(tmp_path / "o.jsonl"), "--temperature", "-1"]) == 2
+    assert "temperature" in capsys.readouterr().err
+
+
+def test_bench_forwards_arguments(tmp_path, monkeypatch, capsys):
+    script = tmp_path / "bench.py"
+    script.write_text("import sys\nprint('ARGS', sys.argv[1:])\nsys.exit(3 if '--fail' in sys.argv else 0)\n")
+    monkeypatch.setattr(cli, "bench_script", lambda: script)
+    assert cli.main(["bench", "--quick", "--n", "4"]) == 0
+    assert "ARGS ['--quick', '--n', '4']" in capsys.readouterr().out
+    assert cli.main(["bench", "--fail"]) == 3
+    monkeypatch.setattr(cli, "bench_script", lambda: tmp_path / "missing.py")
+    assert cli.main(["bench"]) == 2
+    assert "source checkout" in capsys.readouterr().err
+
+
+def test_python_dash_m(monkeypatch, capsys):
+    import runpy
+
+    monkeypatch.setattr(sys, "argv", ["paged_hf", "generate", "--help"])
+    with pytest.raises(SystemExit) as exit_:
+        runpy.run_module("paged_hf", run_name="__main__")
+    assert exit_.value.code == 0 and "--checkpoint-dir" in capsys.readouterr().out

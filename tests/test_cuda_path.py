@@ -1,0 +1,429 @@
+"""The CUDA path, checked on CPU: step metadata against FlashInfer's CSR semantics, bucket
+padding, backend selection, the no-import guarantee, the FlashInfer backend's own logic (through
+a pure-torch stand-in for flashinfer), the CUDA-graph plumbing (replayed eagerly), torch.compile
+of the decode step without recompiles, swap round trips, KV budget arithmetic and the GPU check
+script's dry run. What needs a GPU is in benchmarks/gpu_check.sh."""
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+import types
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+import paged_hf
+import paged_hf.runner
+from paged_hf import SamplingParams
+from paged_hf.backends import TorchBackend, select_backend
+from paged_hf.backends.swap import swap_in, swap_out
+from paged_hf.cuda_graphs import (DecodeAccelerator, _EagerGraph, bucket_for, decode_buckets, pad_decode_metadata,
+                                  padding_metadata)
+from paged_hf.cuda_memory import kv_budget_from_profile
+from paged_hf.metadata import build_step_metadata
+from tiny_models import make_tiny_model, tiny_prompts
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+# ---- step metadata vs FlashInfer's CSR semantics ----------------------------------------------
+def _fake_request(rid: int, num_tokens: int, computed: int, block_size: int, free: list[int]) -> types.SimpleNamespace:
+    n_blocks = -(-num_tokens // block_size)
+    table = [free.pop() for _ in range(n_blocks)]
+    return types.SimpleNamespace(request_id=str(rid), token_ids=list(range(100 + rid, 100 + rid + num_tokens)),
+                                 num_tokens=num_tokens, num_computed_tokens=computed, block_table=table)
+
+
+def _csr_kv_slots(meta, i: int) -> list[int]:
+    """Reference reading of FlashInfer's paged CSR: sequence i's KV slots, in position order."""
+    bs = meta.block_size
+    lo, hi = int(meta.kv_indptr[i]), int(meta.kv_indptr[i + 1])
+    pages = meta.kv_indices[lo:hi].tolist()
+    last = int(meta.kv_last_page_len[i])
+    assert hi > lo and 1 <= last <= bs
+    return [p * bs + o for j, p in enumerate(pages) for o in range(bs if j < len(pages) - 1 else last)]
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_metadata_matches_flashinfer_csr(block_size):
+    gen = torch.Generator().manual_seed(block_size)
+    free = torch.randperm(400, generator=gen).tolist()
+    scheduled = []
+    # decodes, chunks from the start, chunks after a cached prefix, chunks ending on a block edge
+    for rid, (num_tokens, computed, n) in enumerate([(9, 8, 1), (1, 0, 1), (33, 0, 20), (33, 20, 13),
+                                                     (16, 8, 8), (40, 17, 5), (5, 4, 1)]):
+        scheduled.append((_fake_request(rid, num_tokens, computed, block_size, free), n))
+    meta = build_step_metadata(scheduled, block_size)
+
+    for t in (meta.slot_mapping, meta.qo_indptr, meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len):
+        assert t.dtype == torch.int32
+    assert meta.qo_indptr[0] == 0 and meta.kv_indptr[0] == 0
+    assert int(meta.kv_indptr[-1]) == meta.kv_indices.numel()
+    sampled = []
+    for i, (req, n) in enumerate(scheduled):
+        start, end = req.num_computed_tokens, req.num_computed_tokens + n
+        rows = slice(int(meta.qo_indptr[i]), int(meta.qo_indptr[i + 1]))
+        assert rows.stop - rows.start == n == meta.q_lens[i]
+        # every KV position computed so far, this step's included, is where the block table says
+        expected = [req.block_table[p // block_size] * block_size + p % block_size for p in range(end)]
+        assert _csr_kv_slots(meta, i) == expected
+        assert meta.kv_lens[i] == end
+        # the new tokens are the last n positions of that sequence, written where they are read
+        assert meta.slot_mapping[rows].tolist() == expected[start:end]
+        assert meta.positions[rows].tolist() == list(range(start, end))
+        assert meta.input_ids[rows].tolist() == req.token_ids[start:end]
+        if end == req.num_tokens:
+            sampled.append(rows.stop - 1)
+    assert meta.logits_indices.tolist() == sampled
+    assert not meta.is_pure_decode
+
+
+def test_host_csr_equals_device_csr(fake_flashinfer):
+    free = list(range(200))
+    scheduled = [(_fake_request(0, 30, 0, 4, free), 30), (_fake_request(1, 9, 8, 4, free), 1)]
+    meta = build_step_metadata(scheduled, 4)
+    csr = fake_flashinfer.host_csr(meta)
+    assert torch.equal(csr.qo_indptr, meta.qo_indptr)
+    assert torch.equal(csr.kv_indptr, meta.kv_indptr)
+    assert torch.equal(csr.last_page_len, meta.kv_last_page_len)
+
+
+# ---- buckets and padding --------------------------------------------------------------------
+def test_decode_buckets():
+    assert decode_buckets(1) == [1]
+    assert decode_buckets(8) == [1, 2, 4, 8]
+    assert decode_buckets(64) == [1, 2, 4, 8, 16, 32, 48, 64]
+    assert decode_buckets(100) == [1, 2, 4, 8, 16, 32, 48, 64, 80, 96, 100]
+    buckets = decode_buckets(64)
+    assert [bucket_for(b, buckets) for b in (1, 2, 3, 5, 8, 9, 16, 17, 33, 64)] == [1, 2, 4, 8, 8, 16, 16, 32, 48, 64]
+    assert bucket_for(65, buckets) is None
+
+
+def test_pad_decode_metadata():
+    bs, pad_block = 4, 99
+    free = list(range(50))
+    scheduled = [(_fake_request(i, n, n - 1, bs, free), 1) for i, n in enumerate([7, 1, 12])]
+    meta = build_step_metadata(scheduled, bs)
+    padded = pad_decode_metadata(meta, 8, pad_block)
+    assert padded.num_seqs == padded.num_tokens == 8 and padded.is_pure_decode
+    for i in range(3):  # real rows unchanged
+        assert _csr_kv_slots(padded, i) == _csr_kv_slots(meta, i)
+    for i in range(3, 8):  # padding rows: one token at position 0, in the pad block, never sampled
+        assert _csr_kv_slots(padded, i) == [pad_block * bs]
+        assert padded.slot_mapping[i] == pad_block * bs and padded.positions[i] == 0
+    assert torch.equal(padded.logits_indices, meta.logits_indices)
+    assert padded.sampled_requests == meta.sampled_requests
+    assert padded.qo_indptr.tolist() == list(range(9))
+    for t in (padded.slot_mapping, padded.qo_indptr, padded.kv_indptr, padded.kv_indices, padded.kv_last_page_len):
+        assert t.dtype == torch.int32
+    assert pad_decode_metadata(meta, 3, pad_block) is meta
+    only_pad = padding_metadata(4, bs, pad_block, "cpu")
+    assert [_csr_kv_slots(only_pad, i) for i in range(4)] == [[pad_block * bs]] * 4
+
+
+# ---- backend selection and the no-import guarantee ----------------------------------------------
+def _forget_flashinfer_backend():
+    sys.modules.pop("paged_hf.backends.flashinfer_backend", None)
+    if hasattr(paged_hf.backends, "flashinfer_backend"):
+        delattr(paged_hf.backends, "flashinfer_backend")
+
+
+def test_select_backend_on_cpu():
+    cpu = torch.device("cpu")
+    assert select_backend("auto", cpu) is TorchBackend
+    assert select_backend("torch", cpu) is TorchBackend
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        select_backend("flashinfer", cpu)
+    with pytest.raises(ValueError, match="unknown backend"):
+        select_backend("cudnn", cpu)
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        paged_hf.Engine(make_tiny_model("llama"), backend="flashinfer", num_blocks=8)
+
+
+def test_select_backend_on_cuda_without_flashinfer(monkeypatch):
+    _forget_flashinfer_backend()
+    monkeypatch.setitem(sys.modules, "flashinfer", None)  # `import flashinfer` raises ImportError
+    cuda = torch.device("cuda")
+    with pytest.warns(UserWarning, match="FlashInfer is not available") as record:
+        assert select_backend("auto", cuda, torch.bfloat16, 128) is TorchBackend
+    assert len([w for w in record if "paged_hf" in str(w.message)]) == 1
+    with pytest.raises(ImportError, match=r"pip install paged_hf\[cuda\]"):
+        select_backend("flashinfer", cuda)
+    _forget_flashinfer_backend()
+
+
+def test_select_backend_on_cuda_with_flashinfer(fake_flashinfer, monkeypatch):
+    monkeypatch.setattr(fake_flashinfer, "SUPPORTED_DTYPES", (torch.float16, torch.bfloat16))
+    monkeypatch.setattr(fake_flashinfer, "SUPPORTED_HEAD_DIMS", (64, 128, 256, 512))
+    cuda = torch.device("cuda")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert select_backend("auto", cuda, torch.bfloat16, 128) is fake_flashinfer.FlashInferBackend
+        assert select_backend("flashinfer", cuda) is fake_flashinfer.FlashInferBackend
+    with pytest.warns(UserWarning, match="bfloat16"):
+        assert select_backend("auto", cuda, torch.float32, 128) is TorchBackend
+    with pytest.warns(UserWarning, match="head_dim"):
+        assert select_backend("auto", cuda, torch.bfloat16, 16) is TorchBackend
+    with pytest.raises(ValueError, match="float16 or bfloat16.*backend='torch'"):
+        fake_flashinfer.FlashInferBackend(1, 4, 16, 2, 128, torch.float32, "cpu")
+
+
+def test_cpu_run_never_imports_flashinfer():
+    code = """
+import sys
+sys.path.insert(0, {tests!r})
+import torch, paged_hf
+from tiny_models import make_tiny_model
+model = paged_hf.patch(make_tiny_model("llama"), num_blocks=16)
+out = model.generate(torch.tensor([[5, 6, 7, 8]]), max_new_tokens=3, do_sample=False)
+assert out.shape == (1, 7), out.shape
+bad = sorted(m for m in sys.modules if "flashinfer" in m)
+assert not bad, bad
+print("ok")
+""".format(tests=str(REPO / "tests"))
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
+
+
+# ---- the FlashInfer backend's logic, through a stand-in flashinfer -------------------------------
+@pytest.fixture
+def fake_flashinfer(monkeypatch):
+    """paged_hf.backends.flashinfer_backend imported against tests/fake_flashinfer.py (fp32 and
+    the tiny models' head_dim 16 allowed, so outputs can be compared with the torch backend)."""
+    import fake_flashinfer as fake
+
+    _forget_flashinfer_backend()
+    monkeypatch.setitem(sys.modules, "flashinfer", fake.as_module())
+    mod = importlib.import_module("paged_hf.backends.flashinfer_backend")
+    monkeypatch.setattr(mod, "SUPPORTED_DTYPES", (torch.float32, torch.float16, torch.bfloat16))
+    monkeypatch.setattr(mod, "SUPPORTED_HEAD_DIMS", (16,))
+    yield mod
+    _forget_flashinfer_backend()
+
+
+def _use_backend(monkeypatch, backend_cls, graphs: bool = False):
+    """Make engines built from now on use ``backend_cls`` (on CPU), and with ``graphs`` the
+    CUDA-graph decode path with eager stand-in graphs."""
+    monkeypatch.setattr(paged_hf.runner, "select_backend", lambda *a, **k: backend_cls)
+    if graphs:
+        monkeypatch.setattr(paged_hf.runner, "wants_decode_accelerator", lambda config, device: True)
+        monkeypatch.setattr(DecodeAccelerator, "build", classmethod(
+            lambda cls, model, backend, config, pad_block: cls(
+                model, backend, config.max_num_seqs, pad_block, use_graphs=True, compile_backend=None,
+                graph_factory=_EagerGraph)))
+
+
+def _workload(vocab: int) -> tuple[list[list[int]], list[SamplingParams]]:
+    shared = tiny_prompts(vocab, 1, 21, seed=11)[0]
+    prompts = [shared + p for p in tiny_prompts(vocab, 3, [2, 9, 14], seed=12)] + tiny_prompts(vocab, 3, [1, 5, 26], seed=13)
+    params = [SamplingParams(max_new_tokens=n) for n in (9, 4, 12, 7, 10, 3)]
+    return prompts, params
+
+
+def _generate(model, prompts, params, **config):
+    engine = paged_hf.Engine(model, num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=24, **config)
+    outs = engine.generate(prompts, params)
+    return [o.token_ids for o in outs], engine
+
+
+@pytest.mark.parametrize("family", ["llama", "llama_mqa", "qwen2", "gemma2", "gpt2"])
+def test_flashinfer_backend_matches_torch_backend(family, fake_flashinfer, monkeypatch):
+    model = make_tiny_model(family)
+    prompts, params = _workload(model.config.vocab_size)
+    expected, _ = _generate(model, prompts, params, backend="torch")
+    _use_backend(monkeypatch, fake_flashinfer.FlashInferBackend)
+    got, engine = _generate(model, prompts, params)
+    assert got == expected
+    backend = engine.runner.backend
+    assert isinstance(backend, fake_flashinfer.FlashInferBackend)
+    kinds = {kind for kind, _ in backend._eager}
+    assert kinds == {"prefill", "decode"}, "mixed steps use the prefill wrapper, pure decode steps the decode one"
+    windows = {v[0] for v in backend.variants}
+    caps = {v[1] for v in backend.variants}
+    scales = {v[2] for v in backend.variants}
+    if family in ("qwen2", "gemma2"):
+        assert windows == {-1, 8 - 1}, "sliding layers plan window_left = sliding_window - 1"
+    else:
+        assert windows == {-1}
+    assert caps == ({50.0} if family == "gemma2" else {0.0})
+    assert len(scales) == (2 if family == "gpt2" else 1), "gpt2 scales per layer: one planned variant each"
+    for (kind, _), wrapper in backend._eager.items():
+        if kind == "prefill":
+            assert wrapper.causal is True
+        assert wrapper.run_count >= wrapper.plan_count >= 1
+
+
+def test_flashinfer_backend_plans_once_per_step_per_variant(fake_flashinfer, monkeypatch):
+    model = make_tiny_model("gemma2")  # 4 layers, 2 variants
+    prompts, params = _workload(model.config.vocab_size)
+    _use_backend(monkeypatch, fake_flashinfer.FlashInferBackend)
+    _, engine = _generate(model, prompts, params)
+    backend = engine.runner.backend
+    steps = engine.stats()["steps"]
+    plans = sum(w.plan_count for w in backend._eager.values())
+    runs = sum(w.run_count for w in backend._eager.values())
+    assert plans == 2 * steps, (plans, steps)  # not once per layer
+    assert runs == 4 * steps
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_cuda_graph_decode_path(family, fake_flashinfer, monkeypatch):
+    """Decode steps padded to buckets and replayed from fixed buffers give the same tokens."""
+    model = make_tiny_model(family)
+    prompts, params = _workload(model.config.vocab_size)
+    expected, _ = _generate(model, prompts, params, backend="torch")
+    _use_backend(monkeypatch, fake_flashinfer.FlashInferBackend, graphs=True)
+    got, engine = _generate(model, prompts, params)
+    assert got == expected
+    runner, backend = engine.runner, engine.runner.backend
+    accel = runner.decode
+    assert accel is not None and accel.use_graphs and accel._captured
+    assert sorted(accel._graphs) == decode_buckets(8) == [1, 2, 4, 8]
+    assert backend.num_blocks == 64 + 1 and accel.pad_block == 64, "one extra block for padding rows"
+    graph_wrappers = list(backend._graph.values())
+    assert graph_wrappers and all(w.use_cuda_graph for w in graph_wrappers)
+    assert {b for b, _ in backend._graph} == {1, 2, 4, 8}
+    replays = sum(w.run_count for w in graph_wrappers)
+    assert replays > 2 * len(decode_buckets(8)) * len(backend.variants), "decode steps replayed the graphs"
+    # every graph wrapper reads the shared fixed buffers
+    for (b, _), w in backend._graph.items():
+        assert w._indptr_buf.data_ptr() == backend._graph_bufs.kv_indptr.data_ptr()
+        assert w._indices_buf.data_ptr() == backend._graph_bufs.kv_indices.data_ptr()
+
+
+def test_padding_rows_are_not_sampled():
+    """Padded decode (here through compile's bucketing with an eager forward) keeps real rows exact."""
+    model = make_tiny_model("llama")
+    backend = TorchBackend(2, 33, 4, 2, 16, torch.float32, "cpu")
+    accel = DecodeAccelerator(model, backend, max_num_seqs=8, pad_block=32, use_graphs=False, compile_backend=None)
+    accel.compile_backend = None
+    free = list(range(32))
+    reqs = [_fake_request(i, n, 0, 4, free) for i, n in enumerate([6, 11, 3])]
+    with torch.inference_mode():
+        prefill = build_step_metadata([(r, r.num_tokens) for r in reqs], 4)
+        backend.plan(prefill)
+        with paged_hf.attention.active_backend(backend):
+            model(input_ids=prefill.input_ids[None], position_ids=prefill.positions[None], use_cache=False)
+        for r in reqs:
+            r.num_computed_tokens = r.num_tokens
+            r.token_ids.append(7)
+            r.num_tokens += 1
+            if len(r.block_table) * 4 < r.num_tokens:
+                r.block_table.append(free.pop())
+        step = build_step_metadata([(r, 1) for r in reqs], 4)
+        padded = accel.run(step)  # bucket 4: one padding row
+        assert padded.shape == (3, model.config.vocab_size)
+        backend.plan(step)
+        with paged_hf.attention.active_backend(backend):
+            plain = model(input_ids=step.input_ids[None], position_ids=step.positions[None], use_cache=False).logits[0]
+    torch.testing.assert_close(padded, plain)
+
+
+# ---- torch.compile of the decode step ---------------------------------------------------------
+def test_compiled_decode_does_not_recompile():
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    model = make_tiny_model("llama")
+    vocab = model.config.vocab_size
+    # 8 requests; 3 stop early, so decode batches shrink 8 -> 5, all in bucket 8
+    prompts = tiny_prompts(vocab, 8, [3, 7, 12, 5, 9, 4, 10, 6], seed=21)
+    params = [SamplingParams(max_new_tokens=n) for n in (2, 3, 4, 12, 12, 12, 12, 12)]
+    eager = paged_hf.Engine(model, num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=64,
+                            backend="torch")
+    expected = [o.token_ids for o in eager.generate(prompts, params)]
+
+    engine = paged_hf.Engine(model, num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=64,
+                             backend="torch", compile_decode="aot_eager")
+    accel = engine.runner.decode
+    assert accel is not None and accel.compile_backend == "aot_eager" and not accel.use_graphs
+    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+    sizes, graphs_after_first = [], None
+    while engine.has_unfinished:
+        running = [r for r in engine.scheduler.running if r.num_pending_tokens == 1]
+        compiled = bool(running) and len(running) == len(engine.scheduler.running) and not engine.scheduler.waiting
+        engine.step()
+        if compiled:
+            sizes.append(len(running))
+            if graphs_after_first is None:
+                graphs_after_first = (counters["stats"]["unique_graphs"], counters["frames"]["total"])
+    assert len(sizes) >= 10 and len(set(sizes)) >= 3 and all(5 <= s <= 8 for s in sizes), sizes
+    assert (counters["stats"]["unique_graphs"], counters["frames"]["total"]) == graphs_after_first == (1, 1), \
+        "decode steps of one bucket must reuse one compiled graph"
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert [engine.requests[rid].output_ids for rid in ids] == expected, "compiled decode must match eager"
+
+
+# ---- swap preemption: data movement ----------------------------------------------------------
+def test_swap_round_trip_torch_backend():
+    backend = TorchBackend(3, 10, 4, 2, 8, torch.float32, "cpu")
+    gen = torch.Generator().manual_seed(0)
+    for cache in backend.kv:
+        cache.copy_(torch.randn(cache.shape, generator=gen))
+    before = [c.clone() for c in backend.kv]
+    handle = swap_out(backend.kv, [3, 1, 5])
+    assert handle.num_blocks == 3 and handle.nbytes == 3 * 3 * 2 * 4 * 2 * 8 * 4
+    for cache in backend.kv:  # the freed blocks are reused meanwhile
+        cache[[3, 1, 5]] = 0
+    swap_in(backend.kv, handle, [7, 2, 0])
+    for layer, (old, new) in enumerate(zip(before, backend.kv)):
+        assert torch.equal(new[[7, 2, 0]], old[[3, 1, 5]]), layer
+        untouched = [b for b in range(10) if b not in (3, 1, 5, 7, 2, 0)]
+        assert torch.equal(new[untouched], old[untouched])
+    with pytest.raises(ValueError, match="holds 3 blocks"):
+        swap_in(backend.kv, handle, [1, 2])
+    with pytest.raises(ValueError, match="outside"):
+        swap_out(backend.kv, [10])
+    empty = swap_out(backend.kv, [])
+    swap_in(backend.kv, empty, [])
+
+
+def test_swap_methods_on_flashinfer_backend(fake_flashinfer):
+    backend = fake_flashinfer.FlashInferBackend(2, 6, 4, 2, 16, torch.float32, "cpu")
+    backend.kv[1][2].fill_(3.0)
+    handle = backend.swap_out([2])
+    backend.swap_in(handle, [4])
+    assert torch.equal(backend.kv[1][4], backend.kv[1][2])
+
+
+# ---- config and KV budget ------------------------------------------------------------------------
+def test_config_fields():
+    cfg = paged_hf.EngineConfig()
+    assert cfg.use_cuda_graphs is True and cfg.compile_decode is False and cfg.preemption_mode == "recompute"
+    with pytest.raises(ValueError, match="preemption_mode"):
+        paged_hf.EngineConfig(preemption_mode="drop")
+    with pytest.raises(ValueError, match="compile_decode"):
+        paged_hf.EngineConfig(compile_decode=3)
+    # on CPU, CUDA graphs are ignored: no accelerator, no extra block
+    engine = paged_hf.Engine(make_tiny_model("llama"), num_blocks=8)
+    assert engine.runner.decode is None and engine.runner.backend.num_blocks == 8
+
+
+def test_kv_budget_arithmetic():
+    gib = 1 << 30
+    assert kv_budget_from_profile(80 * gib, 0.9, 10 * gib, gib, reserve=gib) == int(72 * gib) - 12 * gib
+    with pytest.raises(ValueError, match="gpu_memory_utilization=0.1"):
+        kv_budget_from_profile(80 * gib, 0.1, 10 * gib, 0, reserve=0)
+    from paged_hf.cuda_memory import profile_kv_budget
+    with pytest.raises(ValueError, match="CUDA device"):
+        profile_kv_budget(make_tiny_model("llama"), paged_hf.EngineConfig())
+
+
+# ---- the GPU check script -------------------------------------------------------------------------
+def test_gpu_check_dry_run(tmp_path):
+    out = tmp_path / "gpu_check.json"
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    result = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_check.py"), "--dry-run", "--json", str(out)],
+                            capture_output=True, text=True, timeout=600, cwd=REPO, env=env)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["dry_run"] is True
+    assert {r["family"] for r in report["agreement"]} == {"llama", "qwen3", "gemma2"}
+    names = {r["name"] for r in report["throughput"]}
+    assert {"transformers generate", "transformers generate_batch", "paged_hf eager"} <= names
+    assert "| paged_hf eager" in result.stdout

@@ -1,0 +1,269 @@
+"""patch(model).generate against transformers' own generate, family by family (issue 3)."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import paged_hf
+from oracle import assert_teacher_forced
+from tiny_models import EOS_ID, FAMILIES, PAD_ID, make_tiny_model, tiny_prompts
+
+# longer than the sliding window (8) and than several 4-token blocks; one prompt of one token
+PROMPT_LENGTHS = [1, 5, 19, 37]
+MAX_NEW = 12
+CONFIGS = {
+    "defaults": {},
+    "chunked": {"block_size": 4, "max_num_batched_tokens": 16, "max_num_seqs": 8},
+}
+
+
+def left_pad(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(map(len, prompts))
+    ids = torch.full((len(prompts), width), PAD_ID)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    return ids, mask
+
+
+def generated_rows(out: torch.Tensor, width: int) -> list[list[int]]:
+    """Strip transformers-style padding after EOS from generated rows."""
+    rows = []
+    for row in out[:, width:].tolist():
+        if EOS_ID in row:
+            row = row[: row.index(EOS_ID) + 1]
+        rows.append(row)
+    return rows
+
+
+@pytest.mark.parametrize("config_name", list(CONFIGS))
+@pytest.mark.parametrize("family", FAMILIES)
+def test_patched_generate_agrees_with_transformers(family, config_name):
+    reference = make_tiny_model(family)
+    model = paged_hf.patch(make_tiny_model(family), **CONFIGS[config_name])
+    prompts = tiny_prompts(reference.config.vocab_size, len(PROMPT_LENGTHS), PROMPT_LENGTHS, seed=1)
+    ids, mask = left_pad(prompts)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, do_sample=False)
+    expected = reference.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, do_sample=False)
+    assert out.shape == expected.shape or out.shape[1] <= expected.shape[1]
+    assert torch.equal(out[:, : ids.shape[1]], ids)  # the input comes back as given
+    for prompt, gen in zip(prompts, generated_rows(out, ids.shape[1])):
+        assert len(gen) == MAX_NEW or gen[-1] == EOS_ID
+        assert_teacher_forced(reference, prompt, gen, what=f"{family}/{config_name}")
+    engine = paged_hf.engine_for(model)
+    assert engine.kv.pool.num_used == 0
+    if config_name == "chunked":
+        assert engine.stats()["steps"] > MAX_NEW  # the 37-token prompt really was chunked
+
+
+def test_right_padding_and_exact_match_with_transformers_on_unpadded_rows():
+    reference = make_tiny_model("llama")
+    model = paged_hf.patch(make_tiny_model("llama"))
+    prompts = tiny_prompts(reference.config.vocab_size, 3, [6, 11, 3], seed=2)
+    width = max(map(len, prompts))
+    ids = torch.full((3, width), PAD_ID)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, : len(p)] = torch.tensor(p)
+        mask[i, : len(p)] = 1
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    for i, p in enumerate(prompts):
+        alone = reference.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False)[0, len(p):].tolist()
+        gen = out[i, width:].tolist()[: len(alone)]
+        assert_teacher_forced(reference, p, gen, what=f"right-padded row {i}")
+
+
+def test_small_pool_preempts_and_gives_the_same_tokens():
+    model = make_tiny_model("llama")
+    prompts = tiny_prompts(model.config.vocab_size, 6, [20, 9, 30, 14, 25, 7], seed=3)
+    params = paged_hf.SamplingParams(max_new_tokens=24, ignore_eos=True)
+    big = paged_hf.Engine(model, num_blocks=256, block_size=4)
+    small = paged_hf.Engine(model, num_blocks=14, block_size=4, max_num_batched_tokens=32, max_num_seqs=6)
+    want = [o.token_ids for o in big.generate(prompts, params)]
+    got = [o.token_ids for o in small.generate(prompts, params)]
+    assert small.stats()["preemptions"] > 0
+    for p, g, w in zip(prompts, got, want):
+        assert len(g) == len(w) == 24
+        assert_teacher_forced(model, p, g, what="small pool")
+    assert small.kv.pool.num_used == 0
+
+
+def test_prefix_caching_saves_prefill_and_keeps_tokens():
+    model = make_tiny_model("qwen3")
+    shared = tiny_prompts(model.config.vocab_size, 1, 40, seed=4)[0]
+    tails = tiny_prompts(model.config.vocab_size, 6, [3, 7, 5, 9, 1, 6], seed=5)
+    prompts = [shared + t for t in tails]
+    params = paged_hf.SamplingParams(max_new_tokens=6, ignore_eos=True)
+    on = paged_hf.Engine(model, block_size=4)
+    off = paged_hf.Engine(model, block_size=4, enable_prefix_caching=False)
+    got_on = [o.token_ids for o in on.generate(prompts, params)]
+    got_off = [o.token_ids for o in off.generate(prompts, params)]
+    for p, a, b in zip(prompts, got_on, got_off):
+        assert_teacher_forced(model, p, a, what="prefix cache on")
+        assert_teacher_forced(model, p, b, what="prefix cache off")
+    s_on, s_off = on.stats(), off.stats()
+    assert s_off["prefix_hit_tokens"] == 0
+    assert s_on["prefix_hit_tokens"] >= 5 * 40
+    assert s_on["prefill_tokens_computed"] <= s_off["prefill_tokens_computed"] - 5 * 40
+    # a second round hits the cache left by the first
+    again = on.generate(prompts[:1], params)[0]
+    assert again.num_cached_tokens == 40 + (len(tails[0]) // 4) * 4 - (0 if (40 + len(tails[0])) % 4 else 4)
+
+
+def test_cache_salt_isolates_tenants():
+    model = make_tiny_model("llama")
+    prompt = tiny_prompts(model.config.vocab_size, 1, 33, seed=6)[0]
+    engine = paged_hf.Engine(model, block_size=4)
+    p = paged_hf.SamplingParams(max_new_tokens=2)
+    engine.generate([prompt], p.with_(cache_salt="alice"))
+    bob = engine.generate([prompt], p.with_(cache_salt="bob"))[0]
+    alice = engine.generate([prompt], p.with_(cache_salt="alice"))[0]
+    assert bob.num_cached_tokens == 0
+    assert alice.num_cached_tokens == 32
+    assert alice.token_ids == bob.token_ids
+
+
+def test_seeded_sampling_is_the_same_alone_and_in_a_batch():
+    model = make_tiny_model("mistral")
+    prompts = tiny_prompts(model.config.vocab_size, 16, [3 + 2 * i for i in range(16)], seed=7)
+    params = paged_hf.SamplingParams(max_new_tokens=10, temperature=0.9, top_p=0.95, top_k=40, seed=1234,
+                                     ignore_eos=True)
+    alone = paged_hf.Engine(model).generate(prompts[5:6], params)[0].token_ids
+    batch = paged_hf.Engine(model).generate(prompts, params)
+    assert batch[5].token_ids == alone
+    assert len({tuple(o.token_ids) for o in batch}) > 1
+
+
+def test_unpatch_is_bit_identical_to_a_never_patched_model():
+    for family in ("llama", "gemma2", "gpt2"):
+        pristine = make_tiny_model(family)
+        model = copy.deepcopy(pristine)
+        prompts = tiny_prompts(pristine.config.vocab_size, 3, [4, 10, 17], seed=8)
+        ids, mask = left_pad(prompts)
+        paged_hf.patch(model)
+        model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+        paged_hf.unpatch(model)
+        assert "generate" not in model.__dict__
+        assert model.config._attn_implementation == pristine.config._attn_implementation
+        with torch.no_grad():
+            assert torch.equal(model(ids, attention_mask=mask).logits, pristine(ids, attention_mask=mask).logits)
+        assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False),
+                           pristine.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False))
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3_text", "gpt2"])
+def test_plain_forward_and_training_still_work_while_patched(family):
+    pristine = make_tiny_model(family)
+    model = paged_hf.patch(copy.deepcopy(pristine))
+    prompts = tiny_prompts(pristine.config.vocab_size, 2, [5, 14], seed=9)
+    ids, mask = left_pad(prompts)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids, attention_mask=mask).logits,
+                                   pristine(ids, attention_mask=mask).logits, rtol=0, atol=0)
+    model.train()
+    loss = model(ids, attention_mask=mask, labels=ids).loss
+    loss.backward()
+    assert torch.isfinite(loss)
+    model.eval()
+
+
+def test_parallel_sampling_n_shares_the_prompt_and_samples_independently():
+    model = make_tiny_model("llama")
+    prompt = tiny_prompts(model.config.vocab_size, 1, 10, seed=10)[0]  # last block partial: copy-on-write
+    engine = paged_hf.Engine(model, block_size=4)
+    out = engine.generate([prompt], paged_hf.SamplingParams(max_new_tokens=8, temperature=1.0, seed=3, n=4,
+                                                              ignore_eos=True))[0]
+    assert len(out.completions) == 4
+    assert len({tuple(c.token_ids) for c in out.completions}) > 1
+    assert all(len(c.token_ids) == 8 for c in out.completions)
+    assert engine.stats()["prefill_tokens_computed"] == 10  # the prompt ran once
+    assert engine.kv.pool.num_used == 0
+    greedy = engine.generate([prompt], paged_hf.SamplingParams(max_new_tokens=6, n=3))[0]
+    assert len({tuple(c.token_ids) for c in greedy.completions}) == 1
+    assert_teacher_forced(model, prompt, greedy.token_ids, what="n=3 greedy")
+
+
+def test_hf_num_return_sequences_shape_and_sampling_reproducible():
+    model = paged_hf.patch(make_tiny_model("llama"))
+    ids, mask = left_pad(tiny_prompts(model.config.vocab_size, 2, [4, 7], seed=11))
+    torch.manual_seed(0)
+    a = model.generate(ids, attention_mask=mask, do_sample=True, max_new_tokens=5, num_return_sequences=3)
+    torch.manual_seed(0)
+    b = model.generate(ids, attention_mask=mask, do_sample=True, max_new_tokens=5, num_return_sequences=3)
+    assert a.shape[0] == 6 and torch.equal(a, b)
+    assert torch.equal(a[0::3, : ids.shape[1]], ids)
+
+
+def test_stop_tokens_min_new_tokens_logprobs_and_eos_padding():
+    model = make_tiny_model("llama")
+    engine = paged_hf.Engine(model)
+    prompt = tiny_prompts(model.config.vocab_size, 1, 6, seed=12)[0]
+    free = engine.generate([prompt], paged_hf.SamplingParams(max_new_tokens=10, ignore_eos=True))[0].token_ids
+    stop = free[3]
+    first = free.index(stop)
+    out = engine.generate([prompt], paged_hf.SamplingParams(max_new_tokens=10, stop_token_ids=(stop,),
+                                                            logprobs=2))[0]
+    assert out.token_ids == free[: first + 1] and out.finish_reason == "stop"
+    chosen, top = out.completions[0].logprobs[0]
+    assert len(top) == 2 and chosen <= max(top.values()) + 1e-6
+    held = engine.generate([prompt], paged_hf.SamplingParams(max_new_tokens=10, stop_token_ids=(stop,),
+                                                             min_new_tokens=first + 2))[0]
+    assert len(held.token_ids) >= first + 2
+
+    # transformers-style: a row that hits EOS early is padded with pad_token_id
+    model2 = paged_hf.patch(make_tiny_model("llama"))
+    ids, mask = left_pad([prompt, prompt[:3]])
+    out = model2.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, eos_token_id=stop)
+    row = out[0, ids.shape[1]:].tolist()
+    assert row[: first + 1] == free[: first + 1] and all(t == PAD_ID for t in row[first + 1:])
+
+
+def test_return_dict_and_streamer():
+    from transformers.generation.streamers import BaseStreamer
+
+    class Collect(BaseStreamer):
+        def __init__(self):
+            self.chunks = []
+            self.ended = False
+
+        def put(self, value):
+            self.chunks.append(value.tolist())
+
+        def end(self):
+            self.ended = True
+
+    model = paged_hf.patch(make_tiny_model("llama"))
+    ids = torch.tensor([tiny_prompts(model.config.vocab_size, 1, 5, seed=13)[0]])
+    streamer = Collect()
+    out = model.generate(ids, max_new_tokens=6, do_sample=False, return_dict_in_generate=True, streamer=streamer)
+    seq = out.sequences[0].tolist()
+    assert streamer.ended and streamer.chunks[0] == ids.tolist()
+    assert [c[0] for c in streamer.chunks[1:]] == seq[5:]
+
+
+@pytest.mark.parametrize("option", [{"num_beams": 2}, {"penalty_alpha": 0.6, "top_k": 4},
+                                    {"output_scores": True, "return_dict_in_generate": True},
+                                    {"no_repeat_ngram_size": 2}])
+def test_options_it_cannot_honour_raise(option):
+    model = paged_hf.patch(make_tiny_model("llama"))
+    ids = torch.tensor([[5, 6, 7]])
+    with pytest.raises(NotImplementedError, match=next(iter(option))):
+        model.generate(ids, max_new_tokens=3, **option)
+    from transformers import StoppingCriteriaList, MaxLengthCriteria
+    with pytest.raises(NotImplementedError, match="stopping_criteria"):
+        model.generate(ids, max_new_tokens=3, stopping_criteria=StoppingCriteriaList([MaxLengthCriteria(5)]))
+
+
+def test_large_batch_is_admitted_as_the_pool_allows():
+    model = paged_hf.patch(make_tiny_model("llama"), num_blocks=40, block_size=4, max_num_seqs=8)
+    prompts = tiny_prompts(model.config.vocab_size, 300, [3 + i % 9 for i in range(300)], seed=14)
+    ids, mask = left_pad(prompts)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
+    engine = paged_hf.engine_for(model)
+    assert out.shape[0] == 300 and engine.stats()["peak_blocks_used"] <= 40
+    for i in (0, 137, 299):
+        assert_teacher_forced(make_tiny_model("llama"), prompts[i], generated_rows(out[i:i + 1], ids.shape[1])[0],
+                              what=f"row {i}")

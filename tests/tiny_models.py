@@ -1,0 +1,258 @@
+"""Tiny random causal LMs built from real transformers config classes.
+
+This is the usual transformers testing pattern: the real modeling code of each
+family, with dimensions small enough that a forward pass takes milliseconds. Each
+family keeps the attention features a paged-KV patch has to honour (GQA / MQA,
+sliding windows on all or some layers, logit softcapping, non-default and per-layer
+attention scaling, q/k norms, fused projections, partial rotary).
+
+``probe_attention(model)`` records what the model passes to its attention function,
+so tests can check those features are really exercised.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    Gemma2Config,
+    Gemma3TextConfig,
+    GPT2Config,
+    LlamaConfig,
+    MistralConfig,
+    PreTrainedConfig,
+    PreTrainedModel,
+    Phi3Config,
+    Qwen2Config,
+    Qwen3Config,
+)
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
+
+FAMILIES = ("llama", "llama_mqa", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "gpt2")
+# Families with a sliding window on at least one layer, and those whose attention is softcapped.
+SLIDING_FAMILIES = ("mistral", "qwen2", "gemma2", "gemma3_text")
+SOFTCAP_FAMILIES = ("gemma2",)
+
+VOCAB_SIZE = 512
+SLIDING_WINDOW = 8
+# Ids 0..3 are kept for special tokens in every family; prompts avoid them.
+PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
+N_SPECIAL = 4
+
+# Random init with the usual initializer_range=0.02 makes a tiny model's logits almost
+# flat, so greedy decoding repeats one token forever and hides cache bugs. 0.15 gives
+# peaked but varied next-token distributions (checked: 16 greedy tokens on 30-token
+# prompts are mostly distinct for every family).
+INITIALIZER_RANGE = 0.15
+# In a tied-embedding model whose input embedding dominates the residual stream, the
+# last token's own embedding wins the lm_head dot product and greedy decoding repeats
+# it (Gemma multiplies embeddings by sqrt(hidden_size) = 8; GPT2's are large next to its
+# layers' outputs). Shrinking the shared matrix by 1/16 fixes that, and raising the final
+# norm's gain by 16 keeps the logits as spread out as in the other families (std ~1.2),
+# so greedy steps are not near-ties. Measured over 18 prompts x 16 greedy tokens: distinct
+# tokens per generation went from ~1.5 to ~10 for the gemmas, ~7 to ~13 for gpt2.
+_EMBEDDING_SCALE = {"gemma2": 1 / 16, "gemma3_text": 1 / 16, "gpt2": 1 / 16}
+
+_COMMON: dict[str, Any] = dict(
+    vocab_size=VOCAB_SIZE,
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=1024,
+    initializer_range=INITIALIZER_RANGE,
+    pad_token_id=PAD_ID,
+    bos_token_id=BOS_ID,
+    eos_token_id=EOS_ID,
+)
+
+
+def make_config(family: str) -> PreTrainedConfig:
+    """The tiny config of ``family`` (see the module docstring for what each one exercises)."""
+    if family == "llama":
+        # Tied embeddings, like SmolLM2 (the project's default model).
+        return LlamaConfig(**_COMMON, num_hidden_layers=2, tie_word_embeddings=True)
+    if family == "llama_mqa":
+        return LlamaConfig(**{**_COMMON, "num_key_value_heads": 1}, num_hidden_layers=2)
+    if family == "mistral":
+        # Every layer slides (the model reads config.sliding_window, not a per-layer value).
+        return MistralConfig(**_COMMON, num_hidden_layers=2, sliding_window=SLIDING_WINDOW)
+    if family == "qwen2":
+        # Qwen2 slides on layers i >= max_window_layers (and only if use_sliding_window):
+        # layers 0-1 full, 2-3 sliding. No head_dim field: it is hidden_size // heads = 16.
+        common = {k: v for k, v in _COMMON.items() if k != "head_dim"}
+        return Qwen2Config(
+            **common, num_hidden_layers=4, use_sliding_window=True, sliding_window=SLIDING_WINDOW, max_window_layers=2
+        )
+    if family == "qwen3":
+        # Full attention everywhere (as released); the feature here is q_norm/k_norm.
+        return Qwen3Config(**_COMMON, num_hidden_layers=2)
+    if family == "gemma2":
+        # Sliding on even layers, full on odd ones (Gemma2's own default pattern); attention
+        # logits softcapped, final logits softcapped, and scaling = query_pre_attn_scalar**-0.5
+        # = 1/sqrt(32), deliberately not head_dim**-0.5.
+        return Gemma2Config(
+            **_COMMON,
+            num_hidden_layers=4,
+            sliding_window=SLIDING_WINDOW,
+            attn_logit_softcapping=50.0,
+            final_logit_softcapping=30.0,
+            query_pre_attn_scalar=32,
+        )
+    if family == "gemma3_text":
+        # Gemma3's 5-sliding-1-full pattern shrunk to sliding, sliding, full, sliding; the two
+        # layer types also get different rope bases (10k local, 1M global). No softcapping in Gemma3.
+        return Gemma3TextConfig(
+            **_COMMON,
+            num_hidden_layers=4,
+            sliding_window=SLIDING_WINDOW,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+            query_pre_attn_scalar=32,
+        )
+    if family == "phi3":
+        # Phi3Config has no sliding window by default and none is set here (mistral and
+        # the hybrids cover sliding). Its features are the fused qkv_proj / gate_up_proj
+        # and partial rotary (only half of each head is rotated).
+        common = {k: v for k, v in _COMMON.items() if k != "head_dim"}
+        return Phi3Config(
+            **common,
+            num_hidden_layers=2,
+            sliding_window=None,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+        )
+    if family == "gpt2":
+        # Learned absolute positions, no rotary; scaling = head_dim**-0.5 / (layer_idx + 1).
+        return GPT2Config(
+            vocab_size=VOCAB_SIZE,
+            n_embd=64,
+            n_layer=2,
+            n_head=4,
+            n_positions=1024,
+            initializer_range=INITIALIZER_RANGE,
+            scale_attn_by_inverse_layer_idx=True,
+            bos_token_id=BOS_ID,
+            eos_token_id=EOS_ID,
+            pad_token_id=PAD_ID,
+        )
+    raise ValueError(f"unknown family {family!r}; known: {FAMILIES}")
+
+
+def default_attn_implementation(family: str) -> str:
+    # sdpa rejects softcap, and Gemma2 declares no sdpa support, so it runs eager.
+    return "eager" if family == "gemma2" else "sdpa"
+
+
+@torch.no_grad()
+def _shrink_tied_embeddings(model: PreTrainedModel, scale: float) -> None:
+    model.get_input_embeddings().weight.mul_(scale)  # the lm_head shares it
+    if model.config.model_type == "gpt2":
+        model.transformer.ln_f.weight.mul_(1 / scale)
+        model.transformer.ln_f.bias.mul_(1 / scale)
+    else:  # Gemma's RMSNorm multiplies by (1 + weight)
+        norm = model.model.norm
+        norm.weight.add_(1).mul_(1 / scale).sub_(1)
+
+
+def make_tiny_model(
+    family: str,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    attn_implementation: str | None = None,
+) -> PreTrainedModel:
+    """A tiny randomly initialised causal LM of ``family``, in eval mode.
+
+    The weights depend only on ``family`` and ``seed``: they are drawn in float32 and
+    then rounded to ``dtype``, so models of one seed in different dtypes agree up to
+    rounding. The global torch RNG is left untouched.
+    """
+    config = make_config(family)
+    attn = attn_implementation or default_attn_implementation(family)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=torch.float32)
+    if family in _EMBEDDING_SCALE:
+        _shrink_tied_embeddings(model, _EMBEDDING_SCALE[family])
+    if dtype != torch.float32:
+        # Built directly in `dtype`, the model gets the buffers from_pretrained(dtype=...) would
+        # give it (rotary inv_freq stays float32, unlike after model.to(dtype)); then the float32
+        # draw is copied in, rounded.
+        state = model.state_dict()
+        with torch.random.fork_rng(devices=[]):
+            model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=dtype)
+        model.load_state_dict(state)
+    model.generation_config.pad_token_id = PAD_ID
+    return model.eval()
+
+
+def tiny_prompts(
+    vocab_size: int,
+    n: int,
+    lengths: int | Sequence[int],
+    seed: int = 0,
+    eos_token_id: int | None = EOS_ID,
+) -> list[list[int]]:
+    """``n`` random prompts of token ids in [4, vocab_size), never ``eos_token_id``.
+
+    ``lengths`` is one length for all prompts or one per prompt.
+    """
+    if isinstance(lengths, int):
+        lengths = [lengths] * n
+    if len(lengths) != n:
+        raise ValueError(f"got {len(lengths)} lengths for {n} prompts")
+    allowed = torch.arange(N_SPECIAL, vocab_size)
+    if eos_token_id is not None:
+        allowed = allowed[allowed != eos_token_id]
+    generator = torch.Generator().manual_seed(seed)
+    return [
+        allowed[torch.randint(len(allowed), (length,), generator=generator)].tolist() for length in lengths
+    ]
+
+
+@contextlib.contextmanager
+def probe_attention(model: PreTrainedModel) -> Iterator[list[dict[str, Any]]]:
+    """Record every attention call of ``model`` while in the block.
+
+    Yields a list that gets one dict per call: layer_idx, sliding_window, softcap,
+    scaling, query/key shapes, and the names of all keyword arguments. The calls are
+    delegated to the model's own implementation, so outputs do not change.
+    """
+    original = model.config._attn_implementation
+    records: list[dict[str, Any]] = []
+
+    def probe(module, query, key, value, attention_mask, **kwargs):
+        records.append(
+            {
+                "layer_idx": getattr(module, "layer_idx", None),
+                "sliding_window": kwargs.get("sliding_window"),
+                "softcap": kwargs.get("softcap"),
+                "scaling": kwargs.get("scaling"),
+                "query_shape": tuple(query.shape),
+                "key_shape": tuple(key.shape),
+                "kwargs": sorted(kwargs),
+            }
+        )
+        if original == "eager":
+            # "eager" is not in the registry: each model file has its own eager function
+            # (Gemma2's is the one that applies softcap).
+            delegate = sys.modules[type(module).__module__].eager_attention_forward
+        else:
+            delegate = ALL_ATTENTION_FUNCTIONS[original]
+        return delegate(module, query, key, value, attention_mask, **kwargs)
+
+    name = f"tiny_probe_{original}"
+    AttentionInterface.register(name, probe)
+    # Without a mask function registered under the same name, transformers builds no
+    # mask at all for a custom implementation (it assumes the kernel masks itself).
+    AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[original])
+    model.set_attn_implementation(name)
+    try:
+        yield records
+    finally:
+        model.set_attn_implementation(original)
