@@ -45,6 +45,8 @@ class BlockPool:
         return self.num_blocks - self.num_available
 
     def allocate(self, n: int) -> list[int]:
+        if n < 0:
+            raise ValueError(f"allocate({n}): the number of blocks must be >= 0")
         if n > self.num_available:
             raise RuntimeError(f"allocate({n}): only {self.num_available} blocks available")
         if n > len(self._free):

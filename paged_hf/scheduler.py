@@ -48,6 +48,10 @@ class Scheduler:
     # ---- submission ----------------------------------------------------------------------
     def check_fits(self, req: Request) -> None:
         """A request that could never fit the whole pool alone is refused up front."""
+        if req.seqs_when_running > self.max_num_seqs:
+            # it would wait at the head of the queue forever, and block everything behind it
+            raise ValueError(f"request {req.request_id}: n={req.params.n} parallel samples exceed "
+                             f"max_num_seqs={self.max_num_seqs}")
         longest = min(req.num_prompt_tokens + req.params.max_new_tokens, req.max_model_len)
         need = blocks_for(longest, self.kv.block_size)
         if need > self.kv.num_blocks:

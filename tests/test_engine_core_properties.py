@@ -60,9 +60,11 @@ class Driver:
         elif stop_mode == 4:
             eos = frozenset({EOS})
             kw["ignore_eos"] = True
+        # as the engine does: max_model_len leaves room for at least one new token
+        max_len = len(prompt) + self.rng.randint(1, max_new) if stop_mode == 5 else 1 << 62
         self._ids += 1
         params = SamplingParams(max_new_tokens=max_new, n=n, cache_salt=salt, **kw)
-        return Request(f"req{self._ids}", list(prompt), params, eos_token_ids=eos)
+        return Request(f"req{self._ids}", list(prompt), params, eos_token_ids=eos, max_model_len=max_len)
 
     def add(self, req: Request) -> bool:
         """Add ``req`` if it can ever run; a refused request must name itself and stay out."""
@@ -91,10 +93,12 @@ class Driver:
         self.ended.append(req)
         self.died[req] = self.steps
 
-    def abort(self, req: Request) -> None:
-        self.s.finish(req, FinishReason.ABORT, float(self.steps))
-        assert req.status is RequestStatus.FINISHED and req.finish_reason is FinishReason.ABORT
-        self._ended(req)
+    def abort(self, req: Request, family: bool = False) -> None:
+        """Abort ``req`` (and, with ``family``, its forked samples too, as the engine does)."""
+        for r in [req] + ([c for c in self.live if c.parent is req] if family else []):
+            self.s.finish(r, FinishReason.ABORT, float(self.steps))
+            assert r.status is RequestStatus.FINISHED and r.finish_reason is FinishReason.ABORT
+            self._ended(r)
         self.check_invariants()
 
     def token(self) -> int:
@@ -103,10 +107,12 @@ class Driver:
     # ---- one step --------------------------------------------------------------------------
     def step(self) -> SchedulerOutput:
         s = self.s
-        if s.has_unfinished:
-            self.busy_steps += 1
+        busy = s.has_unfinished
+        self.busy_steps += busy
         decodes = [r for r in s.running if r.num_pending_tokens == 1]
         out = s.schedule()
+        # every step with work makes progress (the engine treats an empty step as a bug)
+        assert out.scheduled or not busy
         self.check_schedule(out, decodes)
         s.mark_computed(out)
         sampled: dict[Request, int] = {}
@@ -131,7 +137,13 @@ class Driver:
         return out
 
     def drain(self) -> None:
-        """Run until every request has ended; the number of steps is bounded."""
+        """Run until every request has ended; the number of steps is bounded.
+
+        Why the bound holds: running[0] fits the pool alone (check_fits) and is preempted
+        last, and max_num_seqs <= budget leaves it at least one token of budget, so every
+        busy step advances running[0] by one token at least; once at the head a sequence
+        needs at most prompt + max_new + 1 such steps, and nothing overtakes it there.
+        """
         cap = self.work + 2
         while self.s.has_unfinished:
             self.step()
@@ -298,7 +310,7 @@ ADD = st.tuples(st.just("add"),
                 st.integers(1, 8),                              # max_new_tokens
                 st.sampled_from([1, 1, 1, 2, 3]),               # n
                 st.sampled_from([None, None, "a", "b"]),       # cache_salt
-                st.integers(0, 4))                              # stop mode
+                st.integers(0, 5))                              # stop mode
 STEP = st.tuples(st.just("step"), st.integers(1, 6))
 ABORT = st.tuples(st.just("abort"), st.integers(0, 1 << 16))
 OPS = st.lists(st.one_of(ADD, ADD, ADD, STEP, STEP, ABORT), min_size=1, max_size=30)
@@ -348,11 +360,11 @@ def test_long_random_schedules(seed):
             if rng.random() < 0.9:
                 n = min(n, d.s.max_num_seqs)
             d.add(d.make_request(prompt or [2], rng.randint(1, min(8, third + 2)), n,
-                                 rng.choice([None, None, "a", "b"]), rng.randrange(5)))
+                                 rng.choice([None, None, "a", "b"]), rng.randrange(6)))
         elif x < 0.93:
             d.step()
         elif d.live:
-            d.abort(rng.choice(d.live))
+            d.abort(rng.choice(d.live), family=rng.random() < 0.5)
     d.drain()
 
 

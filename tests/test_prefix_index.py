@@ -180,6 +180,17 @@ def test_evict_leaves_before_their_parents():
     assert ix.num_blocks == 0 and ix.evictable_blocks == 0
 
 
+def test_parent_that_becomes_a_leaf_keeps_its_own_recency():
+    ix = RadixPrefixIndex(BS)
+    ix.insert(toks(1, 2), [1, 2])   # t1
+    ix.insert(toks(9), [9])         # t2
+    ix.match_prefix(toks(1))        # t3: splits [1] | [2], touches only [1]
+    # [2] (t1) goes first; then [1] is a leaf again, but touched at t3, after [9] (t2)
+    assert ix.evict(2) == [2, 9]
+    assert ix.holds(1)
+    assert ix.evict(1) == [1]
+
+
 def test_partial_leaf_eviction_trims_tail():
     ix = RadixPrefixIndex(BS)
     node, _ = ix.insert(toks(1, 2, 3), [10, 11, 12])

@@ -211,18 +211,20 @@ def test_preemption_requeues_latest_at_front_and_keeps_tokens(caching):
 # ---- admission checks ------------------------------------------------------------------------------
 def test_check_fits_rejects_requests_that_never_fit():
     kv, s = make(num_blocks=4, block_size=4, budget=16, max_seqs=4)
+    small = req("small", range(40, 43), max_new=3)
+    s.add(small)
+    step(s)
     big = req("too-big-17", range(10), max_new=10)   # 20 tokens = 5 blocks > 4
     with pytest.raises(ValueError, match="too-big-17"):
         s.check_fits(big)
     with pytest.raises(ValueError, match="too-big-17"):
         s.add(big)
-    assert big not in s.waiting
+    assert big not in s.waiting and s.running == [small]
 
     # the limit is inclusive, and max_model_len caps the length that has to fit
     exact = req("exact", range(10), max_new=6)       # 16 tokens = 4 blocks
     capped = req("capped", range(20, 30), max_new=10, max_model_len=16)
-    small = req("small", range(40, 43), max_new=3)
-    for r in (exact, capped, small):
+    for r in (exact, capped):
         s.add(r)
     run_all(s)
     assert exact.num_output_tokens == 6
@@ -271,6 +273,25 @@ def test_parallel_samples_copy_a_shared_partial_block(caching):
     assert out.block_copies == []
     run_all(s)
     assert p.num_output_tokens == child.num_output_tokens == 4
+    assert_all_released(kv)
+
+
+def test_fork_after_chunked_prefill_shares_the_prefix_lock():
+    kv, s = make(block_size=4, budget=8)
+    p = req("p", range(14), max_new=3, n=2)
+    s.add(p)
+    step(s)                                          # first chunk: 8 tokens = 2 cached blocks
+    node = p.prefix_node
+    assert node is not None and node.lock_ref == 1 and p.num_tree_blocks == 2
+    step(s)                                          # last chunk, sample, fork, cache block 3
+    (child,) = [r for r in s.running if r is not p]
+    assert child.prefix_node is p.prefix_node and p.num_tree_blocks == child.num_tree_blocks == 3
+    assert p.prefix_node.lock_ref == 2 and node.lock_ref == 2
+    assert p.block_table[:3] == child.block_table[:3]
+    s.finish(p, FinishReason.ABORT, 0.0)
+    assert child.prefix_node.lock_ref == 1 and node.lock_ref == 1
+    run_all(s)
+    assert child.num_output_tokens == 3
     assert_all_released(kv)
 
 
