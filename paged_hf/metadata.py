@@ -33,6 +33,7 @@ class StepMetadata:
     # host copies the backends plan from without a device sync
     q_lens: list[int]
     kv_lens: list[int]
+    kv_blocks: list[list[int]]  # per sequence, the blocks its KV spans (kv_indices, unflattened)
     sampled_requests: list[Request]  # one per logits row, in row order
 
     @property
@@ -60,6 +61,7 @@ def build_step_metadata(scheduled: list[tuple[Request, int]], block_size: int,
     logits_indices: list[int] = []
     sampled: list[Request] = []
     q_lens, kv_lens = [], []
+    kv_blocks: list[list[int]] = []
     bs = block_size
     for req, n in scheduled:
         start = req.num_computed_tokens
@@ -70,7 +72,8 @@ def build_step_metadata(scheduled: list[tuple[Request, int]], block_size: int,
         positions.extend(range(start, end))
         slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
         n_blocks = -(-end // bs)
-        kv_indices.extend(table[:n_blocks])
+        kv_blocks.append(table[:n_blocks])
+        kv_indices.extend(kv_blocks[-1])
         qo_indptr.append(qo_indptr[-1] + n)
         kv_indptr.append(kv_indptr[-1] + n_blocks)
         last_page_len.append(end - (n_blocks - 1) * bs)
@@ -89,4 +92,4 @@ def build_step_metadata(scheduled: list[tuple[Request, int]], block_size: int,
         slot_mapping=i32(slots), qo_indptr=i32(qo_indptr), kv_indptr=i32(kv_indptr),
         kv_indices=i32(kv_indices), kv_last_page_len=i32(last_page_len),
         logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=device),
-        block_size=bs, q_lens=q_lens, kv_lens=kv_lens, sampled_requests=sampled)
+        block_size=bs, q_lens=q_lens, kv_lens=kv_lens, kv_blocks=kv_blocks, sampled_requests=sampled)

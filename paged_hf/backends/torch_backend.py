@@ -60,17 +60,14 @@ class TorchBackend:
         self._masks: dict[int | None, torch.Tensor] = {}
 
         qo = meta.qo_indptr.tolist()
-        kv_ptr = meta.kv_indptr.tolist()
         decode = [i for i, q in enumerate(meta.q_lens) if q == 1]
         self._decode_rows = torch.tensor([qo[i] for i in decode], dtype=torch.long, device=dev)
         self._decode_k_rows = None
         if decode:
             lens = torch.tensor([meta.kv_lens[i] for i in decode], device=dev)
-            max_blocks = max(kv_ptr[i + 1] - kv_ptr[i] for i in decode)
-            table = torch.zeros(len(decode), max_blocks, dtype=torch.long, device=dev)
-            for r, i in enumerate(decode):
-                blocks = meta.kv_indices[kv_ptr[i]:kv_ptr[i + 1]]
-                table[r, : blocks.numel()] = blocks
+            max_blocks = max(len(meta.kv_blocks[i]) for i in decode)
+            table = torch.tensor([meta.kv_blocks[i] + [0] * (max_blocks - len(meta.kv_blocks[i])) for i in decode],
+                                 dtype=torch.long, device=dev)
             pos = torch.arange(int(lens.max()), device=dev)
             self._decode_k_rows = table[:, pos // bs] * (2 * bs) + pos % bs  # [Bd, Lmax]
             self._decode_kv_pos = pos
@@ -83,7 +80,7 @@ class TorchBackend:
                 continue
             L = meta.kv_lens[i]
             pos = torch.arange(L, device=dev)
-            blocks = meta.kv_indices[kv_ptr[i]:kv_ptr[i + 1]].to(torch.long)
+            blocks = torch.tensor(meta.kv_blocks[i], dtype=torch.long, device=dev)
             self._prefills.append(_PrefillSeq(
                 rows=slice(qo[i], qo[i + 1]), k_rows=blocks[pos // bs] * (2 * bs) + pos % bs,
                 q_pos=torch.arange(L - q, L, device=dev), kv_len=L, fresh=(L == q)))
