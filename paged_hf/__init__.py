@@ -12,14 +12,17 @@ Where things live (the four roles of the design):
   request state              request.py, sampling_params.py, outputs.py
   scheduler                  scheduler.py
   execution backend          runner.py, metadata.py, attention.py, backends/, sampler.py
-  front ends                 engine.py, hf_generate.py, patching.py
+  front ends                 engine.py, hf_generate.py, patching.py, datasets_eval.py (generate_dataset),
+                             serve.py (background engine), cli.py (paged-hf)
 """
 from .config import EngineConfig
+from .datasets_eval import generate_dataset
 from .engine import Engine
 from .outputs import Completion, RequestOutput
 from .patching import engine_for, is_patched, patch, unpatch
 from .sampling_params import SamplingParams
+from .serve import serve
 
 __all__ = ["Completion", "Engine", "EngineConfig", "RequestOutput", "SamplingParams", "engine_for",
-           "is_patched", "patch", "unpatch"]
+           "generate_dataset", "is_patched", "patch", "serve", "unpatch"]
 __version__ = "0.1.0"

@@ -34,7 +34,8 @@ def test_generate_from_jsonl(model_dir, tmp_path):
     assert [r["k"] for r in got] == [1, 2, 3]
     assert got[1]["generation_finish_reason"] == "error" and got[1]["generation"] == ""
     model, tok = make_tiny_model("llama"), make_tiny_tokenizer()
-    ref = paged_hf.Engine(model, tok).generate(["hello world", "café 東京"], paged_hf.SamplingParams(max_new_tokens=5))
+    params = paged_hf.SamplingParams(max_new_tokens=5)
+    ref = paged_hf.Engine(model, tok).generate(["hello world", "café 東京"], params)
     assert [got[0]["generation"], got[2]["generation"]] == [r.text for r in ref]
     assert got[0]["generation_num_tokens"] == len(ref[0].token_ids)
 

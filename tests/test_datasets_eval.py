@@ -209,16 +209,19 @@ def _other_model():
     return make_tiny_model("llama", seed=1)  # same config and name, other weights
 
 
-@pytest.mark.skipif(shutil.which("accelerate", path=os.path.dirname(sys.executable)) is None
-                    and shutil.which("accelerate") is None, reason="accelerate CLI not installed")
-def test_two_process_accelerate_run_equals_one_process(reference, tmp_path):
-    accelerate = shutil.which("accelerate", path=os.path.dirname(sys.executable)) or shutil.which("accelerate")
+ACCELERATE = shutil.which("accelerate", path=os.path.dirname(sys.executable)) or shutil.which("accelerate")
+
+
+@pytest.mark.skipif(ACCELERATE is None, reason="the accelerate CLI is not installed")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="runs the CPU (gloo) launch")
+def test_two_process_accelerate_run_equals_one_process(setup, reference, tmp_path):
     out = tmp_path / "out.json"
     # `--cpu` alone starts one process (accelerate wants MPI for several); on a machine without
     # CUDA, --multi_gpu starts K processes through torchrun and generate_dataset joins them with gloo.
-    cmd = [accelerate, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision",
-           "no", "--dynamo_backend", "no", "--main_process_port", str(_free_port()), str(WORKER), str(out), "--rows", str(ROWS),
-           "--max-num-seqs", str(MAX_NUM_SEQS)]
+    cmd = [ACCELERATE, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+           "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(_free_port()),
+           str(WORKER), str(out), "--rows", str(ROWS), "--max-num-seqs", str(MAX_NUM_SEQS),
+           "--checkpoint-dir", str(tmp_path / "ckpt")]
     proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     merged = json.loads(out.read_text())
@@ -226,3 +229,13 @@ def test_two_process_accelerate_run_equals_one_process(reference, tmp_path):
     shard = json.loads(Path(f"{out}.rank1").read_text())  # rank 1 returns its own shard
     assert shard["id"] == reference["id"][ROWS // 2:]
     assert shard["generation"] == reference["generation"][ROWS // 2:]
+    # each rank checkpointed its own rows; one process resumes from both files and runs nothing
+    for rank in (0, 1):
+        lines = (tmp_path / "ckpt" / f"results-{rank}.jsonl").read_text().splitlines()
+        half = ROWS // 2
+        assert sorted(json.loads(line)["row_index"] for line in lines) == list(range(rank * half, (rank + 1) * half))
+    model, tokenizer, dataset = setup
+    resumed = paged_hf.generate_dataset(model, tokenizer, dataset, sampling_params=PARAMS, progress=False,
+                                        checkpoint_dir=tmp_path / "ckpt", max_num_seqs=MAX_NUM_SEQS)
+    assert columns(resumed) == merged
+    assert (tmp_path / "ckpt" / "results-0.jsonl").read_text().count("\n") == ROWS // 2  # nothing appended
