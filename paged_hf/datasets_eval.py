@@ -175,8 +175,7 @@ def _run_shard(model: Any, tokenizer: Any, shard: Any, shard_rows: list[int], ba
                     row = live.pop(req.request_id, None)
                     if row is None:
                         continue  # someone else's request on a shared engine
-                    out = engine.make_output(req, [req])
-                    engine.requests.pop(req.request_id, None)
+                    out = engine.collect([req])
                     text = _decode(tokenizer, out.token_ids) if tokenizer is not None else (out.text or "")
                     new.append(_record(row, text, len(out.token_ids), out.finish_reason, out.ttft, None))
             for rec in new:

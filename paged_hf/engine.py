@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import itertools
+from collections import deque
 import logging
 import time
 from dataclasses import dataclass, field
@@ -35,7 +36,8 @@ class EngineStats:
     steps: int = 0
     peak_blocks_used: int = 0
     kv_waste_sum: float = 0.0
-    step_log: list[dict] = field(default_factory=list)  # one row per step, for plots and tables
+    # one row per step, for plots and tables; bounded so a long-lived server does not grow without end
+    step_log: deque = field(default_factory=lambda: deque(maxlen=100_000))
 
 
 class Engine:
@@ -270,9 +272,10 @@ class Engine:
                         bar.update(1)
         if bar is not None:
             bar.close()
-        return [self._collect(done[rid]) for rid in request_ids]
+        return [self.collect(done[rid]) for rid in request_ids]
 
-    def _collect(self, group: list[Request]) -> RequestOutput:
+    def collect(self, group: list[Request]) -> RequestOutput:
+        """The output of a finished request (all its samples), releasing it from ``requests``."""
         group = sorted(group, key=lambda r: r.sample_index)
         root = group[0] if group[0].parent is None else group[0].parent
         for r in group:

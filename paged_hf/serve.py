@@ -353,10 +353,8 @@ class BackgroundEngine:
             group = [root] + [r for r in engine.requests.values() if r.parent is root]
             if len(group) < root.params.n or not all(r.is_finished for r in group):
                 continue
-            for r in group:
-                engine.requests.pop(r.request_id, None)
             del self._handles[root.request_id]
-            handle._finish(engine.make_output(root, group))
+            handle._finish(engine.collect(group))
 
 
 def serve(model: torch.nn.Module, tokenizer: Any = None, **config: Any) -> BackgroundEngine:
