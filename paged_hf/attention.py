@@ -23,6 +23,13 @@ NAME = "paged_hf"
 
 _active_backend: contextvars.ContextVar[Any] = contextvars.ContextVar("paged_hf_backend", default=None)
 _fallback_impl: dict[int, str] = {}  # id(config) -> implementation the model had before patch
+# While a compiled decode step runs (compile_decode.py) its backend is also kept in this plain
+# global: dynamo cannot trace ContextVar.get and would otherwise break the graph at every layer.
+_compiled_backend: Any = None
+
+
+def _current_backend() -> Any:
+    return _compiled_backend if _compiled_backend is not None else _active_backend.get()
 
 
 @contextlib.contextmanager
@@ -52,7 +59,7 @@ def _fallback(config: Any) -> str:
 def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                             attention_mask: torch.Tensor | None, scaling: float | None = None,
                             dropout: float = 0.0, **kwargs: Any) -> tuple[torch.Tensor, None]:
-    backend = _active_backend.get()
+    backend = _current_backend()
     if backend is None:
         impl = _fallback(module.config)
         if impl in ALL_ATTENTION_FUNCTIONS:
@@ -66,7 +73,7 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
 
 
 def paged_mask(*args: Any, **kwargs: Any) -> Any:
-    if _active_backend.get() is not None:
+    if _current_backend() is not None:
         return None
     return ALL_MASK_ATTENTION_FUNCTIONS[_fallback(kwargs["config"])](*args, **kwargs)
 

@@ -25,6 +25,10 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     backend: str = "auto"  # "auto", "torch" or "flashinfer"
     namespace: str | None = None  # prefix-cache namespace (model / adapter id); None: derived from the model
+    # CUDA path (issue 5): see paged_hf/cuda_graphs.py, paged_hf/compile_decode.py, paged_hf/backends/swap.py
+    use_cuda_graphs: bool = True  # capture pure-decode steps per batch bucket; CUDA + FlashInfer only, else ignored
+    compile_decode: bool | str = False  # torch.compile the decode step; a string names the compile backend
+    preemption_mode: str = "recompute"  # or "swap": preempted requests' blocks go to pinned host memory
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -44,6 +48,10 @@ class EngineConfig:
                              f"{self.max_num_batched_tokens}: decodes need one token of budget each")
         if self.backend not in ("auto", "torch", "flashinfer"):
             raise ValueError(f"backend={self.backend!r}, must be 'auto', 'torch' or 'flashinfer'")
+        if not isinstance(self.compile_decode, (bool, str)) or self.compile_decode == "":
+            raise ValueError(f"compile_decode={self.compile_decode!r}, must be a bool or a torch.compile backend name")
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode={self.preemption_mode!r}, must be 'recompute' or 'swap'")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":

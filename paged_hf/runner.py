@@ -11,6 +11,7 @@ import torch
 from .attention import active_backend
 from .backends import select_backend
 from .config import EngineConfig
+from .cuda_graphs import DecodeAccelerator, wants_decode_accelerator
 from .metadata import StepMetadata, build_step_metadata
 from .request import Request
 
@@ -31,8 +32,11 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         layers, kv_heads, head_dim = kv_geometry(model)
-        self.backend = select_backend(config.backend, self.device)(
-            layers, num_blocks, config.block_size, kv_heads, head_dim, self.dtype, self.device)
+        # padded decode steps (CUDA graphs / compile) need one extra KV block for their padding rows
+        accelerate = wants_decode_accelerator(config, self.device)
+        self.backend = select_backend(config.backend, self.device, self.dtype, head_dim)(
+            layers, num_blocks + int(accelerate), config.block_size, kv_heads, head_dim, self.dtype, self.device)
+        self.decode = DecodeAccelerator.build(model, self.backend, config, pad_block=num_blocks) if accelerate else None
 
     @torch.inference_mode()
     def execute(self, scheduled: list[tuple[Request, int]], block_copies: list[tuple[int, int]]
@@ -40,6 +44,8 @@ class ModelRunner:
         """Run the step; return logits [B', V] for ``meta.sampled_requests`` and the metadata."""
         meta = build_step_metadata(scheduled, self.config.block_size, self.device)
         self.backend.copy_blocks(block_copies)
+        if self.decode is not None and self.decode.can_run(meta):
+            return self.decode.run(meta), meta
         self.backend.plan(meta)
         with active_backend(self.backend):
             out = self.model(input_ids=meta.input_ids[None], position_ids=meta.positions[None],

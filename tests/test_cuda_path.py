@@ -31,6 +31,27 @@ from tiny_models import make_tiny_model, tiny_prompts
 REPO = Path(__file__).resolve().parents[1]
 
 
+def _forget_flashinfer_backend():
+    sys.modules.pop("paged_hf.backends.flashinfer_backend", None)
+    if hasattr(paged_hf.backends, "flashinfer_backend"):
+        delattr(paged_hf.backends, "flashinfer_backend")
+
+
+@pytest.fixture
+def fake_flashinfer(monkeypatch):
+    """paged_hf.backends.flashinfer_backend imported against tests/fake_flashinfer.py (fp32 and
+    the tiny models' head_dim 16 allowed, so outputs can be compared with the torch backend)."""
+    import fake_flashinfer as fake
+
+    _forget_flashinfer_backend()
+    monkeypatch.setitem(sys.modules, "flashinfer", fake.as_module())
+    mod = importlib.import_module("paged_hf.backends.flashinfer_backend")
+    monkeypatch.setattr(mod, "SUPPORTED_DTYPES", (torch.float32, torch.float16, torch.bfloat16))
+    monkeypatch.setattr(mod, "SUPPORTED_HEAD_DIMS", (16,))
+    yield mod
+    _forget_flashinfer_backend()
+
+
 # ---- step metadata vs FlashInfer's CSR semantics ----------------------------------------------
 def _fake_request(rid: int, num_tokens: int, computed: int, block_size: int, free: list[int]) -> types.SimpleNamespace:
     n_blocks = -(-num_tokens // block_size)
@@ -81,6 +102,8 @@ def test_metadata_matches_flashinfer_csr(block_size):
             sampled.append(rows.stop - 1)
     assert meta.logits_indices.tolist() == sampled
     assert not meta.is_pure_decode
+    kv_ptr = meta.kv_indptr.tolist()
+    assert meta.kv_blocks == [meta.kv_indices[kv_ptr[i]:kv_ptr[i + 1]].tolist() for i in range(len(scheduled))]
 
 
 def test_host_csr_equals_device_csr(fake_flashinfer):
@@ -116,6 +139,7 @@ def test_pad_decode_metadata():
     for i in range(3, 8):  # padding rows: one token at position 0, in the pad block, never sampled
         assert _csr_kv_slots(padded, i) == [pad_block * bs]
         assert padded.slot_mapping[i] == pad_block * bs and padded.positions[i] == 0
+        assert padded.kv_blocks[i] == [pad_block]
     assert torch.equal(padded.logits_indices, meta.logits_indices)
     assert padded.sampled_requests == meta.sampled_requests
     assert padded.qo_indptr.tolist() == list(range(9))
@@ -127,12 +151,6 @@ def test_pad_decode_metadata():
 
 
 # ---- backend selection and the no-import guarantee ----------------------------------------------
-def _forget_flashinfer_backend():
-    sys.modules.pop("paged_hf.backends.flashinfer_backend", None)
-    if hasattr(paged_hf.backends, "flashinfer_backend"):
-        delattr(paged_hf.backends, "flashinfer_backend")
-
-
 def test_select_backend_on_cpu():
     cpu = torch.device("cpu")
     assert select_backend("auto", cpu) is TorchBackend
@@ -191,21 +209,6 @@ print("ok")
 
 
 # ---- the FlashInfer backend's logic, through a stand-in flashinfer -------------------------------
-@pytest.fixture
-def fake_flashinfer(monkeypatch):
-    """paged_hf.backends.flashinfer_backend imported against tests/fake_flashinfer.py (fp32 and
-    the tiny models' head_dim 16 allowed, so outputs can be compared with the torch backend)."""
-    import fake_flashinfer as fake
-
-    _forget_flashinfer_backend()
-    monkeypatch.setitem(sys.modules, "flashinfer", fake.as_module())
-    mod = importlib.import_module("paged_hf.backends.flashinfer_backend")
-    monkeypatch.setattr(mod, "SUPPORTED_DTYPES", (torch.float32, torch.float16, torch.bfloat16))
-    monkeypatch.setattr(mod, "SUPPORTED_HEAD_DIMS", (16,))
-    yield mod
-    _forget_flashinfer_backend()
-
-
 def _use_backend(monkeypatch, backend_cls, graphs: bool = False):
     """Make engines built from now on use ``backend_cls`` (on CPU), and with ``graphs`` the
     CUDA-graph decode path with eager stand-in graphs."""
@@ -290,6 +293,8 @@ def test_cuda_graph_decode_path(family, fake_flashinfer, monkeypatch):
     assert {b for b, _ in backend._graph} == {1, 2, 4, 8}
     replays = sum(w.run_count for w in graph_wrappers)
     assert replays > 2 * len(decode_buckets(8)) * len(backend.variants), "decode steps replayed the graphs"
+    cap = backend._graph_bufs.kv_indices.numel()
+    assert backend.graph_fits(8, cap) and not backend.graph_fits(8, cap + 1) and not backend.graph_fits(9, 1)
     # every graph wrapper reads the shared fixed buffers
     for (b, _), w in backend._graph.items():
         assert w._indptr_buf.data_ptr() == backend._graph_bufs.kv_indptr.data_ptr()
@@ -297,11 +302,10 @@ def test_cuda_graph_decode_path(family, fake_flashinfer, monkeypatch):
 
 
 def test_padding_rows_are_not_sampled():
-    """Padded decode (here through compile's bucketing with an eager forward) keeps real rows exact."""
+    """A decode step padded to its bucket gives the real rows exactly the logits of the unpadded step."""
     model = make_tiny_model("llama")
     backend = TorchBackend(2, 33, 4, 2, 16, torch.float32, "cpu")
     accel = DecodeAccelerator(model, backend, max_num_seqs=8, pad_block=32, use_graphs=False, compile_backend=None)
-    accel.compile_backend = None
     free = list(range(32))
     reqs = [_fake_request(i, n, 0, 4, free) for i, n in enumerate([6, 11, 3])]
     with torch.inference_mode():
@@ -329,6 +333,7 @@ def test_compiled_decode_does_not_recompile():
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
+    counters.clear()
     model = make_tiny_model("llama")
     vocab = model.config.vocab_size
     # 8 requests; 3 stop early, so decode batches shrink 8 -> 5, all in bucket 8

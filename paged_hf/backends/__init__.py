@@ -12,7 +12,10 @@ import torch
 from .torch_backend import TorchBackend
 
 
-def select_backend(name: str, device: torch.device) -> type:
+def select_backend(name: str, device: torch.device, dtype: torch.dtype | None = None,
+                   head_dim: int | None = None) -> type:
+    """The backend class for ``name``; 'auto' is FlashInfer on CUDA when it is installed and
+    supports the model's dtype and head_dim, else torch (with one warning on CUDA)."""
     if name == "torch":
         return TorchBackend
     if name == "flashinfer":
@@ -24,9 +27,13 @@ def select_backend(name: str, device: torch.device) -> type:
         raise ValueError(f"unknown backend {name!r}; choose 'auto', 'torch' or 'flashinfer'")
     if device.type == "cuda":
         try:
-            from .flashinfer_backend import FlashInferBackend
-            return FlashInferBackend
+            from .flashinfer_backend import FlashInferBackend, unsupported_reason
         except ImportError as e:
             warnings.warn(f"paged_hf: FlashInfer is not available ({e}); using the torch backend on CUDA, "
                           "which is much slower. Install it with `pip install paged_hf[cuda]`.", stacklevel=3)
+            return TorchBackend
+        reason = None if dtype is None or head_dim is None else unsupported_reason(dtype, head_dim)
+        if reason is None:
+            return FlashInferBackend
+        warnings.warn(f"paged_hf: using the torch backend on CUDA, which is much slower: {reason}", stacklevel=3)
     return TorchBackend

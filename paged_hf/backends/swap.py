@@ -1,0 +1,78 @@
+"""Swap preemption, the data-movement half: copy a request's KV blocks to host memory and back.
+
+Every backend keeps the KV of layer l in ``kv[l]``, shaped [num_blocks, 2, block_size, kv_heads,
+head_dim], so one implementation serves all of them (``SwapMixin`` adds it as methods).
+
+    handle = backend.swap_out(req.block_table)   # before the blocks are freed
+    ...                                          # the blocks may be reused at once
+    backend.swap_in(handle, new_block_table)     # after fresh blocks were allocated
+
+On CUDA the host copy is pinned and both directions are asynchronous on the current stream:
+a later kernel that overwrites the freed blocks is ordered after the copy-out, and the copy-in
+is ordered before the next step's attention, so neither call synchronises.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class SwapHandle:
+    """A request's KV on the host: [num_layers, num_blocks, 2, block_size, kv_heads, head_dim]."""
+    data: torch.Tensor
+
+    @property
+    def num_blocks(self) -> int:
+        return int(self.data.shape[1])
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+
+def swap_out(kv: list[torch.Tensor], block_ids: list[int]) -> SwapHandle:
+    """Copy blocks ``block_ids`` of every layer to (pinned, on CUDA) host memory."""
+    if not kv:
+        raise ValueError("swap_out: the backend has no KV layers")
+    cache = kv[0]
+    device = cache.device
+    n = len(block_ids)
+    if n and not 0 <= min(block_ids) <= max(block_ids) < cache.shape[0]:
+        raise ValueError(f"swap_out: block ids {block_ids} outside [0, {cache.shape[0]})")
+    pin = device.type == "cuda"
+    host = torch.empty((len(kv), n) + tuple(cache.shape[1:]), dtype=cache.dtype, pin_memory=pin)
+    if n:
+        idx = torch.tensor(block_ids, dtype=torch.long, device=device)
+        for layer, c in enumerate(kv):
+            host[layer].copy_(c.index_select(0, idx), non_blocking=pin)
+    return SwapHandle(host)
+
+
+def swap_in(kv: list[torch.Tensor], handle: SwapHandle, new_block_ids: list[int]) -> None:
+    """Copy a swapped-out request's blocks into ``new_block_ids`` (same count, any ids)."""
+    if len(new_block_ids) != handle.num_blocks:
+        raise ValueError(f"swap_in: the handle holds {handle.num_blocks} blocks, got {len(new_block_ids)} new ids")
+    if len(kv) != handle.data.shape[0]:
+        raise ValueError(f"swap_in: the handle holds {handle.data.shape[0]} layers, the backend has {len(kv)}")
+    if not new_block_ids:
+        return
+    device = kv[0].device
+    if not 0 <= min(new_block_ids) <= max(new_block_ids) < kv[0].shape[0]:
+        raise ValueError(f"swap_in: block ids {new_block_ids} outside [0, {kv[0].shape[0]})")
+    idx = torch.tensor(new_block_ids, dtype=torch.long, device=device)
+    non_blocking = device.type == "cuda" and handle.data.is_pinned()
+    for layer, c in enumerate(kv):
+        c.index_copy_(0, idx, handle.data[layer].to(device, non_blocking=non_blocking))
+
+
+class SwapMixin:
+    """``swap_out`` / ``swap_in`` as backend methods, over the backend's ``kv`` list."""
+    kv: list[torch.Tensor]
+
+    def swap_out(self, block_ids: list[int]) -> SwapHandle:
+        return swap_out(self.kv, block_ids)
+
+    def swap_in(self, handle: SwapHandle, new_block_ids: list[int]) -> None:
+        swap_in(self.kv, handle, new_block_ids)
