@@ -11,7 +11,8 @@ Where things live (the four roles of the design):
   block pool + prefix index  block_pool.py, prefix_index.py, block_manager.py
   request state              request.py, sampling_params.py, outputs.py
   scheduler                  scheduler.py
-  execution backend          runner.py, metadata.py, attention.py, backends/, sampler.py
+  execution backend          runner.py, metadata.py, attention.py, backends/, sampler.py;
+                             on CUDA: cuda_graphs.py, compile_decode.py, cuda_memory.py
   front ends                 engine.py, hf_generate.py, patching.py, datasets_eval.py (generate_dataset),
                              serve.py (background engine), cli.py (paged-hf)
 """

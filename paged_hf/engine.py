@@ -72,8 +72,11 @@ class Engine:
         device = next(self.model.parameters()).device
         per_block = layers * 2 * cfg.block_size * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
         if device.type == "cuda":
-            frac = cfg.kv_cache_memory if cfg.kv_cache_memory is not None else cfg.gpu_memory_utilization
-            budget = int(torch.cuda.mem_get_info(device)[0] * frac)
+            if cfg.kv_cache_memory is not None:  # an explicit fraction of the free memory
+                budget = int(torch.cuda.mem_get_info(device)[0] * cfg.kv_cache_memory)
+            else:  # gpu_memory_utilization of the total, less what the largest step needs
+                from .cuda_memory import profile_kv_budget
+                budget = profile_kv_budget(self.model, cfg)
         else:
             budget = int(cfg.kv_cache_memory or DEFAULT_CPU_KV_BYTES)
         # never more than every running sequence at full length could use

@@ -69,10 +69,15 @@ class TorchBackend:
             table = torch.tensor([meta.kv_blocks[i] + [0] * (max_blocks - len(meta.kv_blocks[i])) for i in decode],
                                  dtype=torch.long, device=dev)
             pos = torch.arange(int(lens.max()), device=dev)
-            self._decode_k_rows = table[:, pos // bs] * (2 * bs) + pos % bs  # [Bd, Lmax]
+            k_rows = table[:, pos // bs] * (2 * bs) + pos % bs  # [Bd, Lmax]
+            # K rows then V rows, flat: one index_select per layer (much cheaper than 2-D indexing)
+            self._decode_kv_rows = torch.cat([k_rows, k_rows + bs]).flatten()
+            self._decode_shape = (2, len(decode), pos.numel())
+            self._decode_k_rows = k_rows
             self._decode_kv_pos = pos
             self._decode_q_pos = lens - 1
             self._decode_valid = pos[None, :] < lens[:, None]
+            self._decode_prefix = decode == list(range(len(decode)))  # decodes lead the batch: write by slice
 
         self._prefills: list[_PrefillSeq] = []
         for i, q in enumerate(meta.q_lens):
@@ -111,11 +116,16 @@ class TorchBackend:
         out = query.new_empty(q_all.shape[1], q_all.shape[0], q_all.shape[2])
 
         if self._decode_k_rows is not None:
-            q = q_all[:, self._decode_rows].transpose(0, 1).unsqueeze(2)       # [Bd, Hq, 1, D]
-            k = flat[self._decode_k_rows].transpose(1, 2)                      # [Bd, Hkv, L, D]
-            v = flat[self._decode_k_rows + bs].transpose(1, 2)
+            two, n_dec, max_len = self._decode_shape
+            kv = flat.index_select(0, self._decode_kv_rows).view(two, n_dec, max_len, *flat.shape[1:])
+            k, v = kv[0].transpose(1, 2), kv[1].transpose(1, 2)                # [Bd, Hkv, L, D]
+            hq, hkv, d = q_all.shape[0], k.shape[1], q_all.shape[2]
+            rows = slice(0, n_dec) if self._decode_prefix else self._decode_rows
+            # one query token per sequence: the G query heads of a KV head form a G-row query
+            # (no K/V repeat for GQA, and one matmul-sized problem per KV head)
+            q = q_all[:, rows].transpose(0, 1).reshape(n_dec, hkv, hq // hkv, d)
             o = _attention(q, k, v, self._decode_mask(sliding_window), scaling, softcap)
-            out[self._decode_rows] = o[:, :, 0, :]
+            out[rows] = o.reshape(n_dec, hq, d)
 
         for seq in self._prefills:
             q = q_all[:, seq.rows].unsqueeze(0)                                 # [1, Hq, q, D]
@@ -123,8 +133,8 @@ class TorchBackend:
                 o = F.scaled_dot_product_attention(q, key[:, :, seq.rows], value[:, :, seq.rows], is_causal=True,
                                                    scale=scaling, enable_gqa=key.shape[1] != q.shape[1])
             else:
-                k = flat[seq.k_rows].transpose(0, 1).unsqueeze(0)              # [1, Hkv, L, D]
-                v = flat[seq.k_rows + bs].transpose(0, 1).unsqueeze(0)
+                k = flat.index_select(0, seq.k_rows).transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
+                v = flat.index_select(0, seq.k_rows + bs).transpose(0, 1).unsqueeze(0)
                 kv_pos = torch.arange(seq.kv_len, device=q.device)
                 mask = kv_pos[None, :] <= seq.q_pos[:, None]
                 if sliding_window is not None:
