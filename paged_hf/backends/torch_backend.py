@@ -118,13 +118,13 @@ class TorchBackend:
         if self._decode_k_rows is not None:
             two, n_dec, max_len = self._decode_shape
             kv = flat.index_select(0, self._decode_kv_rows).view(two, n_dec, max_len, *flat.shape[1:])
-            k, v = kv[0].transpose(1, 2), kv[1].transpose(1, 2)                # [Bd, Hkv, L, D]
-            hq, hkv, d = q_all.shape[0], k.shape[1], q_all.shape[2]
+            kv = kv.permute(0, 1, 3, 2, 4).contiguous()                        # [2, Bd, Hkv, L, D]
+            hq, hkv, d = q_all.shape[0], kv.shape[2], q_all.shape[2]
             rows = slice(0, n_dec) if self._decode_prefix else self._decode_rows
             # one query token per sequence: the G query heads of a KV head form a G-row query
-            # (no K/V repeat for GQA, and one matmul-sized problem per KV head)
+            # (no K/V repeat for GQA). Plain matmuls beat CPU SDPA's flash kernel at q_len 1.
             q = q_all[:, rows].transpose(0, 1).reshape(n_dec, hkv, hq // hkv, d)
-            o = _attention(q, k, v, self._decode_mask(sliding_window), scaling, softcap)
+            o = _attention(q, kv[0], kv[1], self._decode_mask(sliding_window), scaling, softcap, fused=False)
             out[rows] = o.reshape(n_dec, hq, d)
 
         for seq in self._prefills:
@@ -145,9 +145,13 @@ class TorchBackend:
 
 
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scaling: float,
-               softcap: float | None) -> torch.Tensor:
-    """Masked attention with GQA; q [B, Hq, q, D], k/v [B, Hkv, L, D], mask broadcastable to [B, H, q, L]."""
-    if softcap is None:
+               softcap: float | None, fused: bool = True) -> torch.Tensor:
+    """Masked attention with GQA; q [B, Hq, q, D], k/v [B, Hkv, L, D], mask broadcastable to [B, H, q, L].
+
+    ``fused``: use SDPA where it can (no softcap); otherwise explicit matmuls with an fp32 softmax,
+    as transformers' eager attention does.
+    """
+    if softcap is None and fused:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling,
                                               enable_gqa=k.shape[1] != q.shape[1])
     groups = q.shape[1] // k.shape[1]
@@ -155,7 +159,8 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Te
         k = k.repeat_interleave(groups, dim=1)
         v = v.repeat_interleave(groups, dim=1)
     scores = torch.matmul(q, k.transpose(-1, -2)) * scaling
-    scores = torch.tanh(scores / softcap) * softcap
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~mask, float("-inf"))
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     return torch.matmul(probs, v)
