@@ -56,7 +56,8 @@ class Engine:
         num_blocks = self._num_kv_blocks()
         self.kv = BlockManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching,
                                self.config.namespace or "default")
-        self.scheduler = Scheduler(self.kv, self.config.max_num_batched_tokens, self.config.max_num_seqs)
+        self.scheduler = Scheduler(self.kv, self.config.max_num_batched_tokens, self.config.max_num_seqs,
+                                   self.config.preemption_mode)
         self.runner = ModelRunner(model, self.config, num_blocks)
         self.requests: dict[str, Request] = {}  # live requests by id (samples of n > 1 included)
         self._ids = itertools.count()
@@ -159,6 +160,11 @@ class Engine:
             return {}, []
         decode_tokens = sum(1 for req, n in out.scheduled
                             if n == 1 and req.num_output_tokens > 0 and req.num_pending_tokens == 1)
+        for req, blocks in out.swap_out:  # before anything writes the blocks they just gave up
+            req.swap_handle = self.runner.backend.swap_out(blocks)
+        for req, blocks in out.swap_in:
+            self.runner.backend.swap_in(req.swap_handle, blocks)
+            req.swap_handle = None
         logits, meta = self.runner.execute(out.scheduled, out.block_copies)
         sched.mark_computed(out)
 

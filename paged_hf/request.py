@@ -7,7 +7,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .sampling_params import SamplingParams
 
@@ -53,6 +53,8 @@ class Request:
     finish_time: float | None = None
     admitted_once: bool = False
     forked: bool = False  # for n > 1: the siblings have been created
+    swapped_tokens: int = 0  # KV tokens waiting in host memory (swap preemption)
+    swap_handle: Any = None  # the backend's host copy of that KV
     logprobs: list = field(default_factory=list)
     generator: "torch.Generator | None" = None
 

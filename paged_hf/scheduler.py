@@ -18,6 +18,9 @@ class SchedulerOutput:
     scheduled: list[tuple[Request, int]]  # in batch order: decodes, then prefill chunks
     preempted: list[Request] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) before the step
+    # swap preemption, done by the backend before the step (swap-outs first: their blocks are free now)
+    swap_out: list[tuple[Request, list[int]]] = field(default_factory=list)
+    swap_in: list[tuple[Request, list[int]]] = field(default_factory=list)
     finished: list[Request] = field(default_factory=list)  # filled in by ``update``
 
     @property
@@ -30,7 +33,8 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, kv: BlockManager, max_num_batched_tokens: int, max_num_seqs: int) -> None:
+    def __init__(self, kv: BlockManager, max_num_batched_tokens: int, max_num_seqs: int,
+                 preemption_mode: str = "recompute") -> None:
         if max_num_batched_tokens < 1 or max_num_seqs < 1:
             raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens} and max_num_seqs={max_num_seqs} "
                              "must both be >= 1")
@@ -38,6 +42,7 @@ class Scheduler:
             # every running decode needs one token of budget per step, or decodes could starve
             raise ValueError(f"max_num_seqs={max_num_seqs} exceeds max_num_batched_tokens={max_num_batched_tokens}")
         self.kv = kv
+        self.preemption_mode = preemption_mode
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.waiting: deque[Request] = deque()
@@ -87,7 +92,7 @@ class Scheduler:
             while not self.kv.allocate_slots(req, n, out.block_copies):
                 victim = self.running[-1]
                 budget += chosen.pop(victim, 0)
-                self._preempt(victim)
+                self._preempt(victim, out)
                 out.preempted.append(victim)
                 if victim is req:
                     break
@@ -102,8 +107,12 @@ class Scheduler:
             req = self.waiting[0]
             if self.num_running_seqs() + req.seqs_when_running > self.max_num_seqs:
                 break
-            cached = self.kv.admit(req)
-            if self._waits_for_sibling_prefill(req, pending):
+            swapped = req.swapped_tokens
+            if swapped:  # its KV comes back from host memory into fresh blocks
+                req.num_computed_tokens, cached = swapped, 0
+            else:
+                cached = self.kv.admit(req)
+            if not swapped and self._waits_for_sibling_prefill(req, pending):
                 # the next block of this prompt is being computed this step by another request:
                 # wait one step and take it from the prefix cache instead of computing it twice
                 self.kv.free(req)
@@ -114,6 +123,9 @@ class Scheduler:
                 self.kv.free(req)
                 break
             self.waiting.popleft()
+            if swapped:
+                out.swap_in.append((req, req.block_table[: blocks_for(swapped, self.kv.block_size)]))
+                req.swapped_tokens = 0
             if not req.admitted_once:
                 req.num_cached_tokens = cached
                 req.admitted_once = True
@@ -157,9 +169,14 @@ class Scheduler:
             h = hash((h, tuple(req.token_ids[(b - 1) * bs: b * bs])))
         return (req.cache_salt, h) in pending
 
-    def _preempt(self, req: Request) -> None:
-        """Recompute-style preemption: drop the KV, keep the generated tokens, requeue first."""
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        """Free the request's blocks, keep its tokens, requeue it first. Its KV is recomputed on
+        readmission, or with ``preemption_mode="swap"`` copied to host memory and back."""
         self.running.remove(req)
+        if self.preemption_mode == "swap" and req.num_computed_tokens:
+            n_blocks = blocks_for(req.num_computed_tokens, self.kv.block_size)
+            out.swap_out.append((req, req.block_table[:n_blocks]))
+            req.swapped_tokens = req.num_computed_tokens
         self.kv.free(req)
         req.status = RequestStatus.PREEMPTED
         self.waiting.appendleft(req)
@@ -196,6 +213,7 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         self.kv.free(req)
+        req.swapped_tokens, req.swap_handle = 0, None
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         req.finish_time = now

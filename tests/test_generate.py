@@ -267,3 +267,22 @@ def test_large_batch_is_admitted_as_the_pool_allows():
     for i in (0, 137, 299):
         assert_teacher_forced(make_tiny_model("llama"), prompts[i], generated_rows(out[i:i + 1], ids.shape[1])[0],
                               what=f"row {i}")
+
+
+def test_swap_preemption_gives_the_same_tokens_without_recomputing():
+    model = make_tiny_model("llama")
+    prompts = tiny_prompts(model.config.vocab_size, 6, [20, 9, 30, 14, 25, 7], seed=3)
+    params = paged_hf.SamplingParams(max_new_tokens=24, ignore_eos=True)
+    tight = dict(num_blocks=14, block_size=4, max_num_batched_tokens=32, max_num_seqs=6, enable_prefix_caching=False)
+    recompute = paged_hf.Engine(model, **tight)
+    swap = paged_hf.Engine(model, preemption_mode="swap", **tight)
+    want = [o.token_ids for o in recompute.generate(prompts, params)]
+    got = [o.token_ids for o in swap.generate(prompts, params)]
+    s_swap, s_re = swap.stats(), recompute.stats()
+    assert s_swap["preemptions"] > 0 and s_re["preemptions"] > 0
+    for p, g, w in zip(prompts, got, want):
+        assert len(g) == len(w) == 24
+        assert_teacher_forced(model, p, g, what="swap preemption")
+    assert s_swap["prefill_tokens_computed"] == sum(map(len, prompts))  # nothing computed twice
+    assert s_re["prefill_tokens_computed"] > s_swap["prefill_tokens_computed"]
+    assert swap.kv.pool.num_used == 0

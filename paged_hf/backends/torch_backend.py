@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from ..metadata import StepMetadata
+from .swap import SwapMixin
 
 
 @dataclass
@@ -29,7 +30,7 @@ class _PrefillSeq:
     fresh: bool            # no cached context: attend over the new K/V directly
 
 
-class TorchBackend:
+class TorchBackend(SwapMixin):
     name = "torch"
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
