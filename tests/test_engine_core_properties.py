@@ -30,9 +30,9 @@ class Driver:
     """A fake model loop over a real Scheduler, checking invariants as it goes."""
 
     def __init__(self, num_blocks: int, block_size: int, budget: int, max_seqs: int,
-                 prefix_caching: bool, seed: int = 0) -> None:
+                 prefix_caching: bool, seed: int = 0, preemption_mode: str = "recompute") -> None:
         self.kv = BlockManager(num_blocks, block_size, enable_prefix_caching=prefix_caching)
-        self.s = Scheduler(self.kv, budget, max_seqs)
+        self.s = Scheduler(self.kv, budget, max_seqs, preemption_mode)
         self.rng = random.Random(seed)
         self.live: list[Request] = []      # added (or forked) and not finished, in order
         self.ended: list[Request] = []
@@ -167,6 +167,13 @@ class Driver:
         for r in out.preempted:
             assert r.status is RequestStatus.PREEMPTED and r in s.waiting and r not in reqs
             assert not r.block_table and r.prefix_node is None and r.num_computed_tokens == 0
+        # swap preemption: what goes out is a victim's computed blocks; what comes back fills
+        # the first blocks of a request admitted this step, covering its computed tokens
+        for r, blocks in out.swap_out:
+            assert r in out.preempted and blocks and r.swapped_tokens > (len(blocks) - 1) * self.kv.block_size
+        for r, blocks in out.swap_in:
+            assert r in reqs and not r.swapped_tokens and r.block_table[: len(blocks)] == blocks
+            assert blocks_for(r.num_computed_tokens, self.kv.block_size) == len(blocks)
         # decodes are never starved: each is in the batch (one token) unless preempted
         chosen = dict(out.scheduled)
         for r in decodes:
@@ -301,7 +308,8 @@ def random_config(rng: random.Random) -> dict:
     budget = rng.randint(1, 24)
     return dict(num_blocks=max(1, -(-rng.randint(6, 64) // block_size)), block_size=block_size,
                 budget=budget, max_seqs=rng.randint(1, min(budget, 6)),
-                prefix_caching=rng.random() < 0.7)
+                prefix_caching=rng.random() < 0.7,
+                preemption_mode=rng.choice(["recompute", "recompute", "swap"]))
 
 
 ADD = st.tuples(st.just("add"),
