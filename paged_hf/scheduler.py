@@ -141,33 +141,24 @@ class Scheduler:
         return out
 
     def _blocks_in_flight(self, chosen: dict[Request, int]) -> set:
-        """Prefixes (salt, tokens up to a block end) that this step's prefill chunks complete."""
+        """Keys of the full blocks that this step's prefill chunks complete."""
         if self.kv.index is None:
             return set()
         bs = self.kv.block_size
         keys = set()
         for req, n in chosen.items():
             first, last = req.num_computed_tokens // bs + 1, (req.num_computed_tokens + n) // bs
-            if n < 2 or last < first:
-                continue
-            h = None
-            for b in range(1, last + 1):  # chain hash: each block's key covers its whole prefix
-                h = hash((h, tuple(req.token_ids[(b - 1) * bs: b * bs])))
-                if b >= first:
-                    keys.add((req.cache_salt, h))
+            if n >= 2 and last >= first:
+                keys.update(_block_keys(req, bs, last)[first - 1:])
         return keys
 
     def _waits_for_sibling_prefill(self, req: Request, pending: set) -> bool:
-        if not pending:
-            return False
+        """Is the next block this request would compute being computed this step by another?"""
         bs = self.kv.block_size
         end = req.num_computed_tokens + bs
-        if end > req.num_tokens - 1:
+        if not pending or end > req.num_tokens - 1:
             return False
-        h = None
-        for b in range(1, end // bs + 1):
-            h = hash((h, tuple(req.token_ids[(b - 1) * bs: b * bs])))
-        return (req.cache_salt, h) in pending
+        return _block_keys(req, bs, end // bs)[-1] in pending
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         """Free the request's blocks, keep its tokens, requeue it first. Its KV is recomputed on
@@ -217,3 +208,12 @@ class Scheduler:
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         req.finish_time = now
+
+
+def _block_keys(req: Request, block_size: int, n_blocks: int) -> list[tuple]:
+    """(salt, chain hash) of the request's first ``n_blocks`` blocks: each key covers its whole prefix."""
+    keys, h = [], None
+    for b in range(n_blocks):
+        h = hash((h, tuple(req.token_ids[b * block_size:(b + 1) * block_size])))
+        keys.append((req.cache_salt, h))
+    return keys
