@@ -1,9 +1,9 @@
 """Swap preemption, the data-movement half: copy a request's KV blocks to host memory and back.
 
-Every backend keeps the KV of layer l in ``kv[l]``, a tensor whose first dimension is the block
-(FlashInfer: [num_blocks, 2, block_size, kv_heads, head_dim]; torch: [num_blocks, 2, kv_heads,
-block_size, head_dim]); the rest is copied as it is, so one implementation serves all of them
-(``SwapMixin`` adds it as methods).
+Every backend keeps its KV in ``kv``, a list of tensors whose first dimension is the block
+(FlashInfer: one [num_blocks, 2, block_size, kv_heads, head_dim] per layer; torch: K and V of
+each layer apart, [num_blocks, kv_heads, block_size, head_dim]); the rest is copied as it is,
+so one implementation serves all of them (``SwapMixin`` adds it as methods).
 
     handle = backend.swap_out(req.block_table)   # before the blocks are freed
     ...                                          # the blocks may be reused at once
@@ -22,7 +22,7 @@ import torch
 
 @dataclass
 class SwapHandle:
-    """A request's KV on the host: [num_layers, num_blocks, 2, block_size, kv_heads, head_dim]."""
+    """A request's KV on the host: [len(kv), num_blocks, *the rest of each KV tensor's shape]."""
     data: torch.Tensor
 
     @property

@@ -1,10 +1,11 @@
 """Pure-PyTorch paged attention: the reference backend, on any device.
 
-KV of layer l lives in ``kv[l]``, shape [num_blocks, 2, kv_heads, block_size, head_dim]:
-per block, K then V, each head's tokens contiguous (HND). That layout is chosen for the
-decode gather: one ``index_select`` of whole blocks copies 1-2 KB runs per head and yields
-K/V in the [seq, head, position, dim] order attention wants. (Gathering token rows of an
-NHD cache, then transposing, moved the same bytes twice and was ~5x slower on CPU.)
+K of layer l lives in ``kv[2 * l]`` and V in ``kv[2 * l + 1]``, each [num_blocks, kv_heads,
+block_size, head_dim] and contiguous: each head's tokens sit together (HND). That layout is
+chosen for the decode gather: one ``index_select`` of whole blocks copies 1-2 KB runs and
+yields K/V in the [seq, head, position, dim] order attention wants. (Gathering token rows of
+an NHD cache, then transposing, was ~5x slower on CPU; gathering from a K/V-interleaved
+cache, a strided view, ~3x slower than from a contiguous one.)
 
 ``plan`` turns the step metadata into gather indices and masks once per step; ``attend`` then
 runs once per layer: write the new K/V, attend all decodes in one batched call, and each
@@ -38,9 +39,9 @@ class TorchBackend(SwapMixin):
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.kv_heads = kv_heads
-        self.kv = [torch.zeros(num_blocks, 2, kv_heads, block_size, head_dim, dtype=dtype, device=device)
-                   for _ in range(num_layers)]
-        self._rows = [c.view(-1, head_dim) for c in self.kv]  # one row per (block, k/v, head, offset)
+        self.kv = [torch.zeros(num_blocks, kv_heads, block_size, head_dim, dtype=dtype, device=device)
+                   for _ in range(2 * num_layers)]
+        self._rows = [c.view(-1, head_dim) for c in self.kv]  # one row per (block, head, offset)
         self.device = torch.device(device)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
@@ -56,10 +57,9 @@ class TorchBackend(SwapMixin):
         bs, dev, h = self.block_size, self.device, self.kv_heads
         slots = meta.slot_mapping.to(torch.long)
         heads = torch.arange(h, device=dev)
-        # row of (token t, head j): ((block * 2 + 0) * H + j) * bs + offset; V is H * bs rows later
-        self._k_write = (((slots // bs) * 2 * h)[:, None] + heads[None, :]) * bs + (slots % bs)[:, None]
-        self._k_write = self._k_write.flatten()
-        self._v_write = self._k_write + h * bs
+        # row of (token t, head j): (block * H + j) * bs + offset, in K's and in V's cache alike
+        self._write = (((slots // bs) * h)[:, None] + heads[None, :]) * bs + (slots % bs)[:, None]
+        self._write = self._write.flatten()
         self._masks: dict[int | None, torch.Tensor] = {}
 
         qo = meta.qo_indptr.tolist()
@@ -99,27 +99,26 @@ class TorchBackend(SwapMixin):
 
     def _gather(self, layer_idx: int, blocks: torch.Tensor, n_seqs: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of ``blocks`` (n_seqs equal runs) as [n_seqs, H, n_blocks_each * bs, D]."""
-        cache = self.kv[layer_idx]
-        _, _, h, bs, d = cache.shape
+        _, h, bs, d = self.kv[0].shape
         per_seq = blocks.numel() // n_seqs
 
-        def take(part: int) -> torch.Tensor:
-            x = cache[:, part].index_select(0, blocks).view(n_seqs, per_seq, h, bs, d)
+        def take(cache: torch.Tensor) -> torch.Tensor:
+            x = cache.index_select(0, blocks).view(n_seqs, per_seq, h, bs, d)
             return x.transpose(1, 2).reshape(n_seqs, h, per_seq * bs, d)
 
-        return take(0), take(1)
+        return take(self.kv[2 * layer_idx]), take(self.kv[2 * layer_idx + 1])
 
     # ---- once per layer --------------------------------------------------------------------
     def attend(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                scaling: float | None, sliding_window: int | None = None,
                softcap: float | None = None) -> torch.Tensor:
         """q/k/v: [1, heads, T, head_dim] -> attention output [1, T, q_heads, head_dim]."""
-        rows = self._rows[layer_idx]
-        d = rows.shape[1]
-        k_new = key[0].transpose(0, 1).reshape(-1, d)    # [T * Hkv, D], token-major like _k_write
+        k_rows, v_rows = self._rows[2 * layer_idx], self._rows[2 * layer_idx + 1]
+        d = k_rows.shape[1]
+        k_new = key[0].transpose(0, 1).reshape(-1, d)    # [T * Hkv, D], token-major like _write
         v_new = value[0].transpose(0, 1).reshape(-1, d)
-        rows.index_copy_(0, self._k_write, k_new.to(rows.dtype))
-        rows.index_copy_(0, self._v_write, v_new.to(rows.dtype))
+        k_rows.index_copy_(0, self._write, k_new.to(k_rows.dtype))
+        v_rows.index_copy_(0, self._write, v_new.to(v_rows.dtype))
         if scaling is None:
             scaling = query.shape[-1] ** -0.5
         q_all = query[0]                  # [Hq, T, D]
