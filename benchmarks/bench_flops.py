@@ -1,0 +1,122 @@
+"""What a workload must compute, and how fast this machine can compute it.
+
+FLOPs a workload needs (dense decoder; one multiply-add = 2 FLOPs):
+    2 * P_layers * needed_tokens                     every linear layer of every block
+  + 2 * hidden * vocab * output_tokens               lm_head, only on rows that are sampled
+  + 4 * layers * q_heads * head_dim * sum(ctx)       attention: QK^T and PV, ctx = positions the
+                                                     token attends to (causal: position + 1)
+``needed_tokens`` are the tokens whose KV must be computed by a system with a perfect prefix
+cache: every prompt token and every output token but the last, with a shared prefix counted
+once. Embedding lookups, norms, RoPE and activations are left out (a few % of the total).
+
+The ceiling is the sustained GEMM rate at the model's own layer shapes, measured in the same
+run and dtype: ``torch.matmul([m, in] x [in, out])`` over the q/k/v/o/gate/up/down shapes of one
+block, for m in {32, 128, 512} rows; the best of those is the ceiling (lm_head is timed and
+reported too). ``utilisation = needed FLOPs / wall / ceiling`` and ``floor = needed FLOPs /
+ceiling`` is the time a system would take if it did nothing but the needed GEMMs at that rate.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from bench_workloads import Workload
+
+
+@dataclass
+class Geometry:
+    layers: int
+    hidden: int
+    intermediate: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+
+    @classmethod
+    def of(cls, model: torch.nn.Module) -> "Geometry":
+        c = model.config.get_text_config()
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        return cls(c.num_hidden_layers, c.hidden_size, c.intermediate_size, c.num_attention_heads,
+                   getattr(c, "num_key_value_heads", None) or c.num_attention_heads, head_dim, c.vocab_size)
+
+    def layer_shapes(self) -> dict[str, tuple[int, int]]:
+        """(in, out) of each linear in one decoder block (llama-style)."""
+        q, kv = self.q_heads * self.head_dim, self.kv_heads * self.head_dim
+        return {"q": (self.hidden, q), "k": (self.hidden, kv), "v": (self.hidden, kv), "o": (q, self.hidden),
+                "gate": (self.hidden, self.intermediate), "up": (self.hidden, self.intermediate),
+                "down": (self.intermediate, self.hidden)}
+
+    @property
+    def layer_params(self) -> int:
+        return self.layers * sum(i * o for i, o in self.layer_shapes().values())
+
+
+def _ctx_sum(start: int, end: int) -> int:
+    """sum over positions p in [start, end) of (p + 1)."""
+    return (end * (end + 1) - start * (start + 1)) // 2
+
+
+def needed_work(w: Workload, geo: Geometry) -> dict:
+    """Needed tokens and FLOPs of a workload (see the module docstring for the formula)."""
+    naive = needed = ctx = out = 0
+    for i, r in enumerate(w.requests):
+        total = len(r.prompt) + r.n_out - 1  # the last output token is never fed back
+        skip = w.shared_prefix if (w.shared_prefix and i > 0) else 0
+        naive += total
+        needed += total - skip
+        ctx += _ctx_sum(skip, total)
+        out += r.n_out
+    linear = 2 * geo.layer_params * needed
+    head = 2 * geo.hidden * geo.vocab * out
+    attn = 4 * geo.layers * geo.q_heads * geo.head_dim * ctx
+    return {"naive_tokens": naive, "needed_tokens": needed, "output_tokens": out,
+            "flops_linear": linear, "flops_lm_head": head, "flops_attention": attn,
+            "flops": linear + head + attn}
+
+
+def _time_matmul(x: torch.Tensor, w: torch.Tensor, min_time: float, repeats: int) -> float:
+    """Median seconds per call of x @ w over ``repeats`` timed runs of >= min_time each."""
+    for _ in range(2):
+        torch.matmul(x, w)
+    t0, n = time.perf_counter(), 0
+    while time.perf_counter() - t0 < min_time / 4:
+        torch.matmul(x, w)
+        n += 1
+    per = (time.perf_counter() - t0) / n
+    iters = max(1, int(min_time / max(per, 1e-9)))
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            torch.matmul(x, w)
+        samples.append((time.perf_counter() - t0) / iters)
+    return statistics.median(samples)
+
+
+def matmul_ceiling(geo: Geometry, dtype: torch.dtype, rows: tuple[int, ...] = (32, 128, 512),
+                   min_time: float = 0.02, repeats: int = 3) -> dict:
+    """Sustained GFLOP/s of torch.matmul at the model's layer shapes, per row count m."""
+    gen = torch.Generator().manual_seed(0)
+    shapes = geo.layer_shapes()
+    per_m, lm_head = {}, {}
+    with torch.inference_mode():
+        weights = {k: torch.randn(i, o, generator=gen).to(dtype) for k, (i, o) in shapes.items()}
+        head = torch.randn(geo.hidden, geo.vocab, generator=gen).to(dtype)
+        for m in rows:
+            xs = {i: torch.randn(m, i, generator=gen).to(dtype) for i, _ in shapes.values()}
+            flops = secs = 0.0
+            for k, (i, o) in shapes.items():
+                secs += _time_matmul(xs[i], weights[k], min_time, repeats)
+                flops += 2.0 * m * i * o
+            per_m[m] = flops / secs / 1e9
+            x = torch.randn(m, geo.hidden, generator=gen).to(dtype)
+            lm_head[m] = 2.0 * m * geo.hidden * geo.vocab / _time_matmul(x, head, min_time, repeats) / 1e9
+    best = max(per_m, key=per_m.get)
+    return {"dtype": str(dtype).removeprefix("torch."), "gflops": per_m[best], "best_rows": best,
+            "layer_gflops_by_rows": per_m, "lm_head_gflops_by_rows": lm_head,
+            "method": "torch.matmul [m, in] x [in, out] at q/k/v/o/gate/up/down shapes, median of "
+                      f"{repeats} runs; ceiling = best m"}

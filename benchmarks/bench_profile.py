@@ -1,0 +1,193 @@
+"""``bench.py --profile``: where paged_hf's step time goes, on W-mixed.
+
+Two passes over the same workload on a fresh engine each:
+1. timing pass: the engine's parts are wrapped from here (paged_hf's files are not touched)
+   and timed with perf_counter per step: scheduler.schedule, build_step_metadata,
+   backend.copy_blocks + backend.plan, the model forward (attention, i.e. backend.attend,
+   broken out of it), sample, scheduler.update + mark_computed + stats. "Overhead" is step
+   time outside the model forward: the part that does not shrink with faster kernels.
+2. torch.profiler pass: the top ops by self CPU time.
+"""
+from __future__ import annotations
+
+import functools
+import time
+from collections import defaultdict
+from typing import Any, Callable
+
+import torch
+
+import bench_systems as S
+
+PARTS = ("schedule", "metadata", "plan", "forward", "attention", "sample", "update", "other")
+
+
+class StepTimer:
+    def __init__(self) -> None:
+        self.cur: dict[str, float] = defaultdict(float)
+        self.steps: list[dict] = []
+
+    def wrap(self, owner: Any, name: str, part: str) -> Callable[[], None]:
+        """Replace owner.name by a timed wrapper; return an undo function."""
+        original = getattr(owner, name)
+        had_own = name in getattr(owner, "__dict__", {})
+
+        @functools.wraps(original)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.cur[part] += time.perf_counter() - t0
+
+        setattr(owner, name, timed)
+
+        def undo() -> None:
+            if had_own:
+                setattr(owner, name, original)
+            else:
+                delattr(owner, name)
+        return undo
+
+    def hook_forward(self, model: torch.nn.Module) -> Callable[[], None]:
+        start: list[float] = []
+
+        def pre(*_: Any, **__: Any) -> None:
+            start.append(time.perf_counter())
+
+        def post(*_: Any, **__: Any) -> None:
+            self.cur["forward"] += time.perf_counter() - start.pop()
+
+        h1 = model.register_forward_pre_hook(pre)
+        h2 = model.register_forward_hook(post)
+        return lambda: (h1.remove(), h2.remove())
+
+    def end_step(self, total: float, tokens: int, running: int, decode_only: bool) -> None:
+        row = dict(self.cur)
+        row["total"] = total
+        accounted = sum(row.get(p, 0.0) for p in ("schedule", "metadata", "plan", "forward", "sample", "update"))
+        row["other"] = max(0.0, total - accounted)
+        row.update(tokens=tokens, running=running, decode_only=decode_only)
+        self.steps.append(row)
+        self.cur = defaultdict(float)
+
+
+def instrument(engine: Any, timer: StepTimer) -> list[Callable[[], None]]:
+    import paged_hf.engine as engine_mod
+    import paged_hf.runner as runner_mod
+
+    undo = [timer.wrap(engine.scheduler, "schedule", "schedule"),
+            timer.wrap(runner_mod, "build_step_metadata", "metadata"),
+            timer.wrap(engine_mod, "sample", "sample"),
+            timer.wrap(engine.scheduler, "update", "update"),
+            timer.wrap(engine.scheduler, "mark_computed", "update"),
+            timer.wrap(engine, "_record_step", "update"),
+            timer.hook_forward(engine.model)]
+    backend = engine.runner.backend
+    for name in ("plan", "copy_blocks"):
+        if hasattr(backend, name):
+            undo.append(timer.wrap(backend, name, "plan"))
+    if hasattr(backend, "attend"):
+        undo.append(timer.wrap(backend, "attend", "attention"))
+    return undo
+
+
+def timed_run(engine: Any, w: Any) -> StepTimer:
+    timer = StepTimer()
+    undo = instrument(engine, timer)
+    original_step = engine.step
+
+    def step() -> Any:
+        t0 = time.perf_counter()
+        out = original_step()
+        total = time.perf_counter() - t0
+        log = engine._stats.step_log[-1] if engine._stats.step_log else {}
+        decode_only = bool(out[0]) and log.get("tokens") == len(out[0])
+        timer.end_step(total, log.get("tokens", 0), log.get("running", 0), decode_only)
+        return out
+
+    engine.step = step
+    try:
+        S.run_paged(engine, w, tag="t")
+    finally:
+        del engine.step
+        for u in reversed(undo):
+            u()
+    return timer
+
+
+def summarise(steps: list[dict]) -> dict:
+    total = sum(s["total"] for s in steps)
+    if not total:
+        return {"steps": len(steps)}
+    share = {p: sum(s.get(p, 0.0) for s in steps) / total for p in PARTS}
+    overhead = 1 - share["forward"]
+    return {"steps": len(steps), "step_time_s": total, "tokens": sum(s["tokens"] for s in steps),
+            "share": share, "overhead_share": overhead,
+            "mean_step_ms": 1e3 * total / len(steps)}
+
+
+def format_summary(title: str, s: dict) -> str:
+    if "share" not in s:
+        return f"{title}: no steps"
+    parts = ", ".join(f"{p} {s['share'][p]:.1%}" for p in PARTS)
+    return (f"{title}: {s['steps']} steps, {s['step_time_s']:.2f}s, mean {s['mean_step_ms']:.1f} ms/step, "
+            f"{s['tokens']} tokens\n    outside the forward (schedule+metadata+plan+sample+update+other): "
+            f"{s['overhead_share']:.1%}\n    {parts}  (attention is inside forward)")
+
+
+def main(args: Any, B: Any, engine_cfg: dict) -> int:
+    """B: the bench module (its model loading, workloads and paths)."""
+    import json
+    from pathlib import Path
+
+    from paged_hf import Engine
+
+    dtype_name = args.dtypes[-1]  # bf16 unless told otherwise
+    dtype = B.DTYPES[dtype_name]
+    _, model, special, _ = B.load_models(args.smoke, dtype)
+    vocab = model.config.get_text_config().vocab_size
+    pool = [t for t in range(vocab) if t not in special]
+    args.workloads = ["mixed"]
+    w = B.build_workloads(args, pool)[0]
+    warm = B.warm_workload(pool)
+    print(f"profiling paged_hf on {w.name}, {dtype_name}, {args.threads} threads, engine {engine_cfg or 'defaults'}")
+
+    engine = Engine(model, **engine_cfg)
+    S.run_paged(engine, warm, tag="warm")
+    timer = timed_run(engine, w)
+    all_steps = summarise(timer.steps)
+    many = [s for s in timer.steps if s["running"] >= min(64, max(x["running"] for x in timer.steps))]
+    decode = [s for s in timer.steps if s["decode_only"]]
+    report = {"workload": w.name, "dtype": dtype_name, "all_steps": all_steps,
+              "steps_with_max_running": summarise(many), "decode_only_steps": summarise(decode),
+              "per_step": timer.steps}
+    print(format_summary("all steps", all_steps))
+    print(format_summary(f"steps with >= {min(64, max(x['running'] for x in timer.steps))} running",
+                         report["steps_with_max_running"]))
+    print(format_summary("pure decode steps", report["decode_only_steps"]))
+    del engine
+
+    engine = Engine(model, **engine_cfg)
+    S.run_paged(engine, warm, tag="warm")
+    from torch.profiler import ProfilerActivity, profile
+
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=args.profile_shapes) as prof:
+        S.run_paged(engine, w, tag="p")
+    wall = time.perf_counter() - t0
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.profile_rows)
+    print(f"\ntorch.profiler, {w.name} under the profiler ({wall:.1f}s wall), top ops by self CPU time:")
+    print(table)
+    report["profiler_table"] = table
+    if args.profile_shapes:
+        by_shape = prof.key_averages(group_by_input_shape=True).table(sort_by="self_cpu_time_total",
+                                                                       row_limit=args.profile_rows)
+        print("\nthe same, by input shapes:")
+        print(by_shape)
+        report["profiler_table_by_shape"] = by_shape
+    out = Path(args.out) if args.out else B.HERE / "results" / f"profile-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1, default=str))
+    print(f"JSON: {out}")
+    return 0

@@ -1,0 +1,291 @@
+"""The systems under test. Each runs one workload and returns a ``RunResult``: every request's
+tokens and the time each token became available, plus what the system says about its work.
+
+    hf_seq      transformers ``generate``, one request at a time (optionally on a subset)
+    hf_static   transformers ``generate`` on padded static batches of B (left padding); each
+                batch runs until its longest request has all its tokens
+    hf_cb       transformers' own continuous batching (the ``generate_batch`` machinery, driven
+                through its manager so each request gets its own forced length)
+    paged_hf    paged_hf.Engine
+
+The transformers systems run on a model that paged_hf never touched (a separate copy) whose
+``generation_config.eos_token_id`` is cleared: every system then ignores EOS the same way and
+produces exactly ``n_out`` greedy tokens per request, so their tokens are comparable.
+
+Timing: all early requests arrive at ``t_start``. Late requests (W-long) arrive, in the systems
+that can admit work mid-flight (hf_cb, paged_hf), once every early request has produced
+``late_after`` tokens; hf_seq and hf_static queue them behind the early ones (arrival t_start).
+A token's time is when the step that produced it returned.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from bench_workloads import Workload
+
+
+@dataclass
+class RunResult:
+    tokens: list[list[int]]
+    arrival: list[float]
+    token_times: list[list[float]]
+    t_start: float
+    t_end: float
+    computed_tokens: int  # tokens fed through the model (padding and recomputation included)
+    subset: int | None = None  # hf_seq on the first `subset` requests only
+    forward_sizes: list[int] = field(default_factory=list)  # tokens fed to each forward
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class ForwardCounter:
+    """Counts the tokens every forward of ``model`` is fed (input_ids numel), from any thread."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.tokens = 0
+        self.calls = 0
+        self.sizes: list[int] = []
+        self._handle = model.register_forward_pre_hook(self._hook, with_kwargs=True)
+
+    def _hook(self, module: Any, args: tuple, kwargs: dict) -> None:
+        x = kwargs.get("input_ids")
+        if x is None and args:
+            x = args[0]
+        if x is None:
+            emb = kwargs.get("inputs_embeds")
+            n = emb.shape[0] * emb.shape[1] if emb is not None else 0
+        else:
+            n = x.numel()
+        self.tokens += int(n)
+        self.calls += 1
+        self.sizes.append(int(n))
+
+    def close(self) -> None:
+        self._handle.remove()
+
+
+class _StepClock:
+    """A stopping criterion that never stops; it timestamps every decoding step of ``generate``."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        self.times.append(time.perf_counter())
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
+def prepare_baseline(model: torch.nn.Module) -> None:
+    """Make transformers' generation ignore EOS on this (baseline-only) model copy."""
+    model.generation_config.eos_token_id = None
+
+
+def _hf_generate(model: torch.nn.Module, prompts: list[list[int]], n_new: int, pad_id: int
+                 ) -> tuple[torch.Tensor, list[float], int]:
+    """Greedy generate of exactly n_new tokens for a left-padded batch; (new tokens, step times, width)."""
+    from transformers import GenerationConfig, StoppingCriteriaList
+
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    gc = GenerationConfig(do_sample=False, max_new_tokens=n_new, min_new_tokens=n_new, pad_token_id=pad_id)
+    clock = _StepClock()
+    with torch.inference_mode():
+        out = model.generate(input_ids=ids, attention_mask=mask, generation_config=gc,
+                             stopping_criteria=StoppingCriteriaList([clock]))
+    new = out[:, width:]
+    assert new.shape[1] == n_new and len(clock.times) == n_new, (new.shape, len(clock.times), n_new)
+    return new, clock.times, width
+
+
+def _arrival_order(w: Workload) -> list[int]:
+    return [i for i, r in enumerate(w.requests) if not r.late] + [i for i, r in enumerate(w.requests) if r.late]
+
+
+def run_hf_static(model: torch.nn.Module, w: Workload, batch_size: int, pad_id: int) -> RunResult:
+    n = len(w.requests)
+    tokens: list[list[int]] = [[] for _ in range(n)]
+    times: list[list[float]] = [[] for _ in range(n)]
+    order = _arrival_order(w)
+    counter = ForwardCounter(model)
+    slots = used = 0
+    t0 = time.perf_counter()
+    try:
+        for b in range(0, n, batch_size):
+            idx = order[b:b + batch_size]
+            reqs = [w.requests[i] for i in idx]
+            n_max = max(r.n_out for r in reqs)
+            new, step_times, width = _hf_generate(model, [r.prompt for r in reqs], n_max, pad_id)
+            for row, (i, r) in enumerate(zip(idx, reqs)):
+                tokens[i] = new[row, : r.n_out].tolist()
+                times[i] = step_times[: r.n_out]
+            slots += len(reqs) * (width + n_max - 1)
+            used += sum(len(r.prompt) + r.n_out - 1 for r in reqs)
+        t1 = time.perf_counter()
+    finally:
+        counter.close()
+    return RunResult(tokens, [t0] * n, times, t0, t1, counter.tokens,
+                     forward_sizes=counter.sizes,
+                     extra={"kv_waste": 1 - used / slots, "prefix_hit_rate": 0.0,
+                            "kv_waste_note": "unused share of KV slots at batch end (padding, finished rows)"})
+
+
+def run_hf_seq(model: torch.nn.Module, w: Workload, pad_id: int, subset: int | None = None) -> RunResult:
+    sub = w if subset is None or subset >= len(w.requests) else w.subset(subset)
+    res = run_hf_static(model, sub, 1, pad_id)
+    res.extra["kv_waste"] = 0.0
+    res.extra.pop("kv_waste_note", None)
+    res.subset = None if sub is w else len(sub.requests)
+    res.extra["workload"] = sub
+    return res
+
+
+def run_hf_cb(model: torch.nn.Module, w: Workload) -> RunResult:
+    """transformers' continuous batching: the manager behind ``model.generate_batch``.
+
+    ``generate_batch`` takes one max_new_tokens for all requests; its manager's ``add_request``
+    takes one per request, and ``eos_token_id=-1`` turns EOS off, so lengths are forced exactly.
+    Setup (manager, cache allocation, warm-up) is outside the timed region, as for paged_hf.
+    """
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+    from transformers.generation.continuous_batching.utils import WorkloadHints
+
+    n = len(w.requests)
+    max_out = max(r.n_out for r in w.requests)
+    gc = GenerationConfig(do_sample=False, max_new_tokens=max_out, eos_token_id=-1)
+    hints = WorkloadHints(max_prompt_length=max(len(r.prompt) for r in w.requests),
+                          max_generated_length=max_out, num_requests=n)
+    # On CPU its default sizes the cache from a share of the machine's RAM (8-12 GiB here, on a
+    # 24 GiB machine shared with others); give it exactly room for every request at once instead.
+    page = ContinuousBatchingConfig().page_size
+    cb_config = ContinuousBatchingConfig(num_blocks=sum(-(-(len(r.prompt) + r.n_out) // page) for r in w.requests) + 2)
+    arrival = [0.0] * n
+    results: dict[int, Any] = {}
+    progress = [0] * n
+    early = [i for i, r in enumerate(w.requests) if not r.late]
+    late = [i for i, r in enumerate(w.requests) if r.late]
+    streaming = bool(late)  # to see when the early requests are decoding
+    counter = ForwardCounter(model)
+    t_setup = time.perf_counter()
+    try:
+        with torch.inference_mode(), model.continuous_batching_context_manager(
+                generation_config=gc, continuous_batching_config=cb_config, block=True, timeout=10,
+                workload_hints=hints) as manager:
+            setup_s = time.perf_counter() - t_setup
+            counter.tokens = counter.calls = 0  # the warm-up ran dummy batches
+            counter.sizes.clear()
+
+            def add(i: int) -> None:
+                r = w.requests[i]
+                arrival[i] = time.perf_counter()
+                manager.add_request(r.prompt, request_id=f"r{i}", max_new_tokens=r.n_out, streaming=streaming,
+                                    record_timestamps=True, eos_token_id=-1)
+
+            t0 = time.perf_counter()
+            for i in early:
+                add(i)
+            pending_late = list(late)
+            while len(results) < n:
+                out = manager.get_result(timeout=1.0)
+                if out is None:
+                    if not manager.is_running():
+                        raise RuntimeError(f"hf_cb: generation thread stopped with {n - len(results)} requests open")
+                    continue
+                i = int(out.request_id[1:])
+                if out.error is not None:
+                    raise RuntimeError(f"hf_cb: request {i} failed: {out.error}")
+                progress[i] = len(out.generated_tokens)
+                if out.is_finished():
+                    results[i] = out
+                if pending_late and w.late_ready(progress):
+                    for j in pending_late:
+                        add(j)
+                    pending_late = []
+            t1 = max(max(o.timestamps) for o in results.values())
+    finally:
+        counter.close()
+    tokens = [list(results[i].generated_tokens) for i in range(n)]
+    times = [list(results[i].timestamps) for i in range(n)]
+    return RunResult(tokens, arrival, times, t0, t1, counter.tokens, forward_sizes=counter.sizes,
+                     extra={"kv_waste": None, "prefix_hit_rate": None, "setup_s": setup_s,
+                                                                 "cb_num_blocks": cb_config.num_blocks, "cb_page_size": page})
+
+
+def paged_params(n_out: int) -> Any:
+    from paged_hf import SamplingParams
+    return SamplingParams(max_new_tokens=n_out, min_new_tokens=n_out, ignore_eos=True, temperature=0.0)
+
+
+def run_paged(engine: Any, w: Workload, tag: str = "b") -> RunResult:
+    """Drive ``engine`` step by step (so late requests can arrive mid-flight)."""
+    n = len(w.requests)
+    early = [i for i, r in enumerate(w.requests) if not r.late]
+    pending_late = [i for i, r in enumerate(w.requests) if r.late]
+    arrival = [0.0] * n
+    times: list[list[float]] = [[] for _ in range(n)]
+    reqs: dict[int, Any] = {}
+    index: dict[str, int] = {}
+    before = engine.stats()
+    first_step = before["steps"]
+    counter = ForwardCounter(engine.model)
+
+    def add(i: int) -> None:
+        r = w.requests[i]
+        rid = engine.add_request(r.prompt, paged_params(r.n_out), request_id=f"{tag}{i}")
+        arrival[i] = engine.requests[rid].arrival_time
+        reqs[i] = engine.requests[rid]
+        index[rid] = i
+
+    try:
+        t0 = time.perf_counter()
+        for i in early:
+            add(i)
+        done = 0
+        while done < n:
+            sampled, finished = engine.step()
+            now = time.perf_counter()
+            for req, _tok in sampled.items():
+                i = index.get(req.request_id)
+                if i is not None:
+                    times[i].append(now)
+            done += sum(1 for req in finished if req.request_id in index)
+            if pending_late and w.late_ready([len(t) for t in times]):
+                for j in pending_late:
+                    add(j)
+                pending_late = []
+            if not sampled and not finished and not engine.has_unfinished:
+                raise RuntimeError(f"paged_hf went idle with {n - done} requests open")
+        t1 = time.perf_counter()
+    finally:
+        counter.close()
+    after = engine.stats()
+    steps = [s for s in engine._stats.step_log if s["step"] > first_step]  # a list or a bounded deque
+    prompt = after["prompt_tokens"] - before["prompt_tokens"]
+    hits = after["prefix_hit_tokens"] - before["prefix_hit_tokens"]
+    tokens = [list(reqs[i].output_ids) for i in range(n)]
+    return RunResult(tokens, arrival, times, t0, t1, counter.tokens, forward_sizes=counter.sizes, extra={
+        "kv_waste": sum(s["kv_waste"] for s in steps) / len(steps) if steps else 0.0,
+        "kv_waste_note": "mean over steps of unfilled slots in allocated blocks",
+        "prefix_hit_rate": hits / prompt if prompt else 0.0,
+        "prefix_hit_tokens": hits,
+        "prefill_tokens_computed": after["prefill_tokens_computed"] - before["prefill_tokens_computed"],
+        "preemptions": after["preemptions"] - before["preemptions"],
+        "steps": len(steps),
+        "peak_blocks_used": after["peak_blocks_used"], "num_blocks": after["num_blocks"],
+        "block_size": after["block_size"], "backend": after["backend"],
+        "step_tokens_p50": _median([s["tokens"] for s in steps]),
+        "step_running_max": max((s["running"] for s in steps), default=0),
+    })
+
+
+def _median(xs: list[float]) -> float | None:
+    if not xs:
+        return None
+    s = sorted(xs)
+    return s[len(s) // 2]

@@ -1,0 +1,111 @@
+"""Seeded token-level workloads: prompts are token ids drawn from the model's vocabulary (special
+ids excluded), so no tokenizer noise enters a measurement. Every request is greedy and forced
+to exactly ``n_out`` new tokens (EOS ignored), so every system does the same work.
+
+    W-mixed   N prompts of U[20, 300] tokens, U[16, 128] new tokens each (all arrive at t0)
+    W-prefix  64 requests: one shared 512-token prefix + 16-64 own tokens; 32 new tokens each
+    W-long    32 short requests start decoding; then 4 prompts of 2,000 tokens arrive
+              (TTFT/TPOT are reported for the short ones: they are what the long prefills hurt)
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+
+@dataclass
+class BenchRequest:
+    prompt: list[int]
+    n_out: int
+    late: bool = False  # arrives once every early request has produced LATE_AFTER tokens
+
+
+@dataclass
+class Workload:
+    name: str
+    requests: list[BenchRequest]
+    shared_prefix: int = 0  # tokens every prompt shares (computed once by a perfect prefix cache)
+    focus: list[int] = field(default_factory=list)  # requests whose latency is reported; [] = all
+    late_after: int = 0     # late requests arrive when every early one has this many tokens out
+
+    @property
+    def focus_ids(self) -> list[int]:
+        return self.focus or list(range(len(self.requests)))
+
+    @property
+    def has_late(self) -> bool:
+        return any(r.late for r in self.requests)
+
+    def late_ready(self, progress: list[int]) -> bool:
+        """Whether the late requests arrive now, given each request's tokens out so far."""
+        return all(progress[i] >= min(self.late_after, r.n_out) for i, r in enumerate(self.requests) if not r.late)
+
+    def summary(self) -> dict:
+        prompts = [len(r.prompt) for r in self.requests]
+        outs = [r.n_out for r in self.requests]
+        return {"name": self.name, "requests": len(self.requests), "prompt_tokens": sum(prompts),
+                "output_tokens": sum(outs), "prompt_len_range": [min(prompts), max(prompts)],
+                "output_len_range": [min(outs), max(outs)], "shared_prefix": self.shared_prefix,
+                "late_requests": sum(r.late for r in self.requests), "late_after": self.late_after}
+
+    def subset(self, n: int) -> "Workload":
+        """The first ``n`` requests in arrival order (for the slow one-at-a-time baseline)."""
+        order = [i for i, r in enumerate(self.requests) if not r.late] + \
+                [i for i, r in enumerate(self.requests) if r.late]
+        keep = sorted(order[:n])
+        focus = [keep.index(i) for i in self.focus if i in keep]
+        return Workload(self.name, [self.requests[i] for i in keep], self.shared_prefix, focus,
+                        self.late_after)
+
+
+def allowed_ids(vocab_size: int, special_ids: set[int]) -> list[int]:
+    """Token ids a prompt may use: the vocabulary minus special/added ids."""
+    return [t for t in range(vocab_size) if t not in special_ids]
+
+
+def _tokens(rng: random.Random, pool: list[int], n: int) -> list[int]:
+    return [pool[rng.randrange(len(pool))] for _ in range(n)]
+
+
+def w_mixed(pool: list[int], n: int = 64, seed: int = 0, prompt_len: tuple[int, int] = (20, 300),
+            out_len: tuple[int, int] = (16, 128), name: str | None = None) -> Workload:
+    rng = random.Random(f"w-mixed/{seed}")
+    reqs = [BenchRequest(_tokens(rng, pool, rng.randint(*prompt_len)), rng.randint(*out_len)) for _ in range(n)]
+    return Workload(name or f"W-mixed-{n}", reqs)
+
+
+def w_prefix(pool: list[int], n: int = 64, seed: int = 0, prefix_len: int = 512,
+             suffix_len: tuple[int, int] = (16, 64), n_out: int = 32, name: str | None = None) -> Workload:
+    rng = random.Random(f"w-prefix/{seed}")
+    prefix = _tokens(rng, pool, prefix_len)
+    reqs = [BenchRequest(prefix + _tokens(rng, pool, rng.randint(*suffix_len)), n_out) for _ in range(n)]
+    return Workload(name or f"W-prefix-{n}", reqs, shared_prefix=prefix_len)
+
+
+def w_long(pool: list[int], n_short: int = 32, n_long: int = 4, seed: int = 0, long_len: int = 2000,
+           short_prompt: tuple[int, int] = (20, 120), short_out: int = 128, long_out: int = 16,
+           late_after: int = 4, name: str | None = None) -> Workload:
+    rng = random.Random(f"w-long/{seed}")
+    shorts = [BenchRequest(_tokens(rng, pool, rng.randint(*short_prompt)), short_out) for _ in range(n_short)]
+    longs = [BenchRequest(_tokens(rng, pool, long_len), long_out, late=True) for _ in range(n_long)]
+    return Workload(name or "W-long", shorts + longs, focus=list(range(n_short)), late_after=late_after)
+
+
+def build(names: list[str], pool: list[int], *, mixed_n: int = 64, mixed_out: tuple[int, int] = (16, 128),
+          scale: float = 1.0, seed: int = 0) -> list[Workload]:
+    """The workloads named in ``names`` ("mixed", "prefix", "long"); ``scale`` < 1 shrinks them."""
+    out = []
+    for name in names:
+        if name == "mixed":
+            out.append(w_mixed(pool, mixed_n, seed, out_len=mixed_out))
+        elif name == "prefix":
+            n = max(2, round(64 * scale))
+            out.append(w_prefix(pool, n, seed, prefix_len=max(16, round(512 * scale) // 16 * 16),
+                                n_out=max(4, round(32 * scale))))
+        elif name == "long":
+            out.append(w_long(pool, n_short=max(2, round(32 * scale)), n_long=max(1, round(4 * scale)), seed=seed,
+                              long_len=max(32, round(2000 * scale)), short_out=max(8, round(128 * scale)),
+                              long_out=max(4, round(16 * scale)), late_after=max(2, round(4 * scale))))
+        else:
+            raise ValueError(f"unknown workload {name!r}; known: mixed, prefix, long")
+    return out
