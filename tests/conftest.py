@@ -15,3 +15,13 @@ def smollm2(tmp_path_factory):
 
     cache_dir = os.environ.get("PAGED_HF_CACHE") or tmp_path_factory.mktemp("paged_hf_cache")
     return load_default_model(dtype=torch.bfloat16, cache_dir=cache_dir)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for a module: tiny models gain nothing from more, and on a busy
+    2-core machine OpenMP threads wait on each other."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -27,14 +27,7 @@ MAX_NUM_SEQS = 16
 PARAMS = SamplingParams(max_new_tokens=12)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One intra-op thread: these tiny models gain nothing from more, and a busy 2-core machine
-    makes OpenMP threads wait on each other."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -137,14 +137,6 @@ class FlashInferBackend(SwapMixin):
     def bytes_per_block(num_layers: int, block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         return num_layers * 2 * block_size * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
-    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        if not copies:
-            return
-        src = torch.tensor([s for s, _ in copies], device=self.device)
-        dst = torch.tensor([d for _, d in copies], device=self.device)
-        for cache in self.kv:
-            cache[dst] = cache[src]
-
     # ---- CUDA graphs ---------------------------------------------------------------------------
     def prepare_cuda_graphs(self, max_batch: int, max_indices: int) -> None:
         """Allocate the fixed buffers that captured decode steps read (once, before capture)."""

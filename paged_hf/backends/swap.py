@@ -70,8 +70,18 @@ def swap_in(kv: list[torch.Tensor], handle: SwapHandle, new_block_ids: list[int]
 
 
 class SwapMixin:
-    """``swap_out`` / ``swap_in`` as backend methods, over the backend's ``kv`` list."""
+    """Whole-block data movement as backend methods, over the backend's ``kv`` list:
+    copy-on-write copies, and ``swap_out`` / ``swap_in``."""
     kv: list[torch.Tensor]
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        if not copies:
+            return
+        device = self.kv[0].device
+        src = torch.tensor([s for s, _ in copies], device=device)
+        dst = torch.tensor([d for _, d in copies], device=device)
+        for cache in self.kv:
+            cache[dst] = cache[src]
 
     def swap_out(self, block_ids: list[int]) -> SwapHandle:
         return swap_out(self.kv, block_ids)

@@ -44,14 +44,6 @@ class TorchBackend(SwapMixin):
         self._rows = [c.view(-1, head_dim) for c in self.kv]  # one row per (block, head, offset)
         self.device = torch.device(device)
 
-    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        if not copies:
-            return
-        src = torch.tensor([s for s, _ in copies], device=self.device)
-        dst = torch.tensor([d for _, d in copies], device=self.device)
-        for cache in self.kv:
-            cache[dst] = cache[src]
-
     # ---- once per step -----------------------------------------------------------------------
     def plan(self, meta: StepMetadata) -> None:
         bs, dev, h = self.block_size, self.device, self.kv_heads
