@@ -4,10 +4,12 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-# CPU defaults, measured on a 2-core AVX-512 machine with SmolLM2-135M (see benchmarks/):
-# the step's matmuls saturate at a few hundred rows, so a 2k token budget keeps prefill chunks
-# efficient while a long prompt cannot stall decodes for more than one chunk.
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+# Defaults from measurements on a 2-core AVX-512 machine with SmolLM2-135M in bf16
+# (benchmarks/bench.py): bf16 matmuls run at ~374 GFLOP/s for 128 rows and ~401 for 512, so
+# a 512-token budget keeps prefill chunks within a few % of the best matmul rate, while a
+# long prompt holds up the running decodes for one 512-token chunk per step instead of 2k
+# (with 2048, W-long's inter-token latency p99 was ~40x its p50).
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 512
 DEFAULT_MAX_NUM_SEQS = 128
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_CPU_KV_BYTES = 1 << 30  # 1 GiB of KV unless told otherwise
