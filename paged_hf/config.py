@@ -8,7 +8,7 @@ from typing import Any
 # (benchmarks/bench.py): bf16 matmuls run at ~374 GFLOP/s for 128 rows and ~401 for 512, so
 # a 512-token budget keeps prefill chunks within a few % of the best matmul rate, while a
 # long prompt holds up the running decodes for one 512-token chunk per step instead of 2k
-# (with 2048, W-long's inter-token latency p99 was ~40x its p50).
+# (with 2048, W-long's inter-token latency p99 was 47x its p50).
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 512
 DEFAULT_MAX_NUM_SEQS = 128
 DEFAULT_BLOCK_SIZE = 16
