@@ -48,11 +48,6 @@ class BlockManager:
             req.num_computed_tokens = len(blocks) * self.block_size
         return req.num_computed_tokens
 
-    def peek_cached_blocks(self, req: Request) -> int:
-        if self.index is None:
-            return 0
-        return len(self.index.match_prefix(req.token_ids[: req.num_tokens - 1], req.cache_salt)[1])
-
     # ---- slots for the next step ---------------------------------------------------------
     def blocks_needed(self, req: Request, n_new: int) -> int:
         total = blocks_for(req.num_computed_tokens + n_new, self.block_size)

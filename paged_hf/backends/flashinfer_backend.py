@@ -133,10 +133,6 @@ class FlashInferBackend(SwapMixin):
         self._planned: dict[Variant, object] = {}
         self._k_rows = self._v_rows = None
 
-    @staticmethod
-    def bytes_per_block(num_layers: int, block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        return num_layers * 2 * block_size * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
-
     # ---- CUDA graphs ---------------------------------------------------------------------------
     def prepare_cuda_graphs(self, max_batch: int, max_indices: int) -> None:
         """Allocate the fixed buffers that captured decode steps read (once, before capture)."""

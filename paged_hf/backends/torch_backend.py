@@ -65,7 +65,7 @@ class TorchBackend(SwapMixin):
             table = [meta.kv_blocks[i] + [meta.kv_blocks[i][0]] * (max_blocks - len(meta.kv_blocks[i]))
                      for i in decode]
             self._decode_blocks = torch.tensor(table, dtype=torch.long, device=dev).flatten()
-            self._decode_shape = (len(decode), max_blocks)
+            self._num_decodes = len(decode)
             pos = torch.arange(max_blocks * bs, device=dev)
             self._decode_kv_pos = pos
             self._decode_q_pos = lens - 1
@@ -119,7 +119,7 @@ class TorchBackend(SwapMixin):
         out = query.new_empty(q_all.shape[1], hq, d)
 
         if self._decode_blocks is not None:
-            n_dec, _ = self._decode_shape
+            n_dec = self._num_decodes
             k, v = self._gather(layer_idx, self._decode_blocks, n_dec)          # [Bd, Hkv, L, D]
             hkv = k.shape[1]
             rows_out = slice(0, n_dec) if self._decode_prefix else self._decode_rows
