@@ -89,9 +89,10 @@ class Engine:
 
     # ---- requests ----------------------------------------------------------------------------
     def add_request(self, prompt: Any, params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
+                    request_id: str | None = None, eos_token_ids: frozenset[int] | None = None) -> str:
         """Queue one prompt (token ids, or a string with a tokenizer). Bad input raises
-        ValueError naming the request; nothing else is disturbed."""
+        ValueError naming the request; nothing else is disturbed. ``eos_token_ids`` replaces the
+        model's EOS ids for this request (transformers' generate takes them from its config)."""
         rid = str(next(self._ids)) if request_id is None else str(request_id)
         if rid in self.requests:
             raise ValueError(f"request {rid}: id already in use")
@@ -100,7 +101,8 @@ class Engine:
             raise TypeError(f"request {rid}: params must be SamplingParams, got {type(params).__name__}")
         params.validate(f"request {rid}")
         ids = self._prompt_ids(rid, prompt)
-        req = Request(rid, ids, params, self.eos_token_ids, self.max_model_len)
+        eos = self.eos_token_ids if eos_token_ids is None else frozenset(eos_token_ids)
+        req = Request(rid, ids, params, eos, self.max_model_len)
         req.generator = self._generator(params, 0)
         self.scheduler.add(req)  # refuses what could never fit the pool
         self.requests[rid] = req

@@ -80,13 +80,12 @@ def paged_generate(self: torch.nn.Module, inputs: torch.Tensor | None = None,
     rids = []
     try:  # refuse the whole call before anything runs: a tensor API has no per-row errors
         for i, prompt in enumerate(prompts):
-            rids.append(engine.add_request(prompt, params))
+            # stop on the generation config's EOS, as transformers does
+            rids.append(engine.add_request(prompt, params, eos_token_ids=frozenset(eos_list)))
     except (ValueError, TypeError) as e:
         for rid in rids:
             engine.abort(rid)
         raise ValueError(f"paged_hf generate: row {i}: {e}") from e
-    for rid in rids:  # stop on the generation config's EOS, as transformers does
-        engine.requests[rid].eos_token_ids = frozenset(eos_list)
 
     if streamer is not None:
         streamer.put(input_ids.cpu())
