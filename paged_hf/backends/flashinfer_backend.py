@@ -45,9 +45,8 @@ try:
     import flashinfer
 except ImportError as e:  # pragma: no cover - depends on the machine
     raise ImportError(
-        "paged_hf's FlashInfer backend needs the flashinfer package, which is not installed "
-        f"({e}). Install it with `pip install paged_hf[cuda]` (flashinfer-python; versions 0.6+ also "
-        "need apache-tvm-ffi), or choose backend='torch'.") from e
+        f"paged_hf's FlashInfer backend could not import flashinfer ({e}). Install it with "
+        "`pip install paged_hf[cuda]` (flashinfer-python 0.7), or choose backend='torch'.") from e
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 SUPPORTED_HEAD_DIMS = (64, 128, 256, 512)  # FlashInfer's DISPATCH_HEAD_DIM
