@@ -6,22 +6,17 @@
 # private target dir (SITE, default /tmp/paged_hf_site), installs this repository there too, then
 # runs benchmarks/gpu_check.py (see its docstring: agreement, then throughput; table + JSON).
 #
-# What to carry in benchmarks/wheels/ (fetch them where there is network; the GPU image used here
-# has Python 3.12, torch 2.11 + CUDA 13, nvcc, ninja, numpy, einops, tabulate, nvidia-ml-py,
-# safetensors, tokenizers 0.23, huggingface_hub 1.33 and transformers 5.17):
-#   flashinfer-python 0.7.2.post1   py3-none-any (62 MB; kernels are JIT-compiled with the machine's
+# What to carry in benchmarks/wheels/: `bash benchmarks/fetch_gpu_wheels.sh` fetches and packs it
+# where there is network (about 32 MiB, pins from constraints/):
+#   flashinfer-python 0.7.2.post1   as flashinfer-*.tar.xz, its installed tree (the 62 MB wheel is
+#                                   mostly CUDA sources; kernels are JIT-compiled with the machine's
 #                                   nvcc on first use, cached in ~/.cache/flashinfer)
-#   apache-tvm-ffi 0.1.15.post2     cp312 manylinux_2_28_x86_64 (flashinfer >= 0.6 imports tvm_ffi)
-#   transformers 5.24.0             py3-none-any (the version paged_hf is checked against)
-#   paged_hf itself                 optional: without a paged_hf wheel the repository is installed
-#                                   from source (setuptools, --no-build-isolation, offline)
-# e.g.:  pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-#          --platform manylinux_2_28_x86_64 -d benchmarks/wheels \
-#          flashinfer-python==0.7.2.post1 apache-tvm-ffi==0.1.15.post2 transformers==5.24.0
-# If the carried files must stay small (a 64 MiB transfer limit, say), a package may come as a
-# .tar.xz of its installed tree instead of a wheel, unpacked into SITE as is: flashinfer's wheel,
-# installed with `pip install --no-deps --target T` and packed with `tar -C T -cJf
-# flashinfer.tar.xz flashinfer flashinfer_python-0.7.2.post1.dist-info`, is about 18 MB.
+#   apache-tvm-ffi 0.1.15.post2     cp312 wheel (flashinfer imports tvm_ffi)
+#   transformers 5.24.0             the version paged_hf is tested against
+# Any *.whl there is installed, any *.tar.xz unpacked into SITE as is. paged_hf itself comes from
+# this repository (setuptools, --no-build-isolation, offline) unless a paged_hf wheel is carried.
+# The GPU image this was written for has Python 3.12, torch 2.11 + CUDA 13, nvcc, ninja, numpy,
+# einops, tabulate, nvidia-ml-py, safetensors, tokenizers and transformers 5.17.
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -55,6 +50,7 @@ export TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 export MAX_JOBS="${MAX_JOBS:-$(nproc)}"  # ninja jobs for FlashInfer's JIT builds
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+cd "$HERE"  # so the versions printed are the ones gpu_check.py imports (SITE first, not the repo root)
 "$PY" - <<'EOF'
 import torch, transformers, paged_hf
 print("torch", torch.__version__, "cuda", torch.version.cuda,

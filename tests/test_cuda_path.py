@@ -421,10 +421,13 @@ def test_kv_budget_arithmetic():
 
 # ---- the GPU check script -------------------------------------------------------------------------
 def test_gpu_check_dry_run(tmp_path):
+    """gpu_check.sh as the GPU machine runs it (offline install of this repository into a private
+    site, then gpu_check.py), with nothing carried and tiny sizes on CPU."""
     out = tmp_path / "gpu_check.json"
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    result = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_check.py"), "--dry-run", "--json", str(out)],
-                            capture_output=True, text=True, timeout=600, cwd=REPO, env=env)
+    (tmp_path / "wheels").mkdir()
+    env = dict(os.environ, WHEELS=str(tmp_path / "wheels"), SITE=str(tmp_path / "site"), PYTHON=sys.executable)
+    result = subprocess.run(["bash", str(REPO / "benchmarks" / "gpu_check.sh"), "--dry-run", "--json", str(out)],
+                            capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["dry_run"] is True
@@ -432,3 +435,4 @@ def test_gpu_check_dry_run(tmp_path):
     names = {r["name"] for r in report["throughput"]}
     assert {"transformers generate", "transformers generate_batch", "paged_hf eager"} <= names
     assert "| paged_hf eager" in result.stdout
+    assert f"paged_hf {tmp_path / 'site'}" in result.stdout  # the check ran the installed copy
