@@ -92,7 +92,9 @@ class _CudaGraph:
         self.pool = pool
 
     def capture(self, fn: Callable[[], None]) -> None:
-        with torch.cuda.graph(self.graph, pool=self.pool):
+        # thread_local: the background engine (serve.py) captures on its own thread, and "global"
+        # would make any CUDA call of another thread (a notebook's) fail while it does.
+        with torch.cuda.graph(self.graph, pool=self.pool, capture_error_mode="thread_local"):
             fn()
 
     def replay(self) -> None:

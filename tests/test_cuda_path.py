@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import paged_hf
 import paged_hf.runner
@@ -26,7 +27,7 @@ from paged_hf.cuda_graphs import (DecodeAccelerator, _EagerGraph, bucket_for, de
                                   padding_metadata)
 from paged_hf.cuda_memory import kv_budget_from_profile
 from paged_hf.metadata import build_step_metadata
-from tiny_models import make_tiny_model, tiny_prompts
+from tiny_models import FAMILIES, make_tiny_model, tiny_prompts
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -299,6 +300,69 @@ def test_cuda_graph_decode_path(family, fake_flashinfer, monkeypatch):
     for (b, _), w in backend._graph.items():
         assert w._indptr_buf.data_ptr() == backend._graph_bufs.kv_indptr.data_ptr()
         assert w._indices_buf.data_ptr() == backend._graph_bufs.kv_indices.data_ptr()
+
+
+class _HostSyncWatch(TorchDispatchMode):
+    """Records ops that on CUDA would copy to or from the host or wait for the device: CUDA-graph
+    capture fails on them (and outside capture they stall the step)."""
+    SYNCING = {"_local_scalar_dense", "nonzero", "masked_select", "lift_fresh", "lift_fresh_copy", "unique",
+               "_unique2", "item", "is_nonzero"}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name in self.SYNCING:
+            self.seen.append(name)
+        elif name == "index" and any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1] if i is not None):
+            self.seen.append("index with a bool mask")
+        elif name == "repeat_interleave" and isinstance(args[1] if len(args) > 1 else None, torch.Tensor) \
+                and (kwargs or {}).get("output_size") is None:
+            self.seen.append("repeat_interleave without output_size")
+        return func(*args, **(kwargs or {}))
+
+
+class _WatchedGraph(_EagerGraph):
+    """An eager stand-in graph whose capture records what would break a real capture. As under a
+    real one, torch.cuda.is_current_stream_capturing() is True meanwhile: transformers skips its
+    data-dependent checks (packed-sequence detection, GPT-2's padding warning) when it is."""
+    watches: list[_HostSyncWatch] = []
+
+    def capture(self, fn) -> None:
+        watch = _HostSyncWatch()
+        self.watches.append(watch)
+        self.fn = fn
+        capturing = torch.cuda.is_current_stream_capturing
+        torch.cuda.is_current_stream_capturing = lambda: True
+        try:
+            with watch:
+                fn()
+        finally:
+            torch.cuda.is_current_stream_capturing = capturing
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_captured_decode_step_never_syncs_with_the_host(family, fake_flashinfer, monkeypatch):
+    """What runs under CUDA-graph capture (the model's forward, paged attention, the K/V writes)
+    makes no host round trip, which a real capture would refuse."""
+    model = make_tiny_model(family)
+    prompts, params = _workload(model.config.vocab_size)
+    _use_backend(monkeypatch, fake_flashinfer.FlashInferBackend, graphs=True)
+    monkeypatch.setattr(_WatchedGraph, "watches", [])
+    build = DecodeAccelerator.build
+    monkeypatch.setattr(DecodeAccelerator, "build", classmethod(
+        lambda cls, *a, **k: _set(build.__func__(cls, *a, **k), _graph_factory=_WatchedGraph)))
+    _generate(model, prompts, params)
+    assert len(_WatchedGraph.watches) == len(decode_buckets(8))
+    assert [w.seen for w in _WatchedGraph.watches] == [[]] * len(decode_buckets(8))
+
+
+def _set(obj, **attrs):
+    for k, v in attrs.items():
+        setattr(obj, k, v)
+    return obj
 
 
 def test_padding_rows_are_not_sampled():
