@@ -130,13 +130,13 @@ class Engine:
                              "(room for at least one new token is needed)")
         return ids
 
-    @staticmethod
-    def _generator(params: SamplingParams, sample_index: int) -> torch.Generator | None:
-        if params.is_greedy:
+    def _generator(self, params: SamplingParams, sample_index: int) -> torch.Generator | None:
+        """A seeded request's own generator, on the logits' device (a CPU generator cannot draw
+        CUDA noise). Unseeded requests have none: they share torch's default generator, one draw
+        for the whole batch, so torch.manual_seed reproduces a run."""
+        if params.is_greedy or params.seed is None:
             return None
-        # unseeded requests draw their seed from torch's global RNG, so torch.manual_seed reproduces a run
-        seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item())
-        return torch.Generator().manual_seed(seed + sample_index)
+        return torch.Generator(device=self.runner.device).manual_seed(params.seed + sample_index)
 
     def abort(self, request_id: str) -> None:
         req = self.requests.get(str(request_id))

@@ -1,8 +1,9 @@
 """Next-token choice for a batch of logits rows, each with its own SamplingParams.
 
 Order follows transformers' logits processors: repetition penalty, min-new-tokens EOS ban,
-temperature, top-k, top-p, min-p. Each sampling request draws from its own torch.Generator,
-so a seeded request picks the same tokens alone or in any batch.
+temperature, top-k, top-p, min-p; then inverse-CDF sampling. A seeded request draws from its own
+torch.Generator, so it picks the same tokens alone or in any batch; unseeded ones share one draw
+per step from torch's default generator.
 """
 from __future__ import annotations
 
@@ -42,11 +43,7 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> SampleResult:
         idx = torch.tensor(sampling_rows, device=logits.device)
         temps = torch.tensor([requests[i].params.temperature for i in sampling_rows], device=logits.device)
         probs = _filtered_probs(logits[idx] / temps[:, None], [requests[i] for i in sampling_rows])
-        for j, i in enumerate(sampling_rows):
-            # exponential race (Gumbel-max): argmax p / E with E ~ Exp(1) samples from p
-            noise = torch.empty_like(probs[j]).exponential_(generator=requests[i].generator)
-            noise.clamp_(min=torch.finfo(noise.dtype).tiny)  # 0/0 would be NaN, and argmax picks NaN
-            tokens[i] = torch.argmax(probs[j] / noise)
+        tokens[idx] = _inverse_cdf_draw(probs, [requests[i].generator for i in sampling_rows])
     token_list = tokens.tolist()
 
     logprobs: list = [None] * len(requests)
@@ -60,6 +57,26 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> SampleResult:
             logprobs[i] = (float(lp[i, token_list[i]]),
                            {} if top is None else dict(zip(top.indices.tolist(), top.values.tolist())))
     return SampleResult(token_list, logprobs)
+
+
+def _inverse_cdf_draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One token per row of ``probs`` from one uniform draw per row: rows without a generator share
+    one draw from torch's default generator, a seeded row draws from its own. (A Gumbel/exponential
+    race needs a random number per vocabulary entry: 63 ms for 64 x 49k rows on this CPU, against
+    ~3 ms for the cumulative sum.)"""
+    u = torch.empty(probs.shape[0], dtype=probs.dtype, device=probs.device)
+    if any(g is None for g in generators):
+        u.uniform_()
+    for row, g in enumerate(generators):
+        if g is not None:
+            u[row: row + 1].uniform_(generator=g)
+    cdf = probs.cumsum(dim=-1)
+    # first index whose cumulative sum exceeds u * total: a zero-probability token never qualifies,
+    # as its cumulative sum equals its predecessor's
+    picks = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0].clamp_(max=probs.shape[1] - 1)
+    # u * total can round up to total itself (p ~ 2**-24); never let that pick a filtered token
+    zero = probs.gather(1, picks[:, None])[:, 0] == 0
+    return torch.where(zero, probs.argmax(dim=-1), picks)
 
 
 def _filtered_probs(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:

@@ -1,0 +1,93 @@
+"""The sampler's distribution against transformers' own logits processors.
+
+For one row of logits, transformers' ``_get_logits_processor`` (what its ``generate`` builds from a
+GenerationConfig: repetition penalty, min-new-tokens EOS ban, temperature, top-k, top-p, min-p)
+gives the exact distribution to sample from. The paged_hf sampler, fed the same GenerationConfig
+through ``SamplingParams.from_generation_config``, draws N tokens from that row; every token's
+frequency must be within 5 standard errors of transformers' probability, and a token transformers
+removes must never be drawn. Draws come from fixed seeds, so a run is deterministic.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import GenerationConfig
+
+from paged_hf import SamplingParams
+from paged_hf.request import Request
+from paged_hf.sampler import sample
+from tiny_models import make_tiny_model
+
+VOCAB = 16
+DRAWS = 20_000
+PROMPT = [3, 5, 5, 9]
+EOS = 7
+
+CASES = {
+    "temperature": dict(temperature=0.7),
+    "top_k": dict(temperature=1.0, top_k=3),
+    "top_p": dict(temperature=0.8, top_p=0.7),
+    "min_p": dict(temperature=1.0, min_p=0.2),
+    "repetition_penalty": dict(temperature=0.9, repetition_penalty=1.3),
+    "min_new_tokens bans EOS": dict(temperature=1.0, min_new_tokens=2),
+    "all filters": dict(temperature=1.2, top_k=6, top_p=0.9, min_p=0.05, repetition_penalty=1.2),
+}
+
+
+@pytest.fixture(scope="module")
+def model():
+    return make_tiny_model("llama")
+
+
+def _expected(model, gc: GenerationConfig, logits: torch.Tensor) -> torch.Tensor:
+    model._prepare_special_tokens(gc, device="cpu")  # as generate does: the EOS ban reads its tensors
+    procs = model._get_logits_processor(gc, input_ids_seq_length=len(PROMPT), device="cpu")
+    scores = procs(torch.tensor([PROMPT]), logits[None].clone())[0]
+    return torch.softmax(scores, dim=-1)
+
+
+def _requests(params: SamplingParams, seeded: bool) -> list[Request]:
+    reqs = []
+    for i in range(DRAWS):
+        req = Request(str(i), list(PROMPT), params, frozenset({EOS}), 1 << 20)
+        req.generator = torch.Generator().manual_seed(i) if seeded else None
+        reqs.append(req)
+    return reqs
+
+
+@pytest.mark.parametrize("seeded", [False, True], ids=["shared draw", "own generators"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_sampled_frequencies_match_transformers_processors(model, case, seeded):
+    gc = GenerationConfig(**{"do_sample": True, "top_k": 0, "top_p": 1.0, "eos_token_id": EOS, "max_new_tokens": 4,
+                             **CASES[case]})
+    logits = torch.randn(VOCAB, generator=torch.Generator().manual_seed(len(case))) * 2
+    expected = _expected(model, gc, logits)
+    assert (expected == 0).any() or case in ("temperature", "repetition_penalty"), "the case filters nothing"
+
+    params = SamplingParams.from_generation_config(gc)
+    torch.manual_seed(0)
+    tokens = sample(logits.expand(DRAWS, VOCAB), _requests(params, seeded)).tokens
+    freq = torch.bincount(torch.tensor(tokens), minlength=VOCAB).double() / DRAWS
+
+    removed = expected == 0
+    assert freq[removed].sum() == 0, f"drew tokens transformers removes: {removed.nonzero().flatten().tolist()}"
+    p = expected.double()
+    bound = 5 * (p * (1 - p) / DRAWS).sqrt() + 1e-4
+    worst = ((freq - p).abs() / bound).max()
+    assert worst <= 1, f"{case}: frequencies {freq.tolist()} vs probabilities {p.tolist()}"
+
+
+def test_seeded_rows_draw_the_same_tokens_alone_or_in_a_batch():
+    logits = torch.randn(6, VOCAB, generator=torch.Generator().manual_seed(3))
+    params = SamplingParams(max_new_tokens=4, temperature=1.0)
+    def reqs(seeds):
+        out = []
+        for s in seeds:
+            r = Request(str(s), list(PROMPT), params, frozenset(), 1 << 20)
+            r.generator = None if s is None else torch.Generator().manual_seed(s)
+            out.append(r)
+        return out
+    alone = [sample(logits[i:i + 1], reqs([s])).tokens[0] for i, s in ((1, 11), (4, 44))]
+    torch.manual_seed(1)
+    mixed = sample(logits, reqs([None, 11, None, None, 44, None])).tokens
+    assert [mixed[1], mixed[4]] == alone
