@@ -289,10 +289,7 @@ def run_paged(setup: Setup, prompts, out_lens, graphs: bool) -> Row:
     engine = paged_engine(model, setup, prompts, out_lens, graphs)
     params = [SamplingParams(max_new_tokens=n, temperature=setup.temperature, ignore_eos=True, seed=i)
               for i, n in enumerate(out_lens)]
-    t = time.perf_counter()
-    # warm: kernels (FlashInfer JIT on a fresh machine), graph capture on the first decode step
-    engine.generate([prompts[0][:32], prompts[1][:17]], SamplingParams(max_new_tokens=3, ignore_eos=True))
-    warm_s = time.perf_counter() - t
+    warm_s = engine.warmup()  # kernels (FlashInfer JIT on a fresh machine), CUDA-graph capture
     sync(setup)
     t = time.perf_counter()
     outs = engine.generate(prompts, params)

@@ -77,6 +77,15 @@ class BlockPool:
             if self.refcount[b] == 0 and not (self.index is not None and self.index.holds(b)):
                 self._release(b)
 
+    def drop_cached(self) -> int:
+        """Evict every cached block nobody uses back to the free list; returns how many."""
+        if self.index is None:
+            return 0
+        evicted = self.index.evict(self.index.evictable_blocks)
+        for b in evicted:
+            self._release(b)
+        return len(evicted)
+
     def _release(self, b: int) -> None:
         if self._is_free[b]:
             raise RuntimeError(f"block {b} freed twice")

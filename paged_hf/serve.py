@@ -357,12 +357,14 @@ class BackgroundEngine:
             handle._finish(engine.collect(group))
 
 
-def serve(model: torch.nn.Module, tokenizer: Any = None, **config: Any) -> BackgroundEngine:
+def serve(model: torch.nn.Module, tokenizer: Any = None, *, warmup: bool = True, **config: Any) -> BackgroundEngine:
     """Start an engine for ``model`` on a background thread; returns the ``BackgroundEngine``.
 
     ``config`` takes the ``EngineConfig`` fields. A model patched with ``paged_hf.patch`` and
     no ``config`` runs its own engine (``engine_for``); don't call its ``generate`` while the
-    background engine runs.
+    background engine runs. ``warmup``: run ``Engine.warmup()`` first, here, so the first
+    request does not wait for kernel compilation or CUDA-graph capture (on a GPU machine's first
+    use FlashInfer compiles its kernels: a minute or more; on CPU it takes a moment).
 
     >>> bg = paged_hf.serve(model, tokenizer)
     >>> print("".join(bg.submit("Hello", SamplingParams(max_new_tokens=8)).stream()))
@@ -377,4 +379,6 @@ def serve(model: torch.nn.Module, tokenizer: Any = None, **config: Any) -> Backg
             engine.tokenizer = tokenizer
     else:
         engine = Engine(model, tokenizer, **config)
+    if warmup:
+        engine.warmup()
     return BackgroundEngine(engine)

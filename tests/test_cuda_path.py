@@ -302,6 +302,22 @@ def test_cuda_graph_decode_path(family, fake_flashinfer, monkeypatch):
         assert w._indices_buf.data_ptr() == backend._graph_bufs.kv_indices.data_ptr()
 
 
+def test_warmup_captures_the_graphs_before_the_first_request(fake_flashinfer, monkeypatch):
+    model = make_tiny_model("gemma2")
+    prompts, params = _workload(model.config.vocab_size)
+    expected, _ = _generate(model, prompts, params, backend="torch")
+    _use_backend(monkeypatch, fake_flashinfer.FlashInferBackend, graphs=True)
+    engine = paged_hf.Engine(model, num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=24)
+    engine.warmup()
+    accel, backend = engine.runner.decode, engine.runner.backend
+    assert accel._captured and sorted(accel._graphs) == decode_buckets(8)
+    assert {kind for kind, _ in backend._eager} == {"prefill"} and len(backend.variants) == 2
+    graphs = dict(accel._graphs)
+    got = [o.token_ids for o in engine.generate(prompts, params)]
+    assert got == expected
+    assert accel._graphs == graphs, "no capture after warm-up"
+
+
 class _HostSyncWatch(TorchDispatchMode):
     """Records ops that on CUDA would copy to or from the host or wait for the device: CUDA-graph
     capture fails on them (and outside capture they stall the step)."""

@@ -286,3 +286,28 @@ def test_swap_preemption_gives_the_same_tokens_without_recomputing():
     assert s_swap["prefill_tokens_computed"] == sum(map(len, prompts))  # nothing computed twice
     assert s_re["prefill_tokens_computed"] > s_swap["prefill_tokens_computed"]
     assert swap.kv.pool.num_used == 0
+
+
+def test_warmup_leaves_the_engine_as_it_was():
+    """Engine.warmup runs throwaway requests, then leaves no request, no cached block and zero
+    stats behind: the requests that follow run exactly as on a fresh engine."""
+    model = make_tiny_model("gemma2")
+    prompts = tiny_prompts(model.config.vocab_size, 4, [9, 23, 5, 17], seed=21)
+    params = paged_hf.SamplingParams(max_new_tokens=10, ignore_eos=True)
+    config = dict(num_blocks=48, block_size=4, max_num_batched_tokens=16, max_num_seqs=4)
+    fresh = paged_hf.Engine(model, **config)
+    want = [o.token_ids for o in fresh.generate(prompts, params)]
+
+    warm = paged_hf.Engine(model, **config)
+    assert warm.warmup() > 0
+    stats = warm.stats()
+    assert (stats["steps"], stats["prompt_tokens"], stats["generated_tokens"]) == (0, 0, 0)
+    assert (stats["blocks_used"], stats["blocks_cached"], stats["blocks_free"]) == (0, 0, 48)
+    assert not warm.requests and not warm.has_unfinished
+    got = [o.token_ids for o in warm.generate(prompts, params)]
+    assert got == want
+    assert warm.stats() == fresh.stats()
+    assert warm.warmup() == 0.0, "an engine that has stepped is warm already"
+    warm.add_request(prompts[0], params)
+    with pytest.raises(RuntimeError, match="before requests"):
+        warm.warmup()
