@@ -8,8 +8,9 @@ an NHD cache, then transposing, was ~5x slower on CPU; gathering from a K/V-inte
 cache, a strided view, ~3x slower than from a contiguous one.)
 
 ``plan`` turns the step metadata into gather indices and masks once per step; ``attend`` then
-runs once per layer: write the new K/V, attend all decodes in one batched call, and each
-prefill chunk with its own causal offset.
+runs once per layer: write the new K/V, attend the decodes in a few batched calls (sequences
+grouped by length, so a batch of short ones does not gather a long one's context each), and
+each prefill chunk with its own causal offset.
 """
 from __future__ import annotations
 
@@ -21,6 +22,41 @@ from torch.nn.attention.bias import causal_lower_right
 
 from ..metadata import StepMetadata
 from .swap import SwapMixin
+
+
+@dataclass
+class _DecodeGroup:
+    """Decoding sequences of similar length, attended in one batched call, each padded to the
+    longest of the group (a short sequence never pays for a long one's context)."""
+    rows: torch.Tensor | slice  # their query rows in the packed batch
+    blocks: torch.Tensor        # [n * max_blocks] each sequence's blocks, padded with its first
+    n: int
+    q_pos: torch.Tensor         # [n] position of each one's query token
+    kv_pos: torch.Tensor        # [max_blocks * block_size]
+    valid: torch.Tensor         # [n, max_blocks * block_size] real (not padding) key positions
+    masks: dict
+
+
+# A group grows to take the next longer sequence while the padding that adds (its members times
+# the length step) stays under this many tokens: about what one more group's per-layer calls
+# cost in copying on a CPU. Sorting by length first makes groups contiguous length ranges.
+GROUP_PADDING_TOKENS = 512
+
+
+def decode_groups(lengths: list[int], block_size: int, padding_tokens: int | None = None) -> list[list[int]]:
+    """Indices into ``lengths`` (KV lengths of decoding sequences) split into groups of similar length."""
+    if padding_tokens is None:
+        padding_tokens = GROUP_PADDING_TOKENS
+    groups: list[list[int]] = []
+    longest = 0  # blocks of the current group's longest member
+    for i in sorted(range(len(lengths)), key=lengths.__getitem__):
+        blocks = -(-lengths[i] // block_size)
+        if groups and len(groups[-1]) * (blocks - longest) * block_size <= padding_tokens:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+        longest = blocks
+    return groups
 
 
 @dataclass
@@ -53,24 +89,22 @@ class TorchBackend(SwapMixin):
         # row of (token t, head j): (block * H + j) * bs + offset, in K's and in V's cache alike
         self._write = (((slots // bs) * h)[:, None] + heads[None, :]) * bs + (slots % bs)[:, None]
         self._write = self._write.flatten()
-        self._masks: dict[int | None, torch.Tensor] = {}
 
         qo = meta.qo_indptr.tolist()
         decode = [i for i, q in enumerate(meta.q_lens) if q == 1]
-        self._decode_rows = torch.tensor([qo[i] for i in decode], dtype=torch.long, device=dev)
-        self._decode_blocks = None
-        if decode:
-            lens = torch.tensor([meta.kv_lens[i] for i in decode], device=dev)
-            max_blocks = max(len(meta.kv_blocks[i]) for i in decode)
-            table = [meta.kv_blocks[i] + [meta.kv_blocks[i][0]] * (max_blocks - len(meta.kv_blocks[i]))
-                     for i in decode]
-            self._decode_blocks = torch.tensor(table, dtype=torch.long, device=dev).flatten()
-            self._num_decodes = len(decode)
+        self._decode_groups: list[_DecodeGroup] = []
+        for members in decode_groups([meta.kv_lens[i] for i in decode], bs):
+            seqs = [decode[j] for j in members]
+            rows = [qo[i] for i in seqs]
+            lens = torch.tensor([meta.kv_lens[i] for i in seqs], device=dev)
+            max_blocks = max(len(meta.kv_blocks[i]) for i in seqs)
+            table = [meta.kv_blocks[i] + [meta.kv_blocks[i][0]] * (max_blocks - len(meta.kv_blocks[i])) for i in seqs]
             pos = torch.arange(max_blocks * bs, device=dev)
-            self._decode_kv_pos = pos
-            self._decode_q_pos = lens - 1
-            self._decode_valid = pos[None, :] < lens[:, None]
-            self._decode_prefix = decode == list(range(len(decode)))  # decodes lead the batch: write by slice
+            contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
+            self._decode_groups.append(_DecodeGroup(
+                rows=slice(rows[0], rows[0] + len(rows)) if contiguous else torch.tensor(rows, device=dev),
+                blocks=torch.tensor(table, dtype=torch.long, device=dev).flatten(), n=len(seqs), q_pos=lens - 1,
+                kv_pos=pos, valid=pos[None, :] < lens[:, None], masks={}))
 
         self._prefills: list[_PrefillSeq] = []
         for i, q in enumerate(meta.q_lens):
@@ -81,13 +115,14 @@ class TorchBackend(SwapMixin):
                 rows=slice(qo[i], qo[i + 1]), blocks=torch.tensor(meta.kv_blocks[i], dtype=torch.long, device=dev),
                 q_pos=torch.arange(L - q, L, device=dev), kv_len=L, fresh=(L == q)))
 
-    def _decode_mask(self, window: int | None) -> torch.Tensor:
-        mask = self._masks.get(window)
+    @staticmethod
+    def _decode_mask(group: _DecodeGroup, window: int | None) -> torch.Tensor:
+        mask = group.masks.get(window)
         if mask is None:
-            mask = self._decode_valid
+            mask = group.valid
             if window is not None:
-                mask = mask & (self._decode_q_pos[:, None] - self._decode_kv_pos[None, :] < window)
-            mask = self._masks[window] = mask[:, None, None, :]  # [Bd, 1, 1, Lmax]
+                mask = mask & (group.q_pos[:, None] - group.kv_pos[None, :] < window)
+            mask = group.masks[window] = mask[:, None, None, :]  # [n, 1, 1, Lmax]
         return mask
 
     def _gather(self, layer_idx: int, blocks: torch.Tensor, n_seqs: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -118,16 +153,14 @@ class TorchBackend(SwapMixin):
         hq = q_all.shape[0]
         out = query.new_empty(q_all.shape[1], hq, d)
 
-        if self._decode_blocks is not None:
-            n_dec = self._num_decodes
-            k, v = self._gather(layer_idx, self._decode_blocks, n_dec)          # [Bd, Hkv, L, D]
+        for group in self._decode_groups:
+            k, v = self._gather(layer_idx, group.blocks, group.n)                 # [n, Hkv, L, D]
             hkv = k.shape[1]
-            rows_out = slice(0, n_dec) if self._decode_prefix else self._decode_rows
             # one query token per sequence: the G query heads of a KV head form a G-row query
             # (no K/V repeat for GQA). Plain matmuls beat CPU SDPA's flash kernel at q_len 1.
-            q = q_all[:, rows_out].transpose(0, 1).reshape(n_dec, hkv, hq // hkv, d)
-            o = _attention(q, k, v, self._decode_mask(sliding_window), scaling, softcap, fused=False)
-            out[rows_out] = o.reshape(n_dec, hq, d)
+            q = q_all[:, group.rows].transpose(0, 1).reshape(group.n, hkv, hq // hkv, d)
+            o = _attention(q, k, v, self._decode_mask(group, sliding_window), scaling, softcap, fused=False)
+            out[group.rows] = o.reshape(group.n, hq, d)
 
         for seq in self._prefills:
             q = q_all[:, seq.rows].unsqueeze(0)                                 # [1, Hq, q, D]
