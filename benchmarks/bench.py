@@ -186,7 +186,8 @@ def run_system(system: str, batch: int | None, base, eng_model, w: W.Workload, a
         S.run_paged(engine, warm, tag="warm")
         res = S.run_paged(engine, w)
         res.extra["engine_config"] = {k: getattr(engine.config, k) for k in
-                                      ("block_size", "max_num_batched_tokens", "max_num_seqs", "num_blocks")}
+                                      ("block_size", "max_num_batched_tokens", "max_num_seqs", "num_blocks",
+                                       "max_prefill_tokens_while_decoding")}
         del engine
         return res
     raise ValueError(system)
@@ -363,6 +364,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--block-size", type=int, help="paged_hf block_size (default: the engine's)")
     p.add_argument("--max-num-batched-tokens", type=int, help="paged_hf token budget per step")
     p.add_argument("--max-num-seqs", type=int, help="paged_hf max running sequences")
+    p.add_argument("--max-prefill-tokens-while-decoding", type=int, help="paged_hf prefill tokens per step next "
+                   "to running decodes")
     p.add_argument("--out", help="JSON path (default benchmarks/results/bench-<date>.json)")
     p.add_argument("--plot", nargs="?", const="", default=None, help="write a PNG (default: the JSON path, .png)")
     p.add_argument("--save-tokens", action="store_true", help="keep every request's output tokens in the JSON")
@@ -395,7 +398,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def engine_config(args) -> dict:
     cfg = {}
     for flag, key in (("block_size", "block_size"), ("max_num_batched_tokens", "max_num_batched_tokens"),
-                      ("max_num_seqs", "max_num_seqs")):
+                      ("max_num_seqs", "max_num_seqs"),
+                      ("max_prefill_tokens_while_decoding", "max_prefill_tokens_while_decoding")):
         if getattr(args, flag) is not None:
             cfg[key] = getattr(args, flag)
     return cfg

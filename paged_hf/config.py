@@ -24,6 +24,9 @@ class EngineConfig:
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     max_model_len: int | None = None  # None: the model's max_position_embeddings
+    # prefill tokens per step while decodes run (None: all the budget they leave); lower it for a
+    # steadier token stream next to long prompts, at the cost of those prompts' time to first token
+    max_prefill_tokens_while_decoding: int | None = None
     enable_prefix_caching: bool = True
     backend: str = "auto"  # "auto", "torch" or "flashinfer"
     namespace: str | None = None  # prefix-cache namespace (model / adapter id); None: derived from the model
@@ -37,6 +40,9 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name}={value!r}, must be an integer >= 1")
+        cap = self.max_prefill_tokens_while_decoding
+        if cap is not None and (not isinstance(cap, int) or isinstance(cap, bool) or cap < 1):
+            raise ValueError(f"max_prefill_tokens_while_decoding={cap!r}, must be None or an integer >= 1")
         if self.num_blocks is not None and (not isinstance(self.num_blocks, int) or self.num_blocks < 1):
             raise ValueError(f"num_blocks={self.num_blocks!r}, must be an integer >= 1")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):

@@ -57,7 +57,7 @@ class Engine:
         self.kv = BlockManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching,
                                self.config.namespace or "default")
         self.scheduler = Scheduler(self.kv, self.config.max_num_batched_tokens, self.config.max_num_seqs,
-                                   self.config.preemption_mode)
+                                   self.config.preemption_mode, self.config.max_prefill_tokens_while_decoding)
         self.runner = ModelRunner(model, self.config, num_blocks)
         self.requests: dict[str, Request] = {}  # live requests by id (samples of n > 1 included)
         self._ids = itertools.count()

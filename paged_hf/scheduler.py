@@ -34,7 +34,7 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, kv: BlockManager, max_num_batched_tokens: int, max_num_seqs: int,
-                 preemption_mode: str = "recompute") -> None:
+                 preemption_mode: str = "recompute", max_prefill_tokens_while_decoding: int | None = None) -> None:
         if max_num_batched_tokens < 1 or max_num_seqs < 1:
             raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens} and max_num_seqs={max_num_seqs} "
                              "must both be >= 1")
@@ -45,6 +45,9 @@ class Scheduler:
         self.preemption_mode = preemption_mode
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
+        # prefill tokens a step may carry next to running decodes (None: whatever budget they leave);
+        # a long prompt's chunks then cost each decode a little latency per step, not a long stall
+        self.max_prefill_tokens_while_decoding = max_prefill_tokens_while_decoding
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order; the tail is preempted first
         self.num_preemptions = 0
@@ -85,10 +88,15 @@ class Scheduler:
         # 1. running requests: decodes first (one token each), then unfinished prefills
         decodes = [r for r in self.running if r.num_pending_tokens == 1]
         prefills = [r for r in self.running if r.num_pending_tokens > 1]
+        prefill_room: int | None = None  # set once the decodes are placed
         for req in decodes + prefills:
             if req.status is not RequestStatus.RUNNING or budget == 0:
                 continue
-            n = min(req.num_pending_tokens, budget)
+            if req.num_pending_tokens > 1 and prefill_room is None:
+                prefill_room = self._prefill_room(budget, decoding=bool(chosen))
+            n = min(req.num_pending_tokens, budget if req.num_pending_tokens == 1 else prefill_room)
+            if n == 0:
+                continue
             while not self.kv.allocate_slots(req, n, out.block_copies):
                 victim = self.running[-1]
                 budget += chosen.pop(victim, 0)
@@ -99,11 +107,15 @@ class Scheduler:
             if req.status is RequestStatus.RUNNING:
                 chosen[req] = n
                 budget -= n
+                if req.num_pending_tokens > 1:
+                    prefill_room -= n
 
         # 2. waiting requests, in order, while nothing had to be preempted
         pending = self._blocks_in_flight(chosen)
         skipped: list[Request] = []
-        while self.waiting and budget > 0 and not out.preempted:
+        if prefill_room is None:
+            prefill_room = self._prefill_room(budget, decoding=bool(chosen))
+        while self.waiting and min(budget, prefill_room) > 0 and not out.preempted:
             req = self.waiting[0]
             if self.num_running_seqs() + req.seqs_when_running > self.max_num_seqs:
                 break
@@ -118,7 +130,7 @@ class Scheduler:
                 self.kv.free(req)
                 skipped.append(self.waiting.popleft())
                 continue
-            n = min(req.num_pending_tokens, budget)
+            n = min(req.num_pending_tokens, budget, prefill_room)
             if not self.kv.allocate_slots(req, n, out.block_copies):
                 self.kv.free(req)
                 break
@@ -134,11 +146,16 @@ class Scheduler:
             self.running.append(req)
             chosen[req] = n
             budget -= n
+            prefill_room -= n
             pending |= self._blocks_in_flight({req: n})
         self.waiting.extendleft(reversed(skipped))
 
         out.scheduled = list(chosen.items())
         return out
+
+    def _prefill_room(self, budget: int, decoding: bool) -> int:
+        cap = self.max_prefill_tokens_while_decoding
+        return budget if cap is None or not decoding else min(budget, cap)
 
     def _blocks_in_flight(self, chosen: dict[Request, int]) -> set:
         """Keys of the full blocks that this step's prefill chunks complete."""

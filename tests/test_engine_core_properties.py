@@ -30,9 +30,10 @@ class Driver:
     """A fake model loop over a real Scheduler, checking invariants as it goes."""
 
     def __init__(self, num_blocks: int, block_size: int, budget: int, max_seqs: int,
-                 prefix_caching: bool, seed: int = 0, preemption_mode: str = "recompute") -> None:
+                 prefix_caching: bool, seed: int = 0, preemption_mode: str = "recompute",
+                 prefill_cap: int | None = None) -> None:
         self.kv = BlockManager(num_blocks, block_size, enable_prefix_caching=prefix_caching)
-        self.s = Scheduler(self.kv, budget, max_seqs, preemption_mode)
+        self.s = Scheduler(self.kv, budget, max_seqs, preemption_mode, max_prefill_tokens_while_decoding=prefill_cap)
         self.rng = random.Random(seed)
         self.live: list[Request] = []      # added (or forked) and not finished, in order
         self.ended: list[Request] = []
@@ -178,6 +179,10 @@ class Driver:
         chosen = dict(out.scheduled)
         for r in decodes:
             assert chosen.get(r) == 1 or r in out.preempted, r.request_id
+        # next to running decodes, prefill chunks stay within their cap
+        cap = s.max_prefill_tokens_while_decoding
+        if cap is not None and any(r in chosen for r in decodes):
+            assert sum(n for r, n in out.scheduled if r not in decodes) <= cap
         # copy-on-write pairs: each destination is a fresh block of one request in this batch
         dsts = [d for _, d in out.block_copies]
         assert len(set(dsts)) == len(dsts)
@@ -300,7 +305,8 @@ def configs(draw):
     budget = draw(st.sampled_from(range(1, 25)))
     max_seqs = draw(st.sampled_from(range(1, min(budget, 6) + 1)))
     return dict(num_blocks=num_blocks, block_size=block_size, budget=budget, max_seqs=max_seqs,
-                prefix_caching=draw(st.sampled_from([True, True, False])))
+                prefix_caching=draw(st.sampled_from([True, True, False])),
+                prefill_cap=draw(st.sampled_from([None, None, 1, 2, 3, 5, 8])))
 
 
 def random_config(rng: random.Random) -> dict:
@@ -309,7 +315,8 @@ def random_config(rng: random.Random) -> dict:
     return dict(num_blocks=max(1, -(-rng.randint(6, 64) // block_size)), block_size=block_size,
                 budget=budget, max_seqs=rng.randint(1, min(budget, 6)),
                 prefix_caching=rng.random() < 0.7,
-                preemption_mode=rng.choice(["recompute", "recompute", "swap"]))
+                preemption_mode=rng.choice(["recompute", "recompute", "swap"]),
+                prefill_cap=rng.choice([None, None, 1, 2, 4, 8]))
 
 
 ADD = st.tuples(st.just("add"),
