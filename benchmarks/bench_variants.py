@@ -1,0 +1,113 @@
+#!/usr/bin/env python
+"""paged_hf against itself: engine variants side by side, interleaved, in one process.
+
+    python benchmarks/bench_variants.py                       # W-mixed, W-prefix, W-long; 2 rounds
+    python benchmarks/bench_variants.py --workloads long --rounds 3 --out variants.json
+
+Variants (same model, same workloads, fresh engine per run, each preceded by a tiny warm-up):
+
+- ``one decode group``: every decoding sequence padded to the longest, in one batched call (the
+  torch backend before decode groups; ``GROUP_PADDING_TOKENS`` set beyond any batch);
+- ``decode groups``: the default engine;
+- ``decode groups + prefill cap 128``: ``max_prefill_tokens_while_decoding=128``.
+
+Rounds run every (workload, variant) once in turn, so a slow spell of the machine hits all
+variants alike; the table reports each one's median output tok/s, its ratio to the first
+variant, and inter-token latency p50/p99 (the focus requests of the workload: W-long's shorts).
+SmolLM2-135M-Instruct real weights, bf16. Prints a table and writes JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import torch  # noqa: E402
+
+import bench  # noqa: E402
+import bench_systems as S  # noqa: E402
+import bench_workloads as W  # noqa: E402
+import paged_hf  # noqa: E402
+import paged_hf.backends.torch_backend as torch_backend  # noqa: E402
+from paged_hf.models import load_default_model  # noqa: E402
+
+VARIANTS = {
+    "one decode group": dict(group_padding=1 << 60, config={}),
+    "decode groups": dict(group_padding=torch_backend.GROUP_PADDING_TOKENS, config={}),
+    "decode groups + prefill cap 128": dict(group_padding=torch_backend.GROUP_PADDING_TOKENS,
+                                            config={"max_prefill_tokens_while_decoding": 128}),
+}
+
+
+def run_once(model, workload: W.Workload, warm: W.Workload, variant: dict) -> dict:
+    torch_backend.GROUP_PADDING_TOKENS = variant["group_padding"]
+    try:
+        engine = paged_hf.Engine(model, **variant["config"])
+        S.run_paged(engine, warm, tag="warm")
+        res = S.run_paged(engine, workload)
+    finally:
+        torch_backend.GROUP_PADDING_TOKENS = VARIANTS["decode groups"]["group_padding"]
+    out = sum(len(t) for t in res.tokens)
+    lat = bench.latency_metrics(res, workload.focus_ids)
+    return {"out_tok_s": out / (res.t_end - res.t_start), "itl_p50": lat["itl_p50"], "itl_p99": lat["itl_p99"]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workloads", default="mixed,prefix,long", help="comma list of mixed, prefix, long")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--scale", type=float, default=1.0, help="shrink W-prefix and W-long, as bench.py --scale")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/variants-<date>.json)")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    model, tokenizer = load_default_model(torch.bfloat16)
+    special = set(tokenizer.all_special_ids) | set(getattr(tokenizer, "added_tokens_decoder", {}) or {})
+    pool = W.allowed_ids(model.config.vocab_size, special)
+    workloads = W.build(args.workloads.split(","), pool, mixed_n=max(4, round(64 * args.scale)), scale=args.scale)
+    warm = bench.warm_workload(pool)
+    runs: dict[tuple[str, str], list[dict]] = {(w.name, v): [] for w in workloads for v in VARIANTS}
+    for r in range(args.rounds):
+        for w in workloads:
+            for name, variant in VARIANTS.items():
+                m = run_once(model, w, warm, variant)
+                runs[(w.name, name)].append(m)
+                print(f"[round {r + 1}/{args.rounds}] {w.name} {name}: {m['out_tok_s']:.1f} out tok/s", file=sys.stderr,
+                      flush=True)
+
+    rows = []
+    for w in workloads:
+        base = None
+        for name in VARIANTS:
+            ms = runs[(w.name, name)]
+            tok_s = statistics.median(m["out_tok_s"] for m in ms)
+            base = base or tok_s
+            p50 = statistics.median(m["itl_p50"] for m in ms)
+            p99 = statistics.median(m["itl_p99"] for m in ms)
+            rows.append({"workload": w.name, "variant": name, "out_tok_s": tok_s, "ratio": tok_s / base,
+                         "itl_p50_ms": p50 * 1e3, "itl_p99_ms": p99 * 1e3, "runs": ms})
+    print(f"\n## paged_hf variants, SmolLM2-135M bf16, {torch.get_num_threads()} threads, "
+          f"median of {args.rounds} interleaved rounds\n")
+    print("| workload | variant | out tok/s | vs first | ITL p50 ms | ITL p99 ms | p99/p50 |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
+    for row in rows:
+        print(f"| {row['workload']} | {row['variant']} | {row['out_tok_s']:.0f} | {row['ratio']:.2f}x | "
+              f"{row['itl_p50_ms']:.0f} | {row['itl_p99_ms']:.0f} | {row['itl_p99_ms'] / row['itl_p50_ms']:.1f} |")
+    out = Path(args.out) if args.out else HERE / "results" / f"variants-{datetime.date.today().isoformat()}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"date": datetime.date.today().isoformat(), "threads": torch.get_num_threads(),
+                               "rounds": args.rounds, "rows": rows}, indent=2))
+    print(f"\nJSON: {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
