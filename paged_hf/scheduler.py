@@ -1,5 +1,6 @@
 """Who runs this step, and how many tokens each: decode first, then prefill chunks, within a
-token budget, a sequence cap and the free KV blocks; preempt (by recompute) when blocks run out.
+token budget (optionally a smaller one for prefill while decodes run), a sequence cap and the
+free KV blocks; preempt (recompute or swap) when blocks run out.
 
 Every request is the same thing to the scheduler: tokens whose KV is not computed yet. A
 decode has one such token; a prompt has many and may take several steps (chunked prefill).
