@@ -93,9 +93,10 @@ class Scheduler:
         for req in decodes + prefills:
             if req.status is not RequestStatus.RUNNING or budget == 0:
                 continue
-            if req.num_pending_tokens > 1 and prefill_room is None:
+            prefill = req.num_pending_tokens > 1
+            if prefill and prefill_room is None:
                 prefill_room = self._prefill_room(budget, decoding=bool(chosen))
-            n = min(req.num_pending_tokens, budget if req.num_pending_tokens == 1 else prefill_room)
+            n = min(req.num_pending_tokens, prefill_room if prefill else budget)
             if n == 0:
                 continue
             while not self.kv.allocate_slots(req, n, out.block_copies):
@@ -108,7 +109,7 @@ class Scheduler:
             if req.status is RequestStatus.RUNNING:
                 chosen[req] = n
                 budget -= n
-                if req.num_pending_tokens > 1:
+                if prefill:
                     prefill_room -= n
 
         # 2. waiting requests, in order, while nothing had to be preempted

@@ -210,16 +210,16 @@ print("ok")
 
 
 # ---- the FlashInfer backend's logic, through a stand-in flashinfer -------------------------------
-def _use_backend(monkeypatch, backend_cls, graphs: bool = False):
+def _use_backend(monkeypatch, backend_cls, graphs: bool = False, graph_factory=_EagerGraph):
     """Make engines built from now on use ``backend_cls`` (on CPU), and with ``graphs`` the
-    CUDA-graph decode path with eager stand-in graphs."""
+    CUDA-graph decode path with stand-in graphs (``graph_factory``, eager by default)."""
     monkeypatch.setattr(paged_hf.runner, "select_backend", lambda *a, **k: backend_cls)
     if graphs:
         monkeypatch.setattr(paged_hf.runner, "wants_decode_accelerator", lambda config, device: True)
         monkeypatch.setattr(DecodeAccelerator, "build", classmethod(
             lambda cls, model, backend, config, pad_block: cls(
                 model, backend, config.max_num_seqs, pad_block, use_graphs=True, compile_backend=None,
-                graph_factory=_EagerGraph)))
+                graph_factory=graph_factory)))
 
 
 def _workload(vocab: int) -> tuple[list[list[int]], list[SamplingParams]]:
@@ -365,20 +365,11 @@ def test_captured_decode_step_never_syncs_with_the_host(family, fake_flashinfer,
     makes no host round trip, which a real capture would refuse."""
     model = make_tiny_model(family)
     prompts, params = _workload(model.config.vocab_size)
-    _use_backend(monkeypatch, fake_flashinfer.FlashInferBackend, graphs=True)
+    _use_backend(monkeypatch, fake_flashinfer.FlashInferBackend, graphs=True, graph_factory=_WatchedGraph)
     monkeypatch.setattr(_WatchedGraph, "watches", [])
-    build = DecodeAccelerator.build
-    monkeypatch.setattr(DecodeAccelerator, "build", classmethod(
-        lambda cls, *a, **k: _set(build.__func__(cls, *a, **k), _graph_factory=_WatchedGraph)))
     _generate(model, prompts, params)
     assert len(_WatchedGraph.watches) == len(decode_buckets(8))
     assert [w.seen for w in _WatchedGraph.watches] == [[]] * len(decode_buckets(8))
-
-
-def _set(obj, **attrs):
-    for k, v in attrs.items():
-        setattr(obj, k, v)
-    return obj
 
 
 def test_padding_rows_are_not_sampled():

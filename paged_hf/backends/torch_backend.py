@@ -14,7 +14,7 @@ each prefill chunk with its own causal offset.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -34,7 +34,17 @@ class _DecodeGroup:
     q_pos: torch.Tensor         # [n] position of each one's query token
     kv_pos: torch.Tensor        # [max_blocks * block_size]
     valid: torch.Tensor         # [n, max_blocks * block_size] real (not padding) key positions
-    masks: dict
+    masks: dict = field(default_factory=dict)  # by sliding window, built on first use
+
+    def mask(self, window: int | None) -> torch.Tensor:
+        """[n, 1, 1, Lmax]: real keys, within ``window`` of the query when there is one."""
+        mask = self.masks.get(window)
+        if mask is None:
+            mask = self.valid
+            if window is not None:
+                mask = mask & (self.q_pos[:, None] - self.kv_pos[None, :] < window)
+            mask = self.masks[window] = mask[:, None, None, :]
+        return mask
 
 
 # A group grows to take the next longer sequence while the padding that adds (its members times
@@ -104,7 +114,7 @@ class TorchBackend(SwapMixin):
             self._decode_groups.append(_DecodeGroup(
                 rows=slice(rows[0], rows[0] + len(rows)) if contiguous else torch.tensor(rows, device=dev),
                 blocks=torch.tensor(table, dtype=torch.long, device=dev).flatten(), n=len(seqs), q_pos=lens - 1,
-                kv_pos=pos, valid=pos[None, :] < lens[:, None], masks={}))
+                kv_pos=pos, valid=pos[None, :] < lens[:, None]))
 
         self._prefills: list[_PrefillSeq] = []
         for i, q in enumerate(meta.q_lens):
@@ -114,16 +124,6 @@ class TorchBackend(SwapMixin):
             self._prefills.append(_PrefillSeq(
                 rows=slice(qo[i], qo[i + 1]), blocks=torch.tensor(meta.kv_blocks[i], dtype=torch.long, device=dev),
                 q_pos=torch.arange(L - q, L, device=dev), kv_len=L, fresh=(L == q)))
-
-    @staticmethod
-    def _decode_mask(group: _DecodeGroup, window: int | None) -> torch.Tensor:
-        mask = group.masks.get(window)
-        if mask is None:
-            mask = group.valid
-            if window is not None:
-                mask = mask & (group.q_pos[:, None] - group.kv_pos[None, :] < window)
-            mask = group.masks[window] = mask[:, None, None, :]  # [n, 1, 1, Lmax]
-        return mask
 
     def _gather(self, layer_idx: int, blocks: torch.Tensor, n_seqs: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of ``blocks`` (n_seqs equal runs) as [n_seqs, H, n_blocks_each * bs, D]."""
@@ -159,7 +159,7 @@ class TorchBackend(SwapMixin):
             # one query token per sequence: the G query heads of a KV head form a G-row query
             # (no K/V repeat for GQA). Plain matmuls beat CPU SDPA's flash kernel at q_len 1.
             q = q_all[:, group.rows].transpose(0, 1).reshape(group.n, hkv, hq // hkv, d)
-            o = _attention(q, k, v, self._decode_mask(group, sliding_window), scaling, softcap, fused=False)
+            o = _attention(q, k, v, group.mask(sliding_window), scaling, softcap, fused=False)
             out[group.rows] = o.reshape(group.n, hq, d)
 
         for seq in self._prefills:
