@@ -21,8 +21,10 @@ class EngineConfig:
     num_blocks: int | None = None  # None: size from kv_cache_memory
     kv_cache_memory: float | int | None = None  # bytes on CPU, a fraction of free memory on CUDA
     gpu_memory_utilization: float = 0.9
-    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
-    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
+    # None: the defaults below, each yielding to the other option when that one is set (a decode
+    # needs one token of budget, so max_num_seqs can never exceed max_num_batched_tokens)
+    max_num_seqs: int | None = None  # DEFAULT_MAX_NUM_SEQS
+    max_num_batched_tokens: int | None = None  # DEFAULT_MAX_NUM_BATCHED_TOKENS
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     # prefill tokens per step while decodes run (None: all the budget they leave); lower it for a
     # steadier token stream next to long prompts, at the cost of those prompts' time to first token
@@ -38,22 +40,34 @@ class EngineConfig:
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
+            if value is None and name != "block_size":
+                continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name}={value!r}, must be an integer >= 1")
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = max(DEFAULT_MAX_NUM_BATCHED_TOKENS, self.max_num_seqs or 0)
+        if self.max_num_seqs is None:
+            self.max_num_seqs = min(DEFAULT_MAX_NUM_SEQS, self.max_num_batched_tokens)
         cap = self.max_prefill_tokens_while_decoding
         if cap is not None and (not isinstance(cap, int) or isinstance(cap, bool) or cap < 1):
             raise ValueError(f"max_prefill_tokens_while_decoding={cap!r}, must be None or an integer >= 1")
-        if self.num_blocks is not None and (not isinstance(self.num_blocks, int) or self.num_blocks < 1):
+        if self.num_blocks is not None and (not isinstance(self.num_blocks, int) or isinstance(self.num_blocks, bool)
+                                            or self.num_blocks < 1):
             raise ValueError(f"num_blocks={self.num_blocks!r}, must be an integer >= 1")
-        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
+        if self.max_model_len is not None and (not isinstance(self.max_model_len, int)
+                                               or isinstance(self.max_model_len, bool) or self.max_model_len < 2):
             raise ValueError(f"max_model_len={self.max_model_len!r}, must be an integer >= 2")
-        if self.kv_cache_memory is not None and not self.kv_cache_memory > 0:
+        if self.kv_cache_memory is not None and (not isinstance(self.kv_cache_memory, (int, float))
+                                                 or isinstance(self.kv_cache_memory, bool) or not self.kv_cache_memory > 0):
             raise ValueError(f"kv_cache_memory={self.kv_cache_memory!r}, must be > 0")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization!r}, must be in (0, 1]")
         if self.max_num_seqs > self.max_num_batched_tokens:
             raise ValueError(f"max_num_seqs={self.max_num_seqs} exceeds max_num_batched_tokens="
                              f"{self.max_num_batched_tokens}: decodes need one token of budget each")
+        for name in ("enable_prefix_caching", "use_cuda_graphs"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r}, must be True or False")
         if self.backend not in ("auto", "torch", "flashinfer"):
             raise ValueError(f"backend={self.backend!r}, must be 'auto', 'torch' or 'flashinfer'")
         if not isinstance(self.compile_decode, (bool, str)) or self.compile_decode == "":

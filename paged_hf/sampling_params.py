@@ -1,14 +1,31 @@
-"""Per-request sampling parameters (what to generate and how), validated at construction."""
+"""Per-request sampling parameters (what to generate and how), validated at construction.
+
+Validation is the admission contract: whatever a request carries that passes here cannot make
+its step fail later (the engine adds the checks that need the model, e.g. the vocabulary size).
+"""
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, fields, replace
 from typing import Any
+
+# vLLM's default cap: more costs a top-k over the vocabulary per token and says nothing new.
+MAX_LOGPROBS = 20
+# Below this a temperature is greedy decoding: logits / T overflow fp32 long before T reaches 0,
+# and the distribution is already one-hot to fp32 precision (vLLM uses the same threshold).
+GREEDY_TEMPERATURE = 1e-5
+# Dividing fp32 logits by a penalty outside this range overflows them (or zeroes them): every
+# token ties, and the argmax is the last vocabulary id.
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 1e-6, 1e6
+# Sample k of a seeded request draws with seed + k; every one must be a valid generator seed.
+MAX_SEED = 2**63 - 1
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How one request samples. ``temperature=0`` (the default) is greedy decoding.
+    """How one request samples. ``temperature=0`` (the default) is greedy decoding, and so is
+    any temperature below 1e-5 (``GREEDY_TEMPERATURE``).
 
     >>> SamplingParams(max_new_tokens=32, temperature=0.7, top_p=0.9, seed=1).is_greedy
     False
@@ -25,11 +42,15 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     n: int = 1
-    logprobs: int | None = None  # None: none; k >= 0: the chosen token's logprob plus the top k
-    cache_salt: str | None = None
+    logprobs: int | None = None  # None: none; 0 <= k <= 20: the chosen token's logprob plus the top k
+    cache_salt: str | None = None  # requests with different salts never share cached KV
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        ids = self.stop_token_ids
+        if isinstance(ids, (str, bytes)) or not isinstance(ids, (list, tuple, set, frozenset)) \
+                or not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in ids):
+            raise ValueError(f"sampling params: stop_token_ids={ids!r}, must be a list of token ids (int)")
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in ids))
         self.validate()
 
     def validate(self, who: str = "sampling params") -> None:
@@ -48,20 +69,28 @@ class SamplingParams:
             raise bad("top_p", self.top_p, "in (0, 1]")
         if not _finite(self.min_p) or not 0 <= self.min_p <= 1:
             raise bad("min_p", self.min_p, "in [0, 1]")
-        if not _finite(self.repetition_penalty) or self.repetition_penalty <= 0:
-            raise bad("repetition_penalty", self.repetition_penalty, "a finite number > 0")
+        if not _finite(self.repetition_penalty) or \
+                not MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise bad("repetition_penalty", self.repetition_penalty,
+                      f"in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}] (1 disables)")
         if not _is_int(self.n) or self.n < 1:
             raise bad("n", self.n, "an integer >= 1")
-        if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
-            raise bad("logprobs", self.logprobs, "None or an integer >= 0")
-        if self.seed is not None and not _is_int(self.seed):
-            raise bad("seed", self.seed, "None or an integer")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise bad("logprobs", self.logprobs, f"None or an integer in [0, {MAX_LOGPROBS}]")
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed <= MAX_SEED - (self.n - 1)):
+            raise bad("seed", self.seed, f"None or an integer in [0, {MAX_SEED} - (n - 1)] "
+                      "(sample k of n draws with seed + k)")
         if any(t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", self.stop_token_ids, "non-negative token ids")
+        if not isinstance(self.ignore_eos, bool):
+            raise bad("ignore_eos", self.ignore_eos, "True or False")
+        if self.cache_salt is not None and not isinstance(self.cache_salt, str):
+            # 1, True and 1.0 are equal as dict keys: they would share one cache
+            raise bad("cache_salt", self.cache_salt, "None or a str")
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE
 
     def with_(self, **changes: Any) -> "SamplingParams":
         return replace(self, **changes)
@@ -75,6 +104,10 @@ class SamplingParams:
         """
         gc = generation_config
         do_sample = bool(getattr(gc, "do_sample", False))
+        if do_sample and gc.temperature is not None and not gc.temperature > 0:
+            # transformers' TemperatureLogitsWarper raises too; greedy is do_sample=False
+            raise ValueError(f"temperature={gc.temperature!r} with do_sample=True: the temperature must be > 0 "
+                             "(for greedy decoding set do_sample=False)")
         kw: dict[str, Any] = {}
         if getattr(gc, "max_new_tokens", None) is not None:
             kw["max_new_tokens"] = gc.max_new_tokens
