@@ -38,6 +38,7 @@ class BlockManager:
         assert not req.block_table and req.num_computed_tokens == 0, req.request_id
         if self.index is None:
             return 0
+        req.cache_namespace = self.index.namespace  # the KV it computes from now on belongs there
         node, blocks = self.index.match_prefix(req.token_ids[: req.num_tokens - 1], req.cache_salt)
         if blocks:
             self.pool.incref(blocks)
@@ -97,8 +98,10 @@ class BlockManager:
         n_full = req.num_computed_tokens // self.block_size
         if n_full <= req.num_tree_blocks:
             return
+        # under the namespace it was admitted with: KV computed before a weight update never
+        # joins the tree that requests admitted after it read
         node, tree_blocks = self.index.insert(req.token_ids[: n_full * self.block_size],
-                                              req.block_table[:n_full], req.cache_salt)
+                                              req.block_table[:n_full], req.cache_salt, req.cache_namespace)
         self.index.lock(node)
         if req.prefix_node is not None:
             self.index.unlock(req.prefix_node)
@@ -121,9 +124,21 @@ class BlockManager:
         req.num_tree_blocks = 0
         req.num_computed_tokens = 0
 
+    def reset_prefix_cache(self, namespace: Hashable) -> int:
+        """Serve no cached block from now on: requests admitted later look up and insert under
+        ``namespace`` only; cached blocks nobody uses are freed now (how many is returned), the
+        ones running requests use are freed by eviction once those finish."""
+        if self.index is None:
+            return 0
+        self.index.namespace = namespace
+        dropped = self.pool.drop_cached()
+        self.index.forget_empty_roots()
+        return dropped
+
     def fork(self, parent: Request, child: Request) -> None:
         """Let ``child`` share every block of ``parent`` (parallel sampling)."""
         assert not child.block_table
+        child.cache_namespace = parent.cache_namespace
         self.pool.incref(parent.block_table)
         child.block_table = list(parent.block_table)
         child.num_computed_tokens = parent.num_computed_tokens

@@ -138,6 +138,11 @@ class RadixPrefixIndex:
         self.evictable_blocks -= len(freed)
         return freed
 
+    def forget_empty_roots(self) -> None:
+        """Drop the roots of other namespaces that hold nothing (left behind by namespace changes)."""
+        for key in [k for k, root in self._roots.items() if not root.children and k[0] != self.namespace]:
+            del self._roots[key]
+
     # ---- internals -----------------------------------------------------------------------
     def _walk(self, tokens: Sequence[int], node: Node, now: int) -> tuple[Node, list[int], int]:
         bs = self.block_size

@@ -28,6 +28,7 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"      # EOS or a stop token
     LENGTH = "length"  # max_new_tokens or max_model_len
     ABORT = "abort"    # cancelled by the caller
+    ERROR = "error"    # failed inside a step (its sampling, callback, or the step's forward); see Request.error
 
 
 @dataclass(eq=False)  # identity semantics: requests are dict keys and list members
@@ -40,6 +41,7 @@ class Request:
     arrival_time: float = field(default_factory=time.perf_counter)
     sample_index: int = 0            # which of the parent's n samples this is
     parent: "Request | None" = None  # set on forked samples 1..n-1
+    children: "list[Request]" = field(default_factory=list)  # on the root: samples 1..n-1, once forked
 
     token_ids: list[int] = field(init=False)  # prompt followed by outputs
     status: RequestStatus = RequestStatus.WAITING
@@ -57,6 +59,8 @@ class Request:
     swap_handle: Any = None  # the backend's host copy of that KV
     logprobs: list = field(default_factory=list)
     generator: "torch.Generator | None" = None
+    error: str | None = None  # why it finished with FinishReason.ERROR
+    cache_namespace: Any = None  # prefix-cache namespace it was admitted under (the weights' generation)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_ids)
@@ -85,6 +89,16 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+    @property
+    def samples(self) -> "list[Request]":
+        """The root and its forked samples, in sample order."""
+        return [self] + self.children
+
+    @property
+    def group_finished(self) -> bool:
+        """Every sample of this root is finished (a root that ended before forking has only itself)."""
+        return all(r.is_finished for r in self.samples)
 
     @property
     def cache_salt(self) -> str | None:

@@ -205,6 +205,7 @@ class Scheduler:
             child.status = RequestStatus.RUNNING
             child.admitted_once = True
         self.running[pos:pos] = children
+        parent.children = list(children)
         parent.forked = True
 
     def update(self, out: SchedulerOutput, sampled: dict[Request, int], now: float) -> list[Request]:
@@ -228,11 +229,35 @@ class Scheduler:
         req.finish_reason = reason
         req.finish_time = now
 
+    # ---- undoing a step that did not complete ----------------------------------------------
+    def requeue(self, reqs: list[Request]) -> None:
+        """Forget the KV of ``reqs`` (running requests) and queue them first, in their order:
+        they recompute it when readmitted, as after a recompute preemption, with their tokens as
+        they were. Undoes an interrupted step."""
+        for req in reversed(reqs):
+            if req.status is not RequestStatus.RUNNING:
+                continue
+            self.running.remove(req)
+            self.kv.free(req)
+            req.swapped_tokens, req.swap_handle = 0, None
+            req.status = RequestStatus.PREEMPTED
+            self.waiting.appendleft(req)
+
+    def unfork(self, parent: Request) -> None:
+        """Undo ``fork``: the samples disappear (they have no tokens yet) and fork again later."""
+        for child in parent.children:
+            if child.status is RequestStatus.RUNNING:
+                self.running.remove(child)
+            self.kv.free(child)
+        parent.children = []
+        parent.forked = False
+
 
 def _block_keys(req: Request, block_size: int, n_blocks: int) -> list[tuple]:
-    """(salt, chain hash) of the request's first ``n_blocks`` blocks: each key covers its whole prefix."""
+    """(namespace, salt, chain hash) of the request's first ``n_blocks`` blocks: each key covers its
+    whole prefix."""
     keys, h = [], None
     for b in range(n_blocks):
         h = hash((h, tuple(req.token_ids[b * block_size:(b + 1) * block_size])))
-        keys.append((req.cache_salt, h))
+        keys.append((req.cache_namespace, req.cache_salt, h))
     return keys
