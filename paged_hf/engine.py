@@ -16,16 +16,19 @@ from typing import Any, Callable, Sequence
 import torch
 
 from .block_manager import BlockManager
+from .coherence import check_still_patched, weights_version
 from .config import DEFAULT_CPU_KV_BYTES, EngineConfig
 from .outputs import Completion, RequestOutput
 from .request import FinishReason, Request
-from .runner import ModelRunner, kv_geometry
+from .runner import ModelRunner, kv_geometry, max_positions
 from .sampler import sample
 from .sampling_params import SamplingParams
-from .scheduler import Scheduler
+from .scheduler import Scheduler, SchedulerOutput
 
 logger = logging.getLogger("paged_hf")
 
+# Ids the engine makes start with this; a caller's id may not, so the two never collide.
+AUTO_ID_PREFIX = "paged_hf:"
 
 
 @dataclass
@@ -44,24 +47,33 @@ class Engine:
     def __init__(self, model: torch.nn.Module, tokenizer: Any = None, **config: Any) -> None:
         from .patching import ensure_attention_patched
 
+        from .patching import patch_state
+
         self.config = EngineConfig.from_kwargs(**config)
         ensure_attention_patched(model)
         self.model = model
         self.tokenizer = tokenizer
-        text_cfg = model.config.get_text_config()
-        model_max = getattr(text_cfg, "max_position_embeddings", None) or getattr(text_cfg, "n_positions", None)
-        self.max_model_len = self.config.max_model_len or model_max or (1 << 31)
-        self.vocab_size = text_cfg.vocab_size
+        self.max_model_len = _max_model_len(model, self.config.max_model_len)
+        self.vocab_size = model.config.get_text_config().vocab_size
         self.eos_token_ids = _eos_ids(model, tokenizer)
         num_blocks = self._num_kv_blocks()
+        # the prefix cache's namespace carries a generation, bumped whenever the weights change
+        self._namespace = self.config.namespace or "default"
+        self._cache_generation = 0
         self.kv = BlockManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching,
-                               self.config.namespace or "default")
+                               (self._namespace, 0))
         self.scheduler = Scheduler(self.kv, self.config.max_num_batched_tokens, self.config.max_num_seqs,
                                    self.config.preemption_mode, self.config.max_prefill_tokens_while_decoding)
         self.runner = ModelRunner(model, self.config, num_blocks)
-        self.requests: dict[str, Request] = {}  # live requests by id (samples of n > 1 included)
+        # requests by id until collected or aborted; samples 1..n-1 of n > 1 live on their root
+        self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._stats = EngineStats()
+        self._aborts = 0  # counts aborts, so run_until_done notices ones made from its callbacks
+        self.serving = False  # a BackgroundEngine steps this engine
+        self._patch_state = patch_state(model)
+        self._patch_state.engines.add(self)
+        self._weights = weights_version(model)
 
     # ---- sizing ------------------------------------------------------------------------------
     def _num_kv_blocks(self) -> int:
@@ -92,14 +104,24 @@ class Engine:
                     request_id: str | None = None, eos_token_ids: frozenset[int] | None = None) -> str:
         """Queue one prompt (token ids, or a string with a tokenizer). Bad input raises
         ValueError naming the request; nothing else is disturbed. ``eos_token_ids`` replaces the
-        model's EOS ids for this request (transformers' generate takes them from its config)."""
-        rid = str(next(self._ids)) if request_id is None else str(request_id)
-        if rid in self.requests:
-            raise ValueError(f"request {rid}: id already in use")
+        model's EOS ids for this request (transformers' generate takes them from its config).
+        ``request_id``: a str of the caller's choosing, or None for one the engine makes
+        (``"paged_hf:<n>"``); returns the id."""
+        return self._add(self._new_id(request_id), prompt, params, eos_token_ids)
+
+    def _add(self, rid: str, prompt: Any, params: SamplingParams | None,
+             eos_token_ids: frozenset[int] | None = None) -> str:
+        check_still_patched(self.model, self._patch_state)
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"request {rid}: params must be SamplingParams, got {type(params).__name__}")
         params.validate(f"request {rid}")
+        if params.logprobs is not None and params.logprobs > self.vocab_size:
+            raise ValueError(f"request {rid}: logprobs={params.logprobs} exceeds the vocabulary ({self.vocab_size})")
+        bad_stop = [t for t in params.stop_token_ids if t >= self.vocab_size]
+        if bad_stop:
+            raise ValueError(f"request {rid}: stop token id {bad_stop[0]} is outside the vocabulary "
+                             f"[0, {self.vocab_size})")
         ids = self._prompt_ids(rid, prompt)
         eos = self.eos_token_ids if eos_token_ids is None else frozenset(eos_token_ids)
         req = Request(rid, ids, params, eos, self.max_model_len)
@@ -109,6 +131,19 @@ class Engine:
         self._stats.prompt_tokens += len(ids)
         return rid
 
+    def _new_id(self, request_id: Any) -> str:
+        if request_id is None:
+            return f"{AUTO_ID_PREFIX}{next(self._ids)}"
+        if isinstance(request_id, bool) or not isinstance(request_id, (str, int)):
+            raise TypeError(f"request_id={request_id!r}: must be a str (or None for an id the engine makes)")
+        rid = str(request_id)
+        if rid.startswith(AUTO_ID_PREFIX):
+            raise ValueError(f"request {rid}: ids starting with {AUTO_ID_PREFIX!r} are the ones the engine makes; "
+                             "choose another, or pass none")
+        if rid in self.requests:
+            raise ValueError(f"request {rid}: id already in use")
+        return rid
+
     def _prompt_ids(self, rid: str, prompt: Any) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
@@ -116,8 +151,10 @@ class Engine:
             ids = self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
         elif isinstance(prompt, torch.Tensor):
             ids = prompt.flatten().tolist()
-        else:
+        elif isinstance(prompt, (list, tuple)):
             ids = list(prompt)
+        else:
+            raise ValueError(f"request {rid}: a prompt is text or a list of token ids, got {type(prompt).__name__}")
         if not ids:
             raise ValueError(f"request {rid}: empty prompt")
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
@@ -155,7 +192,7 @@ class Engine:
         room = max(1, self.max_model_len - 4)
         prompts = ([(7 * i + 3) % vocab for i in range(min(2 * bs + 1, room))], [3 % vocab, 5 % vocab][:room])
         params = SamplingParams(max_new_tokens=3, ignore_eos=True)
-        rids = [self.add_request(p, params, request_id=f"paged_hf-warmup-{i}") for i, p in enumerate(prompts)]
+        rids = [self.add_request(p, params) for p in prompts]
         self.run_until_done(rids)
         self.kv.pool.drop_cached()
         self._stats = EngineStats()
@@ -164,22 +201,61 @@ class Engine:
         logger.info("paged_hf: warm-up took %.1f s", seconds)
         return seconds
 
-    def abort(self, request_id: str) -> None:
-        req = self.requests.get(str(request_id))
-        if req is None:
+    def abort(self, request_id: str) -> RequestOutput:
+        """Stop a request (all its samples) now and free its blocks; returns its output so far
+        (``finish_reason`` "abort"). Safe to call from an ``on_token`` callback."""
+        root = self.requests.pop(str(request_id), None)
+        if root is None:
             raise ValueError(f"request {request_id}: unknown or already finished")
         now = time.perf_counter()
-        for r in [req] + [c for c in self.requests.values() if c.parent is req]:
-            self.scheduler.finish(r, FinishReason.ABORT, now)
-            self.requests.pop(r.request_id, None)
+        for r in root.samples:
+            if not r.is_finished:
+                self.scheduler.finish(r, FinishReason.ABORT, now)
+        self._aborts += 1
+        return self.make_output(root)
+
+    def fail(self, req: Request, message: str) -> None:
+        """End one request (one sample) with ``finish_reason`` "error" and ``message``; the
+        others are not touched. A request already aborted stays aborted."""
+        if req.finish_reason is FinishReason.ABORT:
+            return
+        req.error = message
+        if req.is_finished:  # e.g. its last token's callback failed: the output says so
+            req.finish_reason = FinishReason.ERROR
+        else:
+            self.scheduler.finish(req, FinishReason.ERROR, time.perf_counter())
+
+    def reset_prefix_cache(self) -> None:
+        """Never serve a block cached so far: requests admitted from now on compute their KV
+        anew. Runs by itself when the weights change (checked before every step); call it for
+        changes it cannot see (weights swapped through ``.data`` of a CPU tensor, say)."""
+        self._cache_generation += 1
+        self.kv.reset_prefix_cache((self._namespace, self._cache_generation))
 
     @property
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished
 
+    @property
+    def is_busy(self) -> bool:
+        """Requests are live, or a background engine is stepping this one."""
+        return self.serving or bool(self.requests) or self.scheduler.has_unfinished
+
     # ---- the loop ----------------------------------------------------------------------------
     def step(self) -> tuple[dict[Request, int], list[Request]]:
-        """One engine step; returns ({request: new token}, finished requests)."""
+        """One engine step; returns ({request: new token}, finished requests).
+
+        A request that fails on its own (its sampling, its logits) ends with ``finish_reason``
+        "error"; if the step fails as a whole (the forward raised), every request in it ends so,
+        and the engine goes on serving. Interrupted (KeyboardInterrupt), the step is undone: its
+        requests keep their tokens and recompute their KV when next scheduled.
+        """
+        check_still_patched(self.model, self._patch_state)
+        version = weights_version(self.model)
+        if version != self._weights:
+            self._weights = version
+            self.reset_prefix_cache()
+            logger.info("paged_hf: the model's weights changed; the prefix cache was reset")
         sched = self.scheduler
         out = sched.schedule()
         if out.is_empty:
@@ -188,40 +264,82 @@ class Engine:
             return {}, []
         decode_tokens = sum(1 for req, n in out.scheduled
                             if n == 1 and req.num_output_tokens > 0 and req.num_pending_tokens == 1)
-        for req, blocks in out.swap_out:  # before anything writes the blocks they just gave up
-            req.swap_handle = self.runner.backend.swap_out(blocks)
-        for req, blocks in out.swap_in:
-            self.runner.backend.swap_in(req.swap_handle, blocks)
-            req.swap_handle = None
-        logits, meta = self.runner.execute(out.scheduled, out.block_copies)
-        sched.mark_computed(out)
+        forked: list[Request] = []
+        try:
+            self._swap_out(out)
+            for req, blocks in out.swap_in:
+                self.runner.backend.swap_in(req.swap_handle, blocks)
+                req.swap_handle = None
+            logits, meta = self.runner.execute(out.scheduled, out.block_copies)
+            sched.mark_computed(out)
+            rows = list(meta.sampled_requests)
+            row_of = list(range(len(rows)))
+            for i, req in enumerate(meta.sampled_requests):
+                if req.params.n > 1 and not req.forked and req.parent is None:
+                    children = [self._fork_child(req, k) for k in range(1, req.params.n)]
+                    sched.fork(req, children)
+                    forked.append(req)
+                    rows += children
+                    row_of += [i] * len(children)
+            if len(rows) != len(meta.sampled_requests):
+                logits = logits[torch.tensor(row_of, device=logits.device)]
+            result = sample(logits, rows)
+        except Exception as e:  # noqa: BLE001 - ends the step's requests, not the engine
+            return {}, self._fail_step(out, forked, e)
+        except BaseException:
+            for victim, _ in out.swap_out:  # preempted, KV not (all) saved: recompute it
+                if victim.swap_handle is None:
+                    victim.swapped_tokens = 0
+            for parent in forked:
+                sched.unfork(parent)
+            sched.requeue([req for req, _ in out.scheduled])
+            raise
 
-        rows = list(meta.sampled_requests)
-        row_of = list(range(len(rows)))
-        for i, req in enumerate(meta.sampled_requests):
-            if req.params.n > 1 and not req.forked and req.parent is None:
-                children = [self._fork_child(req, k) for k in range(1, req.params.n)]
-                sched.fork(req, children)
-                rows += children
-                row_of += [i] * len(children)
-        if len(rows) != len(meta.sampled_requests):
-            logits = logits[torch.tensor(row_of, device=logits.device)]
-        result = sample(logits, rows)
-        for req, lp in zip(rows, result.logprobs):
+        sampled: dict[Request, int] = {}
+        failed: list[Request] = []
+        for i, (req, tok, lp) in enumerate(zip(rows, result.tokens, result.logprobs)):
+            if tok is None:
+                req.error = f"request {req.request_id}: {result.errors[i]}"
+                failed.append(req)
+                continue
+            sampled[req] = tok
             if lp is not None:
                 req.logprobs.append(lp)
-        sampled = dict(zip(rows, result.tokens))
         now = time.perf_counter()
         finished = sched.update(out, sampled, now)
+        for req in failed:
+            sched.finish(req, FinishReason.ERROR, now)
+            logger.warning("paged_hf: %s", req.error)
         self._record_step(out, sampled, decode_tokens)
-        return sampled, finished
+        return sampled, finished + failed
+
+    def _swap_out(self, out: SchedulerOutput) -> None:
+        """Copy preempted requests' KV to host memory before anything reuses their blocks. A copy
+        that fails turns that request's preemption into a recompute one: same tokens, more work."""
+        for req, blocks in out.swap_out:
+            try:
+                req.swap_handle = self.runner.backend.swap_out(blocks)
+            except Exception as e:  # noqa: BLE001
+                req.swapped_tokens, req.swap_handle = 0, None
+                logger.warning("paged_hf: request %s: swapping its KV out failed (%s: %s); it will recompute it",
+                               req.request_id, type(e).__name__, e)
+
+    def _fail_step(self, out: SchedulerOutput, forked: list[Request], error: Exception) -> list[Request]:
+        """End every request the failed step touched with the error; free their blocks."""
+        logger.error("paged_hf: a step of %d request(s) failed; they end with finish_reason 'error'",
+                     len(out.scheduled), exc_info=error)
+        touched = [req for req, _ in out.scheduled] + [c for p in forked for c in p.children]
+        now = time.perf_counter()
+        for req in touched:
+            req.error = f"request {req.request_id}: the step it ran in failed: {type(error).__name__}: {error}"
+            self.scheduler.finish(req, FinishReason.ERROR, now)
+        return touched
 
     def _fork_child(self, parent: Request, k: int) -> Request:
         child = Request(f"{parent.request_id}#{k}", parent.prompt_ids, parent.params, parent.eos_token_ids,
                         parent.max_model_len, arrival_time=parent.arrival_time, sample_index=k, parent=parent)
         child.num_cached_tokens = parent.num_cached_tokens
         child.generator = self._generator(parent.params, k)
-        self.requests[child.request_id] = child
         return child
 
     def _record_step(self, out: Any, sampled: dict[Request, int], decode_tokens: int) -> None:
@@ -264,8 +382,10 @@ class Engine:
                  progress: bool = False) -> list[RequestOutput]:
         """Run prompts to completion with continuous batching; outputs come back in input order.
 
-        A prompt that is refused (empty, too long, bad ids, bad params, cannot fit the pool)
-        gets an output with ``error`` set; every other prompt still runs.
+        A prompt that is refused (empty, too long, bad ids, bad params, cannot fit the pool) or
+        fails while it runs gets an output with ``error`` set (``finish_reason`` "error"); every
+        other prompt still runs. Interrupted (KeyboardInterrupt, or any exception), it aborts
+        every prompt it submitted before raising.
         """
         if isinstance(prompts, (str, torch.Tensor)) or (prompts and isinstance(prompts[0], int)):
             raise TypeError("generate takes a list of prompts; wrap a single prompt in a list")
@@ -275,14 +395,20 @@ class Engine:
             raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
         ids: list[str | None] = []
         errors: dict[int, RequestOutput] = {}
-        for i, (prompt, p) in enumerate(zip(prompts, params)):
-            rid = str(next(self._ids))
-            try:
-                ids.append(self.add_request(prompt, p, request_id=rid))
-            except (ValueError, TypeError) as e:
-                logger.warning("paged_hf: %s", e)
-                ids.append(None)
-                errors[i] = RequestOutput(rid, [], error=str(e))
+        try:
+            for i, (prompt, p) in enumerate(zip(prompts, params)):
+                rid = self._new_id(None)
+                try:
+                    ids.append(self._add(rid, prompt, p))
+                except Exception as e:  # noqa: BLE001 - this prompt's problem alone (a tokenizer may raise anything)
+                    message = str(e) if isinstance(e, (ValueError, TypeError)) else \
+                        f"request {rid}: {type(e).__name__}: {e}"
+                    logger.warning("paged_hf: %s", message)
+                    ids.append(None)
+                    errors[i] = RequestOutput(rid, [], error=message)
+        except BaseException:
+            self.abort_all(rid for rid in ids if rid is not None)
+            raise
         outputs = self.run_until_done([rid for rid in ids if rid is not None], on_token=on_token,
                                       progress=progress)
         it = iter(outputs)
@@ -290,50 +416,112 @@ class Engine:
 
     def run_until_done(self, request_ids: Sequence[str], *, on_token: Callable[[str, int], None] | None = None,
                        progress: bool = False) -> list[RequestOutput]:
-        """Step until the given (already added) requests finish; their outputs in the given order."""
-        want = {rid: self.requests[rid].params.n for rid in request_ids}
-        done: dict[str, list[Request]] = {rid: [] for rid in want}
-        bar = _progress(len(want)) if progress else None
-        while any(len(done[rid]) < n for rid, n in want.items()):
-            if not self.scheduler.has_unfinished:
-                raise RuntimeError("engine went idle with requests unfinished (this is a bug)")
-            sampled, finished = self.step()
-            if on_token is not None:
-                for req, tok in sampled.items():
-                    on_token(req.request_id, tok)
-            for req in finished:
-                group = done.get((req.parent or req).request_id)
-                if group is not None:
-                    group.append(req)
-                    if bar is not None and len(group) == req.params.n:
-                        bar.update(1)
+        """Step until the given (already added) requests finish; their outputs in the given order.
+
+        ``on_token(request_id, token)`` runs after each step for every token sampled; if it raises,
+        that request ends with ``finish_reason`` "error" and the others go on. It may abort
+        requests. On any exception from here (KeyboardInterrupt included) the given requests are
+        aborted, their blocks freed, and the exception raised.
+        """
+        roots = [self._root(rid) for rid in request_ids]
+        open_roots = {root for root in roots if not root.group_finished}
+        bar = _progress(len(roots)) if progress else None
         if bar is not None:
-            bar.close()
-        return [self.collect(done[rid]) for rid in request_ids]
+            bar.update(len(roots) - len(open_roots))
+        try:
+            while open_roots:
+                if not self.scheduler.has_unfinished:
+                    raise RuntimeError("engine went idle with requests unfinished (this is a bug)")
+                aborts = self._aborts
+                sampled, finished = self.step()
+                failed = self._run_callbacks(on_token, sampled)
+                # an abort from a callback can end any request: then look at all of them
+                touched = open_roots if self._aborts != aborts else \
+                    {(r.parent or r) for r in finished + failed} & open_roots
+                done = [root for root in touched if root.group_finished]
+                open_roots.difference_update(done)
+                if bar is not None and done:
+                    bar.update(len(done))
+        except BaseException:
+            self.abort_all(root.request_id for root in roots if self.requests.get(root.request_id) is root)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [self._collect_root(root) for root in roots]
+
+    def _run_callbacks(self, on_token: Callable[[str, int], None] | None, sampled: dict[Request, int]) -> list[Request]:
+        """Call ``on_token`` for each sampled token; a request whose callback raises ends with an error."""
+        failed: list[Request] = []
+        if on_token is None:
+            return failed
+        for req, tok in sampled.items():
+            try:
+                on_token(req.request_id, tok)
+            except Exception as e:  # noqa: BLE001 - the callback's failure is its request's alone
+                self.fail(req, f"request {req.request_id}: on_token callback raised {type(e).__name__}: {e}")
+                failed.append(req)
+        return failed
+
+    def _root(self, request_id: str) -> Request:
+        root = self.requests.get(request_id)
+        if root is None:
+            raise ValueError(f"request {request_id}: unknown or already collected")
+        return root
+
+    def abort_all(self, request_ids: Any) -> None:
+        """Abort those of ``request_ids`` still live (unknown or finished ones are skipped)."""
+        for rid in list(request_ids):
+            if rid in self.requests:
+                self.abort(rid)
+
+    def _collect_root(self, root: Request) -> RequestOutput:
+        if self.requests.get(root.request_id) is root:
+            del self.requests[root.request_id]
+        return self.make_output(root)
 
     def collect(self, group: list[Request]) -> RequestOutput:
-        """The output of a finished request (all its samples), releasing it from ``requests``."""
-        group = sorted(group, key=lambda r: r.sample_index)
-        root = group[0] if group[0].parent is None else group[0].parent
-        for r in group:
-            self.requests.pop(r.request_id, None)
-        return self.make_output(root, group)
+        """The output of a finished request (given as any of its samples), releasing it from
+        ``requests``."""
+        root = group[0].parent or group[0]
+        return self._collect_root(root)
 
-    def make_output(self, root: Request, samples: list[Request]) -> RequestOutput:
-        completions = [Completion(list(r.output_ids), r.finish_reason.value if r.finish_reason else None,
-                                  self.decode(r.output_ids), list(r.logprobs) if r.params.logprobs is not None
-                                  else None) for r in samples]
+    def make_output(self, root: Request, samples: list[Request] | None = None) -> RequestOutput:
+        samples = root.samples if samples is None else sorted(samples, key=lambda r: r.sample_index)
+        completions = [self._completion(r) for r in samples]
         last = max((r.finish_time or 0.0) for r in samples)
         first = min((r.first_token_time for r in samples if r.first_token_time is not None), default=None)
+        error = next((c.error for c in completions if c.error is not None), None)
         return RequestOutput(root.request_id, list(root.prompt_ids), completions,
                              ttft=None if first is None else first - root.arrival_time,
                              latency=last - root.arrival_time if last else None,
-                             num_cached_tokens=root.num_cached_tokens)
+                             num_cached_tokens=root.num_cached_tokens, error=error)
+
+    def _completion(self, r: Request) -> Completion:
+        reason, error, text = r.finish_reason, r.error, None
+        try:
+            text = self.decode(r.output_ids)
+        except Exception as e:  # noqa: BLE001 - a tokenizer failing on these ids fails this request alone
+            reason, error = FinishReason.ERROR, f"request {r.request_id}: detokenizing its output failed: " \
+                                                f"{type(e).__name__}: {e}"
+        return Completion(list(r.output_ids), reason.value if reason else None, text,
+                          list(r.logprobs) if r.params.logprobs is not None else None, error)
 
     def decode(self, token_ids: list[int]) -> str | None:
         if self.tokenizer is None:
             return None
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+
+def _max_model_len(model: torch.nn.Module, asked: int | None) -> int:
+    """``asked``, if the model can position that many tokens; by default what it was trained for."""
+    default, most = max_positions(model)
+    if asked is None:
+        return default or (1 << 31)
+    if most is not None and asked > most:
+        raise ValueError(f"max_model_len={asked} exceeds the {most} positions this {model.config.model_type} model "
+                         f"can encode (max_position_embeddings / n_positions{', with its RoPE scaling' if most != default else ''})")
+    return asked
 
 
 def _eos_ids(model: torch.nn.Module, tokenizer: Any) -> frozenset[int]:

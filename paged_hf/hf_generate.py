@@ -77,22 +77,27 @@ def paged_generate(self: torch.nn.Module, inputs: torch.Tensor | None = None,
 
     engine = engine_for(self)
     prompts = [row[mask.bool()].tolist() for row, mask in zip(input_ids.cpu(), attention_mask.cpu())]
-    rids = []
-    try:  # refuse the whole call before anything runs: a tensor API has no per-row errors
+    rids: list[str] = []
+    try:  # on any exception (a refused row, Ctrl-C in a notebook) abort what was submitted
         for i, prompt in enumerate(prompts):
-            # stop on the generation config's EOS, as transformers does
-            rids.append(engine.add_request(prompt, params, eos_token_ids=frozenset(eos_list)))
-    except (ValueError, TypeError) as e:
-        for rid in rids:
-            engine.abort(rid)
-        raise ValueError(f"paged_hf generate: row {i}: {e}") from e
-
-    if streamer is not None:
-        streamer.put(input_ids.cpu())
-    outputs = engine.run_until_done(rids, on_token=(lambda _rid, tok: streamer.put(torch.tensor([tok])))
-                                    if streamer is not None else None)
-    if streamer is not None:
-        streamer.end()
+            try:  # refuse the whole call before anything runs: a tensor API has no per-row errors
+                # stop on the generation config's EOS, as transformers does
+                rids.append(engine.add_request(prompt, params, eos_token_ids=frozenset(eos_list)))
+            except (ValueError, TypeError) as e:
+                raise ValueError(f"paged_hf generate: row {i}: {e}") from e
+        if streamer is not None:
+            streamer.put(input_ids.cpu())
+        outputs = engine.run_until_done(rids, on_token=(lambda _rid, tok: streamer.put(torch.tensor([tok])))
+                                        if streamer is not None else None)
+        if streamer is not None:
+            streamer.end()
+    except BaseException:
+        engine.abort_all(rids)
+        raise
+    failed = [(i, out.error) for i, out in enumerate(outputs) if out.error is not None]
+    if failed:  # a tensor has no per-row errors: the call fails, naming the rows
+        raise RuntimeError(f"paged_hf generate: {len(failed)} row(s) failed: "
+                           + "; ".join(f"row {i}: {err}" for i, err in failed[:3]))
 
     rows = [c.token_ids for out in outputs for c in out.completions]
     width = max(len(r) for r in rows)

@@ -10,6 +10,7 @@ class Completion:
     finish_reason: str | None
     text: str | None = None
     logprobs: list | None = None  # per token: (chosen logprob, {token: logprob} top-k)
+    error: str | None = None  # why this sample failed (finish_reason "error")
 
 
 @dataclass
@@ -23,7 +24,7 @@ class RequestOutput:
     ttft: float | None = None     # seconds from arrival to first token
     latency: float | None = None  # seconds from arrival to finish
     num_cached_tokens: int = 0    # prompt tokens served from the prefix cache
-    error: str | None = None      # set when the request was refused; the others still ran
+    error: str | None = None      # set when the request was refused or failed; the others still ran
 
     @property
     def token_ids(self) -> list[int]:

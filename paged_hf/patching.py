@@ -8,7 +8,8 @@
 from __future__ import annotations
 
 import types
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -26,6 +27,9 @@ class PatchState:
     config: dict[str, Any]
     engine: Any = None       # created on first generate, kept so the prefix cache survives calls
     tokenizer: Any = None
+    # every Engine built on the model while patched: unpatch refuses while one is busy, and an
+    # engine refuses to run once the state it was built under is gone
+    engines: weakref.WeakSet = field(default_factory=weakref.WeakSet)
 
 
 def _configs(model: torch.nn.Module) -> list[Any]:
@@ -90,6 +94,11 @@ def unpatch(model: torch.nn.Module) -> torch.nn.Module:
     state: PatchState | None = getattr(model, _STATE, None)
     if state is None:
         raise ValueError("unpatch: this model was not patched by paged_hf")
+    busy = [e for e in list(state.engines) if e.is_busy]
+    if busy:
+        raise RuntimeError(f"unpatch: {len(busy)} paged_hf engine(s) still run on this model (unfinished requests, "
+                           "or a background engine from paged_hf.serve); let them finish or shut the background "
+                           "engine down first")
     model.set_attn_implementation(state.original_attn)
     for cfg in _configs(model):
         attention.set_fallback(cfg, None)
@@ -100,6 +109,10 @@ def unpatch(model: torch.nn.Module) -> torch.nn.Module:
 
 def is_patched(model: torch.nn.Module) -> bool:
     return getattr(model, _STATE, None) is not None
+
+
+def patch_state(model: torch.nn.Module) -> PatchState | None:
+    return getattr(model, _STATE, None)
 
 
 def engine_for(model: torch.nn.Module) -> Any:

@@ -25,6 +25,28 @@ def kv_geometry(model: torch.nn.Module) -> tuple[int, int, int]:
     return cfg.num_hidden_layers, kv_heads, head_dim
 
 
+# RoPE scalings that stretch positions past max_position_embeddings by their factor (vLLM's rule;
+# llama3 and longrope configs already state the stretched length)
+_STRETCHING_ROPE = ("linear", "dynamic", "yarn")
+
+
+def max_positions(model: torch.nn.Module) -> tuple[int | None, int | None]:
+    """(default, most) positions the model can encode: max_position_embeddings (n_positions for
+    GPT-2), and, where a RoPE scaling stretches it, that length times its factor."""
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    base = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
+    if base is None:
+        return None, None
+    most = base
+    rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    for params in (rope.values() if all(isinstance(v, dict) for v in rope.values()) and rope else [rope]):
+        kind = params.get("rope_type") or params.get("type")
+        factor = params.get("factor")
+        if kind in _STRETCHING_ROPE and isinstance(factor, (int, float)) and factor > 1:
+            most = max(most, int((params.get("original_max_position_embeddings") or base) * factor))
+    return base, most
+
+
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, config: EngineConfig, num_blocks: int) -> None:
         self.model = model

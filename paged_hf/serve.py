@@ -13,11 +13,12 @@ One daemon thread owns the ``Engine`` and is the only one that touches it: calle
 (add, cancel, stop) go through a queue that the thread drains before every step. Each handle
 keeps its tokens and final output behind a condition variable, so ``stream()`` and
 ``result()`` block only their own caller. An exception in the loop thread ends the loop and
-is raised to every waiting handle and to later ``submit`` calls; nothing hangs.
+is raised to every waiting handle and to later ``submit`` calls; nothing hangs. A request that
+fails on its own (its sampling, or the step it ran in) ends alone with ``finish_reason`` "error";
+the loop goes on serving the others.
 """
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 import queue
@@ -44,8 +45,8 @@ class RequestHandle:
     With ``n > 1``, ``stream()`` follows the first sample; ``result()`` has them all.
     """
 
-    def __init__(self, owner: "BackgroundEngine", request_id: str, tokenizer: Any) -> None:
-        self.request_id = request_id
+    def __init__(self, owner: "BackgroundEngine", request_id: str | None, tokenizer: Any) -> None:
+        self.request_id = request_id  # set by the engine when None
         self._owner = owner
         self._tokenizer = tokenizer
         self._cond = threading.Condition()
@@ -171,12 +172,14 @@ class BackgroundEngine:
     """An ``Engine`` stepping on a daemon thread. Build it with ``paged_hf.serve``."""
 
     def __init__(self, engine: Any) -> None:
+        if engine.serving:
+            raise RuntimeError("this engine is already stepped by a background engine; shut that one down first")
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self._commands: queue.Queue = queue.Queue()
         self._handles: dict[str, RequestHandle] = {}  # root request id -> handle (loop thread only)
-        self._ids = itertools.count()
         self._error: BaseException | None = None
+        engine.serving = True  # unpatch refuses while it is set
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="paged_hf-engine", daemon=True)
         self._thread.start()
@@ -186,9 +189,8 @@ class BackgroundEngine:
                request_id: str | None = None) -> RequestHandle:
         """Queue a prompt (text, or token ids); returns its handle at once. Bad input raises the
         engine's ValueError here, in the caller's thread (the loop thread validates it before
-        its next step, so this waits at most one step)."""
-        rid = f"bg-{next(self._ids)}" if request_id is None else str(request_id)
-        handle = RequestHandle(self, rid, self.tokenizer)
+        its next step, so this waits at most one step). Without ``request_id`` the engine makes one."""
+        handle = RequestHandle(self, request_id, self.tokenizer)
         self._call("add", handle, prompt, params)
         return handle
 
@@ -292,15 +294,25 @@ class BackgroundEngine:
                 handle._finish(None, e)
             self._handles.clear()
             self._fail_queued(e)
+            self._abort_all()
         finally:
+            self.engine.serving = False
             self._stopped.set()
+
+    def _abort_all(self) -> None:
+        """Free what the dead loop left in the engine, so it can be used (or unpatched) again."""
+        for rid in list(self.engine.requests):
+            try:
+                self.engine.abort(rid)
+            except Exception:  # noqa: BLE001 - best effort on the way down
+                logger.exception("paged_hf: aborting request %s after the loop failed", rid)
 
     def _do(self, op: str, box: dict | None, args: tuple, done: threading.Event) -> bool:
         """Handle one command; True when the loop must stop."""
         try:
             if op == "add":
                 handle, prompt, params = args
-                self.engine.add_request(prompt, params, request_id=handle.request_id)
+                handle.request_id = self.engine.add_request(prompt, params, request_id=handle.request_id)
                 self._handles[handle.request_id] = handle
             elif op == "cancel":
                 self._cancel(args[0])
@@ -330,12 +342,9 @@ class BackgroundEngine:
 
     def _cancel(self, rid: str) -> None:
         handle = self._handles.pop(rid, None)
-        root = self.engine.requests.get(rid)
-        if handle is None or root is None:
+        if handle is None or rid not in self.engine.requests:
             return  # finished already
-        samples = [root] + [r for r in self.engine.requests.values() if r.parent is root]
-        self.engine.abort(rid)  # frees the blocks now
-        handle._finish(self.engine.make_output(root, samples))
+        handle._finish(self.engine.abort(rid))  # frees the blocks now
 
     def _step(self) -> None:
         engine = self.engine
@@ -348,13 +357,10 @@ class BackgroundEngine:
         for req in finished:
             root = req.parent or req
             handle = self._handles.get(root.request_id)
-            if handle is None:
-                continue
-            group = [root] + [r for r in engine.requests.values() if r.parent is root]
-            if len(group) < root.params.n or not all(r.is_finished for r in group):
+            if handle is None or not root.group_finished:
                 continue
             del self._handles[root.request_id]
-            handle._finish(engine.collect(group))
+            handle._finish(engine.collect([root]))
 
 
 def serve(model: torch.nn.Module, tokenizer: Any = None, *, warmup: bool = True, **config: Any) -> BackgroundEngine:

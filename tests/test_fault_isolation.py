@@ -1,0 +1,453 @@
+"""Fault isolation and cache coherence (issue 10): one request, one failed step or one weight
+update never harms anyone else. One test per defect seen on the engine before this issue.
+
+fp64 tiny models make greedy tokens independent of batch composition, so "the others' tokens
+do not change" is checked as equality with a fault-free run.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import paged_hf
+from oracle import assert_teacher_forced
+from paged_hf import SamplingParams
+from paged_hf.serve import BackgroundEngine
+from tiny_models import make_tiny_model, tiny_prompts
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+GREEDY = SamplingParams(max_new_tokens=6, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return make_tiny_model("llama").double()
+
+
+@pytest.fixture(scope="module")
+def prompts(model):
+    return tiny_prompts(model.config.vocab_size, 4, [5, 9, 13, 7], seed=3)
+
+
+@pytest.fixture(scope="module")
+def reference(model, prompts):
+    """Fault-free tokens of ``prompts`` under GREEDY."""
+    return [o.token_ids for o in paged_hf.Engine(model, block_size=4, num_blocks=64).generate(prompts, GREEDY)]
+
+
+def assert_clean(engine: paged_hf.Engine) -> None:
+    """Nothing left behind: no live request, no queued work, no block held beyond the prefix cache."""
+    assert not engine.requests and not engine.has_unfinished
+    assert not engine.scheduler.running and not engine.scheduler.waiting
+    assert engine.kv.pool.num_used == 0
+    assert engine.kv.pool.num_free + engine.kv.pool.num_cached == engine.kv.num_blocks
+
+
+# ---- poison requests are refused at admission (each used to fail inside step() and wedge it) ----
+
+@pytest.mark.parametrize("params, field", [
+    (dict(logprobs=10**6), "logprobs"),
+    (dict(cache_salt=["x"]), "cache_salt"),
+    (dict(cache_salt=1), "cache_salt"),
+    (dict(seed=2**64 - 1, n=2, temperature=1.0), "seed"),
+    (dict(seed=-1, temperature=1.0), "seed"),
+    (dict(repetition_penalty=1e-300), "repetition_penalty"),
+    (dict(ignore_eos="no"), "ignore_eos"),
+])
+def test_poison_params_are_refused_naming_the_field(params, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**params)
+
+
+@pytest.mark.parametrize("stop", [5, "12", [1.9], [True], [None]])
+def test_stop_token_ids_must_be_a_list_of_ints(stop):
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        SamplingParams(stop_token_ids=stop)
+
+
+def test_refused_request_in_a_batch_ends_alone(model, prompts, reference):
+    engine = paged_hf.Engine(model, block_size=4, num_blocks=64)
+    most_logprobs = GREEDY.with_(logprobs=20)
+    outs = engine.generate(prompts + [prompts[0], [5, 6]],
+                           [GREEDY] * 4 + [most_logprobs, GREEDY.with_(stop_token_ids=(999,))])
+    assert [o.token_ids for o in outs[:4]] == reference
+    assert outs[4].error is None and len(outs[4].completions[0].logprobs) == 6
+    assert "stop token id 999 is outside the vocabulary" in outs[5].error
+    assert_clean(engine)
+
+
+def test_logprobs_above_the_vocabulary_are_refused():
+    tiny = make_tiny_model("llama")
+    tiny.config.vocab_size = 16  # what the engine reads; the check must not need a real 16-token model
+    engine = paged_hf.Engine(tiny, num_blocks=8)
+    with pytest.raises(ValueError, match=r"logprobs=20 exceeds the vocabulary \(16\)"):
+        engine.add_request([5, 6], SamplingParams(logprobs=20))
+
+
+def test_tiny_temperature_is_greedy_not_the_last_token(model, prompts, reference):
+    engine = paged_hf.Engine(model, block_size=4, num_blocks=64)
+    outs = engine.generate(prompts, GREEDY.with_(temperature=1e-40, seed=0))
+    assert [o.token_ids for o in outs] == reference
+    assert SamplingParams(temperature=1e-40).is_greedy and not SamplingParams(temperature=1e-4).is_greedy
+
+
+def test_unseeded_none_prompt_and_bad_ids_name_the_request(model):
+    engine = paged_hf.Engine(model, num_blocks=16)
+    with pytest.raises(ValueError, match="request x: a prompt is text or a list of token ids, got NoneType"):
+        engine.add_request(None, request_id="x")
+    with pytest.raises(TypeError, match="request_id"):
+        engine.add_request([5], request_id=1.5)
+    assert_clean(engine)
+
+
+# ---- failures inside a step end their requests alone; the engine keeps serving ----
+
+def test_forward_that_raises_once_ends_that_steps_requests_and_frees_their_blocks(model, prompts, reference):
+    engine = paged_hf.Engine(model, block_size=4, num_blocks=64, max_num_seqs=2)
+    execute, calls = engine.runner.execute, []
+
+    def flaky(scheduled, copies):
+        calls.append([r.request_id for r, _ in scheduled])
+        if len(calls) == 3:
+            raise RuntimeError("transient device error")
+        return execute(scheduled, copies)
+
+    engine.runner.execute = flaky
+    outs = engine.generate(prompts, GREEDY)
+    in_failed_step = set(calls[2])
+    assert in_failed_step and len(in_failed_step) < len(prompts)
+    for out, ref in zip(outs, reference):
+        if out.request_id in in_failed_step:
+            assert out.finish_reason == "error" and "transient device error" in out.error
+            assert out.request_id in out.error
+        else:
+            assert out.error is None and out.token_ids == ref
+    assert_clean(engine)
+    engine.runner.execute = execute
+    assert [o.token_ids for o in engine.generate(prompts, GREEDY)] == reference
+
+
+def test_a_requests_sampling_failure_ends_it_alone(model, prompts, reference, monkeypatch):
+    from paged_hf import sampler
+
+    prepare = sampler._prepare_row
+
+    def poisoned(logits, row, req):
+        if req.prompt_ids == prompts[1] and req.num_output_tokens == 2:
+            raise IndexError("poisoned row")
+        prepare(logits, row, req)
+
+    monkeypatch.setattr(sampler, "_prepare_row", poisoned)
+    engine = paged_hf.Engine(model, block_size=4, num_blocks=64)
+    outs = engine.generate(prompts, GREEDY)
+    assert outs[1].finish_reason == "error" and "IndexError: poisoned row" in outs[1].error
+    assert outs[1].token_ids == reference[1][:2]  # what it had before it failed
+    assert [outs[i].token_ids for i in (0, 2, 3)] == [reference[i] for i in (0, 2, 3)]
+    assert_clean(engine)
+
+
+def test_nan_logits_of_one_request_end_it_alone(model, prompts, reference):
+    engine = paged_hf.Engine(model, block_size=4, num_blocks=64)
+    execute = engine.runner.execute
+
+    def nan_for_second(scheduled, copies):
+        logits, meta = execute(scheduled, copies)
+        logits = logits.clone()  # out of inference mode, so it can be written
+        for row, req in enumerate(meta.sampled_requests):
+            if req.prompt_ids == prompts[2]:
+                logits[row, 7] = float("nan")
+        return logits, meta
+
+    engine.runner.execute = nan_for_second
+    outs = engine.generate(prompts, GREEDY)
+    assert outs[2].finish_reason == "error" and "not finite" in outs[2].error and outs[2].token_ids == []
+    assert [outs[i].token_ids for i in (0, 1, 3)] == [reference[i] for i in (0, 1, 3)]
+    assert_clean(engine)
+
+
+def test_keyboard_interrupt_from_a_callback_aborts_the_call_and_leaves_the_engine_clean(model, prompts, reference):
+    engine = paged_hf.Engine(model, block_size=4, num_blocks=64)
+    seen = []
+
+    def ctrl_c(rid, tok):
+        seen.append(rid)
+        if len(seen) == 5:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        engine.generate(prompts, GREEDY, on_token=ctrl_c)
+    assert_clean(engine)
+    assert [o.token_ids for o in engine.generate(prompts, GREEDY)] == reference
+
+
+def test_keyboard_interrupt_inside_a_step_is_undone(model, prompts, reference):
+    """Interrupted mid-forward, the step's requests keep their tokens and recompute their KV."""
+    engine = paged_hf.Engine(model, block_size=4, num_blocks=64)
+    rids = [engine.add_request(p, GREEDY) for p in prompts]
+    execute, calls = engine.runner.execute, []
+
+    def interrupted(scheduled, copies):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return execute(scheduled, copies)
+
+    engine.runner.execute = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        while engine.has_unfinished:
+            engine.step()
+    assert engine.kv.pool.num_used == 0  # the interrupted step's blocks went back
+    assert all(r.num_computed_tokens == 0 for r in engine.requests.values())
+    outs = engine.run_until_done(rids)
+    assert [o.token_ids for o in outs] == reference
+    assert_clean(engine)
+
+
+def test_streamer_interrupt_aborts_model_generate(model, prompts):
+    patched = paged_hf.patch(make_tiny_model("llama"), block_size=4, num_blocks=64)
+
+    class Streamer:
+        def __init__(self):
+            self.puts = 0
+
+        def put(self, value):
+            self.puts += 1
+            if self.puts == 3:
+                raise KeyboardInterrupt
+
+        def end(self):
+            pass
+
+    ids = torch.tensor([prompts[0]])
+    with pytest.raises(KeyboardInterrupt):
+        patched.generate(ids, max_new_tokens=8, streamer=Streamer())
+    engine = paged_hf.engine_for(patched)
+    assert_clean(engine)
+    out = patched.generate(ids, max_new_tokens=4, do_sample=False)
+    assert out.shape == (1, len(prompts[0]) + 4)
+
+
+def test_swap_out_failure_falls_back_to_recompute(model, prompts):
+    kw = dict(block_size=4, num_blocks=14, max_num_seqs=4, max_num_batched_tokens=64, preemption_mode="swap")
+    long = SamplingParams(max_new_tokens=14, ignore_eos=True)
+    ref_engine = paged_hf.Engine(model, **kw)
+    reference = [o.token_ids for o in ref_engine.generate(prompts, long)]
+    assert ref_engine.stats()["preemptions"] > 0, "the workload must preempt"
+
+    engine = paged_hf.Engine(model, **kw)
+    calls = []
+
+    def broken_swap_out(blocks):
+        calls.append(blocks)
+        raise RuntimeError("pinned memory exhausted")
+
+    engine.runner.backend.swap_out = broken_swap_out
+    outs = engine.generate(prompts, long)
+    assert calls and [o.token_ids for o in outs] == reference and all(o.error is None for o in outs)
+    assert_clean(engine)
+
+
+def test_abort_from_inside_on_token_keeps_the_other_outputs(model, prompts, reference):
+    engine = paged_hf.Engine(model, block_size=4, num_blocks=64)
+    ids = {}
+
+    def abort_second(rid, tok):
+        ids.setdefault(rid, 0)
+        ids[rid] += 1
+        victim = sorted(ids)[1] if len(ids) > 1 else None
+        if victim is not None and victim in engine.requests and ids[victim] >= 2:
+            engine.abort(victim)
+
+    outs = engine.generate(prompts, GREEDY, on_token=abort_second)
+    aborted = [o for o in outs if o.finish_reason == "abort"]
+    assert len(aborted) == 1 and 2 <= len(aborted[0].token_ids) < 6
+    for out, ref in zip(outs, reference):
+        if out.finish_reason != "abort":
+            assert out.token_ids == ref
+    assert_clean(engine)
+
+
+def test_a_failing_callback_ends_its_request_alone(model, prompts, reference):
+    engine = paged_hf.Engine(model, block_size=4, num_blocks=64)
+    first = []
+
+    def fails_for_first(rid, tok):
+        first.append(rid)
+        if rid == first[0]:
+            raise ValueError("callback bug")
+
+    outs = engine.generate(prompts, GREEDY, on_token=fails_for_first)
+    assert outs[0].finish_reason == "error" and "on_token callback raised ValueError: callback bug" in outs[0].error
+    assert [o.token_ids for o in outs[1:]] == reference[1:]
+    assert_clean(engine)
+
+
+# ---- identity: caller ids and the engine's own ids never collide ----
+
+def test_caller_id_like_a_sample_id_does_not_collide(model, prompts):
+    engine = paged_hf.Engine(model, block_size=4, num_blocks=64)
+    sampled = SamplingParams(max_new_tokens=6, n=2, temperature=1.0, seed=5, ignore_eos=True)
+    engine.add_request(prompts[0], sampled, request_id="job")
+    engine.step()
+    engine.step()
+    engine.add_request(prompts[1], GREEDY, request_id="job#1")
+    cancelled = engine.abort("job#1")
+    assert cancelled.prompt_token_ids == prompts[1] and cancelled.finish_reason == "abort"
+    out = engine.run_until_done(["job"])[0]
+    assert len(out.completions) == 2 and all(len(c.token_ids) == 6 for c in out.completions)
+    assert_clean(engine)
+
+
+def test_caller_ids_never_hit_auto_ids(model, prompts, reference):
+    engine = paged_hf.Engine(model, block_size=4, num_blocks=64)
+    engine.add_request(prompts[0], GREEDY, request_id="1")
+    engine.add_request(prompts[1], GREEDY, request_id="0")
+    outs = engine.generate(prompts, GREEDY)  # used to refuse a valid prompt: "request 1: id already in use"
+    assert [o.token_ids for o in outs] == reference and all(o.error is None for o in outs)
+    with pytest.raises(ValueError, match="ids starting with 'paged_hf:'"):
+        engine.add_request(prompts[0], GREEDY, request_id="paged_hf:0")
+    engine.run_until_done(["1", "0"])
+    assert_clean(engine)
+
+
+def test_background_engine_caller_id_like_a_sample_id(model, prompts):
+    bg = paged_hf.serve(model, block_size=4, num_blocks=64, warmup=False)
+    try:
+        job = bg.submit(prompts[0], SamplingParams(max_new_tokens=40, n=2, temperature=1.0, seed=1, ignore_eos=True),
+                        request_id="job")
+        other = bg.submit(prompts[1], SamplingParams(max_new_tokens=40, ignore_eos=True), request_id="job#1")
+        other.cancel()
+        got = other.result(timeout=30)
+        assert got.prompt_token_ids == prompts[1] and got.finish_reason == "abort"
+        out = job.result(timeout=60)
+        assert len(out.completions) == 2 and all(len(c.token_ids) == 40 for c in out.completions)
+        auto = bg.submit(prompts[2], GREEDY)
+        assert auto.request_id.startswith("paged_hf:") and auto.result(timeout=30).error is None
+    finally:
+        bg.shutdown()
+    assert_clean(bg.engine)
+
+
+def test_background_engine_keeps_serving_after_a_failed_step(model, prompts, reference):
+    engine = paged_hf.Engine(model, block_size=4, num_blocks=64)
+    execute, calls = engine.runner.execute, []
+
+    def fails_once(scheduled, copies):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("transient")
+        return execute(scheduled, copies)
+
+    engine.runner.execute = fails_once
+    bg = BackgroundEngine(engine)
+    try:
+        first = bg.submit(prompts[0], GREEDY).result(timeout=30)
+        assert first.finish_reason == "error" and "transient" in first.error
+        later = [bg.submit(p, GREEDY) for p in prompts]
+        assert [h.result(timeout=60).token_ids for h in later] == reference
+        assert bg.is_running
+    finally:
+        bg.shutdown()
+
+
+# ---- coherence: the prefix cache never serves KV other weights computed ----
+
+def test_online_training_generate_step_generate_matches_updated_weights():
+    """The RL / online-training loop: generate, step the optimizer, generate the same prompts."""
+    torch.manual_seed(0)
+    model = paged_hf.patch(make_tiny_model("llama"), block_size=4, num_blocks=64)
+    ids = torch.tensor(tiny_prompts(model.config.vocab_size, 3, [12, 12, 12], seed=7))
+    engine = paged_hf.engine_for(model)
+    first = model.generate(ids, max_new_tokens=6, do_sample=False)
+    model.generate(ids, max_new_tokens=6, do_sample=False)
+    hits = engine.stats()["prefix_hit_tokens"]
+    assert hits > 0, "unchanged weights: the second call reads the first one's cached prompts"
+
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    loss = model(input_ids=first, labels=first).loss  # plain forward of a patched model trains as before
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+    second = model.generate(ids, max_new_tokens=6, do_sample=False)
+    assert engine.stats()["prefix_hit_tokens"] == hits, "no block computed by the old weights may be served"
+    assert not torch.equal(first, second), "the update must change the tokens for this test to mean anything"
+    for row, prompt in zip(second.tolist(), ids.tolist()):
+        assert_teacher_forced(model, prompt, row[12:], what="after an optimizer step")
+    reference = paged_hf.unpatch(model).generate(ids, max_new_tokens=6, do_sample=False)
+    assert torch.equal(second, reference)
+
+
+def test_load_state_dict_and_explicit_reset_drop_the_cache(model, prompts):
+    engine = paged_hf.Engine(model, block_size=4, num_blocks=64)
+    engine.generate(prompts, GREEDY)
+    assert engine.stats()["blocks_cached"] > 0
+    with torch.no_grad():
+        model.load_state_dict(model.state_dict())  # same values, written in place: still a new version
+    engine.generate([[5, 6, 7]], GREEDY)
+    again = engine.generate(prompts, GREEDY)
+    assert all(o.num_cached_tokens == 0 for o in again)
+    cached = engine.generate(prompts, GREEDY)
+    assert any(o.num_cached_tokens > 0 for o in cached)  # unchanged weights: the cache serves again
+    engine.reset_prefix_cache()
+    assert engine.stats()["blocks_cached"] == 0
+    assert all(o.num_cached_tokens == 0 for o in engine.generate(prompts, GREEDY))
+
+
+def test_unpatch_refuses_while_serving_and_a_stale_engine_refuses_to_run(prompts):
+    model = paged_hf.patch(make_tiny_model("llama"), num_blocks=32)
+    bg = paged_hf.serve(model, warmup=False)
+    try:
+        with pytest.raises(RuntimeError, match="unpatch: 1 paged_hf engine"):
+            paged_hf.unpatch(model)
+        assert bg.generate(prompts[0], GREEDY).error is None
+    finally:
+        bg.shutdown()
+    engine = paged_hf.engine_for(model)
+    paged_hf.unpatch(model)
+    with pytest.raises(RuntimeError, match="unpatched"):
+        engine.add_request(prompts[0], GREEDY)
+
+
+def test_set_attn_implementation_after_patch_stops_the_engine(prompts):
+    model = paged_hf.patch(make_tiny_model("llama"), num_blocks=32)
+    engine = paged_hf.engine_for(model)
+    engine.add_request(prompts[0], GREEDY)
+    model.set_attn_implementation("sdpa")
+    with pytest.raises(RuntimeError, match="attention implementation is now 'sdpa'"):
+        engine.step()
+
+
+# ---- configuration ----
+
+def test_max_model_len_is_capped_by_what_the_model_can_position():
+    gpt2 = make_tiny_model("gpt2")  # learned positions: 1024
+    with pytest.raises(ValueError, match="max_model_len=2048 exceeds the 1024 positions"):
+        paged_hf.Engine(gpt2, max_model_len=2048)
+    assert paged_hf.Engine(gpt2, num_blocks=8).max_model_len == 1024
+
+
+def test_rope_scaling_stretches_the_cap():
+    model = make_tiny_model("llama")
+    model.config.rope_parameters = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
+                                    "original_max_position_embeddings": 1024}
+    assert paged_hf.Engine(model, num_blocks=8, max_model_len=4096).max_model_len == 4096
+    with pytest.raises(ValueError, match="4097 exceeds the 4096 positions"):
+        paged_hf.Engine(model, num_blocks=8, max_model_len=4097)
+
+
+def test_defaults_yield_to_explicit_options():
+    model = paged_hf.patch(make_tiny_model("llama"), max_num_batched_tokens=16, num_blocks=32)
+    engine = paged_hf.engine_for(model)
+    assert engine.config.max_num_seqs == 16 and engine.config.max_num_batched_tokens == 16
+    assert paged_hf.EngineConfig(max_num_seqs=1024).max_num_batched_tokens == 1024
+    with pytest.raises(ValueError, match="max_num_seqs=64 exceeds max_num_batched_tokens=32"):
+        paged_hf.EngineConfig(max_num_seqs=64, max_num_batched_tokens=32)
+
+
+def test_do_sample_with_zero_temperature_is_refused_as_transformers_does(prompts):
+    model = paged_hf.patch(make_tiny_model("llama"), num_blocks=32)
+    with pytest.raises(ValueError, match="temperature=0.0 with do_sample=True"):
+        model.generate(torch.tensor([prompts[0]]), do_sample=True, temperature=0.0, max_new_tokens=3)
+    assert_clean(paged_hf.engine_for(model))
