@@ -30,8 +30,9 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate a completion for every row of a dataset (ordered, resumable)",
-                       description="Generate one completion per row; writes JSON lines with the input columns "
-                                   "plus the output column and its _num_tokens, _finish_reason and _ttft.")
+                       description="Generate one completion per row; writes the input columns plus the output "
+                                   "column and its _num_tokens, _finish_reason, _ttft and _error. A row that "
+                                   "fails gets finish_reason 'error' and its message in _error; the others run.")
     g.add_argument("--model", required=True, help="a transformers model id or directory, or 'default' for the "
                    "embedded SmolLM2-135M-Instruct")
     g.add_argument("--gguf-file", help="load the model from this GGUF file inside --model's directory or repo")
@@ -42,12 +43,13 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--input", required=True, help="a .jsonl/.json/.csv/.parquet file or a datasets.save_to_disk "
                    "directory")
     g.add_argument("--split", help="the split to use when --input holds a DatasetDict")
-    g.add_argument("--limit", type=int, help="only the first N rows")
+    g.add_argument("--limit", type=int, help="only the first N rows (N >= 0)")
     g.add_argument("--prompt-column", default="prompt")
     g.add_argument("--messages-column", help="a column of chat messages, run through the chat template")
     g.add_argument("--params-column", help="a column of per-row SamplingParams fields (dicts)")
     g.add_argument("--output-column", default="generation")
-    g.add_argument("--output", required=True, help="output file: .jsonl (default), .json, .csv or .parquet")
+    g.add_argument("--output", required=True, help="output file: .jsonl, .json, .csv or .parquet (checked before "
+                   "anything runs)")
     g.add_argument("--checkpoint-dir", help="append finished rows here; rerun the same command to resume")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     s = g.add_argument_group("sampling")
@@ -77,9 +79,13 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def generate(args: argparse.Namespace) -> int:
+    from .config import EngineConfig
     from .datasets_eval import generate_dataset
     from .sampling_params import SamplingParams
 
+    # every check that needs no data or model comes first: a mistake costs nothing
+    if args.limit is not None and args.limit < 0:
+        return _fail(f"--limit {args.limit}: must be >= 0")
     try:
         params = SamplingParams(max_new_tokens=args.max_new_tokens, min_new_tokens=args.min_new_tokens,
                                 temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
@@ -96,38 +102,62 @@ def generate(args: argparse.Namespace) -> int:
     if args.no_prefix_caching:
         engine_config["enable_prefix_caching"] = False
     try:
+        EngineConfig.from_kwargs(**engine_config)  # the engine checks them again; here it costs nothing
+    except (ValueError, TypeError) as err:
+        return _fail(str(err))
+    if _is_main_process():  # under accelerate launch only rank 0 writes the result
+        problem = check_output(args.output)
+        if problem is not None:
+            return _fail(problem)
+    if args.checkpoint_dir is not None:
+        problem = _check_directory("--checkpoint-dir", Path(args.checkpoint_dir))
+        if problem is not None:
+            return _fail(problem)
+    try:
         dataset = load_input(args.input, args.split)
     except (FileNotFoundError, ValueError) as err:
         return _fail(str(err))
     if args.limit is not None:
         dataset = dataset.select(range(min(args.limit, len(dataset))))
-    model, tokenizer = load_model(args.model, args.gguf_file, args.tokenizer, args.dtype, args.device)
+    try:
+        model, tokenizer = load_model(args.model, args.gguf_file, args.tokenizer, args.dtype, args.device)
+    except ValueError as err:
+        return _fail(str(err))
     try:
         result = generate_dataset(model, tokenizer, dataset, prompt_column=args.prompt_column,
                                   output_column=args.output_column, sampling_params=params,
                                   checkpoint_dir=args.checkpoint_dir, messages_column=args.messages_column,
                                   params_column=args.params_column, progress=not args.no_progress, **engine_config)
-    except (ValueError, TypeError) as err:
+    except (ValueError, TypeError, OSError) as err:
         return _fail(str(err))
     if result is None or not _is_main_process():
-        return 0  # under accelerate launch only rank 0 writes the whole result
-    write_output(result, args.output)
+        return 0
+    try:
+        write_output(result, args.output)
+    except OSError as err:  # checked at the start, but disks fill up and permissions change
+        kept = f"; the rows are kept in --checkpoint-dir {args.checkpoint_dir}" if args.checkpoint_dir else ""
+        return _fail(f"--output {args.output}: {err}{kept}")
     errors = sum(1 for r in result[f"{args.output_column}_finish_reason"] if r == "error")
     print(f"paged-hf: wrote {len(result)} rows to {args.output}"
-          + (f" ({errors} refused, finish_reason 'error')" if errors else ""), file=sys.stderr)
+          + (f" ({errors} failed, finish_reason 'error': see {args.output_column}_error)" if errors else ""),
+          file=sys.stderr)
     return 0
 
 
 def load_model(name: str, gguf_file: str | None, tokenizer_name: str | None, dtype: str,
                device: str) -> tuple[Any, Any]:
+    """(model, tokenizer). Raises ValueError naming the option (--model, --tokenizer, --device)
+    whose value cannot be loaded; the tokenizer and the model's config are read before its weights,
+    so those mistakes are found in a moment."""
     import torch
 
     torch_dtype = None if dtype == "auto" else getattr(torch, dtype)
     if name == "default":
         from .models import load_default_model
 
-        return load_default_model(dtype=torch_dtype or torch.bfloat16, device=device)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+        return _load("--model", name, "it", lambda: load_default_model(dtype=torch_dtype or torch.bfloat16,
+                                                                         device=device))
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     extra: dict[str, Any] = {"gguf_file": gguf_file} if gguf_file else {}
     model_extra = dict(extra)
@@ -138,26 +168,57 @@ def load_model(name: str, gguf_file: str | None, tokenizer_name: str | None, dty
             model_extra["quantization_config"] = GgufConfig(dequantize=True)
         except ImportError:  # older transformers always dequantize GGUF
             pass
-    model = AutoModelForCausalLM.from_pretrained(name, dtype=torch_dtype or "auto", **model_extra)
-    model.to(device).eval()
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_name or name, **({} if tokenizer_name else extra))
+    _load("--model", name, "it", lambda: AutoConfig.from_pretrained(name, **extra))
+    if tokenizer_name:
+        tokenizer = _load("--tokenizer", tokenizer_name, "it", lambda: AutoTokenizer.from_pretrained(tokenizer_name))
+    else:
+        tokenizer = _load("--model", name, "its tokenizer (choose one with --tokenizer)",
+                          lambda: AutoTokenizer.from_pretrained(name, **extra))
+    model = _load("--model", name, "it",
+                  lambda: AutoModelForCausalLM.from_pretrained(name, dtype=torch_dtype or "auto", **model_extra))
+    try:
+        model.to(device).eval()
+    except (RuntimeError, ValueError, TypeError, AssertionError) as err:  # torch's ways of refusing a device
+        raise ValueError(f"--device {device}: {err}") from None
     return model, tokenizer
 
 
+def _load(option: str, name: str, what: str, load: Any) -> Any:
+    if _looks_like_path(name) and not Path(name).expanduser().exists():
+        raise ValueError(f"{option} {name}: no such directory")
+    try:
+        return load()
+    except Exception as err:  # transformers raises OSError, ValueError, KeyError, ... for "not a model here"
+        raise ValueError(f"{option} {name}: cannot load {what} ({type(err).__name__}: {err})") from None
+
+
+def _looks_like_path(name: str) -> bool:
+    """A name that cannot be a Hub repo id ("name" or "owner/name"), so it must be a local path."""
+    return os.path.isabs(name) or name.startswith((".", "~")) or name.count("/") > 1
+
+
 def load_input(path: str, split: str | None) -> Any:
+    """The dataset in ``path``; ValueError or FileNotFoundError naming --input and the reason."""
     import datasets
 
     p = Path(path)
-    if p.is_dir():
-        ds = datasets.load_from_disk(str(p))
-    elif p.is_file():
+    if not p.exists():
+        raise FileNotFoundError(f"--input {path}: no such file or directory")
+    kind = None
+    if not p.is_dir():
         kind = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}.get(p.suffix.lower())
         if kind is None:
             raise ValueError(f"--input {path}: unknown file type {p.suffix!r}; use .jsonl, .json, .csv, .parquet "
                              "or a datasets.save_to_disk directory")
-        ds = datasets.load_dataset(kind, data_files=str(p), split="train")
-    else:
-        raise FileNotFoundError(f"--input {path}: no such file or directory")
+        if _is_blank(p):
+            raise ValueError(f"--input {path}: no rows (the file is empty)")
+    try:
+        ds = (datasets.load_from_disk(str(p)) if kind is None
+              else datasets.load_dataset(kind, data_files=str(p), split="train"))
+    except Exception as err:  # the parser's reason, not datasets' "An error occurred while generating"
+        if "corresponds to no data" in str(err):  # datasets' words for a file with no rows (a CSV header only)
+            raise ValueError(f"--input {path}: no rows") from None
+        raise ValueError(f"--input {path}: cannot read it as {kind or 'a saved dataset'} ({_reason(err)})") from None
     if isinstance(ds, datasets.DatasetDict):
         if split is None:
             if len(ds) != 1:
@@ -166,7 +227,70 @@ def load_input(path: str, split: str | None) -> Any:
         if split not in ds:
             raise ValueError(f"--split {split}: not in {list(ds)}")
         ds = ds[split]
+    if len(ds) == 0:
+        raise ValueError(f"--input {path}: no rows" + (f" in split {split!r}" if split else ""))
     return ds
+
+
+def _is_blank(path: Path) -> bool:
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 16):
+            if chunk.strip():
+                return False
+    return True
+
+
+def _reason(err: BaseException) -> str:
+    from datasets.exceptions import DatasetGenerationError
+
+    while isinstance(err, DatasetGenerationError) and (err.__cause__ or err.__context__) is not None:
+        err = err.__cause__ or err.__context__
+    return f"{type(err).__name__}: {err}"
+
+
+_OUTPUT_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
+
+
+def check_output(path: str) -> str | None:
+    """Why ``--output path`` cannot be written, or None. Found by doing it: missing directories are
+    made and the file opened for appending (an existing file is not truncated), then whatever this
+    made is removed again."""
+    p = Path(path)
+    if p.suffix.lower() not in _OUTPUT_SUFFIXES:
+        return (f"--output {path}: unknown file type {p.suffix or '(none)'!r}; use "
+                f"{', '.join(_OUTPUT_SUFFIXES)}")
+    if p.is_dir():
+        return f"--output {path}: is a directory"
+    return _check_directory("--output", p.parent, p)
+
+
+def _check_directory(option: str, directory: Path, file: Path | None = None) -> str | None:
+    """Why ``directory`` (and ``file`` in it) cannot be written, or None; leaves no trace."""
+    existing = next((d for d in [directory, *directory.parents] if d.exists()), None)
+    if existing is not None and not existing.is_dir():
+        return f"{option} {file or directory}: cannot write there ({existing} is not a directory)"
+    made = [d for d in [directory, *directory.parents] if not d.exists()]  # the deepest first
+    made_file = False
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        if file is not None:
+            made_file = not file.exists()
+            with open(file, "a"):  # "a": an existing file keeps its contents
+                pass
+        elif not os.access(directory, os.W_OK | os.X_OK):
+            raise PermissionError(f"cannot create files in {directory}")
+    except OSError as err:
+        made_file = False
+        return f"{option} {file or directory}: cannot write there ({err})"
+    finally:
+        if made_file:
+            file.unlink(missing_ok=True)
+        for d in made:
+            try:
+                d.rmdir()
+            except OSError:
+                pass
+    return None
 
 
 def write_output(result: Any, path: str) -> None:
@@ -178,8 +302,10 @@ def write_output(result: Any, path: str) -> None:
         result.to_parquet(path)
     elif suffix == ".json":
         result.to_json(path, lines=False, force_ascii=False)
-    else:
+    elif suffix == ".jsonl":
         result.to_json(path, lines=True, force_ascii=False)
+    else:
+        raise ValueError(f"--output {path}: unknown file type {suffix!r}; use {', '.join(_OUTPUT_SUFFIXES)}")
 
 
 def bench_script() -> Path:

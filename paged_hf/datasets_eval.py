@@ -6,38 +6,37 @@ whole dataset, original order, a progress bar, a resumable checkpoint, and shard
     >>> out = paged_hf.generate_dataset(model, tokenizer, ds, sampling_params=SamplingParams(max_new_tokens=16),
     ...                                 checkpoint_dir="runs/eval1")
     >>> out.column_names
-    ['prompt', 'generation', 'generation_num_tokens', 'generation_finish_reason', 'generation_ttft']
+    ['prompt', 'generation', 'generation_num_tokens', 'generation_finish_reason', 'generation_ttft',
+     'generation_error']
 
-Checkpoint layout (``checkpoint_dir``):
-  manifest.json          what the run was: model, tokenizer, sampling params, columns, dataset
-                         fingerprint. A rerun whose arguments differ raises ValueError.
-  results-<rank>.jsonl   one line per finished row, ``{"row_index": i, "text": ..., "num_tokens": ...,
-                         "finish_reason": ..., "ttft": ..., "error": ...}``, appended as rows finish
-                         (written and flushed every step, fsynced about once a second). A rerun
-                         reads every results file, skips the rows there, and truncates a torn last
-                         line (a run killed mid-write) before appending.
+A row that fails (refused at admission, raising while it is tokenized or chat-templated, or
+failing inside the engine) does not stop the run: it gets finish_reason "error" and its message
+in ``{output_column}_error``. Checkpoint layout and resume rules: ``paged_hf.checkpoint``
+(finished rows are appended as they complete, written and flushed every step, fsynced about once
+a second; errored rows run again on a rerun).
 """
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import logging
 import os
+import re
 import time
 from pathlib import Path
 from typing import Any, Iterator
 
 import torch
 
+from .checkpoint import Checkpoint, fingerprint, make_record
 from .sampling_params import SamplingParams
 
 logger = logging.getLogger("paged_hf")
 
-CHECKPOINT_VERSION = 1
-_SUFFIXES = ("num_tokens", "finish_reason", "ttft")
-_ROW_ID_PREFIX = "paged_hf-row-"
-_FSYNC_INTERVAL_S = 1.0
+# record field -> Arrow type of its output column: ``output_column`` holds the text, and
+# ``{output_column}_{field}`` the others, in this order
+_FEATURES = {"text": "string", "num_tokens": "int64", "finish_reason": "string", "ttft": "float64",
+             "error": "string"}
+_SUFFIXES = tuple(_FEATURES)[1:]
 _READ_BATCH = 256
 
 
@@ -49,9 +48,13 @@ def generate_dataset(model: torch.nn.Module, tokenizer: Any, dataset: Any, promp
 
     The returned ``datasets.Dataset`` has the original columns in the original order plus
     ``output_column`` (the generated text) and ``{output_column}_num_tokens``,
-    ``{output_column}_finish_reason`` ("stop", "length", or "error" for a row whose input was
-    refused, e.g. an empty prompt; its text is "") and ``{output_column}_ttft`` (seconds from
-    the row entering the engine to its first token).
+    ``{output_column}_finish_reason`` ("stop", "length", or "error"), ``{output_column}_ttft``
+    (seconds from the row entering the engine to its first token) and ``{output_column}_error``
+    (None, or for a row with finish_reason "error" the message naming the row and what went
+    wrong; its text is "", its num_tokens 0 and its ttft None). A row fails alone, whatever it
+    raises while it is prepared (an empty prompt, a chat template's ``raise_exception``, a
+    tokenizer error), when the engine refuses it, or when it fails inside an engine step; the
+    other rows run. ``KeyboardInterrupt`` stops the run (submitted rows are aborted).
 
     - ``prompt_column`` holds text (tokenized with special tokens) or token ids; with
       ``messages_column`` set, that column's chat messages go through
@@ -66,7 +69,9 @@ def generate_dataset(model: torch.nn.Module, tokenizer: Any, dataset: Any, promp
       ``engine_config`` is given; otherwise ``Engine(model, tokenizer, **engine_config)``.
     - ``checkpoint_dir``: finished rows are appended to disk as they complete; a rerun with the
       same arguments skips them and returns the same dataset as an uninterrupted run (the ttft
-      of restored rows is the one measured when they ran). Different arguments raise ValueError.
+      of restored rows is the one measured when they ran). Rows that ended in "error" run again.
+      Different arguments (model, tokenizer, sampling params, columns, dataset, or the engine's
+      effective max_model_len and EOS ids) raise ValueError. See ``paged_hf.checkpoint``.
     - Under ``accelerate launch --num_processes K`` (or ``torchrun --nproc_per_node K``) each
       process runs its shard (``datasets.distributed.split_dataset_by_node``) on its own engine;
       rank 0 gathers (``torch.distributed.gather_object``) and returns the whole dataset in the
@@ -106,14 +111,17 @@ def generate_dataset(model: torch.nn.Module, tokenizer: Any, dataset: Any, promp
     else:
         shard_rows, shard = list(range(len(dataset))), dataset
 
+    # the engine first: its effective max_model_len and EOS ids belong to the checkpoint's fingerprint
+    engine = _engine(model, tokenizer, engine_config)
     checkpoint = None
     if checkpoint_dir is not None:
-        fingerprint = _fingerprint(model, tokenizer, dataset, base, prompt_column, output_column,
-                                   messages_column, params_column)
-        checkpoint = _Checkpoint(Path(checkpoint_dir), fingerprint, rank, state)
+        columns = {"prompt": prompt_column, "output": output_column, "messages": messages_column,
+                   "params": params_column}
+        checkpoint = Checkpoint(Path(checkpoint_dir), fingerprint(model, tokenizer, engine, dataset, base, columns),
+                                rank, state, len(dataset))
 
-    records = _run_shard(model, tokenizer, shard, shard_rows, base, prompt_column, messages_column,
-                         params_column, checkpoint, progress and rank == 0, engine_config,
+    records = _run_shard(engine, tokenizer, shard, shard_rows, base, prompt_column, messages_column,
+                         params_column, checkpoint, progress and rank == 0,
                          desc="paged_hf" if world == 1 else f"paged_hf [rank 0 of {world}]")
 
     if world > 1:
@@ -130,16 +138,15 @@ def generate_dataset(model: torch.nn.Module, tokenizer: Any, dataset: Any, promp
 
 # ---- the loop ------------------------------------------------------------------------------------
 
-def _run_shard(model: Any, tokenizer: Any, shard: Any, shard_rows: list[int], base: SamplingParams,
+def _run_shard(engine: Any, tokenizer: Any, shard: Any, shard_rows: list[int], base: SamplingParams,
                prompt_column: str, messages_column: str | None, params_column: str | None,
-               checkpoint: "_Checkpoint | None", progress: bool, engine_config: dict, desc: str) -> list[dict]:
+               checkpoint: Checkpoint | None, progress: bool, desc: str) -> list[dict]:
     """Run one shard to completion; its records in shard order (restored rows included)."""
     done: dict[int, dict] = {}
     if checkpoint is not None:
-        restored = checkpoint.load()
+        restored = checkpoint.load()  # every record is checked here, before any row runs
         done = {i: restored[i] for i in shard_rows if i in restored}
         checkpoint.open()
-    engine = _engine(model, tokenizer, engine_config)
     sched = engine.scheduler
     target_waiting = 2 * engine.config.max_num_seqs
 
@@ -156,16 +163,9 @@ def _run_shard(model: Any, tokenizer: Any, shard: Any, shard_rows: list[int], ba
                     exhausted = True
                     break
                 row, prompt, row_params = item
-                rid = f"{_ROW_ID_PREFIX}{row}"
-                try:
-                    ids = _prompt_ids(tokenizer, prompt, messages_column is not None, row)
-                    params = _row_params(base, row_params, row)
-                    engine.add_request(ids, params, request_id=rid)
-                except (ValueError, TypeError) as e:  # the row is refused; the others run
-                    logger.warning("paged_hf.generate_dataset: %s", e)
-                    new.append(_record(row, "", 0, "error", None, str(e)))
-                    continue
-                live[rid] = row
+                rid = _submit(engine, tokenizer, base, row, prompt, row_params, messages_column is not None, new)
+                if rid is not None:
+                    live[rid] = row
             if not new and not live and exhausted:
                 break
             sampled: dict = {}
@@ -173,11 +173,8 @@ def _run_shard(model: Any, tokenizer: Any, shard: Any, shard_rows: list[int], ba
                 sampled, finished = engine.step()
                 for req in finished:
                     row = live.pop(req.request_id, None)
-                    if row is None:
-                        continue  # someone else's request on a shared engine
-                    out = engine.collect([req])
-                    text = _decode(tokenizer, out.token_ids) if tokenizer is not None else (out.text or "")
-                    new.append(_record(row, text, len(out.token_ids), out.finish_reason, out.ttft, None))
+                    if row is not None:  # else someone else's request on a shared engine
+                        new.append(_finished_record(engine, tokenizer, row, req))
             for rec in new:
                 done[rec["row_index"]] = rec
             if checkpoint is not None and new:
@@ -195,6 +192,49 @@ def _run_shard(model: Any, tokenizer: Any, shard: Any, shard_rows: list[int], ba
         if bar is not None:
             bar.close()
     return [done[i] for i in shard_rows]
+
+
+def _submit(engine: Any, tokenizer: Any, base: SamplingParams, row: int, prompt: Any, row_params: Any,
+            is_messages: bool, errors: list[dict]) -> str | None:
+    """Queue one row; its engine request id, or None when it failed (its record added to ``errors``)."""
+    try:
+        ids = _prompt_ids(tokenizer, prompt, is_messages)
+        params = _row_params(base, row_params, row)
+    except Exception as e:  # whatever the row's template or tokenizer raise, the row fails alone
+        errors.append(_error_record(row, _describe(e)))
+        return None
+    try:
+        return engine.add_request(ids, params)  # an auto id: never collides with a shared engine's others
+    except (ValueError, TypeError) as e:  # refused at admission; anything else is a bug and propagates
+        errors.append(_error_record(row, f"{type(e).__name__}: {_without_request_id(str(e))}"))
+        return None
+
+
+def _finished_record(engine: Any, tokenizer: Any, row: int, req: Any) -> dict:
+    out = engine.collect([req])
+    if out.error is not None or out.finish_reason == "error":  # it failed inside a step, alone
+        return _error_record(row, _without_request_id(out.error or "failed in the engine"))
+    try:
+        text = _decode(tokenizer, out.token_ids) if tokenizer is not None else (out.text or "")
+    except Exception as e:  # the tokenizer cannot decode what this row generated: the row fails alone
+        return _error_record(row, _describe(e))
+    return make_record(row, text, len(out.token_ids), out.finish_reason, out.ttft, None)
+
+
+def _error_record(row: int, message: str) -> dict:
+    error = f"row {row}: {message}"
+    logger.warning("paged_hf.generate_dataset: %s", error)
+    return make_record(row, "", 0, "error", None, error)
+
+
+def _describe(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+
+
+def _without_request_id(message: str) -> str:
+    """An engine message without its "request <id>: " prefix: the row number replaces the
+    auto id, which means nothing to the caller."""
+    return re.sub(r"^request [^ ]+: ", "", message)
 
 
 def _engine(model: Any, tokenizer: Any, engine_config: dict) -> Any:
@@ -229,41 +269,37 @@ def _rows(shard: Any, shard_rows: list[int], done: dict, prompt_column: str, mes
     return gen()
 
 
-def _prompt_ids(tokenizer: Any, prompt: Any, is_messages: bool, row: int) -> list[int]:
+def _prompt_ids(tokenizer: Any, prompt: Any, is_messages: bool) -> list[int]:
     if is_messages:
         if not prompt:
-            raise ValueError(f"row {row}: no chat messages")
+            raise ValueError("no chat messages")
         text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
         return list(tokenizer(text, add_special_tokens=False)["input_ids"])  # the template adds its own
     if prompt is None or (isinstance(prompt, str) and not prompt):
-        raise ValueError(f"row {row}: empty prompt")
+        raise ValueError("empty prompt")
     if isinstance(prompt, str):
         if tokenizer is None:
-            raise ValueError(f"row {row}: a text prompt needs a tokenizer")
+            raise ValueError("a text prompt needs a tokenizer")
         return list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
     if isinstance(prompt, (list, tuple)):
         return list(prompt)
-    raise ValueError(f"row {row}: prompt must be text or token ids, got {type(prompt).__name__}")
+    raise ValueError(f"prompt must be text or token ids, got {type(prompt).__name__}")
 
 
 def _row_params(base: SamplingParams, row_params: Any, row: int) -> SamplingParams:
     changes: dict[str, Any] = {}
     if row_params is not None:
         if not isinstance(row_params, dict):
-            raise ValueError(f"row {row}: params must be a dict of SamplingParams fields, "
-                             f"got {type(row_params).__name__}")
+            raise ValueError(f"params must be a dict of SamplingParams fields, got {type(row_params).__name__}")
         # Arrow fills the keys other rows have with None: those mean "not set"
         changes = {k: v for k, v in row_params.items() if v is not None}
         known = {f.name for f in dataclasses.fields(SamplingParams)}
         unknown = sorted(set(changes) - known)
         if unknown:
-            raise ValueError(f"row {row}: unknown SamplingParams field(s) {unknown}")
-    try:
-        params = base.with_(**changes)
-    except ValueError as e:
-        raise ValueError(f"row {row}: {e}") from None
+            raise ValueError(f"unknown SamplingParams field(s) {unknown}")
+    params = base.with_(**changes)
     if params.n != 1:
-        raise ValueError(f"row {row}: n={params.n}; generate_dataset makes one completion per row")
+        raise ValueError(f"n={params.n}; generate_dataset makes one completion per row")
     if not params.is_greedy and "seed" not in changes:
         params = params.with_(seed=(base.seed or 0) + row)  # independent of batching, resume, shards
     return params
@@ -273,28 +309,24 @@ def _decode(tokenizer: Any, ids: list[int]) -> str:
     return tokenizer.decode(ids, skip_special_tokens=True)
 
 
-def _record(row: int, text: str, num_tokens: int, finish_reason: str | None, ttft: float | None,
-            error: str | None) -> dict:
-    return {"row_index": row, "text": text, "num_tokens": num_tokens, "finish_reason": finish_reason,
-            "ttft": ttft, "error": error}
-
-
 def _assemble(dataset: Any, records: list[dict], output_column: str) -> Any:
     import datasets
 
-    features = datasets.Features({output_column: datasets.Value("string"),
-                                  f"{output_column}_num_tokens": datasets.Value("int64"),
-                                  f"{output_column}_finish_reason": datasets.Value("string"),
-                                  f"{output_column}_ttft": datasets.Value("float64")})
-    extra = datasets.Dataset.from_dict({
-        output_column: [r["text"] for r in records],
-        f"{output_column}_num_tokens": [r["num_tokens"] for r in records],
-        f"{output_column}_finish_reason": [r["finish_reason"] for r in records],
-        f"{output_column}_ttft": [r["ttft"] for r in records],
-    }, features=features)
+    names = _output_columns(output_column)
+    features = datasets.Features({names[key]: datasets.Value(kind) for key, kind in _FEATURES.items()})
+    extra = datasets.Dataset.from_dict({names[key]: [r[key] for r in records] for key in _FEATURES},
+                                       features=features)
     if dataset._indices is not None:
         dataset = dataset.flatten_indices()
+    if len(dataset) == 0:  # concatenate_datasets(axis=1) drops the new columns of 0-row datasets
+        return datasets.Dataset.from_dict({name: [] for name in [*dataset.column_names, *features]},
+                                          features=datasets.Features({**dataset.features, **features}))
     return datasets.concatenate_datasets([dataset, extra], axis=1)
+
+
+def _output_columns(output_column: str) -> dict[str, str]:
+    """record field -> its output column"""
+    return {"text": output_column, **{s: f"{output_column}_{s}" for s in _SUFFIXES}}
 
 
 def _check_columns(dataset: Any, prompt_column: str, output_column: str, messages_column: str | None,
@@ -306,7 +338,7 @@ def _check_columns(dataset: Any, prompt_column: str, output_column: str, message
         raise ValueError(f"{what}={source!r} is not a column of the dataset; columns: {names}")
     if params_column is not None and params_column not in names:
         raise ValueError(f"params_column={params_column!r} is not a column of the dataset; columns: {names}")
-    clash = [c for c in [output_column] + [f"{output_column}_{s}" for s in _SUFFIXES] if c in names]
+    clash = [c for c in _output_columns(output_column).values() if c in names]
     if clash:
         raise ValueError(f"output_column={output_column!r}: the dataset already has column(s) {clash}; "
                          "choose another output_column")
@@ -360,130 +392,3 @@ class _Progress:
         self.last = 0.0
         self.update(0, 0)  # the final numbers, not the last half-second's
         self.bar.close()
-
-
-# ---- checkpoint ----------------------------------------------------------------------------------
-
-class _Checkpoint:
-    def __init__(self, directory: Path, fingerprint: dict, rank: int, state: Any) -> None:
-        self.dir = directory
-        self.path = directory / f"results-{rank}.jsonl"
-        self.file: Any = None
-        self.last_sync = 0.0
-        world = 1 if state is None else state.num_processes
-        manifest = directory / "manifest.json"
-        if manifest.exists():  # every rank checks, so every rank raises alike
-            _check_manifest(manifest, fingerprint)
-        if world > 1:
-            state.wait_for_everyone()
-        if rank == 0 and not manifest.exists():
-            directory.mkdir(parents=True, exist_ok=True)
-            tmp = directory / "manifest.json.tmp"
-            with open(tmp, "w") as f:
-                json.dump({"version": CHECKPOINT_VERSION, "fingerprint": fingerprint}, f, indent=1, sort_keys=True)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, manifest)
-        if world > 1:
-            state.wait_for_everyone()
-        directory.mkdir(parents=True, exist_ok=True)
-
-    def load(self) -> dict[int, dict]:
-        """Every finished row in every rank's results file; torn or damaged lines are dropped."""
-        out: dict[int, dict] = {}
-        for path in sorted(self.dir.glob("results-*.jsonl")):
-            with open(path, "rb") as f:
-                lines = f.read().split(b"\n")
-            for k, line in enumerate(lines):
-                if not line.strip():
-                    continue
-                try:
-                    rec = json.loads(line)
-                    out[int(rec["row_index"])] = rec
-                except (ValueError, KeyError, TypeError):
-                    if k != len(lines) - 1:  # a torn last line is expected after a kill; others are not
-                        logger.warning("paged_hf.generate_dataset: %s line %d is damaged; its row reruns",
-                                       path, k + 1)
-        return out
-
-    def open(self) -> None:
-        """Open this rank's results file for appending, cutting a torn last line first."""
-        if self.path.exists():
-            with open(self.path, "r+b") as f:
-                data = f.read()
-                keep = data.rfind(b"\n") + 1
-                if keep != len(data):
-                    f.truncate(keep)
-        self.file = open(self.path, "a", encoding="utf-8")
-
-    def write(self, records: list[dict]) -> None:
-        self.file.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
-        self.file.flush()  # in the OS now: survives the process being killed
-        now = time.perf_counter()
-        if now - self.last_sync >= _FSYNC_INTERVAL_S:  # on the disk: survives the machine going down
-            os.fsync(self.file.fileno())
-            self.last_sync = now
-
-    def close(self) -> None:
-        if self.file is not None:
-            self.file.flush()
-            os.fsync(self.file.fileno())
-            self.file.close()
-            self.file = None
-
-
-def _check_manifest(path: Path, fingerprint: dict) -> None:
-    try:
-        saved = json.loads(path.read_text())
-    except ValueError as e:
-        raise ValueError(f"checkpoint {path} is not valid JSON ({e}); delete the checkpoint_dir to start over")
-    if saved.get("version") != CHECKPOINT_VERSION:
-        raise ValueError(f"checkpoint {path} has format version {saved.get('version')!r}, this paged_hf writes "
-                         f"{CHECKPOINT_VERSION}; use another checkpoint_dir")
-    old = saved.get("fingerprint", {})
-    diffs = [f"{key}: {old.get(key)!r} then, {fingerprint.get(key)!r} now"
-             for key in sorted(set(old) | set(fingerprint)) if old.get(key) != fingerprint.get(key)]
-    if diffs:
-        raise ValueError(f"checkpoint_dir {str(path.parent)!r} holds results of a run with different arguments "
-                         f"({'; '.join(diffs)}); rerun with the same arguments to resume, or use another "
-                         "checkpoint_dir to start over")
-
-
-def _fingerprint(model: Any, tokenizer: Any, dataset: Any, params: SamplingParams, prompt_column: str,
-                 output_column: str, messages_column: str | None, params_column: str | None) -> dict:
-    """What makes two runs' rows interchangeable, as plain JSON values."""
-    return json.loads(json.dumps({
-        "model": _model_fingerprint(model),
-        "tokenizer": _tokenizer_fingerprint(tokenizer),
-        "sampling_params": dataclasses.asdict(params),
-        "columns": {"prompt": prompt_column, "output": output_column, "messages": messages_column,
-                    "params": params_column},
-        "dataset": {"fingerprint": dataset._fingerprint, "num_rows": len(dataset)},
-    }, sort_keys=True))
-
-
-def _sha(data: bytes | str) -> str:
-    return hashlib.sha256(data.encode() if isinstance(data, str) else data).hexdigest()[:16]
-
-
-def _model_fingerprint(model: Any) -> dict:
-    config = {k: v for k, v in model.config.to_dict().items()
-              if not k.startswith("_") and k not in ("transformers_version", "dtype", "torch_dtype",
-                                                      "attn_implementation")}
-    h = hashlib.sha256()
-    with torch.no_grad():  # a sample of every weight: catches a different checkpoint under one name
-        for name, p in model.named_parameters():
-            h.update(name.encode())
-            h.update(p.detach().reshape(-1)[:16].float().cpu().numpy().tobytes())
-    return {"name_or_path": str(getattr(model, "name_or_path", "") or ""),
-            "config": _sha(json.dumps(config, sort_keys=True, default=str)),
-            "dtype": str(next(model.parameters()).dtype), "weights_sample": h.hexdigest()[:16]}
-
-
-def _tokenizer_fingerprint(tokenizer: Any) -> dict | None:
-    if tokenizer is None:
-        return None
-    vocab = tokenizer.get_vocab()
-    return {"vocab": _sha(json.dumps(sorted(vocab.items()), ensure_ascii=False)),
-            "special_tokens": _sha(json.dumps(getattr(tokenizer, "all_special_tokens", []))),
-            "chat_template": _sha(str(getattr(tokenizer, "chat_template", None)))}

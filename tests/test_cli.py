@@ -33,6 +33,7 @@ def test_generate_from_jsonl(model_dir, tmp_path):
     got = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["k"] for r in got] == [1, 2, 3]
     assert got[1]["generation_finish_reason"] == "error" and got[1]["generation"] == ""
+    assert got[1]["generation_error"] == "row 1: ValueError: empty prompt" and got[0]["generation_error"] is None
     model, tok = make_tiny_model("llama"), make_tiny_tokenizer()
     params = paged_hf.SamplingParams(max_new_tokens=5)
     ref = paged_hf.Engine(model, tok).generate(["hello world", "café 東京"], params)
@@ -72,3 +73,95 @@ def test_python_dash_m(monkeypatch, capsys):
     with pytest.raises(SystemExit) as exit_:
         runpy.run_module("paged_hf", run_name="__main__")
     assert exit_.value.code == 0 and "--checkpoint-dir" in capsys.readouterr().out
+
+
+def _jsonl(path, rows) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def _generate(model_dir, data, out, *extra) -> int:
+    return cli.main(["generate", "--model", str(model_dir), "--input", str(data), "--output", str(out),
+                     "--max-new-tokens", "2", "--dtype", "float32", "--no-progress", *extra])
+
+
+def _error(capsys) -> str:
+    """The error message the command printed (after any progress bars of datasets)."""
+    err = capsys.readouterr().err
+    assert "\npaged-hf: error: " in "\n" + err and "Traceback" not in err, err
+    return err[err.index("paged-hf: error: "):]
+
+
+def test_output_path_is_checked_before_the_model_loads(model_dir, tmp_path, monkeypatch, capsys):
+    def load_model(*args):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(cli, "load_model", load_model)
+    data = _jsonl(tmp_path / "in.jsonl", [{"prompt": "hello"}])
+    (tmp_path / "dir.jsonl").mkdir()
+    (tmp_path / "file").write_text("")
+    cases = [(tmp_path / "out.txt", "unknown file type '.txt'"),
+             (tmp_path / "dir.jsonl", "is a directory"),
+             (tmp_path / "file" / "out.jsonl", "cannot write")]
+    for out, message in cases:
+        assert _generate(model_dir, data, out) == 2
+        err = _error(capsys)
+        assert f"--output {out}" in err and message in err, err
+    assert (tmp_path / "file").read_text() == ""
+
+    # a good path passes the check without a trace: an existing file is not truncated, a new one is removed
+    monkeypatch.undo()
+    existing = tmp_path / "existing.jsonl"
+    existing.write_text("keep me\n")
+    new = tmp_path / "new" / "deeper" / "out.csv"
+    for out in (existing, new):
+        assert _generate(tmp_path / "missing", data, out) == 2  # refused after the output check
+        assert "--model" in _error(capsys)
+    assert existing.read_text() == "keep me\n" and not (tmp_path / "new").exists()
+
+
+def test_malformed_jsonl_input_fails_cleanly(model_dir, tmp_path, capsys):
+    data = tmp_path / "in.jsonl"
+    data.write_text('{"prompt": "a"}\n{"prompt": \n')
+    assert _generate(model_dir, data, tmp_path / "o.jsonl") == 2
+    err = _error(capsys)
+    assert f"--input {data}" in err and "JSON parse error" in err, err
+
+
+def test_empty_input_fails_cleanly(model_dir, tmp_path, capsys):
+    for name, text in [("in.jsonl", ""), ("blank.jsonl", "\n\n"), ("in.csv", "prompt\n")]:
+        data = tmp_path / name
+        data.write_text(text)
+        assert _generate(model_dir, data, tmp_path / "o.jsonl") == 2
+        err = _error(capsys)
+        assert f"--input {data}" in err and "no rows" in err, err
+    assert not (tmp_path / "o.jsonl").exists()
+
+
+def test_negative_limit_fails_cleanly(model_dir, tmp_path, capsys):
+    data = _jsonl(tmp_path / "in.jsonl", [{"prompt": "hello"}])
+    assert _generate(model_dir, data, tmp_path / "o.jsonl", "--limit", "-1") == 2
+    assert "--limit -1: must be >= 0" in _error(capsys)
+    assert not (tmp_path / "o.jsonl").exists()
+
+
+def test_bad_model_fails_cleanly(model_dir, tmp_path, capsys):
+    data = _jsonl(tmp_path / "in.jsonl", [{"prompt": "hello"}])
+    (tmp_path / "empty").mkdir()
+    not_a_model = tmp_path / "not_a_model"
+    not_a_model.mkdir()
+    (not_a_model / "config.json").write_text('{"hello": 1}')
+    for model, message in [(tmp_path / "missing", "no such directory"), (tmp_path / "empty", "cannot load"),
+                           (not_a_model, "cannot load")]:
+        assert _generate(model, data, tmp_path / "o.jsonl") == 2
+        err = _error(capsys)
+        assert f"--model {model}: {message}" in err, err
+
+
+def test_bad_tokenizer_fails_cleanly(model_dir, tmp_path, capsys):
+    data = _jsonl(tmp_path / "in.jsonl", [{"prompt": "hello"}])
+    (tmp_path / "empty").mkdir()
+    for tokenizer, message in [(tmp_path / "missing", "no such directory"), (tmp_path / "empty", "cannot load")]:
+        assert _generate(model_dir, data, tmp_path / "o.jsonl", "--tokenizer", str(tokenizer)) == 2
+        err = _error(capsys)
+        assert f"--tokenizer {tokenizer}: {message}" in err, err

@@ -47,6 +47,16 @@ def _without_ttft(cols: dict) -> dict:
     return {k: v for k, v in cols.items() if not k.endswith("_ttft")}
 
 
+def _good_rows(results: Path) -> list[int]:
+    """The rows of a results file that finished well, sorted, each as often as it was written."""
+    recs = [json.loads(line) for line in results.read_text().splitlines()]
+    return sorted(r["row_index"] for r in recs if r["finish_reason"] != "error")
+
+
+def _good_rows_of(cols: dict) -> list[int]:
+    return [i for i, reason in enumerate(cols["generation_finish_reason"]) if reason != "error"]
+
+
 def _env() -> dict:
     return {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 
@@ -54,7 +64,7 @@ def _env() -> dict:
 def test_order_and_companions_on_200_rows(setup, reference):
     model, tokenizer, dataset = setup
     assert list(reference) == ["id", "prompt", "generation", "generation_num_tokens", "generation_finish_reason",
-                               "generation_ttft"]
+                               "generation_ttft", "generation_error"]
     assert reference["id"] == [f"q{i}" for i in range(ROWS)] and reference["prompt"] == list(dataset["prompt"])
     # the same prompts through Engine.generate, an independent path that keeps order
     expected = paged_hf.Engine(model, tokenizer, max_num_seqs=MAX_NUM_SEQS).generate(list(dataset["prompt"]), PARAMS)
@@ -62,11 +72,12 @@ def test_order_and_companions_on_200_rows(setup, reference):
         if out.error:
             assert reference["generation"][i] == "" and reference["generation_finish_reason"][i] == "error"
             assert reference["generation_num_tokens"][i] == 0 and reference["generation_ttft"][i] is None
+            assert reference["generation_error"][i] == f"row {i}: ValueError: empty prompt"
         else:
             assert reference["generation"][i] == out.text, i
             assert reference["generation_num_tokens"][i] == len(out.token_ids)
             assert reference["generation_finish_reason"][i] == out.finish_reason
-            assert reference["generation_ttft"][i] > 0
+            assert reference["generation_ttft"][i] > 0 and reference["generation_error"][i] is None
     assert reference["generation_finish_reason"].count("error") == 4  # the empty prompts; the rest ran
     assert {"stop", "length"} <= set(reference["generation_finish_reason"])
     lengths = [len(p) for p in dataset["prompt"]]
@@ -88,8 +99,9 @@ def test_messages_and_per_row_params(setup):
     out = paged_hf.generate_dataset(model, tokenizer, ds, messages_column="messages", params_column="params",
                                     output_column="answer", sampling_params=PARAMS, progress=False)
     assert out.column_names == ["messages", "params", "answer", "answer_num_tokens", "answer_finish_reason",
-                                "answer_ttft"]
+                                "answer_ttft", "answer_error"]
     assert out["answer_num_tokens"][0] == 3 and out["answer_finish_reason"][2] == "error"
+    assert out["answer_error"] == [None, None, "row 2: ValueError: no chat messages"]
     text = tokenizer.apply_chat_template(ds[0]["messages"], add_generation_prompt=True, tokenize=False)
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     engine = paged_hf.Engine(model, tokenizer)
@@ -102,6 +114,8 @@ def test_messages_and_per_row_params(setup):
     bad = datasets.Dataset.from_dict({"prompt": ["a b", "c"], "p": [{"top_p": 5.0}, {"nope": 1}]})
     out = paged_hf.generate_dataset(model, tokenizer, bad, params_column="p", sampling_params=PARAMS, progress=False)
     assert list(out["generation_finish_reason"]) == ["error", "error"]
+    assert out["generation_error"][0].startswith("row 0: ValueError: ") and "top_p" in out["generation_error"][0]
+    assert out["generation_error"][1] == "row 1: ValueError: unknown SamplingParams field(s) ['nope']"
     with pytest.raises(ValueError, match="already has column"):
         paged_hf.generate_dataset(model, tokenizer, out, sampling_params=PARAMS, progress=False)
     with pytest.raises(ValueError, match="prompt_column='text' is not a column"):
@@ -138,15 +152,18 @@ def test_sigkill_midway_then_resume_is_identical(setup, reference, tmp_path):
     assert _without_ttft(columns(resumed)) == _without_ttft(reference)
     # finished rows were skipped (their ttft is the killed run's), and none is written twice
     for i, rec in before.items():
-        assert resumed["generation_ttft"][i] == rec["ttft"]
-    rows = [json.loads(line)["row_index"] for line in results.read_text().splitlines()]
-    assert sorted(rows) == list(range(ROWS))
+        if rec["finish_reason"] != "error":
+            assert resumed["generation_ttft"][i] == rec["ttft"]
+    assert _good_rows(results) == _good_rows_of(reference)
+    lines = results.read_text().count("\n")
 
-    # a third run with the same arguments reads everything back and runs nothing
+    # a third run with the same arguments reads everything back and runs only the errored rows again
     again = paged_hf.generate_dataset(model, tokenizer, dataset, sampling_params=PARAMS, checkpoint_dir=ckpt,
                                       progress=False, max_num_seqs=MAX_NUM_SEQS)
     assert columns(again) == columns(resumed)
-    assert results.read_text().count("\n") == ROWS
+    appended = [json.loads(line) for line in results.read_text().splitlines()[lines:]]
+    assert sorted(r["row_index"] for r in appended) == [7, 57, 107, 157]
+    assert {r["finish_reason"] for r in appended} == {"error"}
 
 
 def test_torn_last_line_is_dropped_and_rerun(setup, reference, tmp_path):
@@ -163,8 +180,7 @@ def test_torn_last_line_is_dropped_and_rerun(setup, reference, tmp_path):
                                                 checkpoint_dir=ckpt, progress=False))
     assert _without_ttft(resumed) == _without_ttft(full)
     assert resumed["generation"] == reference["generation"][:30]
-    rows = [json.loads(line)["row_index"] for line in results.read_text().splitlines()]
-    assert sorted(rows) == list(range(30))
+    assert _good_rows(results) == [i for i in range(30) if i != 7]  # row 7 (empty prompt) ran again, as errors do
 
 
 def test_resume_with_changed_arguments_is_refused(setup, tmp_path):
@@ -231,4 +247,5 @@ def test_two_process_accelerate_run_equals_one_process(setup, reference, tmp_pat
     resumed = paged_hf.generate_dataset(model, tokenizer, dataset, sampling_params=PARAMS, progress=False,
                                         checkpoint_dir=tmp_path / "ckpt", max_num_seqs=MAX_NUM_SEQS)
     assert columns(resumed) == merged
-    assert (tmp_path / "ckpt" / "results-0.jsonl").read_text().count("\n") == ROWS // 2  # nothing appended
+    lines = (tmp_path / "ckpt" / "results-0.jsonl").read_text().splitlines()
+    assert sorted(json.loads(line)["row_index"] for line in lines[ROWS // 2:]) == [7, 57, 107, 157]  # errors rerun
