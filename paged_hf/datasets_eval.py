@@ -148,6 +148,7 @@ def _run_shard(engine: Any, tokenizer: Any, shard: Any, shard_rows: list[int], b
         done = {i: restored[i] for i in shard_rows if i in restored}
         checkpoint.open()
     sched = engine.scheduler
+    engine.check_weights(rescan=True)  # this loop steps the engine itself: look for replaced tensors now
     target_waiting = 2 * engine.config.max_num_seqs
 
     rows = _rows(shard, shard_rows, done, prompt_column, messages_column, params_column)

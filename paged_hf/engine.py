@@ -16,7 +16,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from .block_manager import BlockManager
-from .coherence import check_still_patched, weights_version
+from .coherence import WeightsWatch, check_still_patched
 from .config import DEFAULT_CPU_KV_BYTES, EngineConfig
 from .outputs import Completion, RequestOutput
 from .request import FinishReason, Request
@@ -73,7 +73,7 @@ class Engine:
         self.serving = False  # a BackgroundEngine steps this engine
         self._patch_state = patch_state(model)
         self._patch_state.engines.add(self)
-        self._weights = weights_version(model)
+        self._weights = WeightsWatch(model)
 
     # ---- sizing ------------------------------------------------------------------------------
     def _num_kv_blocks(self) -> int:
@@ -232,6 +232,16 @@ class Engine:
         self._cache_generation += 1
         self.kv.reset_prefix_cache((self._namespace, self._cache_generation))
 
+    def check_weights(self, rescan: bool = False) -> bool:
+        """Reset the prefix cache if the model's weights changed since the last check; True if
+        they did. Every step checks (``rescan`` also looks for replaced tensors, which steps do
+        about once a second; every generate call does it at its start)."""
+        if not self._weights.changed(rescan):
+            return False
+        self.reset_prefix_cache()
+        logger.info("paged_hf: the model's weights changed; the prefix cache was reset")
+        return True
+
     @property
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished
@@ -251,11 +261,7 @@ class Engine:
         requests keep their tokens and recompute their KV when next scheduled.
         """
         check_still_patched(self.model, self._patch_state)
-        version = weights_version(self.model)
-        if version != self._weights:
-            self._weights = version
-            self.reset_prefix_cache()
-            logger.info("paged_hf: the model's weights changed; the prefix cache was reset")
+        self.check_weights()
         sched = self.scheduler
         out = sched.schedule()
         if out.is_empty:
@@ -424,6 +430,7 @@ class Engine:
         aborted, their blocks freed, and the exception raised.
         """
         roots = [self._root(rid) for rid in request_ids]
+        self.check_weights(rescan=True)
         open_roots = {root for root in roots if not root.group_finished}
         bar = _progress(len(roots)) if progress else None
         if bar is not None:

@@ -166,6 +166,38 @@ def test_nan_logits_of_one_request_end_it_alone(model, prompts, reference):
     assert_clean(engine)
 
 
+@pytest.mark.parametrize("fault", [RuntimeError("sampler crashed"), KeyboardInterrupt()])
+def test_a_step_failing_after_it_forked_parallel_samples(model, prompts, fault, monkeypatch):
+    """The step that first samples an n > 1 request forks its samples, then the sampler fails:
+    an error ends the forked samples too; an interrupt takes the fork back (it forks again)."""
+    from paged_hf import engine as engine_module
+
+    params = SamplingParams(max_new_tokens=5, n=3, temperature=1.0, seed=11, ignore_eos=True)
+    expected = paged_hf.Engine(model, block_size=4, num_blocks=64).generate([prompts[1]], params)[0]
+    engine = paged_hf.Engine(model, block_size=4, num_blocks=64)
+    rid = engine.add_request(prompts[1], params)
+    sample = engine_module.sample
+
+    def crash(logits, rows):
+        raise fault
+
+    monkeypatch.setattr(engine_module, "sample", crash)
+    if isinstance(fault, KeyboardInterrupt):
+        with pytest.raises(KeyboardInterrupt):
+            engine.step()
+        root = engine.requests[rid]
+        assert not root.children and not root.forked and engine.kv.pool.num_used == 0
+        monkeypatch.setattr(engine_module, "sample", sample)
+        out = engine.run_until_done([rid])[0]
+        assert [c.token_ids for c in out.completions] == [c.token_ids for c in expected.completions]
+    else:
+        _, finished = engine.step()
+        assert len(finished) == 3 and all(r.finish_reason.value == "error" for r in finished)
+        out = engine.run_until_done([rid])[0]
+        assert [c.finish_reason for c in out.completions] == ["error"] * 3
+    assert_clean(engine)
+
+
 def test_keyboard_interrupt_from_a_callback_aborts_the_call_and_leaves_the_engine_clean(model, prompts, reference):
     engine = paged_hf.Engine(model, block_size=4, num_blocks=64)
     seen = []
@@ -393,6 +425,19 @@ def test_load_state_dict_and_explicit_reset_drop_the_cache(model, prompts):
     engine.reset_prefix_cache()
     assert engine.stats()["blocks_cached"] == 0
     assert all(o.num_cached_tokens == 0 for o in engine.generate(prompts, GREEDY))
+
+
+def test_a_replaced_parameter_is_seen_at_the_next_generate(prompts):
+    model = make_tiny_model("llama").double()
+    engine = paged_hf.Engine(model, block_size=4, num_blocks=64)
+    engine.generate(prompts, GREEDY)
+    assert any(o.num_cached_tokens > 0 for o in engine.generate(prompts, GREEDY))
+    proj = model.model.layers[0].self_attn.k_proj
+    proj.weight = torch.nn.Parameter(proj.weight.detach() * 3)  # a new tensor, the old one untouched
+    outs = engine.generate(prompts, GREEDY)
+    assert all(o.num_cached_tokens == 0 for o in outs)
+    for prompt, out in zip(prompts, outs):
+        assert_teacher_forced(model, prompt, out.token_ids, what="after replacing a parameter")
 
 
 def test_unpatch_refuses_while_serving_and_a_stale_engine_refuses_to_run(prompts):
