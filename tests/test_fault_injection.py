@@ -1,0 +1,203 @@
+"""Fault injection over random workloads (issue 10): whatever single fault hits a run, the
+requests it did not touch produce the tokens of a fault-free run, nothing is left behind in the
+engine, and the same engine then serves the whole workload again correctly (so no fault leaves
+a corrupt block in the prefix cache either).
+
+Workloads mix prompt lengths with shared prefixes, parallel samples (n > 1, seeded), cache
+salts, tight pools that preempt (recompute or swap), small token budgets (chunked prefill) and
+prefix caching on or off. Faults: the forward raises at step k (an error, or KeyboardInterrupt),
+one sample's sampling raises, the whole sampler call raises (an error, or KeyboardInterrupt:
+after parallel samples were forked), swap-out raises, a callback raises KeyboardInterrupt, a callback
+aborts a request, a poison request joins the batch.
+
+A tiny llama in float64 makes greedy tokens independent of how requests are batched, so "the
+same tokens" is exact equality.
+"""
+from __future__ import annotations
+
+import functools
+
+import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+import paged_hf
+from paged_hf import SamplingParams, engine as engine_module, sampler
+from tiny_models import N_SPECIAL, make_tiny_model
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+FAULTS = ("none", "forward_error", "forward_interrupt", "sampling_error", "sampler_error", "sampler_interrupt",
+          "swap_out_error", "callback_interrupt", "callback_abort", "poison")
+STEP_INTERRUPTS = ("forward_interrupt", "sampler_interrupt")  # KeyboardInterrupt inside step()
+
+
+@functools.lru_cache(maxsize=1)
+def tiny_model():
+    return make_tiny_model("llama").double()
+
+
+@st.composite
+def workloads(draw, fault: str):
+    vocab = tiny_model().config.vocab_size
+    token = st.integers(N_SPECIAL, vocab - 1)
+    prefixes = draw(st.lists(st.lists(token, min_size=0, max_size=10), min_size=1, max_size=3))
+    requests = []
+    for _ in range(draw(st.integers(2, 5))):
+        prompt = draw(st.sampled_from(prefixes)) + draw(st.lists(token, min_size=1, max_size=8))
+        n = draw(st.sampled_from([1, 1, 2, 3]))
+        sampled = n > 1 or draw(st.booleans())
+        params = SamplingParams(max_new_tokens=draw(st.integers(1, 7)), n=n, temperature=1.0 if sampled else 0.0,
+                                seed=draw(st.integers(0, 1000)) if sampled else None,
+                                ignore_eos=draw(st.booleans()), cache_salt=draw(st.sampled_from([None, None, "t"])))
+        requests.append((prompt, params))
+    block_size = draw(st.sampled_from([2, 4]))
+    longest = max(len(p) + sp.max_new_tokens for p, sp in requests)
+    swap_fault = fault == "swap_out_error"  # needs swap preemption, so a tight pool
+    config = dict(block_size=block_size,
+                  # from just enough for the longest request (preemption certain) to roomy
+                  num_blocks=-(-longest // block_size) + draw(st.sampled_from([0, 1, 2] if swap_fault else [0, 1, 2, 4, 12])),
+                  max_num_batched_tokens=draw(st.sampled_from([8, 16, 64])),
+                  max_num_seqs=draw(st.sampled_from([3, 4, 8])),
+                  enable_prefix_caching=draw(st.booleans()),
+                  preemption_mode="swap" if swap_fault else draw(st.sampled_from(["recompute", "swap"])))
+    where = draw(st.integers(0, 12))  # the step, sample call or callback the fault hits
+    victim = draw(st.integers(0, len(requests) - 1))
+    return requests, config, where, victim
+
+
+def run(engine, requests, on_token=None):
+    prompts, params = zip(*requests)
+    return engine.generate(list(prompts), list(params), on_token=on_token)
+
+
+def tokens(outputs):
+    return [[c.token_ids for c in o.completions] for o in outputs]
+
+
+def assert_clean(engine):
+    assert not engine.requests and not engine.scheduler.running and not engine.scheduler.waiting
+    assert engine.kv.pool.num_used == 0, "a block is held beyond the prefix cache"
+    assert engine.kv.pool.num_free + engine.kv.pool.num_cached == engine.kv.num_blocks
+    index = engine.kv.index
+    assert index is None or all(node.lock_ref == 0 for node in index.iter_nodes())
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(data=st.data())
+def test_a_single_fault_harms_only_what_it_touches(fault, data):
+    requests, config, where, victim = data.draw(workloads(fault))
+    model = tiny_model()
+    reference = tokens(run(paged_hf.Engine(model, **config), requests))
+    engine = paged_hf.Engine(model, **config)
+    touched: set[str] = set()   # sample ids the fault may end with an error
+    aborted: set[str] = set()   # root ids a callback aborted
+    victim_id: list[str] = []   # the victim's request id, once submitted
+    calls: list[str] = []      # steps run
+    callbacks: list[str] = []  # on_token calls made
+    in_step: list[str] = []    # the requests of the step running now
+    execute, prepare, sample = engine.runner.execute, sampler._prepare_row, engine_module.sample
+
+    def faulty_execute(scheduled, copies):
+        calls.append("step")
+        in_step[:] = [r.request_id for r, _ in scheduled]
+        if fault.startswith("forward") and len(calls) == where + 1:
+            touched.update(in_step)
+            raise RuntimeError("device error") if fault == "forward_error" else KeyboardInterrupt
+        return execute(scheduled, copies)
+
+    def faulty_prepare(logits, row, req):
+        if (req.parent or req).request_id in victim_id and req.num_output_tokens == where % 4:
+            touched.add(req.request_id)
+            raise ValueError("poisoned sampling")
+        prepare(logits, row, req)
+
+    def faulty_sample(logits, rows):
+        if len(calls) == where + 1:  # a failed step ends every request in it, and the samples it forked
+            touched.update(in_step + [r.request_id for r in rows])
+            raise RuntimeError("sampler crashed") if fault == "sampler_error" else KeyboardInterrupt
+        return sample(logits, rows)
+
+    def faulty_swap_out(blocks):
+        raise RuntimeError("no pinned memory")
+
+    def on_token(rid, tok):
+        callbacks.append(rid)
+        if len(callbacks) != where + 1:
+            return
+        if fault == "callback_interrupt":
+            raise KeyboardInterrupt
+        root = rid.split("#")[0]
+        if root in engine.requests:
+            aborted.add(root)
+            engine.abort(root)
+
+    engine.runner.execute = faulty_execute
+    if fault in ("sampler_error", "sampler_interrupt"):
+        engine_module.sample = faulty_sample
+    elif fault == "swap_out_error":
+        engine.runner.backend.swap_out = faulty_swap_out
+    submitted = list(requests)
+    if fault == "poison":  # a request admission refuses, in the middle of the batch
+        submitted.insert(victim, ([5, 6], SamplingParams(stop_token_ids=(10**6,))))
+
+    rids: list[str] = []
+    for i, (prompt, params) in enumerate(submitted):
+        try:
+            rids.append(engine.add_request(prompt, params))
+        except ValueError as e:
+            assert fault == "poison" and i == victim and "outside the vocabulary" in str(e)
+    victim_id.append(rids[victim])
+    interrupted = False
+    sampler._prepare_row = faulty_prepare if fault == "sampling_error" else prepare
+    try:
+        if fault in STEP_INTERRUPTS:
+            # the caller of step() catches the interrupt and goes on: the step was undone, so
+            # every request still produces exactly its fault-free tokens
+            try:
+                while engine.has_unfinished:
+                    engine.step()
+            except KeyboardInterrupt:
+                engine.runner.execute, engine_module.sample = execute, sample
+                waiting = {r.request_id: r for r in engine.scheduler.waiting}
+                running = {r.request_id for r in engine.scheduler.running}
+                for rid in touched:  # the interrupted step's requests wait to run again, without KV
+                    r = waiting.get(rid)
+                    if r is None:  # a sample forked in the undone step is gone; it forks again
+                        assert "#" in rid and rid not in running, rid
+                    else:
+                        assert not r.block_table and r.num_computed_tokens == 0, rid
+                touched.clear()
+        outputs = engine.run_until_done(rids, on_token=on_token if fault.startswith("callback") else None)
+    except KeyboardInterrupt:
+        assert fault == "callback_interrupt"
+        interrupted = True
+    finally:
+        sampler._prepare_row, engine_module.sample = prepare, sample
+        engine.runner.execute = execute
+        engine.runner.backend.__dict__.pop("swap_out", None)
+
+    assert_clean(engine)
+    event(f"{'interrupted' if interrupted else f'{len(touched)} touched, {len(aborted)} aborted'}")
+    event(f"samples of n > 1 touched: {any('#' in rid for rid in touched)}")
+    event(f"preemptions: {'some' if engine.stats()['preemptions'] else 'none'} ({config['preemption_mode']})")
+    if not interrupted:
+        assert len(outputs) == len(reference)
+        for out, ref in zip(outputs, reference):
+            if out.request_id in aborted or any(c.finish_reason == "error" for c in out.completions):
+                assert len(out.completions) <= len(ref)  # ended before it forked, perhaps
+            else:
+                assert len(out.completions) == len(ref)
+            for k, (completion, expected) in enumerate(zip(out.completions, ref)):
+                sample_id = out.request_id if k == 0 else f"{out.request_id}#{k}"
+                if completion.finish_reason == "error":
+                    assert sample_id in touched, f"{sample_id} failed without a fault touching it: {completion.error}"
+                    assert completion.token_ids == expected[:len(completion.token_ids)]
+                elif out.request_id in aborted:
+                    assert completion.token_ids == expected[:len(completion.token_ids)]
+                else:
+                    assert completion.token_ids == expected, f"{sample_id} changed under fault {fault}"
+    # the same engine serves the whole workload again, cache and all, as a fresh one would
+    assert tokens(run(engine, requests)) == reference
+    assert_clean(engine)
