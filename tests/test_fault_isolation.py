@@ -198,6 +198,21 @@ def test_a_step_failing_after_it_forked_parallel_samples(model, prompts, fault, 
     assert_clean(engine)
 
 
+def test_a_tokenizer_that_cannot_decode_one_output_fails_that_request_alone(model, prompts, reference):
+    class Tokenizer:
+        def decode(self, ids, skip_special_tokens=True):
+            if reference[2][0] in ids:
+                raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte")
+            return " ".join(map(str, ids))
+
+    engine = paged_hf.Engine(model, Tokenizer(), block_size=4, num_blocks=64)
+    outs = engine.generate(prompts, GREEDY)
+    assert outs[2].finish_reason == "error" and "detokenizing its output failed: UnicodeDecodeError" in outs[2].error
+    assert outs[2].token_ids == reference[2]
+    assert [o.text for i, o in enumerate(outs) if i != 2] == [" ".join(map(str, reference[i])) for i in (0, 1, 3)]
+    assert_clean(engine)
+
+
 def test_keyboard_interrupt_from_a_callback_aborts_the_call_and_leaves_the_engine_clean(model, prompts, reference):
     engine = paged_hf.Engine(model, block_size=4, num_blocks=64)
     seen = []
