@@ -19,7 +19,8 @@ from . import attention
 class WeightsWatch:
     """Tells whether a model's weights changed since it last looked: a parameter or buffer written
     in place (its version counter moves: optimizer steps, ``load_state_dict``, ``copy_``) or given
-    new storage (``.data =``, ``.to()``), or a tensor replaced by another.
+    new storage (``.data =``, ``.to()``), or a tensor replaced by another. Not seen: in-place
+    writes through ``.data`` (``p.data.copy_(w)``), which leave the counter alone.
 
     Reading the version counters of a known list of tensors costs ~45 us for SmolLM2's 274;
     finding the tensors (walking the modules) ~0.7 ms, so that is done on ``rescan`` (the engine

@@ -228,7 +228,8 @@ class Engine:
     def reset_prefix_cache(self) -> None:
         """Never serve a block cached so far: requests admitted from now on compute their KV
         anew. Runs by itself when the weights change (checked before every step); call it for
-        changes it cannot see (weights swapped through ``.data`` of a CPU tensor, say)."""
+        changes no version counter records: writes through ``param.data`` (``p.data.copy_(w)``
+        bypasses autograd's counter, unlike ``p.copy_(w)`` under ``torch.no_grad()``)."""
         self._cache_generation += 1
         self.kv.reset_prefix_cache((self._namespace, self._cache_generation))
 
