@@ -13,7 +13,7 @@ import torch
 from transformers import GenerationConfig
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from .patching import engine_for
+from .binding import patch_state
 from .sampling_params import SamplingParams
 
 # Settings that change the result and have no equivalent in the engine, with the value at
@@ -75,7 +75,10 @@ def paged_generate(self: torch.nn.Module, inputs: torch.Tensor | None = None,
     if streamer is not None and batch * params.n != 1:
         raise NotImplementedError("paged_hf generate: a streamer needs a batch of one sequence")
 
-    engine = engine_for(self)
+    state = patch_state(self)
+    if state is None:
+        raise ValueError("paged_hf generate: this model is not patched (call paged_hf.patch(model))")
+    engine = state.get_engine()
     prompts = [row[mask.bool()].tolist() for row, mask in zip(input_ids.cpu(), attention_mask.cpu())]
     rids: list[str] = []
     try:  # on any exception (a refused row, Ctrl-C in a notebook) abort what was submitted
