@@ -205,9 +205,16 @@ def configs_of(model: torch.nn.Module) -> list[Any]:
 @contextlib.contextmanager
 def _implementation(model: torch.nn.Module, name: str) -> Iterator[None]:
     """Select ``name`` for the model, then put back every config's implementation exactly as it was."""
+    from transformers.utils import logging as hf_logging
+
     saved = [(cfg, cfg.__dict__.get("_attn_implementation_internal")) for cfg in configs_of(model)]
+    verbosity = hf_logging.get_verbosity()
     try:
-        model.set_attn_implementation(name)
+        hf_logging.set_verbosity_error()  # a model that cannot switch says so; the probe finds out and says why
+        try:
+            model.set_attn_implementation(name)
+        finally:
+            hf_logging.set_verbosity(verbosity)
         yield
     finally:
         for cfg, impl in saved:

@@ -48,6 +48,8 @@ def ensure_attention_patched(model: torch.nn.Module) -> PatchState:
             f"{type(stuck[0]).__name__} could not be switched to {attention.NAME!r}")
     state = PatchState(original_attn=original, layout=cap.layout, saved_implementations=saved,
                        attention_configs=cap.attention_configs, media_token_ids=cap.media_token_ids)
+    # engine_for / the patched generate build their engine from the options patch() stores
+    state.engine_factory = lambda: Engine(model, state.tokenizer, **state.config)
     setattr(model, STATE_ATTR, state)
     return state
 
@@ -65,7 +67,6 @@ def patch(model: torch.nn.Module, tokenizer: Any = None, **config: Any) -> torch
     state.config = dict(config)
     state.engine = None
     state.tokenizer = tokenizer
-    state.engine_factory = lambda: Engine(model, tokenizer, **config)
     model.generate = types.MethodType(paged_generate, model)
     return model
 
