@@ -41,6 +41,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .kv_geometry import KVLayout, LayerSpec
+from .patches import family_for
 from .runner import max_positions
 
 PROBE = "paged_hf_probe"
@@ -90,10 +91,10 @@ def check(model: torch.nn.Module) -> Capability:
     _check_ran_modules(model, first, what)
     layout, configs = _layout(model, first, what)
     _check_positions(first, shifted, unpositioned, what)
-    from .patches import family_for  # per-family quirks: the model side, like this module
-    family = family_for(model.config.model_type)
-    if family is not None and hasattr(family, "check"):
-        family.check(model)
+    family = family_for(model.config.model_type)  # per-family quirks the probes cannot see
+    reason = family.check(model) if family is not None and hasattr(family, "check") else None
+    if reason:
+        raise refuse(what, f"patches/{family.__name__.rsplit('.', 1)[-1]}.py", reason)
     return Capability(layout, tuple(configs), _media_token_ids(model))
 
 

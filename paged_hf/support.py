@@ -3,6 +3,7 @@
     python -m paged_hf.support                       # every type of the installed transformers
     python -m paged_hf.support llama gpt_oss bloom   # some types
     python -m paged_hf.support --readme README.md --json support.json
+    python -m paged_hf.support --from-json support.json --readme README.md   # re-render only
 
 For every ``model_type`` in ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` (and the text path of a few
 image-text models), a tiny random model is built from the type's own config class (sizes shrunk,
@@ -397,10 +398,10 @@ def render_table(results: list[Result], transformers_version: str) -> str:
         cm = counts(mm)
         lines += [f"Text path of image-text models (`AutoModelForImageTextToText`, text-only prompts): "
                   + ", ".join(f"{cm.get(v, 0)} {v}" for v in order if cm.get(v)) + ".", ""]
-    for title, rows in (("causal LM types", causal), ("image-text models, text path", mm)):
+    for title, rows in (("causal LM type", causal), ("image-text model's text path", mm)):
         if not rows:
             continue
-        lines += ["<details>", f"<summary>Every {title} (type, class, verdict, what it needed or why not)</summary>",
+        lines += ["<details>", f"<summary>Every {title}: class, verdict, what it needed or why not</summary>",
                   "", "| type | class | verdict | details |", "| --- | --- | --- | --- |"]
         for r in rows:
             reason = r.reason.replace("|", "\\|")
@@ -427,11 +428,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--multimodal", nargs="*", default=None, help="image-text types whose text path to check")
     parser.add_argument("--json", help="write the results here (one object per type)")
     parser.add_argument("--readme", help="rewrite the support table between the markers in this file")
+    parser.add_argument("--from-json", help="no sweep: render --readme from a file --json wrote")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     parser.add_argument("--per-type-seconds", type=int, default=300)
     args = parser.parse_args(argv)
     import transformers
 
+    if args.from_json:
+        saved = json.loads(Path(args.from_json).read_text())
+        results = [Result(**row) for row in saved["results"]]
+        if args.readme:
+            write_readme(args.readme, render_table(results, saved["transformers"]))
+        return 0
     torch.set_num_threads(args.threads)
     multimodal = args.multimodal if args.multimodal is not None else (None if not args.types else [])
     results = run_sweep(args.types or None, multimodal, args.per_type_seconds,

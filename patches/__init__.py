@@ -3,8 +3,8 @@
 Whether a model runs is decided from the model itself (paged_hf/capability.py): its attention goes
 through transformers' AttentionInterface, and each layer's geometry, window, chunk, sinks and
 softcap are read from it. A family gets a file here only for what that check cannot see: each
-module names the ``model_type`` values it covers in ``MODEL_TYPES`` and defines ``check(model)``
-to refuse configurations the paged path cannot honour.
+module names the ``model_type`` values it covers in ``MODEL_TYPES`` and defines ``check(model)``,
+which returns why the paged path cannot honour a configuration (or None); patch refuses with it.
 """
 from __future__ import annotations
 
