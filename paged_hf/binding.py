@@ -30,6 +30,8 @@ class PatchState:
     # the configs the attention modules read their implementation from: all must stay "paged_hf"
     attention_configs: tuple = ()
     media_token_ids: frozenset[int] = frozenset()
+    # engine options this model is exact only up to: {EngineConfig field: (largest value, why)}
+    limits: dict = field(default_factory=dict)
     config: dict[str, Any] = field(default_factory=dict)  # engine options given to patch()
     engine: Any = None       # created on first generate, kept so the prefix cache survives calls
     tokenizer: Any = None

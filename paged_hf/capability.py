@@ -75,6 +75,8 @@ class Capability:
     attention_configs: tuple = ()
     # token ids that stand for image / video / audio inputs (refused in text prompts)
     media_token_ids: frozenset[int] = frozenset()
+    # engine options the paged path is exact only up to: {EngineConfig field: (largest value, why)}
+    limits: dict = field(default_factory=dict)
 
 
 def check(model: torch.nn.Module) -> Capability:
@@ -95,7 +97,12 @@ def check(model: torch.nn.Module) -> Capability:
     reason = family.check(model) if family is not None and hasattr(family, "check") else None
     if reason:
         raise refuse(what, f"patches/{family.__name__.rsplit('.', 1)[-1]}.py", reason)
-    return Capability(layout, tuple(configs), _media_token_ids(model))
+    limits = _rope_limits(model)
+    if family is not None and hasattr(family, "limits"):
+        for option, (value, why) in family.limits(model).items():
+            if option not in limits or value < limits[option][0]:
+                limits[option] = (value, why)
+    return Capability(layout, tuple(configs), _media_token_ids(model), limits)
 
 
 def refuse(what: str, where: str, reason: str) -> UnsupportedModelError:
@@ -460,6 +467,29 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
         return True
     tol = 1e-5 if a.dtype == torch.float32 else 1e-2
     return torch.allclose(a.float(), b.float(), rtol=tol, atol=tol * float(a.float().abs().max().clamp(min=1)))
+
+
+# RoPE scalings whose frequencies follow the longest sequence in the forward (torch.max(position_ids)):
+# in a packed step one long sequence would switch every other sequence's frequencies too
+BATCH_WIDE_ROPE = ("dynamic", "longrope")
+
+
+def _rope_limits(model: torch.nn.Module) -> dict[str, tuple[int, str]]:
+    text = text_config(model)
+    rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
+    params = list(rope.values()) if rope and all(isinstance(v, dict) for v in rope.values()) else [rope]
+    limits: dict[str, tuple[int, str]] = {}
+    for p in params:
+        kind = (p or {}).get("rope_type") or (p or {}).get("type")
+        if kind not in BATCH_WIDE_ROPE:
+            continue
+        original = (p.get("original_max_position_embeddings") or getattr(text, "original_max_position_embeddings", None)
+                    or getattr(text, "max_position_embeddings", None))
+        if original:
+            limits["max_model_len"] = (int(original), f"its {kind!r} RoPE scaling switches the frequencies of every "
+                                       "sequence in a forward once the longest passes original_max_position_embeddings "
+                                       f"({original}); a packed step mixes sequences, so paged_hf stays below it")
+    return limits
 
 
 def _media_token_ids(model: torch.nn.Module) -> frozenset[int]:

@@ -58,7 +58,7 @@ class Engine:
         self.layout = state.layout
         self.model = model
         self.tokenizer = tokenizer
-        self.max_model_len = _max_model_len(model, self.config.max_model_len)
+        self.max_model_len = _within_limits(self.config, _max_model_len(model, self.config.max_model_len), state.limits)
         self.vocab_size = model.config.get_text_config().vocab_size
         self.eos_token_ids = _eos_ids(model, tokenizer)
         num_blocks = self._num_kv_blocks()
@@ -537,6 +537,21 @@ def _max_model_len(model: torch.nn.Module, asked: int | None) -> int:
         raise ValueError(f"max_model_len={asked} exceeds the {most} positions this {model.config.model_type} model "
                          f"can encode (max_position_embeddings / n_positions{', with its RoPE scaling' if most != default else ''})")
     return asked
+
+
+def _within_limits(config: EngineConfig, max_model_len: int, limits: dict) -> int:
+    """``max_model_len``, lowered to what the model is exact up to (patch found the limits); an
+    option set above a limit is refused naming why."""
+    for option, (limit, why) in limits.items():
+        value = max_model_len if option == "max_model_len" else getattr(config, option)
+        if value <= limit:
+            continue
+        if option == "max_model_len" and config.max_model_len is None:  # the default: lower it, say so once
+            logger.info("paged_hf: max_model_len lowered to %d: %s", limit, why)
+            max_model_len = limit
+        else:
+            raise ValueError(f"{option}={value} exceeds {limit}, the most this model runs exactly with: {why}")
+    return max_model_len
 
 
 def _eos_ids(model: torch.nn.Module, tokenizer: Any) -> frozenset[int]:

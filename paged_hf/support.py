@@ -81,6 +81,7 @@ TINY_EXTRA: dict[str, dict[str, Any]] = {
     "zaya": dict(num_experts_per_tok=1), "gpt_neo": dict(attention_types=[[["global", "local"], 2]]),
     "gemma3n_text": dict(num_kv_shared_layers=2), "reformer": dict(is_decoder=True),
     "zamba2": dict(layers_block_type=["mamba", "hybrid", "mamba", "hybrid"]),
+    "zamba": dict(num_hidden_layers=7, attn_layer_period=2, attn_layer_offset=1, layers_block_type=None),
     # released LFM2 checkpoints interleave convolution and attention layers; the default config has none
     "lfm2": dict(full_attn_idxs=[1, 3]), "lfm2_moe": dict(layer_types=["conv", "full_attention"] * 2),
     "qwen4_exp_text": dict(indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=8,

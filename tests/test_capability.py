@@ -92,6 +92,46 @@ def test_a_family_quirk_from_patches_is_refused_naming_its_file():
     assert "patches/gpt2.py: config.reorder_and_upcast_attn=True" in refusal(model)
 
 
+def test_llama4_temperature_tuning_limits_positions_and_budget():
+    """Llama 4's NoPE layers scale queries by a factor of each token's row in the step: exact only
+    while rows and positions stay below floor_scale - 1, so engines are held there, saying why."""
+    import copy
+    from transformers import AutoModelForCausalLM
+    from oracle import assert_logprobs_close, assert_teacher_forced
+    from tiny_models import make_arch_config, tiny_prompts
+
+    config = make_arch_config("llama4_text")
+    config.floor_scale = 12
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        reference = AutoModelForCausalLM.from_config(config).eval()
+    model = paged_hf.patch(copy.deepcopy(reference))
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens=16 exceeds 11.*NoPE layers \(e\.g\. layer 3\)"):
+        paged_hf.Engine(model, max_num_batched_tokens=16)
+    with pytest.raises(ValueError, match="max_model_len=64 exceeds 11"):
+        paged_hf.Engine(model, max_model_len=64, max_num_batched_tokens=8, max_num_seqs=4)
+    engine = paged_hf.Engine(model, max_num_batched_tokens=8, max_num_seqs=4, block_size=4)
+    assert engine.max_model_len == 11  # the default (max_position_embeddings) lowered to the limit
+    prompts = tiny_prompts(config.vocab_size, 3, [3, 5, 7], seed=1)
+    for p, out in zip(prompts, engine.generate(prompts, paged_hf.SamplingParams(max_new_tokens=3, logprobs=3,
+                                                                                 ignore_eos=True))):
+        assert_teacher_forced(reference, p, out.token_ids)
+        assert_logprobs_close(reference, p, out.token_ids, out.completions[0].logprobs)
+
+
+def test_rope_scalings_that_follow_the_longest_sequence_limit_max_model_len():
+    from transformers import Phi3Config, Phi3ForCausalLM
+    config = Phi3Config(vocab_size=64, pad_token_id=0, bos_token_id=1, eos_token_id=2, hidden_size=64,
+                        intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                        max_position_embeddings=256, original_max_position_embeddings=64,
+                        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8,
+                                         "long_factor": [2.0] * 8, "factor": 4.0})
+    model = paged_hf.patch(Phi3ForCausalLM(config).eval())
+    assert paged_hf.Engine(model).max_model_len == 64
+    with pytest.raises(ValueError, match=r"max_model_len=128 exceeds 64.*'longrope' RoPE scaling"):
+        paged_hf.Engine(model, max_model_len=128)
+
+
 def test_a_refused_model_is_left_as_it_was():
     model = build_tiny_model("diffllama")
     x = torch.tensor([[5, 6, 7, 8, 9]])
