@@ -6,6 +6,11 @@ the duration of that forward): attention then writes and reads the paged KV, and
 function returns None (a paged kernel needs no dense mask). Outside a step the model is a
 plain transformers model: both functions hand over to the attention implementation the model
 had before ``patch``, so training and scoring keep working exactly as before.
+
+In a step the backend gets the layer index, q/k/v, ``scaling``, ``softcap``, ``sliding_window``
+and ``s_aux`` (attention sinks); the layer's window and chunk come from the KV layout patch read
+(paged_hf/kv_geometry.py). A mask that still reaches attention in a step was built by the module
+itself (the mask function returned None): it fails the step rather than being dropped.
 """
 from __future__ import annotations
 
