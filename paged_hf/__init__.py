@@ -11,19 +11,25 @@ Where things live (the four roles of the design):
   block pool + prefix index  block_pool.py, prefix_index.py, block_manager.py
   request state              request.py, sampling_params.py, outputs.py
   scheduler                  scheduler.py
-  execution backend          runner.py, metadata.py, attention.py, backends/, sampler.py;
+  execution backend          runner.py, metadata.py, attention.py, backends/, sampler.py,
+                             kv_geometry.py (per-layer KV layout);
                              on CUDA: cuda_graphs.py, compile_decode.py, cuda_memory.py
-  front ends                 engine.py, hf_generate.py, patching.py, datasets_eval.py (generate_dataset),
+  the model side             patching.py (patch / unpatch / paged_hf.Engine), capability.py (can this
+                             model run? what is its KV layout?), patches/ (per-family quirks),
+                             support.py (the support table over every transformers causal LM);
+                             binding.py is what patching leaves on a model for the engine
+  front ends                 engine.py, hf_generate.py, datasets_eval.py (generate_dataset),
                              serve.py (background engine), cli.py (paged-hf)
+
+Imports run one way: the model side imports the engine side, never the reverse.
 """
 from .config import EngineConfig
 from .datasets_eval import generate_dataset
-from .engine import Engine
 from .outputs import Completion, RequestOutput
-from .patching import engine_for, is_patched, patch, unpatch
+from .patching import Engine, UnsupportedModelError, engine_for, is_patched, patch, unpatch
 from .sampling_params import SamplingParams
 from .serve import serve
 
-__all__ = ["Completion", "Engine", "EngineConfig", "RequestOutput", "SamplingParams", "engine_for",
-           "generate_dataset", "is_patched", "patch", "serve", "unpatch"]
+__all__ = ["Completion", "Engine", "EngineConfig", "RequestOutput", "SamplingParams", "UnsupportedModelError",
+           "engine_for", "generate_dataset", "is_patched", "patch", "serve", "unpatch"]
 __version__ = "0.1.0"

@@ -6,6 +6,11 @@ the duration of that forward): attention then writes and reads the paged KV, and
 function returns None (a paged kernel needs no dense mask). Outside a step the model is a
 plain transformers model: both functions hand over to the attention implementation the model
 had before ``patch``, so training and scoring keep working exactly as before.
+
+In a step the backend gets the layer index, q/k/v, ``scaling``, ``softcap``, ``sliding_window``
+and ``s_aux`` (attention sinks); the layer's window and chunk come from the KV layout patch read
+(paged_hf/kv_geometry.py). A mask that still reaches attention in a step was built by the module
+itself (the mask function returned None): it fails the step rather than being dropped.
 """
 from __future__ import annotations
 
@@ -67,8 +72,12 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         else:  # "eager" lives in each modeling file, not in the registry
             fn = sys.modules[type(module).__module__].eager_attention_forward
         return fn(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    if attention_mask is not None:  # paged_mask returns None in a step: this one the module built itself
+        raise RuntimeError(f"paged_hf: {type(module).__name__} (layer {module.layer_idx}) passed an attention mask "
+                           "that paged attention would drop; paged_hf.patch should have refused this model")
     out = backend.attend(module.layer_idx, query, key, value, scaling=scaling,
-                         sliding_window=kwargs.get("sliding_window"), softcap=kwargs.get("softcap"))
+                         sliding_window=kwargs.get("sliding_window"), softcap=kwargs.get("softcap"),
+                         sinks=kwargs.get("s_aux"))
     return out, None
 
 

@@ -28,9 +28,9 @@ _target: list[Any] = [None]  # the backend the op's real implementation calls, s
 @torch.library.custom_op(
     "paged_hf::attend", mutates_args=(),
     schema="(Tensor query, Tensor key, Tensor value, int layer_idx, float scaling, int? sliding_window, "
-           "float? softcap) -> Tensor")
-def attend_op(query, key, value, layer_idx, scaling, sliding_window, softcap):
-    """Write this layer's new K/V into the paged cache and attend: [1, Hq, T, D] -> [1, T, Hq, D].
+           "float? softcap, Tensor? sinks) -> Tensor")
+def attend_op(query, key, value, layer_idx, scaling, sliding_window, softcap, sinks):
+    """Write this layer's new K/V into the paged cache and attend: [1, Hq, T, D] -> [1, T, Hq, Dv].
 
     The KV cache is the backend's own state, not an argument: each call writes and reads only
     its own layer, so calls need no ordering beyond their data flow."""
@@ -38,12 +38,12 @@ def attend_op(query, key, value, layer_idx, scaling, sliding_window, softcap):
     if backend is None:
         raise RuntimeError("paged_hf::attend called outside a compiled paged_hf step")
     return backend.attend(layer_idx, query, key, value, scaling=scaling, sliding_window=sliding_window,
-                          softcap=softcap)
+                          softcap=softcap, sinks=sinks)
 
 
 @attend_op.register_fake
-def _attend_fake(query, key, value, layer_idx, scaling, sliding_window, softcap):
-    return query.new_empty(1, query.shape[2], query.shape[1], query.shape[3])
+def _attend_fake(query, key, value, layer_idx, scaling, sliding_window, softcap, sinks):
+    return query.new_empty(1, query.shape[2], query.shape[1], value.shape[3])
 
 
 class OpBackend:
@@ -52,12 +52,12 @@ class OpBackend:
 
     def attend(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                scaling: float | None, sliding_window: int | None = None,
-               softcap: float | None = None) -> torch.Tensor:
+               softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         if scaling is None:
             scaling = query.shape[-1] ** -0.5
         return torch.ops.paged_hf.attend(query, key, value, layer_idx, float(scaling),
                                          None if sliding_window is None else int(sliding_window),
-                                         None if softcap is None else float(softcap))
+                                         None if softcap is None else float(softcap), sinks)
 
 
 @contextlib.contextmanager

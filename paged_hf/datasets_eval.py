@@ -239,8 +239,7 @@ def _without_request_id(message: str) -> str:
 
 
 def _engine(model: Any, tokenizer: Any, engine_config: dict) -> Any:
-    from .engine import Engine
-    from .patching import engine_for, is_patched
+    from .patching import Engine, engine_for, is_patched  # Engine patches the model if needed
 
     if is_patched(model) and not engine_config:
         engine = engine_for(model)

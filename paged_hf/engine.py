@@ -15,12 +15,13 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from .binding import check_still_patched, patch_state
 from .block_manager import BlockManager
-from .coherence import WeightsWatch, check_still_patched
+from .coherence import WeightsWatch
 from .config import DEFAULT_CPU_KV_BYTES, EngineConfig
 from .outputs import Completion, RequestOutput
 from .request import FinishReason, Request
-from .runner import ModelRunner, kv_geometry, max_positions
+from .runner import ModelRunner, max_positions
 from .sampler import sample
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
@@ -44,16 +45,20 @@ class EngineStats:
 
 
 class Engine:
+    """The engine over a model whose attention is paged. ``paged_hf.Engine`` (paged_hf/patching.py)
+    checks and patches the model first when needed; this class reads what patching left on the
+    model (paged_hf/binding.py) and never imports the model side."""
+
     def __init__(self, model: torch.nn.Module, tokenizer: Any = None, **config: Any) -> None:
-        from .patching import ensure_attention_patched
-
-        from .patching import patch_state
-
         self.config = EngineConfig.from_kwargs(**config)
-        ensure_attention_patched(model)
+        state = patch_state(model)
+        if state is None:
+            raise ValueError("this model's attention is not paged: build the engine with paged_hf.Engine(model), "
+                             "or call paged_hf.patch(model) first")
+        self.layout = state.layout
         self.model = model
         self.tokenizer = tokenizer
-        self.max_model_len = _max_model_len(model, self.config.max_model_len)
+        self.max_model_len = _within_limits(self.config, _max_model_len(model, self.config.max_model_len), state.limits)
         self.vocab_size = model.config.get_text_config().vocab_size
         self.eos_token_ids = _eos_ids(model, tokenizer)
         num_blocks = self._num_kv_blocks()
@@ -64,15 +69,15 @@ class Engine:
                                (self._namespace, 0))
         self.scheduler = Scheduler(self.kv, self.config.max_num_batched_tokens, self.config.max_num_seqs,
                                    self.config.preemption_mode, self.config.max_prefill_tokens_while_decoding)
-        self.runner = ModelRunner(model, self.config, num_blocks)
+        self.runner = ModelRunner(model, self.config, num_blocks, self.layout)
         # requests by id until collected or aborted; samples 1..n-1 of n > 1 live on their root
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._stats = EngineStats()
         self._aborts = 0  # counts aborts, so run_until_done notices ones made from its callbacks
         self.serving = False  # a BackgroundEngine steps this engine
-        self._patch_state = patch_state(model)
-        self._patch_state.engines.add(self)
+        self._patch_state = state
+        state.engines.add(self)
         self._weights = WeightsWatch(model)
 
     # ---- sizing ------------------------------------------------------------------------------
@@ -80,10 +85,9 @@ class Engine:
         cfg = self.config
         if cfg.num_blocks is not None:
             return cfg.num_blocks
-        layers, kv_heads, head_dim = kv_geometry(self.model)
         dtype = next(self.model.parameters()).dtype
         device = next(self.model.parameters()).device
-        per_block = layers * 2 * cfg.block_size * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+        per_block = self.layout.bytes_per_block(cfg.block_size, torch.empty((), dtype=dtype).element_size())
         if device.type == "cuda":
             if cfg.kv_cache_memory is not None:  # an explicit fraction of the free memory
                 budget = int(torch.cuda.mem_get_info(device)[0] * cfg.kv_cache_memory)
@@ -162,6 +166,10 @@ class Engine:
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"request {rid}: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        media = [t for t in ids if t in self._patch_state.media_token_ids]
+        if media:
+            raise ValueError(f"request {rid}: token id {media[0]} is this model's image/video/audio placeholder; "
+                             "media inputs are not supported yet (paged_hf runs the text path of multimodal models)")
         if len(ids) >= self.max_model_len:
             raise ValueError(f"request {rid}: prompt has {len(ids)} tokens, max_model_len is {self.max_model_len} "
                              "(room for at least one new token is needed)")
@@ -530,6 +538,21 @@ def _max_model_len(model: torch.nn.Module, asked: int | None) -> int:
         raise ValueError(f"max_model_len={asked} exceeds the {most} positions this {model.config.model_type} model "
                          f"can encode (max_position_embeddings / n_positions{', with its RoPE scaling' if most != default else ''})")
     return asked
+
+
+def _within_limits(config: EngineConfig, max_model_len: int, limits: dict) -> int:
+    """``max_model_len``, lowered to what the model is exact up to (patch found the limits); an
+    option set above a limit is refused naming why."""
+    for option, (limit, why) in limits.items():
+        value = max_model_len if option == "max_model_len" else getattr(config, option)
+        if value <= limit:
+            continue
+        if option == "max_model_len" and config.max_model_len is None:  # the default: lower it, say so once
+            logger.info("paged_hf: max_model_len lowered to %d: %s", limit, why)
+            max_model_len = limit
+        else:
+            raise ValueError(f"{option}={value} exceeds {limit}, the most this model runs exactly with: {why}")
+    return max_model_len
 
 
 def _eos_ids(model: torch.nn.Module, tokenizer: Any) -> frozenset[int]:

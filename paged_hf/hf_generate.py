@@ -13,7 +13,7 @@ import torch
 from transformers import GenerationConfig
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from .patching import engine_for
+from .binding import patch_state
 from .sampling_params import SamplingParams
 
 # Settings that change the result and have no equivalent in the engine, with the value at
@@ -31,6 +31,8 @@ _UNSUPPORTED_SETTINGS = {
 }
 _UNSUPPORTED_MODEL_KWARGS = ("inputs_embeds", "past_key_values", "cache", "position_ids", "token_type_ids",
                              "cache_position", "decoder_input_ids")
+# keyword arguments that carry media for multimodal models (pixel_values, image_grid_thw, input_features, ...)
+_MEDIA_KWARG_PREFIXES = ("pixel_values", "image_", "video_", "audio_", "input_features", "mm_token_type_ids")
 
 
 def paged_generate(self: torch.nn.Module, inputs: torch.Tensor | None = None,
@@ -55,6 +57,10 @@ def paged_generate(self: torch.nn.Module, inputs: torch.Tensor | None = None,
     attention_mask = model_kwargs.pop("attention_mask", None)
     model_kwargs.pop("use_cache", None)
     bad = [k for k in model_kwargs if k in _UNSUPPORTED_MODEL_KWARGS or model_kwargs[k] is not None]
+    media = [k for k in bad if k.startswith(_MEDIA_KWARG_PREFIXES)]
+    if media:
+        raise NotImplementedError(f"paged_hf generate: image / video / audio inputs ({', '.join(media)}) are not "
+                                  "supported yet; paged_hf runs the text path of multimodal models (text-only input_ids)")
     if bad:
         raise NotImplementedError(f"paged_hf generate: argument(s) {bad} are not supported")
     for name, neutral in _UNSUPPORTED_SETTINGS.items():
@@ -75,7 +81,10 @@ def paged_generate(self: torch.nn.Module, inputs: torch.Tensor | None = None,
     if streamer is not None and batch * params.n != 1:
         raise NotImplementedError("paged_hf generate: a streamer needs a batch of one sequence")
 
-    engine = engine_for(self)
+    state = patch_state(self)
+    if state is None:
+        raise ValueError("paged_hf generate: this model is not patched (call paged_hf.patch(model))")
+    engine = state.get_engine()
     prompts = [row[mask.bool()].tolist() for row, mask in zip(input_ids.cpu(), attention_mask.cpu())]
     rids: list[str] = []
     try:  # on any exception (a refused row, Ctrl-C in a notebook) abort what was submitted

@@ -12,17 +12,9 @@ from .attention import active_backend
 from .backends import select_backend
 from .config import EngineConfig
 from .cuda_graphs import DecodeAccelerator, wants_decode_accelerator
+from .kv_geometry import KVLayout
 from .metadata import StepMetadata, build_step_metadata
 from .request import Request
-
-
-def kv_geometry(model: torch.nn.Module) -> tuple[int, int, int]:
-    """(layers, kv_heads, head_dim) from the model's config."""
-    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    heads = cfg.num_attention_heads
-    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    return cfg.num_hidden_layers, kv_heads, head_dim
 
 
 # RoPE scalings that stretch positions past max_position_embeddings by their factor (vLLM's rule;
@@ -48,16 +40,16 @@ def max_positions(model: torch.nn.Module) -> tuple[int | None, int | None]:
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, config: EngineConfig, num_blocks: int) -> None:
+    def __init__(self, model: torch.nn.Module, config: EngineConfig, num_blocks: int, layout: KVLayout) -> None:
+        """``layout``: the model's per-layer KV geometry (paged_hf/kv_geometry.py), found when it was patched."""
         self.model = model
         self.config = config
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
-        layers, kv_heads, head_dim = kv_geometry(model)
         # padded decode steps (CUDA graphs / compile) need one extra KV block for their padding rows
         accelerate = wants_decode_accelerator(config, self.device)
-        self.backend = select_backend(config.backend, self.device, self.dtype, head_dim)(
-            layers, num_blocks + int(accelerate), config.block_size, kv_heads, head_dim, self.dtype, self.device)
+        self.backend = select_backend(config.backend, self.device, self.dtype, layout)(
+            layout, num_blocks + int(accelerate), config.block_size, dtype=self.dtype, device=self.device)
         self.decode = DecodeAccelerator.build(model, self.backend, config, pad_block=num_blocks) if accelerate else None
 
     @torch.inference_mode()
@@ -72,4 +64,7 @@ class ModelRunner:
         with active_backend(self.backend):
             out = self.model(input_ids=meta.input_ids[None], position_ids=meta.positions[None],
                              use_cache=False, logits_to_keep=meta.logits_indices)
-        return out.logits[0], meta
+        logits = out.logits[0]
+        if logits.shape[0] != meta.logits_indices.numel():  # a forward without logits_to_keep (Whisper's): every row
+            logits = logits.index_select(0, meta.logits_indices)
+        return logits, meta

@@ -376,8 +376,7 @@ def serve(model: torch.nn.Module, tokenizer: Any = None, *, warmup: bool = True,
     >>> print("".join(bg.submit("Hello", SamplingParams(max_new_tokens=8)).stream()))
     >>> bg.shutdown()
     """
-    from .engine import Engine
-    from .patching import engine_for, is_patched
+    from .patching import Engine, engine_for, is_patched  # Engine patches the model if needed
 
     if is_patched(model) and not config:
         engine = engine_for(model)

@@ -7,7 +7,9 @@ patched model no longer takes: refuse it rather than change the model's numerics
 MODEL_TYPES = ("gpt2",)
 
 
-def check(model) -> None:
+def check(model) -> str | None:
+    """Why paged_hf cannot run this GPT-2 (None: it can)."""
     if getattr(model.config, "reorder_and_upcast_attn", False):
-        raise ValueError("gpt2 with reorder_and_upcast_attn=True: that option lives in GPT-2's own eager "
-                         "attention, which paged_hf replaces; load the model with it False")
+        return ("config.reorder_and_upcast_attn=True: that option lives in GPT-2's own eager attention, which "
+                "paged_hf replaces; load the model with it False")
+    return None

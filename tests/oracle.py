@@ -29,3 +29,26 @@ def assert_teacher_forced(reference: torch.nn.Module, prompt: list[int], generat
                           tol: float = FP32_TOL, what: str = "") -> None:
     bad = teacher_forced_violations(reference, prompt, generated, tol)
     assert not bad, f"{what}: tokens the reference would not pick (step, token, argmax, gap): {bad[:5]}"
+
+
+LOGPROB_TOL = 1e-4  # fp32: the engine's logprobs against the reference's log-softmax
+
+
+@torch.no_grad()
+def assert_logprobs_close(reference: torch.nn.Module, prompt: list[int], generated: list[int], logprobs: list,
+                          tol: float = LOGPROB_TOL, what: str = "") -> None:
+    """The engine's logprobs of a generation (per token: (chosen, {token: logprob} top-k)) equal
+    the reference's log-softmax at the same steps, teacher-forced, within ``tol``."""
+    assert len(logprobs) == len(generated), f"{what}: {len(logprobs)} logprob entries for {len(generated)} tokens"
+    if not generated:
+        return
+    ids = torch.tensor([prompt + generated])
+    logits = reference(input_ids=ids, use_cache=False).logits[0, len(prompt) - 1: len(prompt) - 1 + len(generated)]
+    expected = torch.log_softmax(logits.float(), dim=-1)
+    worst = []
+    for i, (tok, (chosen, top)) in enumerate(zip(generated, logprobs)):
+        assert top, f"{what}: step {i} has no top logprobs"
+        errors = [abs(chosen - float(expected[i, tok]))] + [abs(v - float(expected[i, t])) for t, v in top.items()]
+        worst.append((max(errors), i))
+    bad = [(i, err) for err, i in worst if err > tol]
+    assert not bad, f"{what}: logprobs off the reference's by more than {tol} (step, error): {bad[:5]}"

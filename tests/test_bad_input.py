@@ -83,7 +83,9 @@ def test_patch_refuses_training_mode_and_unsupported_architectures():
         paged_hf.patch(model)
     from transformers import BloomConfig, BloomForCausalLM
     bloom = BloomForCausalLM(BloomConfig(vocab_size=64, hidden_size=32, n_layer=1, n_head=2)).eval()
-    with pytest.raises(ValueError, match="model_type='bloom'.*supported: gemma2, gemma3_text, gpt2, llama"):
+    with pytest.raises(paged_hf.UnsupportedModelError,
+                       match=r"bloom .*transformer\.h\.0\.self_attention \(BloomAttention\).*AttentionInterface"):
         paged_hf.patch(bloom)
+    assert not paged_hf.is_patched(bloom) and bloom.config._attn_implementation != "paged_hf"
     with pytest.raises(ValueError, match="not patched"):
         paged_hf.unpatch(make_tiny_model("llama"))

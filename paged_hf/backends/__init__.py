@@ -9,13 +9,15 @@ import warnings
 
 import torch
 
+from ..kv_geometry import KVLayout
 from .torch_backend import TorchBackend
 
 
 def select_backend(name: str, device: torch.device, dtype: torch.dtype | None = None,
-                   head_dim: int | None = None) -> type:
+                   layout: KVLayout | int | None = None) -> type:
     """The backend class for ``name``; 'auto' is FlashInfer on CUDA when it is installed and
-    supports the model's dtype and head_dim, else torch (with one warning on CUDA)."""
+    supports the model's dtype and KV layout (``layout``: per-layer geometry, or a head_dim),
+    else torch (with one warning on CUDA, saying why)."""
     if name == "torch":
         return TorchBackend
     if name == "flashinfer":
@@ -32,7 +34,7 @@ def select_backend(name: str, device: torch.device, dtype: torch.dtype | None = 
             warnings.warn(f"paged_hf: FlashInfer is not available ({e}); using the torch backend on CUDA, "
                           "which is much slower. Install it with `pip install paged_hf[cuda]`.", stacklevel=3)
             return TorchBackend
-        reason = None if dtype is None or head_dim is None else unsupported_reason(dtype, head_dim)
+        reason = None if dtype is None or layout is None else unsupported_reason(dtype, layout)
         if reason is None:
             return FlashInferBackend
         warnings.warn(f"paged_hf: using the torch backend on CUDA, which is much slower: {reason}", stacklevel=3)

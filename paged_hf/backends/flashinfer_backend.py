@@ -12,11 +12,15 @@ planned kernel:
 - a pure-decode step uses ``BatchDecodeWithPagedKVCacheWrapper`` (tensor cores when the GQA
   group is larger than 4, as its own kernels support groups 1-4, 6, 8, 16 only).
 
-A variant is ``(window_left, logits_soft_cap, sm_scale)``: FlashInfer fixes all three at
-``plan`` and ``run`` takes no per-call scale, so each distinct combination gets its own planned
-wrapper (Gemma 2/3: a sliding and a full one; GPT-2 with ``scale_attn_by_inverse_layer_idx``:
-one per layer). Variants are learnt from the first forward (``attend`` plans a new one on the
-spot, eagerly) and planned up front in every later ``plan``.
+A variant is ``(window_left, logits_soft_cap, sm_scale, q_heads, kv_heads, head_dim)``: FlashInfer
+fixes all of them at ``plan`` and ``run`` takes no per-call scale, so each distinct combination
+gets its own planned wrapper (Gemma 2/3: a sliding and a full one; GPT-2 with
+``scale_attn_by_inverse_layer_idx``: one per layer; per-layer geometry, as in Gemma 4: one per
+shape). Variants are learnt from the first forward (``attend`` plans a new one on the spot,
+eagerly) and planned up front in every later ``plan``. Each layer's cache has its own heads and
+width (paged_hf/kv_geometry.py). What these wrappers cannot do here (K and V of different widths,
+attention sinks, chunked attention) ``unsupported_reason`` names, and 'auto' then runs the torch
+backend on CUDA with one warning.
 
 transformers masks key k for query q when ``q - k >= sliding_window``; FlashInfer keeps key k
 when ``k >= q - window_left`` (variants.cuh: ``kv_idx + qo_len + window_left >= kv_len + qo_idx``),
@@ -38,6 +42,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kv_geometry import KVLayout, as_layout
 from ..metadata import StepMetadata
 from .swap import SwapMixin
 
@@ -57,16 +62,30 @@ WORKSPACE_BYTES = 128 << 20  # FlashInfer's recommended float workspace, shared 
 PREFILL_BACKEND = "auto"
 DECODE_TENSOR_CORES: bool | None = None
 
-Variant = tuple[int, float, float]  # (window_left, logits_soft_cap (0: none), sm_scale)
+# (window_left, logits_soft_cap (0: none), sm_scale, q_heads, kv_heads, head_dim)
+Variant = tuple[int, float, float, int, int, int]
 
 
-def unsupported_reason(dtype: torch.dtype, head_dim: int) -> str | None:
-    """Why FlashInfer cannot run this model, or None when it can."""
+def unsupported_reason(dtype: torch.dtype, layout: KVLayout | int) -> str | None:
+    """Why FlashInfer cannot run this model (``layout``: its per-layer KV geometry, or one
+    head_dim for every layer), or None when it can."""
     if dtype not in SUPPORTED_DTYPES:
         return (f"FlashInfer kernels take float16 or bfloat16, the model is {dtype}: load it with "
                 "dtype=torch.bfloat16, or use backend='torch'")
-    if head_dim not in SUPPORTED_HEAD_DIMS:
-        return f"FlashInfer kernels support head_dim {SUPPORTED_HEAD_DIMS}, the model has {head_dim}: use backend='torch'"
+    layers = layout.layers if isinstance(layout, KVLayout) else None
+    dims = sorted({s.k_dim for s in layers} | {s.v_dim for s in layers}) if layers else [int(layout)]
+    for layer_idx, spec in enumerate(layers or ()):
+        if spec.k_dim != spec.v_dim:
+            return (f"layer {layer_idx} has K and V of different widths ({spec.k_dim} / {spec.v_dim}, MLA); the paged "
+                    "FlashInfer wrappers used here take one head_dim: use backend='torch'")
+        if spec.sinks:
+            return f"layer {layer_idx} has attention sinks (s_aux), not wired to FlashInfer here: use backend='torch'"
+        if spec.chunk is not None:
+            return (f"layer {layer_idx} uses chunked attention (chunks of {spec.chunk}), which FlashInfer's paged "
+                    "wrappers do not do: use backend='torch'")
+    bad = [d for d in dims if d not in SUPPORTED_HEAD_DIMS]
+    if bad:
+        return f"FlashInfer kernels support head_dim {SUPPORTED_HEAD_DIMS}, the model has {bad[0]}: use backend='torch'"
     return None
 
 
@@ -105,22 +124,23 @@ class FlashInferBackend(SwapMixin):
     name = "flashinfer"
     supports_cuda_graphs = True
 
-    def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str) -> None:
-        reason = unsupported_reason(dtype, head_dim)
+    def __init__(self, layout: KVLayout | int, num_blocks: int, block_size: int, kv_heads: int | None = None,
+                 head_dim: int | None = None, dtype: torch.dtype = torch.bfloat16,
+                 device: torch.device | str = "cuda") -> None:
+        """``layout``: the model's per-layer geometry, or a number of layers all of ``kv_heads`` x
+        ``head_dim``."""
+        self.layout = as_layout(layout, kv_heads, head_dim)
+        reason = unsupported_reason(dtype, self.layout)
         if reason is not None:
             raise ValueError(f"backend='flashinfer': {reason}")
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self.kv_heads = kv_heads
-        self.head_dim = head_dim
         self.dtype = dtype
         self.device = torch.device(device)
-        self.kv = [torch.zeros(num_blocks, 2, block_size, kv_heads, head_dim, dtype=dtype, device=self.device)
-                   for _ in range(num_layers)]
-        self._flat = [c.view(num_blocks * 2 * block_size, kv_heads, head_dim) for c in self.kv]
+        self.kv = [torch.zeros(num_blocks, 2, block_size, s.kv_heads, s.k_dim, dtype=dtype, device=self.device)
+                   for s in self.layout.layers]
+        self._flat = [c.view(num_blocks * 2 * block_size, c.shape[-2], c.shape[-1]) for c in self.kv]
         self._workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
-        self.num_qo_heads: int | None = None   # learnt from the first query
         self.variants: list[Variant] = []      # every variant seen, in first-use order
         self._eager: dict[tuple[str, Variant], object] = {}
         self._graph: dict[tuple[int, Variant], object] = {}
@@ -168,13 +188,12 @@ class FlashInferBackend(SwapMixin):
         self._csr = host_csr(meta)
         self._graph_batch = graph_batch
         self._planned = {}
-        if self.num_qo_heads is not None:
-            for variant in self.variants:
-                self._plan(variant)
+        for variant in self.variants:
+            self._plan(variant)
 
     def _wrapper(self, variant: Variant) -> object:
         meta = self._meta
-        group = self.num_qo_heads // self.kv_heads
+        group = variant[3] // variant[4]
         use_tc = group > 4 if DECODE_TENSOR_CORES is None else DECODE_TENSOR_CORES
         if self._graph_batch is not None:
             key = (self._graph_batch, variant)
@@ -197,39 +216,44 @@ class FlashInferBackend(SwapMixin):
         return w
 
     def _plan(self, variant: Variant) -> object:
-        window_left, softcap, sm_scale = variant
+        window_left, softcap, sm_scale, q_heads, kv_heads, head_dim = variant
         w = self._wrapper(variant)
         csr, meta = self._csr, self._meta
         common = dict(window_left=window_left, logits_soft_cap=softcap or None, sm_scale=sm_scale,
                       q_data_type=self.dtype, kv_data_type=self.dtype)
         if isinstance(w, flashinfer.BatchPrefillWithPagedKVCacheWrapper):
-            w.plan(csr.qo_indptr, csr.kv_indptr, meta.kv_indices, csr.last_page_len, self.num_qo_heads,
-                   self.kv_heads, self.head_dim, self.block_size, causal=True, **common)
+            w.plan(csr.qo_indptr, csr.kv_indptr, meta.kv_indices, csr.last_page_len, q_heads,
+                   kv_heads, head_dim, self.block_size, causal=True, **common)
         else:
-            w.plan(csr.kv_indptr, meta.kv_indices, csr.last_page_len, self.num_qo_heads, self.kv_heads,
-                   self.head_dim, self.block_size, **common)
+            w.plan(csr.kv_indptr, meta.kv_indices, csr.last_page_len, q_heads, kv_heads,
+                   head_dim, self.block_size, **common)
         self._planned[variant] = w
         return w
 
     # ---- once per layer ------------------------------------------------------------------------
     def attend(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                scaling: float | None, sliding_window: int | None = None,
-               softcap: float | None = None) -> torch.Tensor:
-        """q/k/v: [1, heads, T, head_dim] -> attention output [1, T, q_heads, head_dim]."""
+               softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """q/k/v: [1, heads, T, head_dim] -> attention output [1, T, q_heads, head_dim]. The window
+        is the layer's own (the layout); one the model passes must agree with it."""
+        spec = self.layout.layers[layer_idx]
+        if sinks is not None:  # unsupported_reason refuses such layouts; a model that grew sinks since
+            raise ValueError(f"flashinfer backend: layer {layer_idx} passed attention sinks, which it does not apply")
+        if sliding_window is not None and spec.window is not None and int(sliding_window) != spec.window:
+            raise ValueError(f"layer {layer_idx}: the model passed sliding_window={sliding_window}, but the window found "
+                             f"when it was patched is {spec.window}")
         flat = self._flat[layer_idx]
         flat.index_copy_(0, self._k_rows, key[0].transpose(0, 1).to(flat.dtype))
         flat.index_copy_(0, self._v_rows, value[0].transpose(0, 1).to(flat.dtype))
         if scaling is None:
             scaling = query.shape[-1] ** -0.5
-        variant: Variant = (-1 if sliding_window is None else int(sliding_window) - 1,
-                            float(softcap) if softcap else 0.0, float(scaling))
+        variant: Variant = (-1 if spec.window is None else spec.window - 1, float(softcap) if softcap else 0.0,
+                            float(scaling), int(query.shape[1]), spec.kv_heads, spec.k_dim)
         wrapper = self._planned.get(variant)
         if wrapper is None:  # first forward only: learn the variant and plan it now (never under capture)
             if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
                 raise RuntimeError(f"flashinfer backend: attention variant {variant} of layer {layer_idx} was not "
                                    "planned before CUDA-graph capture (run one eager step of this bucket first)")
-            if self.num_qo_heads is None:
-                self.num_qo_heads = int(query.shape[1])
             if variant not in self.variants:
                 self.variants.append(variant)
             wrapper = self._plan(variant)

@@ -3,7 +3,9 @@
 Every backend keeps its KV in ``kv``, a list of tensors whose first dimension is the block
 (FlashInfer: one [num_blocks, 2, block_size, kv_heads, head_dim] per layer; torch: K and V of
 each layer apart, [num_blocks, kv_heads, block_size, head_dim]); the rest is copied as it is,
-so one implementation serves all of them (``SwapMixin`` adds it as methods).
+so one implementation serves all of them (``SwapMixin`` adds it as methods). The tensors may
+differ in their other dimensions (per-layer heads and widths): the host copy is one buffer of
+[num_blocks, all of a block's elements], cut into each tensor's part.
 
     handle = backend.swap_out(req.block_table)   # before the blocks are freed
     ...                                          # the blocks may be reused at once
@@ -22,16 +24,28 @@ import torch
 
 @dataclass
 class SwapHandle:
-    """A request's KV on the host: [len(kv), num_blocks, *the rest of each KV tensor's shape]."""
+    """A request's KV on the host: ``data`` [num_blocks, sum of each KV tensor's per-block elements];
+    ``parts[i]`` is tensor i's view of it, [num_blocks, *the rest of that tensor's shape]."""
     data: torch.Tensor
+    parts: list[torch.Tensor]
 
     @property
     def num_blocks(self) -> int:
-        return int(self.data.shape[1])
+        return int(self.data.shape[0])
 
     @property
     def nbytes(self) -> int:
         return self.data.numel() * self.data.element_size()
+
+
+def _host_parts(kv: list[torch.Tensor], n: int, pin: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    sizes = [c[0].numel() for c in kv]
+    data = torch.empty(n, sum(sizes), dtype=kv[0].dtype, pin_memory=pin)
+    parts, start = [], 0
+    for c, size in zip(kv, sizes):
+        parts.append(data[:, start: start + size].view((n,) + tuple(c.shape[1:])))
+        start += size
+    return data, parts
 
 
 def swap_out(kv: list[torch.Tensor], block_ids: list[int]) -> SwapHandle:
@@ -44,20 +58,20 @@ def swap_out(kv: list[torch.Tensor], block_ids: list[int]) -> SwapHandle:
     if n and not 0 <= min(block_ids) <= max(block_ids) < cache.shape[0]:
         raise ValueError(f"swap_out: block ids {block_ids} outside [0, {cache.shape[0]})")
     pin = device.type == "cuda"
-    host = torch.empty((len(kv), n) + tuple(cache.shape[1:]), dtype=cache.dtype, pin_memory=pin)
+    data, parts = _host_parts(kv, n, pin)
     if n:
         idx = torch.tensor(block_ids, dtype=torch.long, device=device)
-        for layer, c in enumerate(kv):
-            host[layer].copy_(c.index_select(0, idx), non_blocking=pin)
-    return SwapHandle(host)
+        for part, c in zip(parts, kv):
+            part.copy_(c.index_select(0, idx), non_blocking=pin)
+    return SwapHandle(data, parts)
 
 
 def swap_in(kv: list[torch.Tensor], handle: SwapHandle, new_block_ids: list[int]) -> None:
     """Copy a swapped-out request's blocks into ``new_block_ids`` (same count, any ids)."""
     if len(new_block_ids) != handle.num_blocks:
         raise ValueError(f"swap_in: the handle holds {handle.num_blocks} blocks, got {len(new_block_ids)} new ids")
-    if len(kv) != handle.data.shape[0]:
-        raise ValueError(f"swap_in: the handle holds {handle.data.shape[0]} layers, the backend has {len(kv)}")
+    if len(kv) != len(handle.parts):
+        raise ValueError(f"swap_in: the handle holds {len(handle.parts)} KV tensors, the backend has {len(kv)}")
     if not new_block_ids:
         return
     device = kv[0].device
@@ -65,8 +79,8 @@ def swap_in(kv: list[torch.Tensor], handle: SwapHandle, new_block_ids: list[int]
         raise ValueError(f"swap_in: block ids {new_block_ids} outside [0, {kv[0].shape[0]})")
     idx = torch.tensor(new_block_ids, dtype=torch.long, device=device)
     non_blocking = device.type == "cuda" and handle.data.is_pinned()
-    for layer, c in enumerate(kv):
-        c.index_copy_(0, idx, handle.data[layer].to(device, non_blocking=non_blocking))
+    for part, c in zip(handle.parts, kv):
+        c.index_copy_(0, idx, part.to(device, non_blocking=non_blocking))
 
 
 class SwapMixin:

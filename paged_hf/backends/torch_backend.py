@@ -1,7 +1,9 @@
 """Pure-PyTorch paged attention: the reference backend, on any device.
 
-K of layer l lives in ``kv[2 * l]`` and V in ``kv[2 * l + 1]``, each [num_blocks, kv_heads,
-block_size, head_dim] and contiguous: each head's tokens sit together (HND). That layout is
+K of layer l lives in ``kv[2 * l]`` and V in ``kv[2 * l + 1]``, [num_blocks, kv_heads,
+block_size, k_dim] and [num_blocks, kv_heads, block_size, v_dim], contiguous: each head's tokens
+sit together (HND). Heads and widths are the layer's own (paged_hf/kv_geometry.py: per-layer
+geometry, MLA's K and V at their own widths). That layout is
 chosen for the decode gather: one ``index_select`` of whole blocks copies 1-2 KB runs and
 yields K/V in the [seq, head, position, dim] order attention wants. (Gathering token rows of
 an NHD cache, then transposing, was ~5x slower on CPU; gathering from a K/V-interleaved
@@ -11,6 +13,10 @@ cache, a strided view, ~3x slower than from a contiguous one.)
 runs once per layer: write the new K/V, attend the decodes in a few batched calls (sequences
 grouped by length, so a batch of short ones does not gather a long one's context each), and
 each prefill chunk with its own causal offset.
+
+Per layer, besides softcap and scaling (passed by the model each call), the layout gives a
+sliding window, a chunk (Llama 4's chunked attention: keys of the query's own chunk only) and
+attention sinks (GPT-OSS's ``s_aux``: one logit per query head joins the softmax and is dropped).
 """
 from __future__ import annotations
 
@@ -20,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
+from ..kv_geometry import KVLayout, LayerSpec, as_layout
 from ..metadata import StepMetadata
 from .swap import SwapMixin
 
@@ -34,16 +41,19 @@ class _DecodeGroup:
     q_pos: torch.Tensor         # [n] position of each one's query token
     kv_pos: torch.Tensor        # [max_blocks * block_size]
     valid: torch.Tensor         # [n, max_blocks * block_size] real (not padding) key positions
-    masks: dict = field(default_factory=dict)  # by sliding window, built on first use
+    masks: dict = field(default_factory=dict)  # by (sliding window, chunk), built on first use
 
-    def mask(self, window: int | None) -> torch.Tensor:
-        """[n, 1, 1, Lmax]: real keys, within ``window`` of the query when there is one."""
-        mask = self.masks.get(window)
+    def mask(self, window: int | None, chunk: int | None = None) -> torch.Tensor:
+        """[n, 1, 1, Lmax]: real keys, within ``window`` of the query when there is one, in the
+        query's own ``chunk`` when there is one."""
+        mask = self.masks.get((window, chunk))
         if mask is None:
             mask = self.valid
             if window is not None:
                 mask = mask & (self.q_pos[:, None] - self.kv_pos[None, :] < window)
-            mask = self.masks[window] = mask[:, None, None, :]
+            if chunk is not None:
+                mask = mask & (self.q_pos[:, None] // chunk == self.kv_pos[None, :] // chunk)
+            mask = self.masks[(window, chunk)] = mask[:, None, None, :]
         return mask
 
 
@@ -81,24 +91,31 @@ class _PrefillSeq:
 class TorchBackend(SwapMixin):
     name = "torch"
 
-    def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(self, layout: KVLayout | int, num_blocks: int, block_size: int, kv_heads: int | None = None,
+                 head_dim: int | None = None, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu") -> None:
+        """``layout``: the model's per-layer geometry, or a number of layers all of ``kv_heads`` x
+        ``head_dim``."""
+        self.layout = as_layout(layout, kv_heads, head_dim)
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self.kv_heads = kv_heads
-        self.kv = [torch.zeros(num_blocks, kv_heads, block_size, head_dim, dtype=dtype, device=device)
-                   for _ in range(2 * num_layers)]
-        self._rows = [c.view(-1, head_dim) for c in self.kv]  # one row per (block, head, offset)
+        self.kv = []
+        for spec in self.layout.layers:
+            for dim in (spec.k_dim, spec.v_dim):
+                self.kv.append(torch.zeros(num_blocks, spec.kv_heads, block_size, dim, dtype=dtype, device=device))
+        self._rows = [c.view(-1, c.shape[-1]) for c in self.kv]  # one row per (block, head, offset)
         self.device = torch.device(device)
 
     # ---- once per step -----------------------------------------------------------------------
     def plan(self, meta: StepMetadata) -> None:
-        bs, dev, h = self.block_size, self.device, self.kv_heads
+        bs, dev = self.block_size, self.device
         slots = meta.slot_mapping.to(torch.long)
-        heads = torch.arange(h, device=dev)
-        # row of (token t, head j): (block * H + j) * bs + offset, in K's and in V's cache alike
-        self._write = (((slots // bs) * h)[:, None] + heads[None, :]) * bs + (slots % bs)[:, None]
-        self._write = self._write.flatten()
+        # row of (token t, head j): (block * H + j) * bs + offset, in K's and in V's cache alike;
+        # one index per distinct KV head count among the layers
+        self._writes: dict[int, torch.Tensor] = {}
+        for h in {spec.kv_heads for spec in self.layout.layers}:
+            heads = torch.arange(h, device=dev)
+            self._writes[h] = ((((slots // bs) * h)[:, None] + heads[None, :]) * bs + (slots % bs)[:, None]).flatten()
 
         qo = meta.qo_indptr.tolist()
         decode = [i for i, q in enumerate(meta.q_lens) if q == 1]
@@ -126,11 +143,11 @@ class TorchBackend(SwapMixin):
                 q_pos=torch.arange(L - q, L, device=dev), kv_len=L, fresh=(L == q)))
 
     def _gather(self, layer_idx: int, blocks: torch.Tensor, n_seqs: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of ``blocks`` (n_seqs equal runs) as [n_seqs, H, n_blocks_each * bs, D]."""
-        _, h, bs, d = self.kv[0].shape
+        """K and V of ``blocks`` (n_seqs equal runs) as [n_seqs, H, n_blocks_each * bs, D] (D: K's, V's width)."""
         per_seq = blocks.numel() // n_seqs
 
         def take(cache: torch.Tensor) -> torch.Tensor:
+            _, h, bs, d = cache.shape
             x = cache.index_select(0, blocks).view(n_seqs, per_seq, h, bs, d)
             return x.transpose(1, 2).reshape(n_seqs, h, per_seq * bs, d)
 
@@ -139,19 +156,26 @@ class TorchBackend(SwapMixin):
     # ---- once per layer --------------------------------------------------------------------
     def attend(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                scaling: float | None, sliding_window: int | None = None,
-               softcap: float | None = None) -> torch.Tensor:
-        """q/k/v: [1, heads, T, head_dim] -> attention output [1, T, q_heads, head_dim]."""
+               softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """q/k/v: [1, heads, T, head_dim] -> attention output [1, T, q_heads, v_dim].
+
+        The layer's window, chunk and sinks come from the layout; ``sliding_window`` (what the
+        model passed) must agree with it, and ``sinks`` is the layer's ``s_aux`` [q_heads]."""
+        spec = self.layout.layers[layer_idx]
+        window, chunk = _window_of(spec, layer_idx, sliding_window), spec.chunk
         k_rows, v_rows = self._rows[2 * layer_idx], self._rows[2 * layer_idx + 1]
-        d = k_rows.shape[1]
-        k_new = key[0].transpose(0, 1).reshape(-1, d)    # [T * Hkv, D], token-major like _write
-        v_new = value[0].transpose(0, 1).reshape(-1, d)
-        k_rows.index_copy_(0, self._write, k_new.to(k_rows.dtype))
-        v_rows.index_copy_(0, self._write, v_new.to(v_rows.dtype))
+        d, dv = k_rows.shape[1], v_rows.shape[1]
+        write = self._writes[spec.kv_heads]
+        k_new = key[0].transpose(0, 1).reshape(-1, d)    # [T * Hkv, D], token-major like the write rows
+        v_new = value[0].transpose(0, 1).reshape(-1, dv)
+        k_rows.index_copy_(0, write, k_new.to(k_rows.dtype))
+        v_rows.index_copy_(0, write, v_new.to(v_rows.dtype))
         if scaling is None:
             scaling = query.shape[-1] ** -0.5
         q_all = query[0]                  # [Hq, T, D]
         hq = q_all.shape[0]
-        out = query.new_empty(q_all.shape[1], hq, d)
+        out = query.new_empty(q_all.shape[1], hq, dv)
+        sink_logits = None if sinks is None else sinks.to(device=query.device, dtype=torch.float32)
 
         for group in self._decode_groups:
             k, v = self._gather(layer_idx, group.blocks, group.n)                 # [n, Hkv, L, D]
@@ -159,13 +183,15 @@ class TorchBackend(SwapMixin):
             # one query token per sequence: the G query heads of a KV head form a G-row query
             # (no K/V repeat for GQA). Plain matmuls beat CPU SDPA's flash kernel at q_len 1.
             q = q_all[:, group.rows].transpose(0, 1).reshape(group.n, hkv, hq // hkv, d)
-            o = _attention(q, k, v, group.mask(sliding_window), scaling, softcap, fused=False)
-            out[group.rows] = o.reshape(group.n, hq, d)
+            group_sinks = None if sink_logits is None else sink_logits.view(1, hkv, hq // hkv, 1)
+            o = _attention(q, k, v, group.mask(window, chunk), scaling, softcap, fused=False, sinks=group_sinks)
+            out[group.rows] = o.reshape(group.n, hq, dv)
 
         for seq in self._prefills:
             q = q_all[:, seq.rows].unsqueeze(0)                                 # [1, Hq, q, D]
             gqa = key.shape[1] != q.shape[1]
-            plain_causal = softcap is None and (sliding_window is None or sliding_window >= seq.kv_len)
+            plain_causal = (softcap is None and sinks is None and (window is None or window >= seq.kv_len)
+                            and (chunk is None or chunk >= seq.kv_len))
             if seq.fresh and plain_causal:
                 o = F.scaled_dot_product_attention(q, key[:, :, seq.rows], value[:, :, seq.rows], is_causal=True,
                                                    scale=scaling, enable_gqa=gqa)
@@ -179,21 +205,34 @@ class TorchBackend(SwapMixin):
                 else:
                     kv_pos = torch.arange(seq.kv_len, device=q.device)
                     mask = kv_pos[None, :] <= seq.q_pos[:, None]
-                    if sliding_window is not None:
-                        mask = mask & (seq.q_pos[:, None] - kv_pos[None, :] < sliding_window)
-                    o = _attention(q, k, v, mask[None, None], scaling, softcap)
+                    if window is not None:
+                        mask = mask & (seq.q_pos[:, None] - kv_pos[None, :] < window)
+                    if chunk is not None:
+                        mask = mask & (seq.q_pos[:, None] // chunk == kv_pos[None, :] // chunk)
+                    prefill_sinks = None if sink_logits is None else sink_logits.view(1, hq, 1, 1)
+                    o = _attention(q, k, v, mask[None, None], scaling, softcap, sinks=prefill_sinks)
             out[seq.rows] = o[0].transpose(0, 1)
         return out.unsqueeze(0)
 
 
-def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scaling: float,
-               softcap: float | None, fused: bool = True) -> torch.Tensor:
-    """Masked attention with GQA; q [B, Hq, q, D], k/v [B, Hkv, L, D], mask broadcastable to [B, H, q, L].
+def _window_of(spec: LayerSpec, layer_idx: int, passed: int | None) -> int | None:
+    """The layer's window from the layout; a window the model passes must be that one."""
+    if passed is not None and spec.window is not None and int(passed) != spec.window:
+        raise ValueError(f"layer {layer_idx}: the model passed sliding_window={passed}, but the window found when it "
+                         f"was patched is {spec.window} (was its config changed after patch?)")
+    return spec.window
 
-    ``fused``: use SDPA where it can (no softcap); otherwise explicit matmuls with an fp32 softmax,
-    as transformers' eager attention does.
+
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scaling: float,
+               softcap: float | None, fused: bool = True, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Masked attention with GQA; q [B, Hq, q, D], k [B, Hkv, L, D], v [B, Hkv, L, Dv], mask
+    broadcastable to [B, H, q, L]; ``sinks`` (float32, broadcastable to [B, H, q, 1]): a logit per
+    head that joins the softmax and is dropped from it (GPT-OSS).
+
+    ``fused``: use SDPA where it can (no softcap, no sinks); otherwise explicit matmuls with an fp32
+    softmax, as transformers' eager attention does.
     """
-    if softcap is None and fused:
+    if softcap is None and sinks is None and fused:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling,
                                               enable_gqa=k.shape[1] != q.shape[1])
     groups = q.shape[1] // k.shape[1]
@@ -204,5 +243,10 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Te
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    else:
+        scores = scores.float()
+        sink = sinks.expand(*scores.shape[:-1], 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1].to(q.dtype)
     return torch.matmul(probs, v)
