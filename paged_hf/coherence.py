@@ -17,7 +17,8 @@ class WeightsWatch:
     """Tells whether a model's weights changed since it last looked: a parameter or buffer written
     in place (its version counter moves: optimizer steps, ``load_state_dict``, ``copy_``) or given
     new storage (``.data =``, ``.to()``), or a tensor replaced by another. Not seen: in-place
-    writes through ``.data`` (``p.data.copy_(w)``), which leave the counter alone.
+    writes through ``.data`` (``p.data.copy_(w)``), which leave the counter alone, and in-place
+    writes to inference tensors (weights created under ``torch.inference_mode``), which have none.
 
     Reading the version counters of a known list of tensors costs ~45 us for SmolLM2's 274;
     finding the tensors (walking the modules) ~0.7 ms, so that is done on ``rescan`` (the engine
@@ -41,8 +42,13 @@ class WeightsWatch:
         return True
 
     def _rescan(self) -> None:
-        self._tensors = [*self.model.parameters(), *self.model.buffers()]
+        tensors = [*self.model.parameters(), *self.model.buffers()]
+        # inference tensors (made under torch.inference_mode) keep no version counter: for them
+        # only new storage is seen
+        self._counted = [t for t in tensors if not t.is_inference()]
+        self._uncounted = [t for t in tensors if t.is_inference()]
         self._scanned_at = time.perf_counter()
 
     def _read(self) -> tuple:
-        return tuple((t.data_ptr(), t._version) for t in self._tensors)
+        return (tuple((t.data_ptr(), t._version) for t in self._counted),
+                tuple(t.data_ptr() for t in self._uncounted))
