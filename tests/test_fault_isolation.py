@@ -511,3 +511,13 @@ def test_do_sample_with_zero_temperature_is_refused_as_transformers_does(prompts
     with pytest.raises(ValueError, match="temperature=0.0 with do_sample=True"):
         model.generate(torch.tensor([prompts[0]]), do_sample=True, temperature=0.0, max_new_tokens=3)
     assert_clean(paged_hf.engine_for(model))
+
+
+def test_weights_made_under_inference_mode_have_no_version_counter_and_still_run(prompts):
+    with torch.inference_mode():
+        model = make_tiny_model("llama")
+        engine = paged_hf.Engine(model, block_size=4, num_blocks=64)
+        outs = engine.generate(prompts, GREEDY)
+    for prompt, out in zip(prompts, outs):
+        assert out.error is None
+        assert_teacher_forced(model, prompt, out.token_ids, what="inference-mode weights")
