@@ -93,13 +93,8 @@ class TorchBackend(SwapMixin):
 
     # ---- once per step -----------------------------------------------------------------------
     def plan(self, meta: StepMetadata) -> None:
-        bs, dev, h = self.block_size, self.device, self.kv_heads
-        slots = meta.slot_mapping.to(torch.long)
-        heads = torch.arange(h, device=dev)
-        # row of (token t, head j): (block * H + j) * bs + offset, in K's and in V's cache alike
-        self._write = (((slots // bs) * h)[:, None] + heads[None, :]) * bs + (slots % bs)[:, None]
-        self._write = self._write.flatten()
-
+        bs, dev = self.block_size, self.device
+        self._plan_write(meta)
         qo = meta.qo_indptr.tolist()
         decode = [i for i, q in enumerate(meta.q_lens) if q == 1]
         self._decode_groups: list[_DecodeGroup] = []
@@ -125,6 +120,14 @@ class TorchBackend(SwapMixin):
                 rows=slice(qo[i], qo[i + 1]), blocks=torch.tensor(meta.kv_blocks[i], dtype=torch.long, device=dev),
                 q_pos=torch.arange(L - q, L, device=dev), kv_len=L, fresh=(L == q)))
 
+    def _plan_write(self, meta: StepMetadata) -> None:
+        bs, h = self.block_size, self.kv_heads
+        slots = meta.slot_mapping.to(torch.long)
+        heads = torch.arange(h, device=self.device)
+        # row of (token t, head j): (block * H + j) * bs + offset, in K's and in V's cache alike
+        self._write = (((slots // bs) * h)[:, None] + heads[None, :]) * bs + (slots % bs)[:, None]
+        self._write = self._write.flatten()
+
     def _gather(self, layer_idx: int, blocks: torch.Tensor, n_seqs: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of ``blocks`` (n_seqs equal runs) as [n_seqs, H, n_blocks_each * bs, D]."""
         _, h, bs, d = self.kv[0].shape
@@ -141,12 +144,8 @@ class TorchBackend(SwapMixin):
                scaling: float | None, sliding_window: int | None = None,
                softcap: float | None = None) -> torch.Tensor:
         """q/k/v: [1, heads, T, head_dim] -> attention output [1, T, q_heads, head_dim]."""
-        k_rows, v_rows = self._rows[2 * layer_idx], self._rows[2 * layer_idx + 1]
-        d = k_rows.shape[1]
-        k_new = key[0].transpose(0, 1).reshape(-1, d)    # [T * Hkv, D], token-major like _write
-        v_new = value[0].transpose(0, 1).reshape(-1, d)
-        k_rows.index_copy_(0, self._write, k_new.to(k_rows.dtype))
-        v_rows.index_copy_(0, self._write, v_new.to(v_rows.dtype))
+        self._write_kv(layer_idx, key, value)
+        d = self.kv[2 * layer_idx].shape[-1]
         if scaling is None:
             scaling = query.shape[-1] ** -0.5
         q_all = query[0]                  # [Hq, T, D]
@@ -184,6 +183,15 @@ class TorchBackend(SwapMixin):
                     o = _attention(q, k, v, mask[None, None], scaling, softcap)
             out[seq.rows] = o[0].transpose(0, 1)
         return out.unsqueeze(0)
+
+
+    def _write_kv(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Store the step's new K/V ([1, kv_heads, T, head_dim]) of one layer at the planned slots."""
+        k_rows, v_rows = self._rows[2 * layer_idx], self._rows[2 * layer_idx + 1]
+        k_new = key[0].transpose(0, 1).reshape(-1, k_rows.shape[1])    # [T * Hkv, D], token-major like _write
+        v_new = value[0].transpose(0, 1).reshape(-1, v_rows.shape[1])
+        k_rows.index_copy_(0, self._write, k_new.to(k_rows.dtype))
+        v_rows.index_copy_(0, self._write, v_new.to(v_rows.dtype))
 
 
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scaling: float,
