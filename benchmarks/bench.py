@@ -372,6 +372,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeat", type=int, default=1, help="run every row R times, interleaved, and report the "
                    "median-wall run (its wall_s_runs lists all)")
+    p.add_argument("--backend", choices=("auto", "torch"), help="paged_hf's backend (default auto: the CPU kernel "
+                   "where it builds; torch: the pure-PyTorch path, e.g. for --profile before/after)")
     p.add_argument("--block-size", type=int, help="paged_hf block_size (default: the engine's)")
     p.add_argument("--max-num-batched-tokens", type=int, help="paged_hf token budget per step")
     p.add_argument("--max-num-seqs", type=int, help="paged_hf max running sequences")
@@ -413,7 +415,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def engine_config(args) -> dict:
     cfg = {}
-    for flag, key in (("block_size", "block_size"), ("max_num_batched_tokens", "max_num_batched_tokens"),
+    for flag, key in (("backend", "backend"), ("block_size", "block_size"), ("max_num_batched_tokens", "max_num_batched_tokens"),
                       ("max_num_seqs", "max_num_seqs"),
                       ("max_prefill_tokens_while_decoding", "max_prefill_tokens_while_decoding")):
         if getattr(args, flag) is not None:

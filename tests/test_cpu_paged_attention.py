@@ -155,7 +155,9 @@ def step_metadata(specs: list[tuple[int, int]], bs: int, perm: list[int]) -> Ste
 @pytest.mark.parametrize("window,softcap", [(None, None), (6, None), (None, 30.0), (5, 20.0)])
 def test_kernel_backend_agrees_with_the_torch_backend(dtype, window, softcap):
     bs, hq, hkv, d = 4, 6, 2, 32
-    specs = [(1, 1), (1, 23), (9, 9), (7, 30), (1, 14), (16, 16), (1, 40)]  # decodes, fresh and cached prefills
+    # decodes, fresh and cached short chunks (the kernel), fresh and cached long ones (the torch path's SDPA)
+    specs = [(1, 1), (1, 23), (9, 9), (7, 30), (1, 14), (16, 16), (1, 40), (40, 40), (35, 61)]
+    assert max(q for q, _ in specs) > cpa.KERNEL_MAX_Q_LEN
     n_blocks = sum(-(-kv // bs) for _, kv in specs) + 2
     meta = step_metadata(specs, bs, torch.randperm(n_blocks, generator=torch.Generator().manual_seed(0)).tolist())
     ref, ker = TorchBackend(2, n_blocks, bs, hkv, d, dtype, "cpu"), cpa.CpuPagedBackend(2, n_blocks, bs, hkv, d,
@@ -175,7 +177,7 @@ def test_kernel_backend_agrees_with_the_torch_backend(dtype, window, softcap):
                                                                                  ref.kv[2 * layer + 1])
         tol = 2e-5 if dtype == torch.float32 else 3e-2  # the torch path rounds scores and probs to bf16
         torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
-        assert not ker._torch_planned, "the kernel served every sequence: the torch path was never planned"
+        assert ker._torch_plan == "long" and len(ker._args[0]) == 7, "the kernel served every decode and short chunk"
 
 
 def test_a_layer_with_a_feature_the_kernel_lacks_takes_the_torch_path(monkeypatch):
@@ -189,7 +191,7 @@ def test_a_layer_with_a_feature_the_kernel_lacks_takes_the_torch_path(monkeypatc
     ker.plan(meta)
     q, k, v = torch.randn(1, 4, 6, 16), torch.randn(1, 2, 6, 16), torch.randn(1, 2, 6, 16)
     assert ker.attend(0, q, k, v, 0.25, sinks=torch.zeros(4)) == "torch path"
-    assert ker._torch_planned and calls and "sinks" in calls[0]
+    assert ker._torch_plan == "full" and calls and "sinks" in calls[0]
     assert ker.attend(0, q, k, v, 0.25, sinks=None).shape == (1, 6, 4, 16)  # an absent feature: the kernel
     assert len(calls) == 1
 

@@ -139,23 +139,44 @@ def status() -> dict:
     return dict(_state)
 
 
+# Prefill chunks longer than this go to the torch path's SDPA (its GEMMs beat this kernel's
+# vector loops once many queries share each K/V row, and a long chunk's gather is small next to
+# its compute); decodes and short chunks use the kernel. Measured: benchmarks/bench_attention.py.
+KERNEL_MAX_Q_LEN = 32
+
+
 class CpuPagedBackend(TorchBackend):
-    """The torch backend whose decode and prefill attention run ``paged_hf::paged_attention``."""
+    """The torch backend whose decode and short prefill attention run ``paged_hf::paged_attention``."""
     name = "cpu"
 
     def plan(self, meta: StepMetadata) -> None:
         self._meta = meta
-        self._torch_planned = False
-        n = meta.num_seqs
-        q_start = meta.qo_indptr[:n]
-        self._args = (q_start.contiguous(), (meta.qo_indptr[1:] - q_start).contiguous(),
-                      torch.tensor(meta.kv_lens, dtype=torch.int32), meta.kv_indptr, meta.kv_indices)
+        self._torch_plan = None  # None, "long" (long prefills only) or "full"
         self._plan_write(meta)
+        short = [i for i, q in enumerate(meta.q_lens) if q <= KERNEL_MAX_Q_LEN]
+        self._has_long = len(short) < meta.num_seqs
+        self._args = None
+        if short:
+            if len(short) == meta.num_seqs:
+                q_start, kv_indptr, kv_indices = meta.qo_indptr[:-1], meta.kv_indptr, meta.kv_indices
+            else:
+                q_start = meta.qo_indptr[short]
+                blocks = [meta.kv_blocks[i] for i in short]
+                kv_indptr = torch.tensor([0] + [len(b) for b in blocks], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+                kv_indices = torch.tensor([b for bl in blocks for b in bl], dtype=torch.int32)
+            self._args = (q_start.contiguous(), torch.tensor([meta.q_lens[i] for i in short], dtype=torch.int32),
+                          torch.tensor([meta.kv_lens[i] for i in short], dtype=torch.int32), kv_indptr.contiguous(),
+                          kv_indices.contiguous())
 
-    def _plan_torch(self) -> None:
-        if not self._torch_planned:
-            super().plan(self._meta)
-            self._torch_planned = True
+    def _plan_torch(self, kind: str) -> None:
+        """The torch backend's plan for every sequence ("full") or for the long prefills alone ("long")."""
+        if self._torch_plan == kind:
+            return
+        super().plan(self._meta)
+        if kind == "long":
+            self._decode_groups = []
+            self._prefills = [p for p in self._prefills if p.rows.stop - p.rows.start > KERNEL_MAX_Q_LEN]
+        self._torch_plan = kind
 
     def kernel_serves(self, query: torch.Tensor, layer_idx: int, **features) -> bool:
         """Whether the op can compute this layer: a dtype it takes, and no feature it lacks."""
@@ -167,14 +188,18 @@ class CpuPagedBackend(TorchBackend):
                scaling: float | None, sliding_window: int | None = None, softcap: float | None = None,
                **features) -> torch.Tensor:
         if not self.kernel_serves(query, layer_idx, **features):
-            self._plan_torch()
+            self._plan_torch("full")
             return super().attend(layer_idx, query, key, value, scaling, sliding_window, softcap, **features)
-        self._write_kv(layer_idx, key, value)
-        k_cache, v_cache = self.kv[2 * layer_idx], self.kv[2 * layer_idx + 1]
         if scaling is None:
             scaling = query.shape[-1] ** -0.5
-        q = query[0].transpose(0, 1)  # [T, Hq, D], a view
-        out = query.new_empty(q.shape[0], q.shape[1], v_cache.shape[-1])
-        torch.ops.paged_hf.paged_attention(q, k_cache, v_cache, *self._args, float(scaling),
-                                           int(sliding_window or 0), float(softcap or 0.0), out)
+        v_cache = self.kv[2 * layer_idx + 1]
+        if self._has_long:  # the torch path writes the new K/V and attends the long prefills
+            self._plan_torch("long")
+            out = super().attend(layer_idx, query, key, value, scaling, sliding_window, softcap)[0]
+        else:
+            self._write_kv(layer_idx, key, value)
+            out = query.new_empty(query.shape[2], query.shape[1], v_cache.shape[-1])
+        if self._args is not None:
+            torch.ops.paged_hf.paged_attention(query[0].transpose(0, 1), self.kv[2 * layer_idx], v_cache, *self._args,
+                                               float(scaling), int(sliding_window or 0), float(softcap or 0.0), out)
         return out.unsqueeze(0)

@@ -67,6 +67,41 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, acc);
 }
 
+#if defined(CPU_CAPABILITY_AVX512)
+// The 16 dot products q . k_j (k_j = rows of kf, stride dk, dk % 16 == 0) as one vector: one
+// partial-sum vector per key, then a transpose-and-add tree (45 shuffles and adds for 16 keys
+// instead of a horizontal sum each).
+inline Vec dots16(const float* q, const float* kf, int64_t dk) {
+  __m512 a[16];
+  for (int j = 0; j < 16; ++j) a[j] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < dk; d += 16) {
+    const __m512 qv = _mm512_loadu_ps(q + d);
+    for (int j = 0; j < 16; ++j) a[j] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(kf + j * dk + d), a[j]);
+  }
+  __m512 t[8], u[4];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [A0 B0 A1 B1], partials of keys 2i, 2i+1
+    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {  // per lane: keys 4i..4i+3
+    const __m512d x = _mm512_castps_pd(t[2 * i]), y = _mm512_castps_pd(t[2 * i + 1]);
+    u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  const __m512 w0 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88), _mm512_shuffle_f32x4(u[0], u[1], 0xDD));
+  const __m512 w1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x88), _mm512_shuffle_f32x4(u[2], u[3], 0xDD));
+  return Vec(_mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, 0x88), _mm512_shuffle_f32x4(w0, w1, 0xDD)));
+}
+constexpr bool HAVE_DOTS16 = true;
+#else
+inline Vec dots16(const float*, const float*, int64_t) { return Vec(0.f); }
+constexpr bool HAVE_DOTS16 = false;
+#endif
+
+// softcap * tanh(x * pre): tanh(y) = 1 - 2 / (exp(2y) + 1), with exp_u20 (no Sleef symbols needed)
+inline Vec softcap_vec(Vec x, float pre, float cap) {
+  const Vec y = x * Vec(2.f * pre);
+  const Vec e = at::vec::minimum(y, Vec(80.f)).exp_u20();
+  return (Vec(1.f) - Vec(2.f) / (e + Vec(1.f))) * Vec(cap);
+}
+
 struct Item {
   int32_t seq, head, t0, t1;  // query tokens [t0, t1) of the sequence
   int64_t cost;
@@ -153,18 +188,46 @@ void run_item(const Item& it, const Problem& p, const T* query, const T* k_cache
       float* sr = s + r * bs;
       const float* qr = qf + r * Dk;
       float block_max = NEG_INF;
-      for (int64_t j = j_beg; j < j_end; ++j) {
-        float x = dot(qr, kf + j * Dk, Dk);
-        if (p.softcap > 0) x = p.softcap * std::tanh(x * p.scale / p.softcap);
-        sr[j] = x;
-        block_max = std::max(block_max, x);
+      if (HAVE_DOTS16 && bs == VL && n == VL && Dk % VL == 0) {
+        // the whole block in vectors: scores, softcap, mask (lanes outside [j_beg, j_end) -> -inf)
+        Vec x = dots16(qr, kf, Dk);
+        if (p.softcap > 0) x = softcap_vec(x, p.scale / p.softcap, p.softcap);
+        if (j_beg > 0 || j_end < n) {
+          alignas(64) float lane[VL];
+          x.store(lane);
+          for (int64_t j = 0; j < j_beg; ++j) lane[j] = NEG_INF;
+          for (int64_t j = j_end; j < n; ++j) lane[j] = NEG_INF;
+          x = Vec::loadu(lane);
+        }
+        block_max = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, x);
+        x.store(sr);
+      } else {
+        for (int64_t j = j_beg; j < j_end; ++j) {
+          float x = dot(qr, kf + j * Dk, Dk);
+          if (p.softcap > 0) x = p.softcap * std::tanh(x * p.scale / p.softcap);
+          sr[j] = x;
+          block_max = std::max(block_max, x);
+        }
       }
       const float m_new = std::max(m[r], block_max);
       const float corr = std::exp(m[r] - m_new);  // 0 on the first visible block
       float sum = 0.f;
-      for (int64_t j = j_beg; j < j_end; ++j) {
-        sr[j] = std::exp(sr[j] - m_new);
-        sum += sr[j];
+      {
+        // exp over the visible keys, a vector at a time (masked lanes are -inf and give 0)
+        const Vec mv(m_new);
+        int64_t j = j_beg;
+        Vec acc(0.f);
+        for (; j + VL <= j_end; j += VL) {
+          Vec e = (Vec::loadu(sr + j) - mv).exp_u20();
+          e.store(sr + j);
+          acc = acc + e;
+        }
+        if (j < j_end) {
+          Vec e = (Vec::loadu(sr + j, j_end - j) - mv).exp_u20();
+          e.store(sr + j, j_end - j);
+          acc = acc + Vec::set(Vec(0.f), e, j_end - j);
+        }
+        sum = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, acc);
       }
       l[r] = l[r] * corr + sum;
       m[r] = m_new;
