@@ -70,6 +70,8 @@ def compile_flags() -> list[str]:
         if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= cpu:
             flags += ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c",
                       "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"]
+            if "avx512_bf16" in cpu:  # bf16 pair dot products (vdpbf16ps) for bf16 caches
+                flags.append("-mavx512bf16")
         elif {"avx2", "fma", "f16c"} <= cpu:
             flags += ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
     return flags

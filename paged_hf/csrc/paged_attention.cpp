@@ -255,6 +255,139 @@ void run_item(const Item& it, const Problem& p, const T* query, const T* k_cache
   }
 }
 
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
+// bf16 caches on CPUs with AVX512-BF16, 16-token blocks, head dims a multiple of 32: the same
+// algorithm with bf16 pair dot products (vdpbf16ps, fp32 accumulation) and no fp32 copies of K/V.
+//   scores: per row and key, partial sums of q . k_j over pairs of dims, reduced by dots16's tree;
+//   P V: each pair of keys' V rows interleaved (vpunpck{l,h}wd) so one vdpbf16ps adds
+//        p_j v_j + p_j+1 v_j+1 for 16 dims; P is rounded to bf16 for that product (as the torch
+//        path and SDPA round it), its sum and the accumulator stay fp32. The accumulator's dims come
+//        out in the unpack's lane order and are put back in order once, at the end.
+constexpr bool HAVE_BF16_PATH = true;
+
+inline __m512 tree16(__m512* a) {
+  __m512 t[8], u[4];
+  for (int i = 0; i < 8; ++i)
+    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {
+    const __m512d x = _mm512_castps_pd(t[2 * i]), y = _mm512_castps_pd(t[2 * i + 1]);
+    u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  const __m512 w0 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88), _mm512_shuffle_f32x4(u[0], u[1], 0xDD));
+  const __m512 w1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x88), _mm512_shuffle_f32x4(u[2], u[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, 0x88), _mm512_shuffle_f32x4(w0, w1, 0xDD));
+}
+
+inline bool bf16_path(const Problem& p) {
+  return p.block_size == 16 && p.k_dim % 32 == 0 && p.v_dim % 32 == 0 && p.v_dim <= 512;
+}
+
+void run_item_bf16(const Item& it, const Problem& p, const c10::BFloat16* query, const c10::BFloat16* k_cache,
+                   const c10::BFloat16* v_cache, c10::BFloat16* out, Scratch& w) {
+  const int64_t G = p.group, Dk = p.k_dim, Dv = p.v_dim, bs = 16;
+  const int64_t n_tok = it.t1 - it.t0, R = n_tok * G, nacc = Dv / 16;
+  const int64_t L = p.kv_len[it.seq], ql = p.q_len[it.seq];
+  const int64_t first_pos = L - ql + it.t0, last_pos = L - ql + it.t1 - 1;
+  const int64_t row0 = p.q_start[it.seq] + it.t0;
+  float* acc = w.acc.data();
+  float* m = w.m.data();
+  float* l = w.l.data();
+  // scratch reused as bf16: the tile's queries [R][Dk], P [R][16], interleaved V pairs [8][Dv]x2
+  uint16_t* qb = reinterpret_cast<uint16_t*>(w.q.data());
+  uint16_t* pb = reinterpret_cast<uint16_t*>(w.s.data());
+  __m512i* vp = reinterpret_cast<__m512i*>(w.vf.data());
+  for (int64_t t = 0; t < n_tok; ++t)
+    for (int64_t g = 0; g < G; ++g)
+      std::memcpy(qb + (t * G + g) * Dk, query + (row0 + t) * p.q_stride_t + (it.head * G + g) * p.q_stride_h,
+                  Dk * sizeof(uint16_t));
+  std::fill(acc, acc + R * Dv, 0.f);
+  std::fill(m, m + R, NEG_INF);
+  std::fill(l, l + R, 0.f);
+  const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const int64_t lo = p.window > 0 ? std::max<int64_t>(0, first_pos - p.window + 1) : 0;
+  const int64_t hi = last_pos + 1;
+  const int32_t* blocks = p.kv_indices + p.kv_indptr[it.seq];
+  for (int64_t blk = lo / bs; blk * bs < hi; ++blk) {
+    const int64_t j0 = blk * bs, n = std::min(bs, hi - j0);
+    const int64_t page = (static_cast<int64_t>(blocks[blk]) * p.kv_heads + it.head) * bs;
+    const uint16_t* kb = reinterpret_cast<const uint16_t*>(k_cache + page * Dk);
+    const uint16_t* vb = reinterpret_cast<const uint16_t*>(v_cache + page * Dv);
+    int64_t pairs_built = 0;  // V pairs are interleaved once per block, when a row first needs them
+    const int64_t n_pairs = (n + 1) / 2;
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t pos = first_pos + r / G;
+      const int64_t j_end = std::min<int64_t>(n, pos - j0 + 1);
+      const int64_t j_beg = p.window > 0 ? std::max<int64_t>(0, pos - p.window + 1 - j0) : 0;
+      if (j_end <= j_beg) continue;
+      __m512 a[16];
+      for (int j = 0; j < 16; ++j) a[j] = _mm512_setzero_ps();
+      const uint16_t* qr = qb + r * Dk;
+      for (int64_t d = 0; d < Dk; d += 32) {
+        const __m512bh qv = (__m512bh)_mm512_loadu_si512(qr + d);
+        for (int j = 0; j < 16; ++j)
+          a[j] = _mm512_dpbf16_ps(a[j], qv, (__m512bh)_mm512_loadu_si512(kb + j * Dk + d));
+      }
+      __m512 x = _mm512_mul_ps(tree16(a), _mm512_set1_ps(p.softcap > 0 ? 1.f : p.scale));
+      if (p.softcap > 0) x = softcap_vec(Vec(x), p.scale / p.softcap, p.softcap);
+      const __mmask16 vis = _mm512_cmp_epi32_mask(iota, _mm512_set1_epi32(static_cast<int>(j_beg)), _MM_CMPINT_NLT) &
+                            _mm512_cmp_epi32_mask(iota, _mm512_set1_epi32(static_cast<int>(j_end)), _MM_CMPINT_LT);
+      x = _mm512_mask_blend_ps(vis, _mm512_set1_ps(NEG_INF), x);
+      const float m_new = std::max(m[r], _mm512_reduce_max_ps(x));
+      const float corr = std::exp(m[r] - m_new);
+      __m512 e = Vec(_mm512_sub_ps(x, _mm512_set1_ps(m_new))).exp_u20();
+      e = _mm512_maskz_mov_ps(vis, e);  // masked keys: exactly 0
+      l[r] = l[r] * corr + _mm512_reduce_add_ps(e);
+      m[r] = m_new;
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb), (__m256i)_mm512_cvtneps_pbh(e));
+      for (; pairs_built < n_pairs; ++pairs_built) {  // keys 2i, 2i+1 (a missing partner reads as 0)
+        const int64_t j = 2 * pairs_built;
+        for (int64_t c = 0; c < Dv / 32; ++c) {
+          const __m512i v0 = _mm512_loadu_si512(vb + j * Dv + 32 * c);
+          const __m512i v1 = j + 1 < n ? _mm512_loadu_si512(vb + (j + 1) * Dv + 32 * c) : _mm512_setzero_si512();
+          _mm512_storeu_si512(vp + (pairs_built * Dv / 32 + c) * 2, _mm512_unpacklo_epi16(v0, v1));
+          _mm512_storeu_si512(vp + (pairs_built * Dv / 32 + c) * 2 + 1, _mm512_unpackhi_epi16(v0, v1));
+        }
+      }
+      float* ar = acc + r * Dv;
+      __m512 o[32];
+      const __m512 cv = _mm512_set1_ps(corr);
+      for (int64_t c = 0; c < nacc; ++c) o[c] = _mm512_mul_ps(_mm512_loadu_ps(ar + 16 * c), cv);
+      const uint32_t* pp = reinterpret_cast<const uint32_t*>(pb);
+      for (int64_t i = j_beg / 2; i < (j_end + 1) / 2; ++i) {
+        const __m512bh pv = (__m512bh)_mm512_set1_epi32(static_cast<int>(pp[i]));
+        const __m512i* vpi = vp + i * (Dv / 32) * 2;
+        for (int64_t c = 0; c < nacc; ++c) o[c] = _mm512_dpbf16_ps(o[c], pv, (__m512bh)_mm512_loadu_si512(vpi + c));
+      }
+      for (int64_t c = 0; c < nacc; ++c) _mm512_storeu_ps(ar + 16 * c, o[c]);
+    }
+  }
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t t = r / G, g = r % G;
+    const float* ar = acc + r * Dv;
+    const float inv = l[r] > 0 ? 1.f / l[r] : 0.f;
+    alignas(64) float tmp[512];
+    for (int64_t c = 0; c < Dv / 32; ++c)  // acc[2c] lane e <-> d = 32c + 8(e/4) + e%4; acc[2c+1]: + 4
+      for (int e = 0; e < 16; ++e) {
+        tmp[32 * c + 8 * (e / 4) + e % 4] = ar[32 * c + e] * inv;
+        tmp[32 * c + 8 * (e / 4) + 4 + e % 4] = ar[32 * c + 16 + e] * inv;
+      }
+    from_f32(tmp, out + (row0 + t) * p.o_stride_t + (it.head * G + g) * p.o_stride_h, Dv);
+  }
+}
+#else
+constexpr bool HAVE_BF16_PATH = false;
+#endif
+
+template <typename T>
+inline void run_one(const Item& it, const Problem& p, const T* q, const T* kc, const T* vc, T* o, Scratch& w) {
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (bf16_path(p)) return run_item_bf16(it, p, q, kc, vc, o, w);
+  }
+#endif
+  run_item(it, p, q, kc, vc, o, w);
+}
+
 template <typename T>
 void run_all(const std::vector<Item>& items, int64_t max_rows, const Problem& p, const at::Tensor& query,
              const at::Tensor& k_cache, const at::Tensor& v_cache, at::Tensor& out) {
@@ -267,7 +400,7 @@ void run_all(const std::vector<Item>& items, int64_t max_rows, const Problem& p,
   if (threads <= 1) {
     Scratch w;
     w.reserve(max_rows, p);
-    for (const Item& it : items) run_item(it, p, q, kc, vc, o, w);
+    for (const Item& it : items) run_one(it, p, q, kc, vc, o, w);
     return;
   }
   // dynamic hand-out, longest items first: a thread that finishes early takes the next one
@@ -275,7 +408,7 @@ void run_all(const std::vector<Item>& items, int64_t max_rows, const Problem& p,
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     Scratch w;
     w.reserve(max_rows, p);
-    for (int64_t k = next.fetch_add(1); k < n_items; k = next.fetch_add(1)) run_item(items[k], p, q, kc, vc, o, w);
+    for (int64_t k = next.fetch_add(1); k < n_items; k = next.fetch_add(1)) run_one(items[k], p, q, kc, vc, o, w);
   });
 }
 
