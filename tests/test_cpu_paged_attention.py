@@ -110,6 +110,31 @@ def test_op_matches_a_float64_reference(problem):
     torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("dk,dv", [(64, 64), (128, 32), (32, 96)])
+@pytest.mark.parametrize("window,softcap", [(0, 0.0), (13, 0.0), (0, 30.0), (21, 10.0)])
+def test_bf16_16_token_blocks_match_a_float64_reference(dk, dv, window, softcap):
+    """The shapes the bf16 pair-dot-product path takes on CPUs with AVX512-BF16 (16-token blocks, head
+    dims multiples of 32): decodes and chunks of up to 32 tokens, odd lengths (a key without a partner
+    in the last pair), windows that start inside a block."""
+    gen = torch.Generator().manual_seed(dk + dv + window)
+    lens = [(1, 1), (1, 16), (1, 17), (1, 333), (5, 5), (3, 40), (32, 32), (17, 200), (1, 95), (30, 31)]
+    n_blocks = sum(-(-kv // 16) for _, kv in lens) + 1
+    k_cache = torch.randn(n_blocks, 2, 16, dk, generator=gen).bfloat16()
+    v_cache = torch.randn(n_blocks, 2, 16, dv, generator=gen).bfloat16()
+    perm = torch.randperm(n_blocks, generator=gen).tolist()
+    seqs, start, used = [], 0, 0
+    for ql, kv in lens:
+        nb = -(-kv // 16)
+        seqs.append((start, ql, kv, perm[used:used + nb]))
+        start, used = start + ql, used + nb
+    q = torch.randn(start, 6, dk, generator=gen).bfloat16()
+    got = run_op(q, k_cache, v_cache, seqs, dk ** -0.5, window, softcap)
+    want = reference(q, k_cache, v_cache, seqs, dk ** -0.5, window, softcap)
+    torch.testing.assert_close(got.double(), want, atol=1.6e-2, rtol=1.6e-2)
+    if "avx512_bf16" in cpa._cpu_flags():
+        assert "-mavx512bf16" in cpa.compile_flags()
+
+
 def test_op_writes_only_the_rows_of_the_sequences_it_is_given():
     """A subset of a step's sequences (the others' rows untouched), and bad input refused by name."""
     k_cache, v_cache = torch.randn(8, 2, 4, 16), torch.randn(8, 2, 4, 16)
