@@ -382,6 +382,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", help="JSON path (default benchmarks/results/bench-<date>.json)")
     p.add_argument("--plot", nargs="?", const="", default=None, help="write a PNG (default: the JSON path, .png)")
     p.add_argument("--save-tokens", action="store_true", help="keep every request's output tokens in the JSON")
+    p.add_argument("--profile-workload", default="mixed", choices=("mixed", "prefix_long"),
+                   help="--profile: the workload to profile (default mixed)")
     p.add_argument("--profile-rows", type=int, default=25, help="--profile: rows of the op table")
     p.add_argument("--profile-shapes", action="store_true", help="--profile: also a table by input shapes")
     args = p.parse_args(argv)

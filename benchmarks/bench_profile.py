@@ -1,4 +1,4 @@
-"""``bench.py --profile``: where paged_hf's step time goes, on W-mixed.
+"""``bench.py --profile``: where paged_hf's step time goes, on W-mixed (or --profile-workload).
 
 Two passes over the same workload on a fresh engine each:
 1. timing pass: the engine's parts are wrapped from here (paged_hf's files are not touched)
@@ -148,7 +148,7 @@ def main(args: Any, B: Any, engine_cfg: dict) -> int:
     _, model, special, _ = B.load_models(args.smoke, dtype)
     vocab = model.config.get_text_config().vocab_size
     pool = [t for t in range(vocab) if t not in special]
-    args.workloads = ["mixed"]
+    args.workloads = [args.profile_workload]
     w = B.build_workloads(args, pool)[0]
     warm = B.warm_workload(pool)
     print(f"profiling paged_hf on {w.name}, {dtype_name}, {args.threads} threads, engine {engine_cfg or 'defaults'}")

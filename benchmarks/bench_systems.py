@@ -319,6 +319,8 @@ class VllmCpu:
         self.log = tempfile.NamedTemporaryFile("w+", prefix="vllm_cpu-", suffix=".log", delete=False)
         self.proc = subprocess.Popen([str(python), str(here / "peers" / "vllm_worker.py")], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=self.log, text=True, env=env)
+        import atexit
+        atexit.register(self.close)  # a failed run still ends the worker (it also ends on stdin EOF)
         self.info = {"model_dir": str(self.model_dir), "log": self.log.name, "threads": threads,
                      **self._ask({"cmd": "load", "model": str(self.model_dir), "dtype": str(dtype).split(".")[-1]})}
 
@@ -350,6 +352,8 @@ class VllmCpu:
                                           "note": "offline LLM.generate: all requests at t0, no per-token times"})
 
     def close(self) -> None:
+        if self.proc.poll() is not None:
+            return
         try:
             self.proc.stdin.write('{"cmd": "quit"}\n')
             self.proc.stdin.flush()
