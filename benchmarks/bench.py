@@ -384,6 +384,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--save-tokens", action="store_true", help="keep every request's output tokens in the JSON")
     p.add_argument("--profile-workload", default="mixed", choices=("mixed", "prefix_long"),
                    help="--profile: the workload to profile (default mixed)")
+    p.add_argument("--profile-decode", metavar="NxL", help="time pure decode steps of N running sequences at ~L "
+                   "tokens of context, torch path vs CPU kernel (e.g. 64x700), instead of benchmarking")
+    p.add_argument("--profile-steps", type=int, default=6, help="--profile-decode: steps per round")
     p.add_argument("--profile-rows", type=int, default=25, help="--profile: rows of the op table")
     p.add_argument("--profile-shapes", action="store_true", help="--profile: also a table by input shapes")
     args = p.parse_args(argv)
@@ -557,6 +560,9 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.perf_counter()
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.profile_decode:
+        import bench_profile
+        return bench_profile.main_decode(args, sys.modules[__name__])
     if args.profile:
         import bench_profile
         return bench_profile.main(args, sys.modules[__name__], engine_config(args))
