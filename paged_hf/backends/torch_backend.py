@@ -184,7 +184,6 @@ class TorchBackend(SwapMixin):
             out[seq.rows] = o[0].transpose(0, 1)
         return out.unsqueeze(0)
 
-
     def _write_kv(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor) -> None:
         """Store the step's new K/V ([1, kv_heads, T, head_dim]) of one layer at the planned slots."""
         k_rows, v_rows = self._rows[2 * layer_idx], self._rows[2 * layer_idx + 1]
