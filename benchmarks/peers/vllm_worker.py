@@ -8,8 +8,8 @@ per stdout line (vLLM's own logs go to stderr).
     {"cmd": "quit"}
 
 Each request is a ``TokensPrompt`` (the same token ids paged_hf gets), greedy, with
-``min_tokens = max_tokens = n_out`` and ``ignore_eos``; prefix caching is on; one ``LLM.generate``
-call per run, timed end to end. Everything else is vLLM's default, as a new user would have it.
+``min_tokens = max_tokens = n_out`` and ``ignore_eos``; prefix caching is on (and emptied before each
+run, so no round is served by the one before); one ``LLM.generate`` call per run, timed end to end. Everything else is vLLM's default, as a new user would have it.
 """
 from __future__ import annotations
 
@@ -43,6 +43,9 @@ def main() -> None:
             prompts = [TokensPrompt(prompt_token_ids=p) for p, _ in cmd["requests"]]
             params = [SamplingParams(max_tokens=n, min_tokens=n, ignore_eos=True, temperature=0.0, detokenize=False)
                       for _, n in cmd["requests"]]
+            # every run starts from an empty prefix cache, as paged_hf's fresh engine per row does
+            # (a previous round's identical prompts would otherwise be served from cache)
+            llm.reset_prefix_cache()
             t0 = time.perf_counter()
             res = llm.generate(prompts, params, use_tqdm=False)
             t1 = time.perf_counter()
