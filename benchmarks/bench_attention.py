@@ -6,6 +6,8 @@
 
 Routes (SmolLM2-135M geometry by default: 9 query heads, 3 KV heads, head_dim 64, 16-token blocks, bf16):
   torch     the torch backend: K/V gathered out of the pages, then SDPA / batched matmuls
+            (pages are drawn at random, none shared: the in-engine numbers, with pages allocated in
+            runs and a shared prefix read from cache, are better for both; bench.py --profile-decode)
   kernel    the CPU backend: ``paged_hf::paged_attention`` reads the pages in place (prefill chunks
             longer than KERNEL_MAX_Q_LEN go to the torch path's SDPA, as in the engine)
   op        the C++ op alone on every sequence of the step, long prefill chunks included
@@ -59,7 +61,7 @@ def cases(seed: int) -> dict[str, list[tuple[int, int]]]:
     return {
         "decode 64 x 700": [(1, 700)] * 64,
         "decode 64 x U[40,420]": [(1, int(n)) for n in torch.randint(40, 421, (64,), generator=g)],
-        "decode 64 x (512 shared + U[20,300])": [(1, 512 + int(n)) for n in torch.randint(20, 301, (64,), generator=g)],
+        "decode 64 x (512 + U[20,300])": [(1, 512 + int(n)) for n in torch.randint(20, 301, (64,), generator=g)],
         "32 decodes x 300 + a 256-token prompt": [(1, 300)] * 32 + [(256, 256)],
         "a 512-token chunk over 1,500 cached": [(512, 2012)],
     }
