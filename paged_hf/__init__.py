@@ -12,6 +12,7 @@ Where things live (the four roles of the design):
   request state              request.py, sampling_params.py, outputs.py
   scheduler                  scheduler.py
   execution backend          runner.py, metadata.py, attention.py, backends/, sampler.py;
+                             on CPU: backends/cpu_paged_attention.py + csrc/ (the paged attention op);
                              on CUDA: cuda_graphs.py, compile_decode.py, cuda_memory.py
   front ends                 engine.py, hf_generate.py, patching.py, datasets_eval.py (generate_dataset),
                              serve.py (background engine), cli.py (paged-hf)
