@@ -6,11 +6,16 @@
     python benchmarks/bench.py --workloads mixed --systems paged_hf,hf_static --dtypes bf16 --plot
     python benchmarks/bench.py --profile          # where paged_hf's step time goes (torch.profiler)
     python benchmarks/bench.py --smoke            # tiny random llama, seconds (used by the tests)
+    python benchmarks/bench.py --workloads mixed,prefix_long --systems paged_hf,paged_hf_torch,vllm_cpu \
+        --dtypes bf16 --repeat 3                  # against vLLM's CPU engine (bash benchmarks/peers/vllm_cpu.sh)
 
 Model: SmolLM2-135M-Instruct real weights (``paged_hf.models.load_default_model``); the
 transformers baselines run on a separate copy that paged_hf never patches. Workloads are in
 ``bench_workloads.py``, the systems in ``bench_systems.py``, FLOPs and the matmul ceiling in
 ``bench_flops.py`` (the formula is in its docstring). A table goes to stdout, JSON to --out.
+``paged_hf_torch`` is paged_hf on its pure-PyTorch attention path (``backend="torch"``, what ran
+before the CPU kernel); ``vllm_cpu`` is vLLM's CPU engine in its own venv (``peers/vllm_worker.py``,
+kept running between rows; its threads = --threads, bound to the first cores).
 
 Columns: wall (s, first arrival to last token); out/s and tot/s (output, prompt+output tokens
 per second); comp/need (tokens fed to the model / tokens a perfect prefix-cached system must
@@ -45,7 +50,9 @@ import bench_flops  # noqa: E402
 import bench_systems as S  # noqa: E402
 import bench_workloads as W  # noqa: E402
 
-SYSTEMS = ("hf_seq", "hf_static", "hf_cb", "paged_hf")
+SYSTEMS = ("hf_seq", "hf_static", "hf_cb", "paged_hf", "paged_hf_torch", "vllm_cpu")
+DEFAULT_SYSTEMS = "hf_seq,hf_static,hf_cb,paged_hf"
+VLLM_PYTHON = HERE.parent / ".venv-vllm-cpu" / "bin" / "python"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -179,15 +186,17 @@ def run_system(system: str, batch: int | None, base, eng_model, w: W.Workload, a
     if system == "hf_cb":
         S.run_hf_cb(base, warm)
         return S.run_hf_cb(base, w)
-    if system == "paged_hf":
+    if system == "vllm_cpu":
+        return args._peers["vllm_cpu"].run(w, warm)
+    if system in ("paged_hf", "paged_hf_torch"):
         from paged_hf import Engine
 
-        engine = Engine(eng_model, **engine_cfg)
+        engine = Engine(eng_model, **{**engine_cfg, **({"backend": "torch"} if system == "paged_hf_torch" else {})})
         S.run_paged(engine, warm, tag="warm")
         res = S.run_paged(engine, w)
         res.extra["engine_config"] = {k: getattr(engine.config, k) for k in
                                       ("block_size", "max_num_batched_tokens", "max_num_seqs", "num_blocks",
-                                       "max_prefill_tokens_while_decoding")}
+                                       "max_prefill_tokens_while_decoding", "backend")}
         del engine
         return res
     raise ValueError(system)
@@ -288,9 +297,10 @@ def ratios(rows: list[dict]) -> list[str]:
         if static:
             best = max(static, key=lambda r: r["output_tok_s"])
             parts.append(f"{paged['output_tok_s'] / best['output_tok_s']:.2f}x best static ({best['system']})")
-        cb = next((r for r in group if r["system"] == "hf_cb"), None)
-        if cb:
-            parts.append(f"{paged['output_tok_s'] / cb['output_tok_s']:.2f}x hf_cb")
+        for other in ("hf_cb", "vllm_cpu", "paged_hf_torch"):
+            row = next((r for r in group if r["system"] == other), None)
+            if row:
+                parts.append(f"{paged['output_tok_s'] / row['output_tok_s']:.2f}x {other}")
         parts.append(f"util {paged['utilisation']:.1%}")
         if paged.get("tpot_p50"):
             parts.append(f"TPOT p99/p50 {paged['tpot_p99'] / paged['tpot_p50']:.2f}")
@@ -347,12 +357,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                       "hf_static B=8, hf_cb, paged_hf")
     mode.add_argument("--smoke", action="store_true", help="tiny random llama, 4 requests, fp32, seconds (tests)")
     p.add_argument("--profile", action="store_true", help="profile paged_hf on W-mixed instead of benchmarking")
-    p.add_argument("--workloads", help="comma list of mixed, prefix, long (default: all; --quick: mixed)")
-    p.add_argument("--systems", help=f"comma list of {', '.join(SYSTEMS)} (default: all; --quick: hf_static, "
-                   "hf_cb, paged_hf)")
+    p.add_argument("--workloads", help="comma list of mixed, prefix, prefix_long, long (default: all; --quick: "
+                   "mixed; --smoke: mixed, prefix, long)")
+    p.add_argument("--systems", help=f"comma list of {', '.join(SYSTEMS)} (default: {DEFAULT_SYSTEMS}; --quick: "
+                   "hf_static, hf_cb, paged_hf)")
     p.add_argument("--dtypes", help="comma list of fp32, bf16 (default: both; --quick: bf16)")
     p.add_argument("--batch-sizes", help="static batch sizes, comma list (default 8,32; --quick 8)")
-    p.add_argument("--n", type=int, help="W-mixed requests (default 64; --quick 16; --smoke 4)")
+    p.add_argument("--n", type=int, help="W-mixed and W-prefix-long requests (default 64; --quick 16; --smoke 4)")
     p.add_argument("--scale", type=float, default=1.0, help="shrink W-prefix and W-long (lengths and counts) by "
                    "this factor, for quick experiments (default 1)")
     p.add_argument("--seq-subset", type=int, default=None,
@@ -361,6 +372,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeat", type=int, default=1, help="run every row R times, interleaved, and report the "
                    "median-wall run (its wall_s_runs lists all)")
+    p.add_argument("--backend", choices=("auto", "torch"), help="paged_hf's backend (default auto: the CPU kernel "
+                   "where it builds; torch: the pure-PyTorch path, e.g. for --profile before/after)")
     p.add_argument("--block-size", type=int, help="paged_hf block_size (default: the engine's)")
     p.add_argument("--max-num-batched-tokens", type=int, help="paged_hf token budget per step")
     p.add_argument("--max-num-seqs", type=int, help="paged_hf max running sequences")
@@ -369,6 +382,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", help="JSON path (default benchmarks/results/bench-<date>.json)")
     p.add_argument("--plot", nargs="?", const="", default=None, help="write a PNG (default: the JSON path, .png)")
     p.add_argument("--save-tokens", action="store_true", help="keep every request's output tokens in the JSON")
+    p.add_argument("--profile-workload", default="mixed", choices=("mixed", "prefix_long"),
+                   help="--profile: the workload to profile (default mixed)")
+    p.add_argument("--profile-decode", metavar="NxL", help="time pure decode steps of N running sequences at ~L "
+                   "tokens of context, torch path vs CPU kernel (e.g. 64x700), instead of benchmarking")
+    p.add_argument("--profile-steps", type=int, default=6, help="--profile-decode: steps per round")
     p.add_argument("--profile-rows", type=int, default=25, help="--profile: rows of the op table")
     p.add_argument("--profile-shapes", action="store_true", help="--profile: also a table by input shapes")
     args = p.parse_args(argv)
@@ -381,8 +399,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         return items
 
     quick, smoke = args.quick, args.smoke
-    args.workloads = pick(args.workloads, "mixed" if quick else "mixed,prefix,long", ("mixed", "prefix", "long"))
-    args.systems = pick(args.systems, "hf_static,hf_cb,paged_hf" if quick else ",".join(SYSTEMS), SYSTEMS)
+    args.workloads = pick(args.workloads, "mixed" if quick else "mixed,prefix,long" if smoke else
+                          "mixed,prefix,prefix_long,long", ("mixed", "prefix", "prefix_long", "long"))
+    args.systems = pick(args.systems, "hf_static,hf_cb,paged_hf" if quick else DEFAULT_SYSTEMS, SYSTEMS)
+    if "vllm_cpu" in args.systems and smoke:
+        p.error("vllm_cpu runs the real model only (not --smoke)")
+    if "vllm_cpu" in args.systems and not VLLM_PYTHON.exists():
+        p.error(f"vllm_cpu needs {VLLM_PYTHON}: build it with `bash benchmarks/peers/vllm_cpu.sh`")
     args.dtypes = pick(args.dtypes, "bf16" if quick else ("fp32" if smoke else "fp32,bf16"), DTYPES)
     args.batch_sizes = [int(b) for b in (args.batch_sizes or ("8" if quick else "2,4" if smoke else "8,32")).split(",")]
     args.n = args.n or (16 if quick else 4 if smoke else 64)
@@ -397,7 +420,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def engine_config(args) -> dict:
     cfg = {}
-    for flag, key in (("block_size", "block_size"), ("max_num_batched_tokens", "max_num_batched_tokens"),
+    for flag, key in (("backend", "backend"), ("block_size", "block_size"), ("max_num_batched_tokens", "max_num_batched_tokens"),
                       ("max_num_seqs", "max_num_seqs"),
                       ("max_prefill_tokens_while_decoding", "max_prefill_tokens_while_decoding")):
         if getattr(args, flag) is not None:
@@ -435,7 +458,8 @@ def machine_info(args) -> dict:
 
 def benchmark(args) -> dict:
     eng_cfg = engine_config(args)
-    result: dict[str, Any] = {"meta": {**machine_info(args), "notes": NOTES}, "args": {k: v for k, v in vars(args).items()},
+    result: dict[str, Any] = {"meta": {**machine_info(args), "notes": NOTES},
+                              "args": {k: v for k, v in vars(args).items() if not k.startswith("_")},
                               "engine_config_overrides": eng_cfg, "ceilings": {}, "workloads": {}, "rows": []}
     t_run = time.perf_counter()
     load = _loadavg1()
@@ -459,6 +483,9 @@ def benchmark(args) -> dict:
               + ", ".join(f"{m}: {g:.0f}" for m, g in ceiling["layer_gflops_by_rows"].items()) + ")",
               file=sys.stderr, flush=True)
         warm = warm_workload(pool)
+        args._peers = {}
+        if "vllm_cpu" in args.systems:
+            args._peers["vllm_cpu"] = S.VllmCpu(VLLM_PYTHON, base, dtype, args.threads)
         for w in build_workloads(args, pool):
             result["workloads"].setdefault(w.name, {**w.summary(), **bench_flops.needed_work(w, geo)})
             plan = []
@@ -518,6 +545,10 @@ def benchmark(args) -> dict:
                 row["floor_s"] = row["needed_flops"] / (best["gflops"] * 1e9)
         print(f"[{dtype_name}] matmul ceiling after the rows {again['gflops']:.0f} GFLOP/s; using "
               f"{best['gflops']:.0f}", file=sys.stderr, flush=True)
+        for peer in args._peers.values():
+            result.setdefault("peers", {})[f"{peer.name}/{dtype_name}"] = peer.info
+            peer.close()
+        args._peers = {}
         del base, eng_model
         gc.collect()
     result["meta"]["loadavg_end"] = os.getloadavg() if hasattr(os, "getloadavg") else None
@@ -529,6 +560,9 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.perf_counter()
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.profile_decode:
+        import bench_profile
+        return bench_profile.main_decode(args, sys.modules[__name__])
     if args.profile:
         import bench_profile
         return bench_profile.main(args, sys.modules[__name__], engine_config(args))

@@ -1,4 +1,4 @@
-"""``bench.py --profile``: where paged_hf's step time goes, on W-mixed.
+"""``bench.py --profile``: where paged_hf's step time goes, on W-mixed (or --profile-workload).
 
 Two passes over the same workload on a fresh engine each:
 1. timing pass: the engine's parts are wrapped from here (paged_hf's files are not touched)
@@ -136,6 +136,80 @@ def format_summary(title: str, s: dict) -> str:
             f"{s['overhead_share']:.1%}\n    {parts}  (attention is inside forward)")
 
 
+def decode_steps(model: Any, backend: str, n: int, ctx: int, steps: int, pool: list[int], seed: int = 0) -> dict:
+    """Time ``steps`` pure decode steps of ``n`` running sequences at ~``ctx`` tokens of context
+    (a 512-token shared prefix + the rest their own, as in W-prefix-long) on a fresh engine."""
+    import random
+
+    from paged_hf import Engine, SamplingParams
+
+    rng = random.Random(seed)
+    shared = [pool[rng.randrange(len(pool))] for _ in range(min(512, ctx - 1))]
+    prompts = [shared + [pool[rng.randrange(len(pool))] for _ in range(ctx - len(shared))] for _ in range(n)]
+    engine = Engine(model, backend=backend, max_num_seqs=n)
+    # long enough that the first admitted are still running when the last finishes its prefill
+    params = SamplingParams(max_new_tokens=steps + 512, min_new_tokens=steps + 512, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(p, params, request_id=f"d{i}")
+    while any(not r.output_ids for r in engine.requests.values()):  # prefill all, then decode only
+        engine.step()
+    assert len(engine.scheduler.running) == n, f"{len(engine.scheduler.running)} of {n} running"
+    timer = StepTimer()
+    undo = instrument(engine, timer)
+    try:
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            sampled, _ = engine.step()
+            log = engine._stats.step_log[-1]
+            timer.end_step(time.perf_counter() - t0, log["tokens"], log["running"], True)
+            assert log["tokens"] == n, log
+    finally:
+        for u in reversed(undo):
+            u()
+    engine.abort_all(list(engine.requests))
+    s = summarise(timer.steps)
+    return {"backend": engine.stats()["backend"], "running": n, "context": ctx, **s,
+            "attention_ms": 1e3 * s["share"]["attention"] * s["step_time_s"] / s["steps"]}
+
+
+def main_decode(args: Any, B: Any) -> int:
+    """``bench.py --profile-decode NxL``: the decode step at N running sequences of ~L tokens, the
+    torch path and the CPU kernel alternating (--repeat rounds), attention's share of step time."""
+    import json
+    from pathlib import Path
+
+    n, ctx = (int(x) for x in args.profile_decode.lower().split("x"))
+    dtype_name = args.dtypes[-1]
+    _, model, special, _ = B.load_models(args.smoke, B.DTYPES[dtype_name])
+    vocab = model.config.get_text_config().vocab_size
+    pool = [t for t in range(vocab) if t not in special]
+    rows = []
+    for rep in range(args.repeat):
+        for backend in ("torch", "auto"):
+            r = decode_steps(model, backend, n, ctx, args.profile_steps, pool)
+            rows.append(r)
+            print(f"round {rep + 1} {r['backend']:6s}: {r['mean_step_ms']:7.1f} ms/step, attention "
+                  f"{r['attention_ms']:7.1f} ms = {r['share']['attention']:.1%} of the step", flush=True)
+    report = {"decode_steps": rows, "dtype": dtype_name, "threads": args.threads}
+    print(f"\ndecode step, {n} running sequences x ~{ctx} tokens of context, {dtype_name}, {args.threads} threads "
+          f"(median over {args.repeat} rounds of {args.profile_steps} steps):")
+    med = {}
+    for backend in ("torch", "cpu"):
+        rs = sorted((r for r in rows if r["backend"] == backend), key=lambda r: r["mean_step_ms"])
+        if rs:
+            m = med[backend] = rs[(len(rs) - 1) // 2]
+            print(f"  {backend:5s}  step {m['mean_step_ms']:7.1f} ms  attention {m['attention_ms']:7.1f} ms  "
+                  f"share {m['share']['attention']:.1%}")
+    if len(med) == 2:
+        print(f"  attention share: {med['cpu']['share']['attention'] / med['torch']['share']['attention']:.2f} of the "
+              f"torch path's; step time {med['torch']['mean_step_ms'] / med['cpu']['mean_step_ms']:.2f}x faster")
+    out = Path(args.out) if args.out else B.HERE / "results" / f"decode-step-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1, default=str))
+    print(f"JSON: {out}")
+    return 0
+
+
 def main(args: Any, B: Any, engine_cfg: dict) -> int:
     """B: the bench module (its model loading, workloads and paths)."""
     import json
@@ -148,7 +222,7 @@ def main(args: Any, B: Any, engine_cfg: dict) -> int:
     _, model, special, _ = B.load_models(args.smoke, dtype)
     vocab = model.config.get_text_config().vocab_size
     pool = [t for t in range(vocab) if t not in special]
-    args.workloads = ["mixed"]
+    args.workloads = [args.profile_workload]
     w = B.build_workloads(args, pool)[0]
     warm = B.warm_workload(pool)
     print(f"profiling paged_hf on {w.name}, {dtype_name}, {args.threads} threads, engine {engine_cfg or 'defaults'}")

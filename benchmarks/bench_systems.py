@@ -289,3 +289,89 @@ def _median(xs: list[float]) -> float | None:
         return None
     s = sorted(xs)
     return s[len(s) // 2]
+
+
+# ---- vLLM's CPU engine, in its own venv --------------------------------------------------------
+class VllmCpu:
+    """vLLM's CPU engine in a subprocess of ``.venv-vllm-cpu`` (peers/vllm_cpu.sh builds it), kept
+    alive between rows: ``peers/vllm_worker.py`` loads the model once and runs each workload as
+    one ``LLM.generate`` on ``TokensPrompt``s, timed end to end inside the worker.
+
+    Same weights (saved here as a plain HF directory in the row's dtype), same token ids, greedy,
+    ``min_tokens = max_tokens = n_out`` with ``ignore_eos``, prefix caching on; its OpenMP threads =
+    ``threads``, bound to cores 0..threads-1 (``VLLM_CPU_OMP_THREADS_BIND``). Offline ``generate``
+    admits every request at once: W-long's late requests arrive at t0 here, and per-token times are
+    not reported (TTFT/TPOT/ITL columns stay empty).
+    """
+    name = "vllm_cpu"
+
+    def __init__(self, python: Any, model: torch.nn.Module, dtype: torch.dtype, threads: int) -> None:
+        import os
+        import subprocess
+        import tempfile
+        from pathlib import Path
+
+        self.model_dir = save_plain_hf(model, dtype)
+        here = Path(__file__).resolve().parent
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}",
+               "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "4", "TOKENIZERS_PARALLELISM": "false"}
+        env.pop("PYTHONPATH", None)
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="vllm_cpu-", suffix=".log", delete=False)
+        self.proc = subprocess.Popen([str(python), str(here / "peers" / "vllm_worker.py")], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self.log, text=True, env=env)
+        import atexit
+        atexit.register(self.close)  # a failed run still ends the worker (it also ends on stdin EOF)
+        self.info = {"model_dir": str(self.model_dir), "log": self.log.name, "threads": threads,
+                     **self._ask({"cmd": "load", "model": str(self.model_dir), "dtype": str(dtype).split(".")[-1]})}
+
+    def _ask(self, cmd: dict) -> dict:
+        import json
+
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            self.log.flush()
+            tail = open(self.log.name).read()[-4000:]
+            raise RuntimeError(f"vllm_cpu worker exited (code {self.proc.poll()}); its log {self.log.name} ends:\n{tail}")
+        answer = json.loads(line)
+        if "error" in answer:
+            raise RuntimeError(f"vllm_cpu worker: {answer['error']}")
+        return answer
+
+    def run(self, w: Workload, warm: Workload) -> RunResult:
+        self._ask({"cmd": "run", "requests": [[r.prompt, r.n_out] for r in warm.requests]})
+        res = self._ask({"cmd": "run", "requests": [[r.prompt, r.n_out] for r in w.requests]})
+        n = len(w.requests)
+        prompt = sum(len(r.prompt) for r in w.requests)
+        cached = sum(res["cached"])
+        computed = prompt - cached + sum(r.n_out - 1 for r in w.requests)
+        return RunResult(res["tokens"], [res["t_start"]] * n, [[] for _ in range(n)], res["t_start"], res["t_end"],
+                         computed, extra={"kv_waste": None, "prefix_hit_rate": cached / prompt if prompt else 0.0,
+                                          "prefix_hit_tokens": cached, "prefill_tokens_computed": prompt - cached,
+                                          "note": "offline LLM.generate: all requests at t0, no per-token times"})
+
+    def close(self) -> None:
+        if self.proc.poll() is not None:
+            return
+        try:
+            self.proc.stdin.write('{"cmd": "quit"}\n')
+            self.proc.stdin.flush()
+            self.proc.wait(timeout=60)
+        except Exception:
+            self.proc.kill()
+
+
+def save_plain_hf(model: torch.nn.Module, dtype: torch.dtype) -> Any:
+    """The model's weights as a plain HF directory in ``dtype`` (cached beside paged_hf's model cache)."""
+    import os
+    from pathlib import Path
+
+    root = Path(os.environ.get("PAGED_HF_CACHE") or Path("~/.cache/paged_hf")).expanduser()
+    name = getattr(model.config, "_name_or_path", "") or "model"
+    out = root / "peers" / f"{Path(str(name)).name or 'model'}-{str(dtype).split('.')[-1]}"
+    if not (out / "config.json").exists() or not any(out.glob("*.safetensors")):
+        out.mkdir(parents=True, exist_ok=True)
+        assert next(model.parameters()).dtype == dtype, "save the copy that runs in this dtype"
+        model.save_pretrained(out)
+    return out

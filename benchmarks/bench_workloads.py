@@ -4,6 +4,8 @@ to exactly ``n_out`` new tokens (EOS ignored), so every system does the same wor
 
     W-mixed   N prompts of U[20, 300] tokens, U[16, 128] new tokens each (all arrive at t0)
     W-prefix  64 requests: one shared 512-token prefix + 16-64 own tokens; 32 new tokens each
+    W-prefix-long  N requests: one shared 512-token prefix + U[20, 300] own tokens, U[16, 128] new
+              tokens each (contexts reach ~500-950 tokens: where attention's cost shows)
     W-long    32 short requests start decoding; then 4 prompts of 2,000 tokens arrive
               (TTFT/TPOT are reported for the short ones: they are what the long prefills hurt)
 """
@@ -82,6 +84,15 @@ def w_prefix(pool: list[int], n: int = 64, seed: int = 0, prefix_len: int = 512,
     return Workload(name or f"W-prefix-{n}", reqs, shared_prefix=prefix_len)
 
 
+def w_prefix_long(pool: list[int], n: int = 64, seed: int = 0, prefix_len: int = 512,
+                  own_len: tuple[int, int] = (20, 300), out_len: tuple[int, int] = (16, 128),
+                  name: str | None = None) -> Workload:
+    rng = random.Random(f"w-prefix-long/{seed}")
+    prefix = _tokens(rng, pool, prefix_len)
+    reqs = [BenchRequest(prefix + _tokens(rng, pool, rng.randint(*own_len)), rng.randint(*out_len)) for _ in range(n)]
+    return Workload(name or f"W-prefix-long-{n}", reqs, shared_prefix=prefix_len)
+
+
 def w_long(pool: list[int], n_short: int = 32, n_long: int = 4, seed: int = 0, long_len: int = 2000,
            short_prompt: tuple[int, int] = (20, 120), short_out: int = 128, long_out: int = 16,
            late_after: int = 4, name: str | None = None) -> Workload:
@@ -93,7 +104,8 @@ def w_long(pool: list[int], n_short: int = 32, n_long: int = 4, seed: int = 0, l
 
 def build(names: list[str], pool: list[int], *, mixed_n: int = 64, mixed_out: tuple[int, int] = (16, 128),
           scale: float = 1.0, seed: int = 0) -> list[Workload]:
-    """The workloads named in ``names`` ("mixed", "prefix", "long"); ``scale`` < 1 shrinks them."""
+    """The workloads named in ``names`` ("mixed", "prefix", "prefix_long", "long"); ``scale`` < 1
+    shrinks them (W-mixed and W-prefix-long take ``mixed_n`` requests and ``mixed_out`` outputs)."""
     out = []
     for name in names:
         if name == "mixed":
@@ -102,10 +114,14 @@ def build(names: list[str], pool: list[int], *, mixed_n: int = 64, mixed_out: tu
             n = max(2, round(64 * scale))
             out.append(w_prefix(pool, n, seed, prefix_len=max(16, round(512 * scale) // 16 * 16),
                                 n_out=max(4, round(32 * scale))))
+        elif name == "prefix_long":
+            out.append(w_prefix_long(pool, mixed_n, seed, prefix_len=max(16, round(512 * scale) // 16 * 16),
+                                     own_len=(max(2, round(20 * scale)), max(4, round(300 * scale))),
+                                     out_len=mixed_out))
         elif name == "long":
             out.append(w_long(pool, n_short=max(2, round(32 * scale)), n_long=max(1, round(4 * scale)), seed=seed,
                               long_len=max(32, round(2000 * scale)), short_out=max(8, round(128 * scale)),
                               long_out=max(4, round(16 * scale)), late_after=max(2, round(4 * scale))))
         else:
-            raise ValueError(f"unknown workload {name!r}; known: mixed, prefix, long")
+            raise ValueError(f"unknown workload {name!r}; known: mixed, prefix, prefix_long, long")
     return out

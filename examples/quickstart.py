@@ -1,7 +1,15 @@
 """The main job: SmolLM2-135M-Instruct answers a few chat prompts, through transformers'
-own generate and through paged_hf, side by side, with throughput and engine stats.
+own generate and through paged_hf, side by side; then both generate for a workload where
+continuous batching matters, with throughput and engine stats.
 
     make demo          # or: python examples/quickstart.py [--dtype float32] [--max-new-tokens 64]
+
+The throughput comparison: the 8 chats plus 40 more of mixed lengths (short questions, and
+requests to summarise or continue passages of 40-400 tokens), each answering until its own EOS
+or 128 new tokens, as one ``generate`` call in each system on the same padded batch (what a user
+hands transformers). transformers pads the batch to its longest prompt and steps every row until
+the last one ends; paged_hf admits rows as the KV pool allows, computes no padding, and retires
+each row at its own EOS. Both are warmed up first; each call is timed end to end, once.
 """
 from __future__ import annotations
 
@@ -25,11 +33,47 @@ QUESTIONS = [
     "Suggest a name for a friendly robot.",
 ]
 
+PASSAGE = (
+    "Rivers begin as small streams high in hills and mountains, where rain and melting snow gather into "
+    "channels. As they flow downhill they join other streams, growing wider and slower, carrying sand, silt "
+    "and stones that they drop when the current weakens. Over thousands of years this slow work carves "
+    "valleys, builds flat plains and forms deltas where the river meets the sea. People have always settled "
+    "beside rivers: they give fresh water for drinking and farming, fish for food, and a road for boats long "
+    "before there were railways or highways. Many of the oldest cities grew on river banks, and floods that "
+    "once ruined harvests also left behind the rich soil that made farming possible. Today rivers still "
+    "power mills and turbines, cool factories and carry goods, but they also face pollution, dams that block "
+    "fish, and water taken faster than rain can replace it. Protecting a river means caring for the whole "
+    "land that drains into it, from forests on the hills to fields and towns along the way. Scientists "
+    "measure the flow, temperature and life in rivers to learn how healthy they are, and many towns now "
+    "restore old channels, plant trees along the banks and remove dams that are no longer needed. "
+) * 3
+TASKS = ["Summarize this passage in two sentences:\n\n{}", "List three facts from this text:\n\n{}",
+         "Continue this text with one more paragraph:\n\n{}", "Write a title for this passage:\n\n{}"]
+SHORT = ["What is {} made of?", "Tell me a fun fact about {}.", "Explain {} to a child.", "Write a limerick about {}."]
+TOPICS = ["glass", "honey", "the moon", "chess", "clouds", "paper", "volcanoes", "penguins", "bread", "music"]
+
+
+def more_chats(n: int = 40) -> list[str]:
+    """Mixed lengths: short questions, and tasks over passages of 40-400 words (seeded, no randomness at run time)."""
+    words = PASSAGE.split()
+    out = []
+    for i in range(n):
+        if i % 2 == 0:
+            out.append(SHORT[i // 2 % len(SHORT)].format(TOPICS[i // 2 % len(TOPICS)]))
+        else:
+            cut = 40 + (i * 83) % 360  # 40..399 words, spread out, each from its own place in the text
+            start = (i * 131) % (len(words) - 400)
+            out.append(TASKS[i // 2 % len(TASKS)].format(" ".join(words[start:start + cut])))
+    return out
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--batch-new-tokens", type=int, default=128, help="new tokens at most per row in the "
+                    "throughput comparison (each row stops at its EOS before that)")
+    ap.add_argument("--extra-chats", type=int, default=40, help="chats added to the 8 for the throughput comparison")
     args = ap.parse_args()
 
     model, tok = load_default_model(dtype=getattr(torch, args.dtype))
@@ -40,20 +84,28 @@ def main() -> None:
     width = batch["input_ids"].shape[1]
     gen_kw = dict(max_new_tokens=args.max_new_tokens, do_sample=False)
 
-    t0 = time.perf_counter()
+    many = chats + [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                            tokenize=False) for q in more_chats(args.extra_chats)]
+    big = tok(many, return_tensors="pt", padding=True)
+    big_kw = dict(max_new_tokens=args.batch_new_tokens, do_sample=False)
+
+    model.generate(**tok(chats[:2], return_tensors="pt", padding=True), max_new_tokens=4)  # warm-up
     hf_out = model.generate(**batch, **gen_kw)
+    t0 = time.perf_counter()
+    hf_big = model.generate(**big, **big_kw)
     hf_time = time.perf_counter() - t0
 
-    paged_hf.patch(model, tokenizer=tok)  # one line; same generate call below
-    model.generate(**tok(chats[:1], return_tensors="pt"), max_new_tokens=2)  # warm-up (allocates the KV cache)
-    t0 = time.perf_counter()
+    paged_hf.patch(model, tokenizer=tok)  # one line; same generate calls below
+    model.generate(**tok(chats[:2], return_tensors="pt", padding=True), max_new_tokens=4)  # warm-up (KV cache, kernel)
     ph_out = model.generate(**batch, **gen_kw)
+    t0 = time.perf_counter()
+    ph_big = model.generate(**big, **big_kw)
     ph_time = time.perf_counter() - t0
 
     def answers(out: torch.Tensor) -> list[str]:
         return tok.batch_decode(out[:, width:], skip_special_tokens=True)
 
-    def n_tokens(out: torch.Tensor) -> int:
+    def n_tokens(out: torch.Tensor, width: int) -> int:
         """Generated tokens up to and including each row's EOS (the rest is padding)."""
         total = 0
         for row in out[:, width:].tolist():
@@ -69,10 +121,14 @@ def main() -> None:
             print(textwrap.indent(textwrap.fill(a.strip(), 96), "  transformers: "))
     print(f"\n{same}/{len(QUESTIONS)} answers identical to transformers' greedy generate "
           f"({args.dtype}; bf16 near-ties can flip a token)")
-    hf_tok, ph_tok = n_tokens(hf_out), n_tokens(ph_out)
-    print(f"transformers generate: {hf_tok} tokens in {hf_time:.2f}s = {hf_tok / hf_time:.1f} tok/s")
-    print(f"paged_hf generate:     {ph_tok} tokens in {ph_time:.2f}s = {ph_tok / ph_time:.1f} tok/s "
-          f"({hf_time / ph_time:.2f}x)")
+    bw = big["input_ids"].shape[1]
+    hf_tok, ph_tok = n_tokens(hf_big, bw), n_tokens(ph_big, bw)
+    lens = big["attention_mask"].sum(1)
+    print(f"\nthroughput: {len(many)} chats (prompts {int(lens.min())}-{int(lens.max())} tokens), each until its EOS "
+          f"or {args.batch_new_tokens} new tokens, one generate call each ({torch.get_num_threads()} threads):")
+    print(f"  transformers generate: {hf_tok} tokens in {hf_time:.2f}s = {hf_tok / hf_time:.1f} tok/s")
+    print(f"  paged_hf generate:     {ph_tok} tokens in {ph_time:.2f}s = {ph_tok / ph_time:.1f} tok/s "
+          f"({(ph_tok / ph_time) / (hf_tok / hf_time):.2f}x)")
     stats = paged_hf.engine_for(model).stats()
     print("engine stats:", ", ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in stats.items()))
 

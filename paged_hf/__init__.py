@@ -13,6 +13,7 @@ Where things live (the four roles of the design):
   scheduler                  scheduler.py
   execution backend          runner.py, metadata.py, attention.py, backends/, sampler.py,
                              kv_geometry.py (per-layer KV layout);
+                             on CPU: backends/cpu_paged_attention.py + csrc/ (the paged attention op);
                              on CUDA: cuda_graphs.py, compile_decode.py, cuda_memory.py
   the model side             patching.py (patch / unpatch / paged_hf.Engine), capability.py (can this
                              model run? what is its KV layout?), patches/ (per-family quirks),

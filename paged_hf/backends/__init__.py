@@ -1,6 +1,8 @@
 """Execution backends: where the KV tensors live and how attention reads them.
 
 - ``torch``: pure PyTorch, any device; the reference the others are checked against.
+- ``cpu`` (chosen by ``auto`` on CPU): the torch backend with attention in a C++ op that reads the
+  pages in place (``cpu_paged_attention.py``), built on first use; torch where it cannot be built.
 - ``flashinfer``: CUDA kernels (``pip install paged_hf[cuda]``), imported only when chosen.
 """
 from __future__ import annotations
@@ -17,7 +19,8 @@ def select_backend(name: str, device: torch.device, dtype: torch.dtype | None = 
                    layout: KVLayout | int | None = None) -> type:
     """The backend class for ``name``; 'auto' is FlashInfer on CUDA when it is installed and
     supports the model's dtype and KV layout (``layout``: per-layer geometry, or a head_dim),
-    else torch (with one warning on CUDA, saying why)."""
+    else torch (with one warning on CUDA, saying why); on CPU it is the paged attention kernel
+    when it builds, else torch (with one warning)."""
     if name == "torch":
         return TorchBackend
     if name == "flashinfer":
@@ -38,4 +41,8 @@ def select_backend(name: str, device: torch.device, dtype: torch.dtype | None = 
         if reason is None:
             return FlashInferBackend
         warnings.warn(f"paged_hf: using the torch backend on CUDA, which is much slower: {reason}", stacklevel=3)
+    elif device.type == "cpu":
+        from . import cpu_paged_attention
+        if cpu_paged_attention.load():
+            return cpu_paged_attention.CpuPagedBackend
     return TorchBackend

@@ -109,14 +109,7 @@ class TorchBackend(SwapMixin):
     # ---- once per step -----------------------------------------------------------------------
     def plan(self, meta: StepMetadata) -> None:
         bs, dev = self.block_size, self.device
-        slots = meta.slot_mapping.to(torch.long)
-        # row of (token t, head j): (block * H + j) * bs + offset, in K's and in V's cache alike;
-        # one index per distinct KV head count among the layers
-        self._writes: dict[int, torch.Tensor] = {}
-        for h in {spec.kv_heads for spec in self.layout.layers}:
-            heads = torch.arange(h, device=dev)
-            self._writes[h] = ((((slots // bs) * h)[:, None] + heads[None, :]) * bs + (slots % bs)[:, None]).flatten()
-
+        self._plan_write(meta)
         qo = meta.qo_indptr.tolist()
         decode = [i for i, q in enumerate(meta.q_lens) if q == 1]
         self._decode_groups: list[_DecodeGroup] = []
@@ -142,6 +135,16 @@ class TorchBackend(SwapMixin):
                 rows=slice(qo[i], qo[i + 1]), blocks=torch.tensor(meta.kv_blocks[i], dtype=torch.long, device=dev),
                 q_pos=torch.arange(L - q, L, device=dev), kv_len=L, fresh=(L == q)))
 
+    def _plan_write(self, meta: StepMetadata) -> None:
+        bs, dev = self.block_size, self.device
+        slots = meta.slot_mapping.to(torch.long)
+        # row of (token t, head j): (block * H + j) * bs + offset, in K's and in V's cache alike;
+        # one index per distinct KV head count among the layers
+        self._writes: dict[int, torch.Tensor] = {}
+        for h in {spec.kv_heads for spec in self.layout.layers}:
+            heads = torch.arange(h, device=dev)
+            self._writes[h] = ((((slots // bs) * h)[:, None] + heads[None, :]) * bs + (slots % bs)[:, None]).flatten()
+
     def _gather(self, layer_idx: int, blocks: torch.Tensor, n_seqs: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of ``blocks`` (n_seqs equal runs) as [n_seqs, H, n_blocks_each * bs, D] (D: K's, V's width)."""
         per_seq = blocks.numel() // n_seqs
@@ -162,14 +165,9 @@ class TorchBackend(SwapMixin):
         The layer's window, chunk and sinks come from the layout; ``sliding_window`` (what the
         model passed) must agree with it, and ``sinks`` is the layer's ``s_aux`` [q_heads]."""
         spec = self.layout.layers[layer_idx]
-        window, chunk = _window_of(spec, layer_idx, sliding_window), spec.chunk
-        k_rows, v_rows = self._rows[2 * layer_idx], self._rows[2 * layer_idx + 1]
-        d, dv = k_rows.shape[1], v_rows.shape[1]
-        write = self._writes[spec.kv_heads]
-        k_new = key[0].transpose(0, 1).reshape(-1, d)    # [T * Hkv, D], token-major like the write rows
-        v_new = value[0].transpose(0, 1).reshape(-1, dv)
-        k_rows.index_copy_(0, write, k_new.to(k_rows.dtype))
-        v_rows.index_copy_(0, write, v_new.to(v_rows.dtype))
+        window, chunk = layer_window(spec, layer_idx, sliding_window), spec.chunk
+        self._write_kv(layer_idx, key, value)
+        d, dv = self._rows[2 * layer_idx].shape[1], self._rows[2 * layer_idx + 1].shape[1]
         if scaling is None:
             scaling = query.shape[-1] ** -0.5
         q_all = query[0]                  # [Hq, T, D]
@@ -214,8 +212,17 @@ class TorchBackend(SwapMixin):
             out[seq.rows] = o[0].transpose(0, 1)
         return out.unsqueeze(0)
 
+    def _write_kv(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Store the step's new K/V ([1, kv_heads, T, K / V width]) of one layer at the planned slots."""
+        k_rows, v_rows = self._rows[2 * layer_idx], self._rows[2 * layer_idx + 1]
+        write = self._writes[self.layout.layers[layer_idx].kv_heads]
+        k_new = key[0].transpose(0, 1).reshape(-1, k_rows.shape[1])    # [T * Hkv, D], token-major like the write rows
+        v_new = value[0].transpose(0, 1).reshape(-1, v_rows.shape[1])
+        k_rows.index_copy_(0, write, k_new.to(k_rows.dtype))
+        v_rows.index_copy_(0, write, v_new.to(v_rows.dtype))
 
-def _window_of(spec: LayerSpec, layer_idx: int, passed: int | None) -> int | None:
+
+def layer_window(spec: LayerSpec, layer_idx: int, passed: int | None) -> int | None:
     """The layer's window from the layout; a window the model passes must be that one."""
     if passed is not None and spec.window is not None and int(passed) != spec.window:
         raise ValueError(f"layer {layer_idx}: the model passed sliding_window={passed}, but the window found when it "

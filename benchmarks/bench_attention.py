@@ -1,0 +1,206 @@
+#!/usr/bin/env python
+"""Attention alone, per layer: the routes issue 11 weighed for CPU paged attention, on one step.
+
+    python benchmarks/bench_attention.py                  # torch path vs the C++ kernel, 5 step shapes
+    python benchmarks/bench_attention.py --routes all     # + inductor-compiled gather-free decode, FlexAttention
+
+Routes (SmolLM2-135M geometry by default: 9 query heads, 3 KV heads, head_dim 64, 16-token blocks, bf16):
+  torch     the torch backend: K/V gathered out of the pages, then SDPA / batched matmuls
+            (pages are drawn at random, none shared: the in-engine numbers, with pages allocated in
+            runs and a shared prefix read from cache, are better for both; bench.py --profile-decode)
+  kernel    the CPU backend: ``paged_hf::paged_attention`` reads the pages in place (prefill chunks
+            longer than KERNEL_MAX_Q_LEN go to the torch path's SDPA, as in the engine)
+  op        the C++ op alone on every sequence of the step, long prefill chunks included
+  inductor  decode only: a gather-free attention function (indexing the pages inside the reduction)
+            compiled by torch.compile(dynamic=True); compile time reported
+  flex      decode only: FlexAttention on CPU with torch's PagedAttention block mask (128-token pages,
+            the smallest its CPU template takes); compile time reported
+
+Each cell is the median of --reps calls after one warm-up, in ms per layer; K/V written first
+(as in a step). Prints a table and writes JSON (--out).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+from paged_hf.backends import cpu_paged_attention as cpa  # noqa: E402
+from paged_hf.backends.torch_backend import TorchBackend  # noqa: E402
+from paged_hf.metadata import StepMetadata  # noqa: E402
+
+
+def step_metadata(specs: list[tuple[int, int]], bs: int, perm: list[int]) -> StepMetadata:
+    slots, pos, qo, kvp, kvi, last, blocks, used = [], [], [0], [0], [], [], [], 0
+    for ql, kv in specs:
+        nb = -(-kv // bs)
+        b = perm[used:used + nb]
+        used += nb
+        slots += [b[p // bs] * bs + p % bs for p in range(kv - ql, kv)]
+        pos += list(range(kv - ql, kv))
+        qo.append(qo[-1] + ql)
+        kvp.append(kvp[-1] + nb)
+        kvi += b
+        last.append(kv - (nb - 1) * bs)
+        blocks.append(b)
+    i32 = lambda x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
+    return StepMetadata(torch.zeros(len(pos), dtype=torch.long), torch.tensor(pos), i32(slots), i32(qo), i32(kvp),
+                        i32(kvi), i32(last), torch.tensor([len(pos) - 1]), bs, [q for q, _ in specs],
+                        [k for _, k in specs], blocks, [])
+
+
+def cases(seed: int) -> dict[str, list[tuple[int, int]]]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "decode 64 x 700": [(1, 700)] * 64,
+        "decode 64 x U[40,420]": [(1, int(n)) for n in torch.randint(40, 421, (64,), generator=g)],
+        "decode 64 x (512 + U[20,300])": [(1, 512 + int(n)) for n in torch.randint(20, 301, (64,), generator=g)],
+        "32 decodes x 300 + a 256-token prompt": [(1, 300)] * 32 + [(256, 256)],
+        "a 512-token chunk over 1,500 cached": [(512, 2012)],
+    }
+
+
+def timed(fn, reps: int) -> float:
+    fn()
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return sorted(ts)[len(ts) // 2]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n", 1)[1],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--routes", default="torch,kernel,op", help="comma list of torch, kernel, op, inductor, flex; "
+                    "or all")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
+    ap.add_argument("--heads", default="9,3,64", help="q heads, kv heads, head_dim")
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    routes = ["torch", "kernel", "op", "inductor", "flex"] if args.routes == "all" else args.routes.split(",")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    assert cpa.load(), cpa.status()["error"]
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
+    hq, hkv, d = (int(x) for x in args.heads.split(","))
+    bs = args.block_size
+    rows, compile_s = [], {}
+    for name, specs in cases(0).items():
+        n_blocks = sum(-(-kv // bs) for _, kv in specs) + 4
+        perm = torch.randperm(n_blocks, generator=torch.Generator().manual_seed(1)).tolist()
+        meta = step_metadata(specs, bs, perm)
+        t = meta.num_tokens
+        g = torch.Generator().manual_seed(2)
+        q, k, v = (torch.randn(1, h, t, d, generator=g).to(dtype) for h in (hq, hkv, hkv))
+        cache = [torch.randn(n_blocks, hkv, bs, d, generator=g).to(dtype) for _ in range(2)]
+        row = {"case": name, "tokens": t, "kv_tokens": sum(kv for _, kv in specs)}
+        for route in routes:
+            if route in ("torch", "kernel"):
+                b = (TorchBackend if route == "torch" else cpa.CpuPagedBackend)(1, n_blocks, bs, hkv, d, dtype, "cpu")
+                b.kv[0].copy_(cache[0])
+                b.kv[1].copy_(cache[1])
+
+                def run(b=b):
+                    b.plan(meta)
+                    return b.attend(0, q, k, v, d ** -0.5)
+                row[route] = timed(run, args.reps)
+            elif route == "op":
+                i32 = lambda x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
+                op_args = (meta.qo_indptr[:-1].contiguous(), i32(meta.q_lens), i32(meta.kv_lens), meta.kv_indptr,
+                           meta.kv_indices)
+                out = torch.empty(t, hq, d, dtype=dtype)
+                row[route] = timed(lambda: torch.ops.paged_hf.paged_attention(
+                    q[0].transpose(0, 1), cache[0], cache[1], *op_args, d ** -0.5, 0, 0.0, out), args.reps)
+            elif route in ("inductor", "flex") and all(ql == 1 for ql, _ in specs):
+                fn, secs = (inductor_decode if route == "inductor" else flex_decode)(specs, bs, hq, hkv, d, dtype)
+                compile_s.setdefault(route, []).append(secs)
+                row[route] = timed(fn, args.reps)
+        rows.append(row)
+        print(f"{name}: " + ", ".join(f"{r} {row[r] * 1e3:.2f} ms" for r in routes if r in row), file=sys.stderr,
+              flush=True)
+
+    head = ["case"] + [f"{r} ms" for r in routes] + ["torch / kernel"]
+    lines = [head]
+    for row in rows:
+        ratio = f"{row['torch'] / row['kernel']:.2f}x" if "torch" in row and "kernel" in row else "-"
+        lines.append([row["case"]] + [f"{row[r] * 1e3:.2f}" if r in row else "-" for r in routes] + [ratio])
+    widths = [max(len(x[i]) for x in lines) for i in range(len(head))]
+    print(f"\nattention per layer, {args.dtype}, heads {hq}/{hkv}x{d}, {bs}-token blocks, "
+          f"{torch.get_num_threads()} threads (median of {args.reps})")
+    for i, line in enumerate(lines):
+        print("  ".join(c.ljust(w) if j == 0 else c.rjust(w) for j, (c, w) in enumerate(zip(line, widths))))
+        if i == 0:
+            print("  ".join("-" * w for w in widths))
+    for route, secs in compile_s.items():
+        print(f"{route}: compile {secs[0]:.1f}s first shape, then {', '.join(f'{s:.1f}s' for s in secs[1:])}")
+    out = Path(args.out) if args.out else HERE / "results" / f"attention-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"rows": rows, "compile_s": compile_s, "args": vars(args),
+                               "threads": torch.get_num_threads(), "torch": torch.__version__}, indent=1))
+    print(f"JSON: {out}")
+    return 0
+
+
+def inductor_decode(specs, bs, hq, hkv, d, dtype):
+    """Decode attention that indexes the pages inside its reductions, compiled by inductor."""
+    g = hq // hkv
+    n, max_blocks = len(specs), max(-(-kv // bs) for _, kv in specs)
+    n_blocks = n * max_blocks + 1
+    kc, vc = (torch.randn(n_blocks, hkv, bs, d).to(dtype) for _ in range(2))
+    table = torch.randperm(n_blocks)[: n * max_blocks].view(n, max_blocks)
+    lens = torch.tensor([kv for _, kv in specs])
+    q = torch.randn(n, hkv, g, d).to(dtype)
+
+    def decode(q, kc, vc, table, lens):
+        nb = table.shape[1]
+        k = kc[table].permute(0, 2, 1, 3, 4).reshape(q.shape[0], hkv, 1, nb * bs, d)
+        v = vc[table].permute(0, 2, 1, 3, 4).reshape(q.shape[0], hkv, 1, nb * bs, d)
+        s = (q[:, :, :, None, :].float() * k.float()).sum(-1) * d ** -0.5
+        s = s.masked_fill(torch.arange(nb * bs)[None, None, None, :] >= lens[:, None, None, None], float("-inf"))
+        return (torch.softmax(s, -1)[..., None] * v.float()).sum(-2).to(q.dtype)
+
+    fn = torch.compile(decode, dynamic=True)
+    t0 = time.perf_counter()
+    fn(q, kc, vc, table, lens)
+    return (lambda: fn(q, kc, vc, table, lens)), time.perf_counter() - t0
+
+
+def flex_decode(specs, bs, hq, hkv, d, dtype):
+    """FlexAttention over a paged cache (torch's experimental PagedAttention), decode."""
+    from torch.nn.attention.experimental._paged_attention import PagedAttention
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    page = 128
+    n = len(specs)
+    longest = -(-max(kv for _, kv in specs) // page) * page
+    n_pages = sum(-(-kv // page) for _, kv in specs) + 1
+    paged = PagedAttention(n_pages, page, n, device="cpu")
+    for i, (_, kv) in enumerate(specs):
+        paged.reserve(torch.tensor(i), torch.tensor(kv))
+    kc, vc = (torch.randn(1, hkv, n_pages * page, d).to(dtype) for _ in range(2))
+    q = torch.randn(n, hq, 1, d).to(dtype)
+    lens = torch.tensor([kv for _, kv in specs])
+    mask = create_block_mask(lambda b, h, qi, kv: kv < lens[b], n, None, 1, longest, device="cpu",
+                             BLOCK_SIZE=(128, page))
+    block_mask, score_mod = paged.convert_logical_block_mask(mask), paged.get_score_mod(None)
+    fn = torch.compile(flex_attention)
+    t0 = time.perf_counter()
+    fn(q, kc, vc, block_mask=block_mask, score_mod=score_mod, enable_gqa=True)
+    return (lambda: fn(q, kc, vc, block_mask=block_mask, score_mod=score_mod, enable_gqa=True)), \
+        time.perf_counter() - t0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,507 @@
+// paged_hf::paged_attention — CPU attention that reads K/V through the block table in place.
+//
+// One call per attention layer and step, for any mix of decoding sequences (one query token) and
+// prefill chunks over cached context. Per layer the cache is two tensors,
+//     k_cache [num_blocks, kv_heads, block_size, k_dim]   v_cache [num_blocks, kv_heads, block_size, v_dim]
+// (k_dim and v_dim may differ), and each sequence i is described by
+//     q_start[i], q_len[i]    its query rows in `query` / `out` ([T, q_heads, k_dim] / [T, q_heads, v_dim])
+//     kv_len[i]               tokens of context, the new ones included (its queries are the last q_len)
+//     kv_indices[kv_indptr[i] : kv_indptr[i+1]]   the blocks that context spans, in order
+// Query row t of sequence i sits at position kv_len - q_len + t and attends to key positions p with
+// p <= t_pos and, with a sliding window W > 0, t_pos - p < W. Scores are (q . k) * scale, then
+// softcap * tanh(score / softcap) when softcap > 0, softmax in fp32 (online, block by block), fp32
+// accumulation of P V; the output is written in the cache's dtype.
+//
+// Work is split into items (sequence, kv head, tile of query tokens): the query heads of one kv head
+// (GQA) share every read of its K/V; each block's K and V are read straight from the pages (converted
+// to fp32 once per item and block). Items are handed to threads dynamically, longest first.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t VL = Vec::size();
+constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+
+// n elements of src as fp32 in dst
+template <typename T>
+inline void to_f32(const T* src, float* dst, int64_t n) {
+  int64_t i = 0;
+  if constexpr (std::is_same_v<T, c10::BFloat16> || std::is_same_v<T, c10::Half>) {
+    for (; i + VL <= n; i += VL) {
+      Vec v;
+      at::vec::load_to_float<T>(src + i, v);
+      v.store(dst + i);
+    }
+  }
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+template <typename T>
+inline void from_f32(const float* src, T* dst, int64_t n) {
+  if constexpr (std::is_same_v<T, float>) {
+    std::memcpy(dst, src, n * sizeof(float));
+  } else {
+    at::vec::convert(src, dst, n);
+  }
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  Vec acc(0.f);
+  int64_t d = 0;
+  for (; d + VL <= n; d += VL) acc = at::vec::fmadd(Vec::loadu(a + d), Vec::loadu(b + d), acc);
+  if (d < n) acc = at::vec::fmadd(Vec::loadu(a + d, n - d), Vec::loadu(b + d, n - d), acc);
+  return at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, acc);
+}
+
+#if defined(CPU_CAPABILITY_AVX512)
+// The 16 dot products q . k_j (k_j = rows of kf, stride dk, dk % 16 == 0) as one vector: one
+// partial-sum vector per key, then a transpose-and-add tree (45 shuffles and adds for 16 keys
+// instead of a horizontal sum each).
+inline Vec dots16(const float* q, const float* kf, int64_t dk) {
+  __m512 a[16];
+  for (int j = 0; j < 16; ++j) a[j] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < dk; d += 16) {
+    const __m512 qv = _mm512_loadu_ps(q + d);
+    for (int j = 0; j < 16; ++j) a[j] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(kf + j * dk + d), a[j]);
+  }
+  __m512 t[8], u[4];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [A0 B0 A1 B1], partials of keys 2i, 2i+1
+    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {  // per lane: keys 4i..4i+3
+    const __m512d x = _mm512_castps_pd(t[2 * i]), y = _mm512_castps_pd(t[2 * i + 1]);
+    u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  const __m512 w0 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88), _mm512_shuffle_f32x4(u[0], u[1], 0xDD));
+  const __m512 w1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x88), _mm512_shuffle_f32x4(u[2], u[3], 0xDD));
+  return Vec(_mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, 0x88), _mm512_shuffle_f32x4(w0, w1, 0xDD)));
+}
+constexpr bool HAVE_DOTS16 = true;
+#else
+inline Vec dots16(const float*, const float*, int64_t) { return Vec(0.f); }
+constexpr bool HAVE_DOTS16 = false;
+#endif
+
+// softcap * tanh(x * pre): tanh(y) = 1 - 2 / (exp(2y) + 1), with exp_u20 (no Sleef symbols needed)
+inline Vec softcap_vec(Vec x, float pre, float cap) {
+  const Vec y = x * Vec(2.f * pre);
+  const Vec e = at::vec::minimum(y, Vec(80.f)).exp_u20();
+  return (Vec(1.f) - Vec(2.f) / (e + Vec(1.f))) * Vec(cap);
+}
+
+struct Item {
+  int32_t seq, head, t0, t1;  // query tokens [t0, t1) of the sequence
+  int64_t cost;
+};
+
+struct Problem {
+  int64_t q_heads, kv_heads, group, k_dim, v_dim, block_size;
+  int64_t q_stride_t, q_stride_h, o_stride_t, o_stride_h;
+  const int32_t *q_start, *q_len, *kv_len, *kv_indptr, *kv_indices;
+  float scale, softcap;
+  int64_t window;  // <= 0: none
+};
+
+// Per-thread scratch, sized for the largest item.
+struct Scratch {
+  std::vector<float> q, acc, s, m, l, kf, vf;
+  void reserve(int64_t rows, const Problem& p) {
+    q.resize(rows * p.k_dim);
+    acc.resize(rows * p.v_dim);
+    s.resize(rows * p.block_size);
+    m.resize(rows);
+    l.resize(rows);
+    kf.resize(p.block_size * p.k_dim);
+    vf.resize(p.block_size * p.v_dim);
+  }
+};
+
+template <typename T>
+void run_item(const Item& it, const Problem& p, const T* query, const T* k_cache, const T* v_cache, T* out,
+              Scratch& w) {
+  const int64_t G = p.group, Dk = p.k_dim, Dv = p.v_dim, bs = p.block_size;
+  const int64_t n_tok = it.t1 - it.t0, R = n_tok * G;
+  const int64_t L = p.kv_len[it.seq], ql = p.q_len[it.seq];
+  const int64_t first_pos = L - ql + it.t0, last_pos = L - ql + it.t1 - 1;
+  const int64_t row0 = p.q_start[it.seq] + it.t0;  // packed row of the tile's first token
+  float* qf = w.q.data();
+  float* acc = w.acc.data();
+  float* s = w.s.data();
+  float* m = w.m.data();
+  float* l = w.l.data();
+
+  // rows r = token * G + g; query head = head * G + g; q pre-scaled unless a softcap needs raw scores
+  const float qscale = p.softcap > 0 ? 1.f : p.scale;
+  for (int64_t t = 0; t < n_tok; ++t) {
+    for (int64_t g = 0; g < G; ++g) {
+      const T* src = query + (row0 + t) * p.q_stride_t + (it.head * G + g) * p.q_stride_h;
+      float* dst = qf + (t * G + g) * Dk;
+      to_f32(src, dst, Dk);
+      if (qscale != 1.f) {
+        for (int64_t d = 0; d < Dk; ++d) dst[d] *= qscale;
+      }
+    }
+  }
+  std::fill(acc, acc + R * Dv, 0.f);
+  std::fill(m, m + R, NEG_INF);
+  std::fill(l, l + R, 0.f);
+
+  const int64_t lo = p.window > 0 ? std::max<int64_t>(0, first_pos - p.window + 1) : 0;
+  const int64_t hi = last_pos + 1;  // keys [lo, hi)
+  const int32_t* blocks = p.kv_indices + p.kv_indptr[it.seq];
+  for (int64_t blk = lo / bs; blk * bs < hi; ++blk) {
+    const int64_t j0 = blk * bs;
+    const int64_t n = std::min(bs, hi - j0);
+    const int64_t page = (static_cast<int64_t>(blocks[blk]) * p.kv_heads + it.head) * bs;
+    const T* kb = k_cache + page * Dk;
+    const T* vb = v_cache + page * Dv;
+    const float* kf;
+    const float* vf;
+    if constexpr (std::is_same_v<T, float>) {
+      kf = kb;
+      vf = vb;
+    } else {
+      to_f32(kb, w.kf.data(), n * Dk);
+      to_f32(vb, w.vf.data(), n * Dv);
+      kf = w.kf.data();
+      vf = w.vf.data();
+    }
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t pos = first_pos + r / G;
+      // keys of this block the row may see: j0 + j <= pos and pos - (j0 + j) < window
+      const int64_t j_end = std::min<int64_t>(n, pos - j0 + 1);
+      const int64_t j_beg = p.window > 0 ? std::max<int64_t>(0, pos - p.window + 1 - j0) : 0;
+      if (j_end <= j_beg) continue;
+      float* sr = s + r * bs;
+      const float* qr = qf + r * Dk;
+      float block_max = NEG_INF;
+      if (HAVE_DOTS16 && bs == VL && n == VL && Dk % VL == 0) {
+        // the whole block in vectors: scores, softcap, mask (lanes outside [j_beg, j_end) -> -inf)
+        Vec x = dots16(qr, kf, Dk);
+        if (p.softcap > 0) x = softcap_vec(x, p.scale / p.softcap, p.softcap);
+        if (j_beg > 0 || j_end < n) {
+          alignas(64) float lane[VL];
+          x.store(lane);
+          for (int64_t j = 0; j < j_beg; ++j) lane[j] = NEG_INF;
+          for (int64_t j = j_end; j < n; ++j) lane[j] = NEG_INF;
+          x = Vec::loadu(lane);
+        }
+        block_max = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, x);
+        x.store(sr);
+      } else {
+        for (int64_t j = j_beg; j < j_end; ++j) {
+          float x = dot(qr, kf + j * Dk, Dk);
+          if (p.softcap > 0) x = p.softcap * std::tanh(x * p.scale / p.softcap);
+          sr[j] = x;
+          block_max = std::max(block_max, x);
+        }
+      }
+      const float m_new = std::max(m[r], block_max);
+      const float corr = std::exp(m[r] - m_new);  // 0 on the first visible block
+      float sum = 0.f;
+      {
+        // exp over the visible keys, a vector at a time (masked lanes are -inf and give 0)
+        const Vec mv(m_new);
+        int64_t j = j_beg;
+        Vec acc(0.f);
+        for (; j + VL <= j_end; j += VL) {
+          Vec e = (Vec::loadu(sr + j) - mv).exp_u20();
+          e.store(sr + j);
+          acc = acc + e;
+        }
+        if (j < j_end) {
+          Vec e = (Vec::loadu(sr + j, j_end - j) - mv).exp_u20();
+          e.store(sr + j, j_end - j);
+          acc = acc + Vec::set(Vec(0.f), e, j_end - j);
+        }
+        sum = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, acc);
+      }
+      l[r] = l[r] * corr + sum;
+      m[r] = m_new;
+      float* ar = acc + r * Dv;
+      int64_t d = 0;
+      for (; d + VL <= Dv; d += VL) {
+        Vec a = Vec::loadu(ar + d) * Vec(corr);
+        for (int64_t j = j_beg; j < j_end; ++j) a = at::vec::fmadd(Vec(sr[j]), Vec::loadu(vf + j * Dv + d), a);
+        a.store(ar + d);
+      }
+      if (d < Dv) {
+        const int64_t rest = Dv - d;
+        Vec a = Vec::loadu(ar + d, rest) * Vec(corr);
+        for (int64_t j = j_beg; j < j_end; ++j) a = at::vec::fmadd(Vec(sr[j]), Vec::loadu(vf + j * Dv + d, rest), a);
+        a.store(ar + d, rest);
+      }
+    }
+  }
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t t = r / G, g = r % G;
+    float* ar = acc + r * Dv;
+    const float inv = l[r] > 0 ? 1.f / l[r] : 0.f;
+    for (int64_t d = 0; d < Dv; ++d) ar[d] *= inv;
+    from_f32(ar, out + (row0 + t) * p.o_stride_t + (it.head * G + g) * p.o_stride_h, Dv);
+  }
+}
+
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
+// bf16 caches on CPUs with AVX512-BF16, 16-token blocks, head dims a multiple of 32: the same
+// algorithm with bf16 pair dot products (vdpbf16ps, fp32 accumulation) and no fp32 copies of K/V.
+//   scores: per row and key, partial sums of q . k_j over pairs of dims, reduced by dots16's tree;
+//   P V: each pair of keys' V rows interleaved (vpunpck{l,h}wd) so one vdpbf16ps adds
+//        p_j v_j + p_j+1 v_j+1 for 16 dims; P is rounded to bf16 for that product (as the torch
+//        path and SDPA round it), its sum and the accumulator stay fp32. The accumulator's dims come
+//        out in the unpack's lane order and are put back in order once, at the end.
+constexpr bool HAVE_BF16_PATH = true;
+
+inline __m512 tree16(__m512* a) {
+  __m512 t[8], u[4];
+  for (int i = 0; i < 8; ++i)
+    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {
+    const __m512d x = _mm512_castps_pd(t[2 * i]), y = _mm512_castps_pd(t[2 * i + 1]);
+    u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  const __m512 w0 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88), _mm512_shuffle_f32x4(u[0], u[1], 0xDD));
+  const __m512 w1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x88), _mm512_shuffle_f32x4(u[2], u[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, 0x88), _mm512_shuffle_f32x4(w0, w1, 0xDD));
+}
+
+inline bool bf16_path(const Problem& p) {
+  return p.block_size == 16 && p.k_dim % 32 == 0 && p.v_dim % 32 == 0 && p.v_dim <= 512;
+}
+
+void run_item_bf16(const Item& it, const Problem& p, const c10::BFloat16* query, const c10::BFloat16* k_cache,
+                   const c10::BFloat16* v_cache, c10::BFloat16* out, Scratch& w) {
+  const int64_t G = p.group, Dk = p.k_dim, Dv = p.v_dim, bs = 16;
+  const int64_t n_tok = it.t1 - it.t0, R = n_tok * G, nacc = Dv / 16;
+  const int64_t L = p.kv_len[it.seq], ql = p.q_len[it.seq];
+  const int64_t first_pos = L - ql + it.t0, last_pos = L - ql + it.t1 - 1;
+  const int64_t row0 = p.q_start[it.seq] + it.t0;
+  float* acc = w.acc.data();
+  float* m = w.m.data();
+  float* l = w.l.data();
+  // scratch reused as bf16: the tile's queries [R][Dk], P [R][16], interleaved V pairs [8][Dv]x2
+  uint16_t* qb = reinterpret_cast<uint16_t*>(w.q.data());
+  uint16_t* pb = reinterpret_cast<uint16_t*>(w.s.data());
+  __m512i* vp = reinterpret_cast<__m512i*>(w.vf.data());
+  for (int64_t t = 0; t < n_tok; ++t)
+    for (int64_t g = 0; g < G; ++g)
+      std::memcpy(qb + (t * G + g) * Dk, query + (row0 + t) * p.q_stride_t + (it.head * G + g) * p.q_stride_h,
+                  Dk * sizeof(uint16_t));
+  std::fill(acc, acc + R * Dv, 0.f);
+  std::fill(m, m + R, NEG_INF);
+  std::fill(l, l + R, 0.f);
+  const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const int64_t lo = p.window > 0 ? std::max<int64_t>(0, first_pos - p.window + 1) : 0;
+  const int64_t hi = last_pos + 1;
+  const int32_t* blocks = p.kv_indices + p.kv_indptr[it.seq];
+  for (int64_t blk = lo / bs; blk * bs < hi; ++blk) {
+    const int64_t j0 = blk * bs, n = std::min(bs, hi - j0);
+    const int64_t page = (static_cast<int64_t>(blocks[blk]) * p.kv_heads + it.head) * bs;
+    const uint16_t* kb = reinterpret_cast<const uint16_t*>(k_cache + page * Dk);
+    const uint16_t* vb = reinterpret_cast<const uint16_t*>(v_cache + page * Dv);
+    int64_t pairs_built = 0;  // V pairs are interleaved once per block, when a row first needs them
+    const int64_t n_pairs = (n + 1) / 2;
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t pos = first_pos + r / G;
+      const int64_t j_end = std::min<int64_t>(n, pos - j0 + 1);
+      const int64_t j_beg = p.window > 0 ? std::max<int64_t>(0, pos - p.window + 1 - j0) : 0;
+      if (j_end <= j_beg) continue;
+      __m512 a[16];
+      for (int j = 0; j < 16; ++j) a[j] = _mm512_setzero_ps();
+      const uint16_t* qr = qb + r * Dk;
+      for (int64_t d = 0; d < Dk; d += 32) {
+        const __m512bh qv = (__m512bh)_mm512_loadu_si512(qr + d);
+        for (int j = 0; j < 16; ++j)
+          a[j] = _mm512_dpbf16_ps(a[j], qv, (__m512bh)_mm512_loadu_si512(kb + j * Dk + d));
+      }
+      __m512 x = _mm512_mul_ps(tree16(a), _mm512_set1_ps(p.softcap > 0 ? 1.f : p.scale));
+      if (p.softcap > 0) x = softcap_vec(Vec(x), p.scale / p.softcap, p.softcap);
+      const __mmask16 vis = _mm512_cmp_epi32_mask(iota, _mm512_set1_epi32(static_cast<int>(j_beg)), _MM_CMPINT_NLT) &
+                            _mm512_cmp_epi32_mask(iota, _mm512_set1_epi32(static_cast<int>(j_end)), _MM_CMPINT_LT);
+      x = _mm512_mask_blend_ps(vis, _mm512_set1_ps(NEG_INF), x);
+      const float m_new = std::max(m[r], _mm512_reduce_max_ps(x));
+      const float corr = std::exp(m[r] - m_new);
+      __m512 e = Vec(_mm512_sub_ps(x, _mm512_set1_ps(m_new))).exp_u20();
+      e = _mm512_maskz_mov_ps(vis, e);  // masked keys: exactly 0
+      l[r] = l[r] * corr + _mm512_reduce_add_ps(e);
+      m[r] = m_new;
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb), (__m256i)_mm512_cvtneps_pbh(e));
+      for (; pairs_built < n_pairs; ++pairs_built) {  // keys 2i, 2i+1 (a missing partner reads as 0)
+        const int64_t j = 2 * pairs_built;
+        for (int64_t c = 0; c < Dv / 32; ++c) {
+          const __m512i v0 = _mm512_loadu_si512(vb + j * Dv + 32 * c);
+          const __m512i v1 = j + 1 < n ? _mm512_loadu_si512(vb + (j + 1) * Dv + 32 * c) : _mm512_setzero_si512();
+          _mm512_storeu_si512(vp + (pairs_built * Dv / 32 + c) * 2, _mm512_unpacklo_epi16(v0, v1));
+          _mm512_storeu_si512(vp + (pairs_built * Dv / 32 + c) * 2 + 1, _mm512_unpackhi_epi16(v0, v1));
+        }
+      }
+      float* ar = acc + r * Dv;
+      __m512 o[32];
+      const __m512 cv = _mm512_set1_ps(corr);
+      for (int64_t c = 0; c < nacc; ++c) o[c] = _mm512_mul_ps(_mm512_loadu_ps(ar + 16 * c), cv);
+      const uint32_t* pp = reinterpret_cast<const uint32_t*>(pb);
+      for (int64_t i = j_beg / 2; i < (j_end + 1) / 2; ++i) {
+        const __m512bh pv = (__m512bh)_mm512_set1_epi32(static_cast<int>(pp[i]));
+        const __m512i* vpi = vp + i * (Dv / 32) * 2;
+        for (int64_t c = 0; c < nacc; ++c) o[c] = _mm512_dpbf16_ps(o[c], pv, (__m512bh)_mm512_loadu_si512(vpi + c));
+      }
+      for (int64_t c = 0; c < nacc; ++c) _mm512_storeu_ps(ar + 16 * c, o[c]);
+    }
+  }
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t t = r / G, g = r % G;
+    const float* ar = acc + r * Dv;
+    const float inv = l[r] > 0 ? 1.f / l[r] : 0.f;
+    alignas(64) float tmp[512];
+    for (int64_t c = 0; c < Dv / 32; ++c)  // acc[2c] lane e <-> d = 32c + 8(e/4) + e%4; acc[2c+1]: + 4
+      for (int e = 0; e < 16; ++e) {
+        tmp[32 * c + 8 * (e / 4) + e % 4] = ar[32 * c + e] * inv;
+        tmp[32 * c + 8 * (e / 4) + 4 + e % 4] = ar[32 * c + 16 + e] * inv;
+      }
+    from_f32(tmp, out + (row0 + t) * p.o_stride_t + (it.head * G + g) * p.o_stride_h, Dv);
+  }
+}
+#else
+constexpr bool HAVE_BF16_PATH = false;
+#endif
+
+template <typename T>
+inline void run_one(const Item& it, const Problem& p, const T* q, const T* kc, const T* vc, T* o, Scratch& w) {
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (bf16_path(p)) return run_item_bf16(it, p, q, kc, vc, o, w);
+  }
+#endif
+  run_item(it, p, q, kc, vc, o, w);
+}
+
+template <typename T>
+void run_all(const std::vector<Item>& items, int64_t max_rows, const Problem& p, const at::Tensor& query,
+             const at::Tensor& k_cache, const at::Tensor& v_cache, at::Tensor& out) {
+  const T* q = query.const_data_ptr<T>();
+  const T* kc = k_cache.const_data_ptr<T>();
+  const T* vc = v_cache.const_data_ptr<T>();
+  T* o = out.mutable_data_ptr<T>();
+  const int64_t n_items = static_cast<int64_t>(items.size());
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), n_items);
+  if (threads <= 1) {
+    Scratch w;
+    w.reserve(max_rows, p);
+    for (const Item& it : items) run_one(it, p, q, kc, vc, o, w);
+    return;
+  }
+  // dynamic hand-out, longest items first: a thread that finishes early takes the next one
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    Scratch w;
+    w.reserve(max_rows, p);
+    for (int64_t k = next.fetch_add(1); k < n_items; k = next.fetch_add(1)) run_one(items[k], p, q, kc, vc, o, w);
+  });
+}
+
+// Query tokens per work item of a prefill chunk: enough rows to share each block's conversion.
+inline int64_t tile_tokens(int64_t group) { return std::max<int64_t>(1, 32 / group); }
+
+void paged_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                     const at::Tensor& q_start, const at::Tensor& q_len, const at::Tensor& kv_len,
+                     const at::Tensor& kv_indptr, const at::Tensor& kv_indices, double scale,
+                     int64_t sliding_window, double softcap, at::Tensor& out) {
+  TORCH_CHECK(query.dim() == 3 && out.dim() == 3, "paged_attention: query [T, Hq, Dk] and out [T, Hq, Dv]");
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.dim() == 4, "paged_attention: caches [blocks, Hkv, block_size, D]");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "paged_attention: caches must be contiguous");
+  TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1, "paged_attention: last dim must be contiguous");
+  TORCH_CHECK(query.scalar_type() == k_cache.scalar_type() && v_cache.scalar_type() == k_cache.scalar_type() &&
+                  out.scalar_type() == k_cache.scalar_type(),
+              "paged_attention: query, caches and out must share a dtype");
+  for (const at::Tensor* t : {&q_start, &q_len, &kv_len, &kv_indptr, &kv_indices}) {
+    TORCH_CHECK(t->scalar_type() == at::kInt && t->is_contiguous(), "paged_attention: index tensors int32");
+  }
+  Problem p;
+  p.q_heads = query.size(1);
+  p.kv_heads = k_cache.size(1);
+  TORCH_CHECK(v_cache.size(1) == p.kv_heads && v_cache.size(0) == k_cache.size(0) &&
+                  v_cache.size(2) == k_cache.size(2),
+              "paged_attention: K and V caches differ in blocks, heads or block size");
+  TORCH_CHECK(p.q_heads % p.kv_heads == 0, "paged_attention: q heads not a multiple of kv heads");
+  p.group = p.q_heads / p.kv_heads;
+  p.k_dim = k_cache.size(3);
+  p.v_dim = v_cache.size(3);
+  TORCH_CHECK(query.size(2) == p.k_dim && out.size(2) == p.v_dim && out.size(1) == p.q_heads &&
+                  out.size(0) == query.size(0),
+              "paged_attention: query/out shapes do not match the caches");
+  p.block_size = k_cache.size(2);
+  p.q_stride_t = query.stride(0);
+  p.q_stride_h = query.stride(1);
+  p.o_stride_t = out.stride(0);
+  p.o_stride_h = out.stride(1);
+  p.q_start = q_start.data_ptr<int32_t>();
+  p.q_len = q_len.data_ptr<int32_t>();
+  p.kv_len = kv_len.data_ptr<int32_t>();
+  p.kv_indptr = kv_indptr.data_ptr<int32_t>();
+  p.kv_indices = kv_indices.data_ptr<int32_t>();
+  p.scale = static_cast<float>(scale);
+  p.softcap = static_cast<float>(softcap);
+  p.window = sliding_window;
+
+  const int64_t n_seqs = q_start.numel();
+  TORCH_CHECK(q_len.numel() == n_seqs && kv_len.numel() == n_seqs && kv_indptr.numel() == n_seqs + 1,
+              "paged_attention: per-sequence tensors differ in length");
+  std::vector<Item> items;
+  int64_t max_rows = 0;
+  for (int64_t i = 0; i < n_seqs; ++i) {
+    const int64_t ql = p.q_len[i], L = p.kv_len[i];
+    TORCH_CHECK(ql >= 1 && ql <= L, "paged_attention: sequence ", i, " has q_len ", ql, " and kv_len ", L);
+    TORCH_CHECK((p.kv_indptr[i + 1] - p.kv_indptr[i]) * p.block_size >= L, "paged_attention: sequence ", i,
+                " has ", L, " tokens in ", p.kv_indptr[i + 1] - p.kv_indptr[i], " blocks");
+    TORCH_CHECK(p.q_start[i] >= 0 && p.q_start[i] + ql <= query.size(0), "paged_attention: sequence ", i,
+                " rows out of range");
+    const int64_t tile = ql == 1 ? 1 : tile_tokens(p.group);
+    for (int64_t t0 = 0; t0 < ql; t0 += tile) {
+      const int64_t t1 = std::min(ql, t0 + tile);
+      const int64_t pos = L - ql + t1;  // keys the tile's last token sees
+      const int64_t keys = p.window > 0 ? std::min(pos, p.window + (t1 - t0)) : pos;
+      for (int64_t h = 0; h < p.kv_heads; ++h) {
+        items.push_back({static_cast<int32_t>(i), static_cast<int32_t>(h), static_cast<int32_t>(t0),
+                         static_cast<int32_t>(t1), keys * (t1 - t0)});
+      }
+      max_rows = std::max(max_rows, (t1 - t0) * p.group);
+    }
+  }
+  const int64_t num_blocks = k_cache.size(0);
+  for (int64_t k = 0; k < p.kv_indptr[n_seqs]; ++k) {
+    TORCH_CHECK(p.kv_indices[k] >= 0 && p.kv_indices[k] < num_blocks, "paged_attention: block id ",
+                p.kv_indices[k], " out of range");
+  }
+  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
+
+  switch (k_cache.scalar_type()) {
+    case at::kFloat: return run_all<float>(items, max_rows, p, query, k_cache, v_cache, out);
+    case at::kBFloat16: return run_all<c10::BFloat16>(items, max_rows, p, query, k_cache, v_cache, out);
+    case at::kHalf: return run_all<c10::Half>(items, max_rows, p, query, k_cache, v_cache, out);
+    default: TORCH_CHECK(false, "paged_attention: dtype ", k_cache.scalar_type(), " is not supported");
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(paged_hf, m) {
+  m.def(
+      "paged_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor q_start, Tensor q_len, "
+      "Tensor kv_len, Tensor kv_indptr, Tensor kv_indices, float scale, int sliding_window, float softcap, "
+      "Tensor(a!) out) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(paged_hf, CPU, m) { m.impl("paged_attention", &paged_attention); }

@@ -1,0 +1,303 @@
+"""The CPU paged attention kernel (paged_hf/backends/cpu_paged_attention.py, paged_hf/csrc/):
+the op against a float64 reference written here, the kernel backend against the torch backend,
+generation through it against transformers on all nine families in fp32 and bf16 (small blocks,
+chunked prefill, prefix hits), and the fallback when it cannot be built."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import paged_hf
+from oracle import assert_teacher_forced
+from paged_hf.backends import TorchBackend, select_backend
+from paged_hf.backends import cpu_paged_attention as cpa
+from paged_hf.metadata import StepMetadata
+from tiny_models import FAMILIES, make_tiny_model, tiny_prompts
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+# The build (once per machine: the extension is cached) and load happen here, at collection:
+# every test below needs the op, and a failed build must fail this module, not skip it.
+assert cpa.load(), f"the CPU paged attention kernel did not build: {cpa.status()['error']}"
+
+# bf16 logits of two correct kernels differ by a few 1e-2 (tests/test_smollm2.py); a wrong page,
+# mask or offset moves them by whole units
+BF16_TOL = 0.125
+
+
+# ---- the op against a float64 reference ------------------------------------------------------
+def reference(q, k_cache, v_cache, seqs, scale, window, softcap):
+    """q [T, Hq, Dk]; seqs: (q_start, q_len, kv_len, blocks). Gathers the pages and attends in float64."""
+    _, hkv, _, dv = v_cache.shape
+    g = q.shape[1] // hkv
+    out = torch.zeros(q.shape[0], q.shape[1], dv, dtype=torch.float64)
+    for start, ql, kv_len, blocks in seqs:
+        b = torch.tensor(blocks)
+        k = k_cache[b].transpose(0, 1).reshape(hkv, -1, k_cache.shape[-1])[:, :kv_len].double()
+        v = v_cache[b].transpose(0, 1).reshape(hkv, -1, dv)[:, :kv_len].double()
+        k, v = k.repeat_interleave(g, 0), v.repeat_interleave(g, 0)
+        s = q[start:start + ql].double().transpose(0, 1) @ k.transpose(-1, -2) * scale
+        if softcap:
+            s = torch.tanh(s / softcap) * softcap
+        q_pos, k_pos = torch.arange(kv_len - ql, kv_len)[:, None], torch.arange(kv_len)[None]
+        mask = k_pos <= q_pos
+        if window:
+            mask &= q_pos - k_pos < window
+        out[start:start + ql] = (s.masked_fill(~mask, float("-inf")).softmax(-1) @ v).transpose(0, 1)
+    return out
+
+
+def run_op(q, k_cache, v_cache, seqs, scale, window, softcap, out=None):
+    i32 = lambda x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
+    indptr = [0]
+    for s in seqs:
+        indptr.append(indptr[-1] + len(s[3]))
+    if out is None:
+        out = torch.full((q.shape[0], q.shape[1], v_cache.shape[-1]), float("nan"), dtype=q.dtype)
+    torch.ops.paged_hf.paged_attention(q, k_cache, v_cache, i32([s[0] for s in seqs]), i32([s[1] for s in seqs]),
+                                       i32([s[2] for s in seqs]), i32(indptr), i32(sum((s[3] for s in seqs), [])),
+                                       scale, window, softcap, out)
+    return out
+
+
+@st.composite
+def problems(draw):
+    hkv = draw(st.sampled_from([1, 2, 3]))
+    group = draw(st.sampled_from([1, 2, 3, 4]))
+    dk = draw(st.sampled_from([16, 40, 64, 80]))
+    dv = draw(st.sampled_from([dk, 16, 48]))
+    bs = draw(st.sampled_from([1, 4, 16]))
+    lens = draw(st.lists(st.tuples(st.integers(1, 70), st.integers(0, 40)), min_size=1, max_size=6))
+    seqs_lens = [(min(ql, ctx + ql), ctx + ql) for ql, ctx in lens]  # (q_len, kv_len): decode when q_len 1
+    seqs_lens += [(1, draw(st.integers(1, 90))) for _ in range(draw(st.integers(0, 4)))]
+    window = draw(st.sampled_from([0, 0, 1, 5, 17]))
+    softcap = draw(st.sampled_from([0.0, 0.0, 7.5, 50.0]))
+    scale = draw(st.sampled_from([dk ** -0.5, 0.1, 1.7 * dk ** -0.5]))
+    dtype = draw(st.sampled_from([torch.float32, torch.bfloat16, torch.float16]))
+    seed = draw(st.integers(0, 2**16))
+    return hkv, group, dk, dv, bs, seqs_lens, window, softcap, scale, dtype, seed
+
+
+@settings(max_examples=150, deadline=None)
+@given(problems())
+def test_op_matches_a_float64_reference(problem):
+    hkv, group, dk, dv, bs, lens, window, softcap, scale, dtype, seed = problem
+    gen = torch.Generator().manual_seed(seed)
+    n_blocks = sum(-(-kv // bs) for _, kv in lens) + 3
+    k_cache = torch.randn(n_blocks, hkv, bs, dk, generator=gen).to(dtype)
+    v_cache = torch.randn(n_blocks, hkv, bs, dv, generator=gen).to(dtype)
+    perm = torch.randperm(n_blocks, generator=gen).tolist()  # pages in any order
+    seqs, start, used = [], 0, 0
+    for ql, kv in lens:
+        nb = -(-kv // bs)
+        seqs.append((start, ql, kv, perm[used:used + nb]))
+        start, used = start + ql, used + nb
+    # query rows through a strided view, as the backend passes them ([1, H, T, D] transposed)
+    q = torch.randn(hkv * group, start, dk, generator=gen).to(dtype).transpose(0, 1)
+    got = run_op(q, k_cache, v_cache, seqs, scale, window, softcap)
+    want = reference(q, k_cache, v_cache, seqs, scale, window, softcap)
+    # fp32: accumulation order only; bf16/fp16: the output's own rounding (inputs are the same)
+    tol = {torch.float32: 2e-5, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}[dtype]
+    torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dk,dv", [(64, 64), (128, 32), (32, 96)])
+@pytest.mark.parametrize("window,softcap", [(0, 0.0), (13, 0.0), (0, 30.0), (21, 10.0)])
+def test_bf16_16_token_blocks_match_a_float64_reference(dk, dv, window, softcap):
+    """The shapes the bf16 pair-dot-product path takes on CPUs with AVX512-BF16 (16-token blocks, head
+    dims multiples of 32): decodes and chunks of up to 32 tokens, odd lengths (a key without a partner
+    in the last pair), windows that start inside a block."""
+    gen = torch.Generator().manual_seed(dk + dv + window)
+    lens = [(1, 1), (1, 16), (1, 17), (1, 333), (5, 5), (3, 40), (32, 32), (17, 200), (1, 95), (30, 31)]
+    n_blocks = sum(-(-kv // 16) for _, kv in lens) + 1
+    k_cache = torch.randn(n_blocks, 2, 16, dk, generator=gen).bfloat16()
+    v_cache = torch.randn(n_blocks, 2, 16, dv, generator=gen).bfloat16()
+    perm = torch.randperm(n_blocks, generator=gen).tolist()
+    seqs, start, used = [], 0, 0
+    for ql, kv in lens:
+        nb = -(-kv // 16)
+        seqs.append((start, ql, kv, perm[used:used + nb]))
+        start, used = start + ql, used + nb
+    q = torch.randn(start, 6, dk, generator=gen).bfloat16()
+    got = run_op(q, k_cache, v_cache, seqs, dk ** -0.5, window, softcap)
+    want = reference(q, k_cache, v_cache, seqs, dk ** -0.5, window, softcap)
+    torch.testing.assert_close(got.double(), want, atol=1.6e-2, rtol=1.6e-2)
+    if "avx512_bf16" in cpa._cpu_flags():
+        assert "-mavx512bf16" in cpa.compile_flags()
+
+
+def test_op_writes_only_the_rows_of_the_sequences_it_is_given():
+    """A subset of a step's sequences (the others' rows untouched), and bad input refused by name."""
+    k_cache, v_cache = torch.randn(8, 2, 4, 16), torch.randn(8, 2, 4, 16)
+    q = torch.randn(10, 4, 16)
+    out = torch.zeros(10, 4, 16)
+    seqs = [(2, 3, 7, [5, 1]), (8, 1, 9, [0, 3, 6])]
+    run_op(q, k_cache, v_cache, seqs, 0.25, 0, 0.0, out=out)
+    want = reference(q, k_cache, v_cache, seqs, 0.25, 0, 0.0)
+    torch.testing.assert_close(out[2:5].double(), want[2:5], atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(out[8:9].double(), want[8:9], atol=2e-5, rtol=2e-5)
+    assert out[[0, 1, 5, 6, 7, 9]].abs().sum() == 0
+    with pytest.raises(RuntimeError, match="block id 8 out of range"):
+        run_op(q, k_cache, v_cache, [(0, 1, 4, [8])], 0.25, 0, 0.0)
+    with pytest.raises(RuntimeError, match="sequence 0 has 9 tokens in 2 blocks"):
+        run_op(q, k_cache, v_cache, [(0, 1, 9, [1, 2])], 0.25, 0, 0.0)
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        run_op(q.bfloat16(), k_cache, v_cache, [(0, 1, 4, [1])], 0.25, 0, 0.0)
+
+
+# ---- the kernel backend against the torch backend ----------------------------------------------
+def step_metadata(specs: list[tuple[int, int]], bs: int, perm: list[int]) -> StepMetadata:
+    """Metadata of one step: sequences of (new tokens, context incl. them), pages taken from ``perm``."""
+    slots, pos, qo, kvp, kvi, last, blocks, used = [], [], [0], [0], [], [], [], 0
+    for ql, kv in specs:
+        nb = -(-kv // bs)
+        b = perm[used:used + nb]
+        used += nb
+        for p in range(kv - ql, kv):
+            slots.append(b[p // bs] * bs + p % bs)
+            pos.append(p)
+        qo.append(qo[-1] + ql)
+        kvp.append(kvp[-1] + nb)
+        kvi += b
+        last.append(kv - (nb - 1) * bs)
+        blocks.append(b)
+    i32 = lambda x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
+    return StepMetadata(torch.zeros(len(pos), dtype=torch.long), torch.tensor(pos), i32(slots), i32(qo), i32(kvp),
+                        i32(kvi), i32(last), torch.tensor([len(pos) - 1]), bs, [q for q, _ in specs],
+                        [k for _, k in specs], blocks, [])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window,softcap", [(None, None), (6, None), (None, 30.0), (5, 20.0)])
+def test_kernel_backend_agrees_with_the_torch_backend(dtype, window, softcap):
+    bs, hq, hkv, d = 4, 6, 2, 32
+    # decodes, fresh and cached short chunks (the kernel), fresh and cached long ones (the torch path's SDPA)
+    specs = [(1, 1), (1, 23), (9, 9), (7, 30), (1, 14), (16, 16), (1, 40), (40, 40), (35, 61)]
+    assert max(q for q, _ in specs) > cpa.KERNEL_MAX_Q_LEN
+    n_blocks = sum(-(-kv // bs) for _, kv in specs) + 2
+    meta = step_metadata(specs, bs, torch.randperm(n_blocks, generator=torch.Generator().manual_seed(0)).tolist())
+    ref, ker = TorchBackend(2, n_blocks, bs, hkv, d, dtype, "cpu"), cpa.CpuPagedBackend(2, n_blocks, bs, hkv, d,
+                                                                                        dtype, "cpu")
+    gen = torch.Generator().manual_seed(1)
+    for a, b in zip(ref.kv, ker.kv):
+        a.copy_(torch.randn(a.shape, generator=gen))
+        b.copy_(a)
+    t = meta.num_tokens
+    for layer in range(2):
+        q, k, v = (torch.randn(1, h, t, d, generator=gen).to(dtype) for h in (hq, hkv, hkv))
+        ref.plan(meta)
+        ker.plan(meta)
+        want = ref.attend(layer, q, k, v, 0.3, window, softcap)
+        got = ker.attend(layer, q, k, v, 0.3, window, softcap)
+        assert torch.equal(ker.kv[2 * layer], ref.kv[2 * layer]) and torch.equal(ker.kv[2 * layer + 1],
+                                                                                 ref.kv[2 * layer + 1])
+        tol = 2e-5 if dtype == torch.float32 else 3e-2  # the torch path rounds scores and probs to bf16
+        torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+        assert ker._torch_plan == "long" and len(ker._args[0]) == 7, "the kernel served every decode and short chunk"
+
+
+def test_a_layer_with_a_feature_the_kernel_lacks_takes_the_torch_path(monkeypatch):
+    """Features the op does not implement (attention sinks, chunked attention, when the model passes
+    them) send that layer through the torch backend's own attend, in the same step."""
+    bs, n_blocks = 4, 16
+    meta = step_metadata([(1, 9), (5, 5)], bs, list(range(n_blocks)))
+    ker = cpa.CpuPagedBackend(1, n_blocks, bs, 2, 16, torch.float32, "cpu")
+    calls = []
+    monkeypatch.setattr(TorchBackend, "attend", lambda self, *a, **kw: calls.append(kw) or "torch path")
+    ker.plan(meta)
+    q, k, v = torch.randn(1, 4, 6, 16), torch.randn(1, 2, 6, 16), torch.randn(1, 2, 6, 16)
+    assert ker.attend(0, q, k, v, 0.25, sinks=torch.zeros(4)) == "torch path"
+    assert ker._torch_plan == "full" and calls and "sinks" in calls[0]
+    assert ker.attend(0, q, k, v, 0.25, sinks=None).shape == (1, 6, 4, 16)  # an absent feature: the kernel
+    assert len(calls) == 1
+
+    from paged_hf.kv_geometry import KVLayout, LayerSpec
+    chunked = cpa.CpuPagedBackend(KVLayout((LayerSpec(4, 2, 16, 16, chunk=8),)), n_blocks, bs, dtype=torch.float32)
+    chunked.plan(meta)
+    assert chunked.attend(0, q, k, v, 0.25) == "torch path" and chunked._torch_plan == "full"  # a chunked layer
+
+
+# ---- generation through the kernel against transformers ----------------------------------------
+PROMPT_LENGTHS = [1, 6, 19, 41]
+SMALL = {"block_size": 4, "max_num_batched_tokens": 16, "max_num_seqs": 8}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_generation_through_the_kernel_agrees_with_transformers(family, dtype):
+    """4-token blocks and a 16-token budget (chunked prefill over cached context), then the same
+    prompts again behind a shared prefix (prefix hits): every token is transformers' argmax."""
+    reference = make_tiny_model(family, dtype=dtype)
+    engine = paged_hf.Engine(make_tiny_model(family, dtype=dtype), **SMALL)
+    assert engine.stats()["backend"] == "cpu"
+    tol = 1e-3 if dtype == torch.float32 else BF16_TOL
+    prompts = tiny_prompts(reference.config.vocab_size, len(PROMPT_LENGTHS), PROMPT_LENGTHS, seed=11)
+    shared = tiny_prompts(reference.config.vocab_size, 1, 22, seed=12)[0]
+    params = paged_hf.SamplingParams(max_new_tokens=10, ignore_eos=True)
+    first = engine.generate(prompts, params)
+    second = engine.generate([shared + p for p in prompts], params)
+    assert engine.stats()["steps"] > 20 and engine.stats()["prefix_hit_tokens"] >= 3 * 20
+    for prompt, out in list(zip(prompts, first)) + list(zip([shared + p for p in prompts], second)):
+        assert len(out.token_ids) == 10
+        assert_teacher_forced(reference, prompt, out.token_ids, tol=tol, what=f"{family}/{dtype}/kernel")
+    assert engine.kv.pool.num_used == 0
+
+
+# ---- when it cannot be built ---------------------------------------------------------------------
+def test_a_failed_build_warns_once_and_auto_stays_on_the_torch_path(monkeypatch):
+    monkeypatch.setattr(cpa, "_state", {"loaded": None, "error": None, "build_s": None, "path": None})
+
+    def no_compiler(verbose):
+        raise RuntimeError("Error building extension: c++: command not found")
+
+    monkeypatch.setattr(cpa, "_build_and_load", no_compiler)
+    with pytest.warns(RuntimeWarning, match="could not be built.*command not found"):
+        assert select_backend("auto", torch.device("cpu")) is TorchBackend
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once: later engines say nothing
+        engine = paged_hf.Engine(make_tiny_model("llama"), block_size=4)
+    assert engine.stats()["backend"] == "torch"
+    model = make_tiny_model("llama")
+    prompt = tiny_prompts(model.config.vocab_size, 1, 13, seed=3)[0]
+    out = engine.generate([prompt], paged_hf.SamplingParams(max_new_tokens=6, ignore_eos=True))[0]
+    assert_teacher_forced(model, prompt, out.token_ids, what="torch fallback")
+
+
+def test_no_compiler_in_a_fresh_process(tmp_path):
+    """A real failed build: no C++ compiler, an empty extensions dir. One warning, then the torch path."""
+    script = textwrap.dedent("""
+        import warnings, paged_hf, sys
+        sys.path.insert(0, sys.argv[1])
+        from tiny_models import make_tiny_model
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            a = paged_hf.Engine(make_tiny_model("llama"), block_size=4)
+            b = paged_hf.Engine(make_tiny_model("qwen3"), block_size=4)
+        out = a.generate([[5, 6, 7, 8, 9]], paged_hf.SamplingParams(max_new_tokens=3, ignore_eos=True))[0]
+        kernel = [w for w in caught if "paged attention kernel" in str(w.message)]
+        print(a.stats()["backend"], b.stats()["backend"], len(kernel), len(out.token_ids))
+    """)
+    env = {**os.environ, "CXX": str(tmp_path / "no-such-compiler"), "PAGED_HF_EXTENSIONS_DIR": str(tmp_path / "ext"),
+           "PAGED_HF_CPU_KERNEL": "1"}
+    res = subprocess.run([sys.executable, "-c", script, str(Path(__file__).parent)], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.split() == ["torch", "torch", "1", "3"], res.stdout + res.stderr[-2000:]
+
+
+def test_the_build_is_cached_and_named_by_source_torch_and_flags():
+    status = cpa.status()
+    assert status["loaded"] and Path(status["path"]).is_file()
+    assert Path(status["path"]).parent.parent == cpa.extensions_dir()
+    name = cpa._build_name(cpa.compile_flags())
+    assert Path(status["path"]).stem == name
+    assert cpa._build_name(cpa.compile_flags() + ["-DX"]) != name
