@@ -277,15 +277,6 @@ def test_generate_dataset_and_cli_take_stops(model64, tok, tmp_path):
         assert row["generation"] == want
 
 
-@pytest.fixture(scope="module")
-def smollm2_fp32():
-    import os
-
-    from paged_hf.models import load_default_model
-
-    return load_default_model(dtype=torch.float32, cache_dir=os.environ.get("PAGED_HF_CACHE"))
-
-
 def test_smollm2_stop_strings_equal_transformers(smollm2_fp32):
     """One transformers call (its StopStringCriteria reads SmolLM2's 49k-token vocabulary once,
     ~30 s here) against patched generate and the engine's SamplingParams.stop."""
