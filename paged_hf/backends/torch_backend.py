@@ -9,8 +9,10 @@ cache, a strided view, ~3x slower than from a contiguous one.)
 
 ``plan`` turns the step metadata into gather indices and masks once per step; ``attend`` then
 runs once per layer: write the new K/V, attend the decodes in a few batched calls (sequences
-grouped by length, so a batch of short ones does not gather a long one's context each), and
-each prefill chunk with its own causal offset.
+grouped by length, so a batch of short ones does not gather a long one's context each),
+short prefill chunks the same way (scoring continuations over a shared context, prompts that
+hit the prefix cache: one call per group, not per sequence), and each long prefill chunk with
+its own causal offset.
 """
 from __future__ import annotations
 
@@ -70,6 +72,39 @@ def decode_groups(lengths: list[int], block_size: int, padding_tokens: int | Non
 
 
 @dataclass
+class _ChunkGroup:
+    """Short prefill chunks of similar context length, attended in one batched call per layer:
+    queries padded to the longest chunk (a padding row repeats a real one and is dropped),
+    keys to the longest context, as decode groups are."""
+    rows: torch.Tensor     # [n * q_max] query rows in the packed batch
+    real: torch.Tensor     # [n * q_max] which of them are not padding
+    out_rows: torch.Tensor  # the packed rows of the real ones, in order
+    blocks: torch.Tensor   # [n * max_blocks] each sequence's blocks, padded with its first
+    n: int
+    q_max: int
+    q_pos: torch.Tensor    # [n, q_max] position of each query
+    kv_pos: torch.Tensor   # [max_blocks * block_size]
+    valid: torch.Tensor    # [n, max_blocks * block_size] real (not padding) key positions
+    masks: dict = field(default_factory=dict)  # by sliding window, built on first use
+
+    def mask(self, window: int | None) -> torch.Tensor:
+        """[n, 1, q_max, Lmax]: causal over real keys, within ``window`` when there is one."""
+        mask = self.masks.get(window)
+        if mask is None:
+            delta = self.q_pos[:, :, None] - self.kv_pos[None, None, :]
+            mask = self.valid[:, None, :] & (delta >= 0)
+            if window is not None:
+                mask = mask & (delta < window)
+            mask = self.masks[window] = mask[:, None]
+        return mask
+
+
+# Prefill chunks up to this many tokens are attended in groups (see _ChunkGroup); longer ones
+# one by one, where their own attention outweighs a call's overhead.
+SHORT_CHUNK_TOKENS = 128
+
+
+@dataclass
 class _PrefillSeq:
     rows: slice            # its new tokens' rows in the packed batch
     blocks: torch.Tensor   # [nb] the blocks its whole context spans
@@ -116,14 +151,37 @@ class TorchBackend(SwapMixin):
                 blocks=torch.tensor(table, dtype=torch.long, device=dev).flatten(), n=len(seqs), q_pos=lens - 1,
                 kv_pos=pos, valid=pos[None, :] < lens[:, None]))
 
+        short = [i for i, q in enumerate(meta.q_lens) if 1 < q <= SHORT_CHUNK_TOKENS]
+        self._chunk_groups = [self._chunk_group([short[j] for j in members], meta, qo)
+                              for members in decode_groups([meta.kv_lens[i] for i in short], bs)]
+
         self._prefills: list[_PrefillSeq] = []
         for i, q in enumerate(meta.q_lens):
-            if q == 1:
+            if q <= SHORT_CHUNK_TOKENS:
                 continue
             L = meta.kv_lens[i]
             self._prefills.append(_PrefillSeq(
                 rows=slice(qo[i], qo[i + 1]), blocks=torch.tensor(meta.kv_blocks[i], dtype=torch.long, device=dev),
                 q_pos=torch.arange(L - q, L, device=dev), kv_len=L, fresh=(L == q)))
+
+    def _chunk_group(self, seqs: list[int], meta: StepMetadata, qo: list[int]) -> _ChunkGroup:
+        bs, dev = self.block_size, self.device
+        q_max = max(meta.q_lens[i] for i in seqs)
+        max_blocks = max(len(meta.kv_blocks[i]) for i in seqs)
+        rows, real, q_pos = [], [], []
+        for i in seqs:
+            q, first, L = meta.q_lens[i], qo[i], meta.kv_lens[i]
+            rows += list(range(first, first + q)) + [first] * (q_max - q)
+            real += [True] * q + [False] * (q_max - q)
+            q_pos += list(range(L - q, L)) + [L - q] * (q_max - q)
+        table = [meta.kv_blocks[i] + [meta.kv_blocks[i][0]] * (max_blocks - len(meta.kv_blocks[i])) for i in seqs]
+        lens = torch.tensor([meta.kv_lens[i] for i in seqs], device=dev)
+        pos = torch.arange(max_blocks * bs, device=dev)
+        rows_t, real_t = torch.tensor(rows, device=dev), torch.tensor(real, device=dev)
+        return _ChunkGroup(rows=rows_t, real=real_t, out_rows=rows_t[real_t],
+                           blocks=torch.tensor(table, dtype=torch.long, device=dev).flatten(), n=len(seqs),
+                           q_max=q_max, q_pos=torch.tensor(q_pos, device=dev).view(len(seqs), q_max),
+                           kv_pos=pos, valid=pos[None, :] < lens[:, None])
 
     def _gather(self, layer_idx: int, blocks: torch.Tensor, n_seqs: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of ``blocks`` (n_seqs equal runs) as [n_seqs, H, n_blocks_each * bs, D]."""
@@ -161,6 +219,12 @@ class TorchBackend(SwapMixin):
             q = q_all[:, group.rows].transpose(0, 1).reshape(group.n, hkv, hq // hkv, d)
             o = _attention(q, k, v, group.mask(sliding_window), scaling, softcap, fused=False)
             out[group.rows] = o.reshape(group.n, hq, d)
+
+        for group in self._chunk_groups:
+            k, v = self._gather(layer_idx, group.blocks, group.n)                 # [n, Hkv, L, D]
+            q = q_all[:, group.rows].view(hq, group.n, group.q_max, d).transpose(0, 1)  # [n, Hq, q_max, D]
+            o = _attention(q, k, v, group.mask(sliding_window), scaling, softcap)
+            out[group.out_rows] = o.transpose(1, 2).reshape(-1, hq, d)[group.real]
 
         for seq in self._prefills:
             q = q_all[:, seq.rows].unsqueeze(0)                                 # [1, Hq, q, D]
