@@ -23,11 +23,11 @@ from tiny_tokenizer import make_tiny_tokenizer
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 FP32_TOL = 1e-4
-# SmolLM2 in bf16: the engine's and transformers' attention kernels round differently, which
-# moves bf16 logits by a few 1e-2; measured over these prompts the largest per-token logprob
-# difference was 0.031 and the largest over a continuation's sum 0.031. A wrong cache or mask
-# moves them by whole units.
-BF16_TOKEN_TOL, BF16_SUM_TOL = 0.1, 0.15
+# SmolLM2 in bf16: bf16 itself is far from exact (on these tokens transformers' bf16 logprobs
+# are up to 0.19 from its fp32 ones, the engine's up to 0.16), and the engine's and transformers'
+# attention kernels round differently: measured here, the two differ by 0.12 at most per token.
+# A wrong cache or mask moves them by whole units.
+BF16_TOKEN_TOL, BF16_SUM_TOL = 0.25, 0.35
 
 
 @torch.no_grad()
