@@ -16,7 +16,7 @@ the prefix cache; since cached positions have no logits, the cache serves a scor
 only the full blocks before its first scored position (the context/continuation boundary), so
 every continuation token still gets its logprob.
 
-Logprobs are ``log_softmax`` in float32 of the logits the model returns (after its own final
+Logprobs are ``log_softmax`` in float32 (float64 for a float64 model) of the logits the model returns (after its own final
 processing: Gemma 2's final softcap, say); ``is_greedy`` is whether every continuation token is
 the argmax of its position's distribution, as lm-evaluation-harness defines it.
 """
@@ -74,7 +74,8 @@ def score_step_rows(logits: torch.Tensor, score_rows: list[tuple[Request, int, i
 
 
 def _score_rows(logits: torch.Tensor, targets: list[int], top_k: int | None) -> list:
-    lp = torch.log_softmax(logits.float(), dim=-1)
+    # float32 at least: bf16/fp16 logits are widened, float64 ones kept
+    lp = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
     target = torch.tensor(targets, device=lp.device)
     chosen = lp.gather(1, target[:, None])[:, 0]
     greedy = lp.argmax(dim=-1) == target

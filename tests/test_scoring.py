@@ -264,3 +264,113 @@ def test_smollm2_bf16_scores_within_tolerance(smollm2):
         ref = reference_logprobs(model, ctx_ids, cont_ids)
         diff = (torch.tensor(out.token_logprobs) - ref).abs()
         assert diff.max() < BF16_TOKEN_TOL and abs(out.logprob - float(ref.sum())) < BF16_SUM_TOL, (cont, diff)
+
+
+# ---- faults over random mixed workloads ---------------------------------------------------------
+
+SCORE_FAULTS = ("none", "forward_error", "forward_interrupt", "scoring_error")
+
+
+@pytest.mark.parametrize("fault", SCORE_FAULTS)
+def test_scoring_under_faults_preemption_and_chunking(fault):
+    """Random workloads of scoring and generation requests sharing contexts, in pools small
+    enough to preempt (recompute or swap), small budgets, prefix caching on or off; one fault
+    per run. Requests the fault did not touch give a fault-free run's results exactly (float64),
+    nothing leaks, and the same engine then serves the workload again as a fresh one would."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    import paged_hf.scoring as scoring
+    from tiny_models import N_SPECIAL
+
+    model = _float64_llama()
+    vocab = model.config.vocab_size
+
+    @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(data=st.data())
+    def run(data):
+        token = st.integers(N_SPECIAL, vocab - 1)
+        contexts = data.draw(st.lists(st.lists(token, min_size=1, max_size=14), min_size=1, max_size=3))
+        items = []
+        for _ in range(data.draw(st.integers(2, 6))):
+            if data.draw(st.booleans()):
+                items.append(("score", data.draw(st.sampled_from(contexts)), data.draw(st.lists(token, min_size=1, max_size=6))))
+            else:
+                items.append(("gen", data.draw(st.sampled_from(contexts)) + data.draw(st.lists(token, min_size=1, max_size=4)),
+                              data.draw(st.integers(1, 6))))
+        bs = data.draw(st.sampled_from([2, 4]))
+        longest = max(len(it[1]) + (len(it[2]) if it[0] == "score" else it[2]) for it in items)
+        config = dict(block_size=bs, num_blocks=-(-longest // bs) + data.draw(st.sampled_from([0, 1, 3, 12])),
+                      max_num_batched_tokens=data.draw(st.sampled_from([8, 16, 64])),
+                      max_num_seqs=data.draw(st.sampled_from([2, 4, 8])),
+                      enable_prefix_caching=data.draw(st.booleans()),
+                      preemption_mode=data.draw(st.sampled_from(["recompute", "swap"])))
+        where = data.draw(st.integers(0, 8))
+
+        def submit(engine):
+            return [engine.add_score_request(it[1], it[2]) if it[0] == "score" else
+                    engine.add_request(it[1], SamplingParams(max_new_tokens=it[2], ignore_eos=True)) for it in items]
+
+        def results(outs):
+            return [o.token_logprobs if hasattr(o, "token_logprobs") else o.token_ids for o in outs]
+
+        fresh = paged_hf.Engine(model, **config)
+        reference = results(fresh.run_until_done(submit(fresh)))
+        engine = paged_hf.Engine(model, **config)
+        touched: set = set()
+        calls = [0]
+        execute, score_rows = engine.runner.execute, scoring._score_rows
+
+        def faulty_execute(scheduled, copies):
+            calls[0] += 1
+            if fault.startswith("forward") and calls[0] == where + 1:
+                touched.update(r.request_id for r, _ in scheduled)
+                raise RuntimeError("device error") if fault == "forward_error" else KeyboardInterrupt
+            return execute(scheduled, copies)
+
+        def faulty_rows(logits, targets, top_k):
+            calls.append("score")
+            if len(calls) - 1 == where + 1:
+                raise ValueError("poisoned")
+            return score_rows(logits, targets, top_k)
+
+        engine.runner.execute = faulty_execute
+        scoring._score_rows = faulty_rows if fault == "scoring_error" else score_rows
+        try:
+            rids = submit(engine)
+            if fault == "forward_interrupt":
+                try:
+                    while engine.has_unfinished:
+                        engine.step()
+                except KeyboardInterrupt:
+                    touched.clear()  # the step was undone: everyone still gets their fault-free result
+            outs = engine.run_until_done(rids)
+        finally:
+            scoring._score_rows = score_rows
+            engine.runner.execute = execute
+        for rid, out, value, expected in zip(rids, outs, results(outs), reference):
+            if out.error is not None or getattr(out, "finish_reason", None) == "error":
+                assert fault in ("forward_error", "scoring_error"), out.error
+                assert fault != "forward_error" or rid in touched
+            else:
+                assert same(value, expected), (fault, rid)
+        assert not engine.requests and engine.kv.pool.num_used == 0
+        assert all(same(a, b) for a, b in zip(results(engine.run_until_done(submit(engine))), reference))
+        assert engine.kv.pool.num_used == 0
+
+    def same(a, b):
+        """Token ids exactly; float64 logprobs up to the order of summation (a cache hit or
+        another batch adds the same terms in another order)."""
+        return a == b if not a or isinstance(a[0], int) else torch.allclose(torch.tensor(a), torch.tensor(b),
+                                                                              rtol=0, atol=1e-9)
+
+    run()
+
+
+_F64 = {}
+
+
+def _float64_llama():
+    if "m" not in _F64:
+        _F64["m"] = make_tiny_model("llama").double()
+    return _F64["m"]
