@@ -7,8 +7,9 @@
 Two local tasks (benchmarks/eval_tasks.py): ``phf_mc``, multiple-choice loglikelihood (N
 questions x 4 choices, ~80-token contexts), and ``phf_gen``, generate_until (N 3-shot prompts,
 ``until`` = ["\\n\\n", "Q:"], at most 16 new tokens). Both backends are built once from the same
-checkpoint with lm-eval's own constructor arguments (``--batch_size 16`` for both, as a user
-would type it), then each task runs ``lm_eval.simple_evaluate`` with the model object, the
+checkpoint with lm-eval's own constructor arguments (``--batch_size 16`` for hf; ``auto`` for
+paged_hf, whose engine batches continuously up to ``max_num_seqs``, 128 by default; pass
+``--paged-batch-size 16`` to cap it at 16 too), then each task runs ``lm_eval.simple_evaluate`` with the model object, the
 systems interleaved round by round (hf, paged_hf, hf, paged_hf, ...) so a busy machine slows
 both alike; the table shows medians and their ratio, and the metrics each system reached.
 
@@ -42,7 +43,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--n-mc", type=int, default=200, help="multiple-choice questions (4 choices each)")
     parser.add_argument("--n-gen", type=int, default=100, help="generate_until prompts")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds per system; medians are reported")
-    parser.add_argument("--batch-size", type=int, default=16, help="lm-eval's --batch_size, given to both systems")
+    parser.add_argument("--batch-size", type=int, default=16, help="lm-eval's --batch_size for --model hf")
+    parser.add_argument("--paged-batch-size", default="auto", help="lm-eval's --batch_size for --model paged_hf "
+                        "(auto: the engine's max_num_seqs; an integer caps the sequences running at once)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--paged-args", default="", help="extra model_args for paged_hf, e.g. max_num_batched_tokens=1024")
     parser.add_argument("--tasks-dir", default=None, help="where to write the tasks (default: a temp dir)")
@@ -68,12 +71,13 @@ def main(argv: list[str] | None = None) -> int:
     threads = torch.get_num_threads()
 
     print(f"model {path} ({args.dtype}), {args.n_mc} questions x 4 choices, {args.n_gen} prompts, "
-          f"{args.rounds} round(s), batch_size {args.batch_size}, {threads} threads", flush=True)
+          f"{args.rounds} round(s), batch_size {args.batch_size} (hf) / {args.paged_batch_size} (paged_hf), "
+          f"{threads} threads", flush=True)
     hf = HFLM(pretrained=str(path), dtype=args.dtype, batch_size=args.batch_size, device="cpu")
     paged_extra = dict(kv.split("=", 1) for kv in args.paged_args.split(",") if kv)
     paged_extra = {k: _literal(v) for k, v in paged_extra.items()}
-    paged = PagedHFLM(pretrained=str(path), dtype=args.dtype, batch_size=args.batch_size, device="cpu",
-                      **paged_extra)
+    paged = PagedHFLM(pretrained=str(path), dtype=args.dtype, batch_size=_literal(args.paged_batch_size),
+                      device="cpu", **paged_extra)
     torch.set_num_threads(threads)  # a constructor may have changed it
     forwarded = _count_hf_tokens(hf)
     systems = {"hf": hf, "paged_hf": paged}
@@ -105,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
 
     _print_table(rows, args)
     out = {"config": {"model": str(path), "dtype": args.dtype, "n_mc": args.n_mc, "n_gen": args.n_gen,
-                      "rounds": args.rounds, "batch_size": args.batch_size, "threads": threads,
+                      "rounds": args.rounds, "batch_size": args.batch_size,
+                      "paged_batch_size": args.paged_batch_size, "threads": threads,
                       "paged_args": paged_extra, "paged_engine": paged.get_model_info()["paged_hf_engine"],
                       "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
                       "torch": torch.__version__, "lm_eval": lm_eval.__version__ if hasattr(lm_eval, "__version__")
@@ -172,7 +177,8 @@ def _mc_reference(result: dict, paged) -> dict:
 
 def _print_table(rows: list[dict], args) -> None:
     print()
-    print("| task | lm-eval --model hf (batch 16) | --model paged_hf | speedup | metrics hf / paged_hf |")
+    print(f"| task | lm-eval --model hf (batch {args.batch_size}) | --model paged_hf (batch {args.paged_batch_size}) "
+          f"| speedup | metrics hf / paged_hf |")
     print("| --- | --- | --- | --- | --- |")
     names = {"phf_mc": f"multiple choice, {args.n_mc} x 4 (loglikelihood)",
              "phf_gen": f"generate_until, {args.n_gen} 3-shot prompts"}

@@ -140,8 +140,14 @@ doc_to_text: ""
 doc_to_target: "{{{{text}}}}"
 metric_list:
   - metric: word_perplexity
+    aggregation: weighted_perplexity
+    higher_is_better: false
   - metric: byte_perplexity
+    aggregation: weighted_perplexity
+    higher_is_better: false
   - metric: bits_per_byte
+    aggregation: bits_per_byte
+    higher_is_better: false
 metadata:
   version: 1.0
 """)
