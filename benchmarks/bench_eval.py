@@ -5,13 +5,15 @@
     python benchmarks/bench_eval.py --model PATH --dtype float32 --out bench_eval.json
 
 Two local tasks (benchmarks/eval_tasks.py): ``phf_mc``, multiple-choice loglikelihood (N
-questions x 4 choices, ~80-token contexts), and ``phf_gen``, generate_until (N 3-shot prompts,
-``until`` = ["\\n\\n", "Q:"], at most 16 new tokens). Both backends are built once from the same
-checkpoint with lm-eval's own constructor arguments (``--batch_size 16`` for hf; ``auto`` for
-paged_hf, whose engine batches continuously up to ``max_num_seqs``, 128 by default; pass
-``--paged-batch-size 16`` to cap it at 16 too), then each task runs ``lm_eval.simple_evaluate`` with the model object, the
-systems interleaved round by round (hf, paged_hf, hf, paged_hf, ...) so a busy machine slows
-both alike; the table shows medians and their ratio, and the metrics each system reached.
+questions x 4 choices, ~80-token contexts), and ``phf_gen``, generate_until (N 5-shot prompts
+with the same shots, as lm-eval's first_n sampler gives them; ``until`` = ["\\n\\n", "Q:"], at
+most 16 new tokens). Both backends are built once from the same checkpoint with lm-eval's own
+constructor arguments (``--batch_size 16`` for hf; ``auto`` for paged_hf, whose engine batches
+continuously up to ``max_num_seqs``, 128 by default; ``--paged-batch-size 16`` caps it at 16
+too). Each task then runs ``lm_eval.simple_evaluate`` with the model object, the systems
+interleaved round by round (hf, paged_hf, hf, paged_hf, ...; paged_hf's prefix cache emptied
+before each round) so a busy machine slows both alike; the table shows medians and their
+ratio, and the metrics each system reached.
 
 Prefill work: for ``--model hf`` the tokens it forwards (padding included, counted at its
 model call); for paged_hf the tokens its engine computed; and two references: one context per
@@ -89,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         prefill: dict[str, int] = {}
         for _round in range(args.rounds):
             for name, lm in systems.items():
+                paged.engine.reset_prefix_cache()  # every round starts cold: no KV kept from the last one
                 before_hf, before_paged = forwarded[0], paged.engine.stats()["prefill_tokens_computed"]
                 start = time.perf_counter()
                 res = lm_eval.simple_evaluate(model=lm, tasks=[task], task_manager=tm, log_samples=True,
@@ -181,7 +184,7 @@ def _print_table(rows: list[dict], args) -> None:
           f"| speedup | metrics hf / paged_hf |")
     print("| --- | --- | --- | --- | --- |")
     names = {"phf_mc": f"multiple choice, {args.n_mc} x 4 (loglikelihood)",
-             "phf_gen": f"generate_until, {args.n_gen} 3-shot prompts"}
+             "phf_gen": f"generate_until, {args.n_gen} 5-shot prompts"}
     for row in rows:
         m = row["metrics"]
         metrics = ", ".join(f"{k} {m['hf'][k]:.3f} / {m['paged_hf'][k]:.3f}" for k in m["hf"])

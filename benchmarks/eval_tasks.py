@@ -2,8 +2,9 @@
 
     phf_mc       multiple choice: N questions x 4 choices, ~80-token contexts (a short story with
                  numbers, then a question; the choices are numbers), metrics acc / acc_norm
-    phf_gen      generate_until: N few-shot arithmetic prompts (3 shots), until ["\\n\\n", "Q:"],
-                 metric exact_match
+    phf_gen      generate_until: N few-shot one-digit arithmetic prompts, the same 5 shots for
+                 every prompt (lm-eval's first_n sampler, as MMLU's and BBH's configs use), until
+                 ["\\n\\n", "Q:"], metric exact_match (leading whitespace removed)
     phf_rolling  loglikelihood_rolling: N short stories, word/byte perplexity, bits per byte
 
     write_tasks("tasks/", n_mc=200, n_gen=100)   # then: lm-eval --include_path tasks/ --tasks phf_mc,phf_gen
@@ -88,10 +89,9 @@ metadata:
 """)
 
     def arithmetic() -> dict:
-        a, b = rng.randint(2, 60), rng.randint(2, 60)
-        op = rng.choice(["plus", "minus", "times"])
-        value = a + b if op == "plus" else a - b if op == "minus" else a * b
-        return {"question": f"What is {a} {op} {b}?", "answer": str(value)}
+        a, b = rng.randint(1, 9), rng.randint(1, 9)
+        op = rng.choice(["plus", "times"])
+        return {"question": f"What is {a} {op} {b}?", "answer": str(a + b if op == "plus" else a * b)}
 
     _jsonl(out / "gen_train.jsonl", [arithmetic() for _ in range(20)])
     _jsonl(out / "gen_test.jsonl", [arithmetic() for _ in range(n_gen)])
@@ -105,7 +105,9 @@ output_type: generate_until
 training_split: train
 fewshot_split: train
 test_split: test
-num_fewshot: 3
+num_fewshot: 5
+fewshot_config:
+  sampler: first_n
 doc_to_text: "Q: {{{{question}}}}\\nA:"
 doc_to_target: "{{{{answer}}}}"
 generation_kwargs:
@@ -114,6 +116,11 @@ generation_kwargs:
     - "Q:"
   do_sample: false
   max_gen_toks: 16
+filter_list:
+  - name: "strip"
+    filter:
+      - function: "remove_whitespace"
+      - function: "take_first"
 metric_list:
   - metric: exact_match
     aggregation: mean

@@ -31,6 +31,8 @@ class SamplingParams:
 
     >>> SamplingParams(max_new_tokens=32, temperature=0.7, top_p=0.9, seed=1).is_greedy
     False
+    >>> SamplingParams(stop="Question:").stop      # one string or several
+    ('Question:',)
     """
 
     max_new_tokens: int = 16

@@ -85,6 +85,7 @@ class _ChunkGroup:
     q_pos: torch.Tensor    # [n, q_max] position of each query
     kv_pos: torch.Tensor   # [max_blocks * block_size]
     valid: torch.Tensor    # [n, max_blocks * block_size] real (not padding) key positions
+    fresh: bool            # no cached context: the keys are the chunks' own new tokens
     masks: dict = field(default_factory=dict)  # by sliding window, built on first use
 
     def mask(self, window: int | None) -> torch.Tensor:
@@ -152,8 +153,11 @@ class TorchBackend(SwapMixin):
                 kv_pos=pos, valid=pos[None, :] < lens[:, None]))
 
         short = [i for i, q in enumerate(meta.q_lens) if 1 < q <= SHORT_CHUNK_TOKENS]
-        self._chunk_groups = [self._chunk_group([short[j] for j in members], meta, qo)
-                              for members in decode_groups([meta.kv_lens[i] for i in short], bs)]
+        self._chunk_groups = []
+        for fresh in (True, False):  # chunks without cached context attend over their own K/V
+            part = [i for i in short if (meta.kv_lens[i] == meta.q_lens[i]) == fresh]
+            self._chunk_groups += [self._chunk_group([part[j] for j in members], meta, qo, fresh)
+                                   for members in decode_groups([meta.kv_lens[i] for i in part], bs)]
 
         self._prefills: list[_PrefillSeq] = []
         for i, q in enumerate(meta.q_lens):
@@ -164,7 +168,7 @@ class TorchBackend(SwapMixin):
                 rows=slice(qo[i], qo[i + 1]), blocks=torch.tensor(meta.kv_blocks[i], dtype=torch.long, device=dev),
                 q_pos=torch.arange(L - q, L, device=dev), kv_len=L, fresh=(L == q)))
 
-    def _chunk_group(self, seqs: list[int], meta: StepMetadata, qo: list[int]) -> _ChunkGroup:
+    def _chunk_group(self, seqs: list[int], meta: StepMetadata, qo: list[int], fresh: bool) -> _ChunkGroup:
         bs, dev = self.block_size, self.device
         q_max = max(meta.q_lens[i] for i in seqs)
         max_blocks = max(len(meta.kv_blocks[i]) for i in seqs)
@@ -181,7 +185,7 @@ class TorchBackend(SwapMixin):
         return _ChunkGroup(rows=rows_t, real=real_t, out_rows=rows_t[real_t],
                            blocks=torch.tensor(table, dtype=torch.long, device=dev).flatten(), n=len(seqs),
                            q_max=q_max, q_pos=torch.tensor(q_pos, device=dev).view(len(seqs), q_max),
-                           kv_pos=pos, valid=pos[None, :] < lens[:, None])
+                           kv_pos=pos, valid=pos[None, :] < lens[:, None], fresh=fresh)
 
     def _gather(self, layer_idx: int, blocks: torch.Tensor, n_seqs: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of ``blocks`` (n_seqs equal runs) as [n_seqs, H, n_blocks_each * bs, D]."""
@@ -221,9 +225,17 @@ class TorchBackend(SwapMixin):
             out[group.rows] = o.reshape(group.n, hq, d)
 
         for group in self._chunk_groups:
-            k, v = self._gather(layer_idx, group.blocks, group.n)                 # [n, Hkv, L, D]
             q = q_all[:, group.rows].view(hq, group.n, group.q_max, d).transpose(0, 1)  # [n, Hq, q_max, D]
-            o = _attention(q, k, v, group.mask(sliding_window), scaling, softcap)
+            if group.fresh and softcap is None and (sliding_window is None or sliding_window >= group.q_max):
+                # the chunks' own K/V, right-padded: a real query never reaches a padding key
+                def own(x: torch.Tensor) -> torch.Tensor:
+                    return x[0][:, group.rows].view(x.shape[1], group.n, group.q_max, d).transpose(0, 1)
+
+                o = F.scaled_dot_product_attention(q, own(key), own(value), is_causal=True, scale=scaling,
+                                                   enable_gqa=key.shape[1] != hq)
+            else:
+                k, v = self._gather(layer_idx, group.blocks, group.n)             # [n, Hkv, L, D]
+                o = _attention(q, k, v, group.mask(sliding_window), scaling, softcap)
             out[group.out_rows] = o.transpose(1, 2).reshape(-1, hq, d)[group.real]
 
         for seq in self._prefills:

