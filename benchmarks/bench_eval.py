@@ -12,8 +12,9 @@ constructor arguments (``--batch_size 16`` for hf; ``auto`` for paged_hf, whose 
 continuously up to ``max_num_seqs``, 128 by default; ``--paged-batch-size 16`` caps it at 16
 too). Each task then runs ``lm_eval.simple_evaluate`` with the model object, the systems
 interleaved round by round (hf, paged_hf, hf, paged_hf, ...; paged_hf's prefix cache emptied
-before each round) so a busy machine slows both alike; the table shows medians and their
-ratio, and the metrics each system reached.
+before each round) so a busy machine slows both alike; the table shows medians of wall time
+and their ratio, medians of the process's CPU time (steadier on a shared machine), and the
+metrics each system reached.
 
 Prefill work: for ``--model hf`` the tokens it forwards (padding included, counted at its
 model call); for paged_hf the tokens its engine computed; and two references: one context per
@@ -87,25 +88,29 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for task in ("phf_mc", "phf_gen"):
         times: dict[str, list[float]] = {s: [] for s in systems}
+        cpu: dict[str, list[float]] = {s: [] for s in systems}
         results: dict[str, dict] = {}
         prefill: dict[str, int] = {}
         for _round in range(args.rounds):
             for name, lm in systems.items():
                 paged.engine.reset_prefix_cache()  # every round starts cold: no KV kept from the last one
                 before_hf, before_paged = forwarded[0], paged.engine.stats()["prefill_tokens_computed"]
-                start = time.perf_counter()
+                start, start_cpu = time.perf_counter(), time.process_time()
                 res = lm_eval.simple_evaluate(model=lm, tasks=[task], task_manager=tm, log_samples=True,
                                               verbosity="WARNING")
                 times[name].append(time.perf_counter() - start)
+                cpu[name].append(time.process_time() - start_cpu)
                 torch.set_num_threads(threads)
                 results[name] = res
                 prefill[name] = forwarded[0] - before_hf if name == "hf" else \
                     paged.engine.stats()["prefill_tokens_computed"] - before_paged
-                print(f"  {task} {name}: {times[name][-1]:.1f} s", flush=True)
+                print(f"  {task} {name}: {times[name][-1]:.1f} s (CPU {cpu[name][-1]:.1f} s)", flush=True)
         row = {"task": task, "times_s": times, "median_s": {s: statistics.median(t) for s, t in times.items()},
+               "cpu_s": cpu, "median_cpu_s": {s: statistics.median(t) for s, t in cpu.items()},
                "metrics": {s: _metrics(results[s], task) for s in systems},
                "prefill_tokens": prefill}
         row["speedup"] = row["median_s"]["hf"] / row["median_s"]["paged_hf"]
+        row["cpu_ratio"] = row["median_cpu_s"]["hf"] / row["median_cpu_s"]["paged_hf"]
         if task == "phf_mc":
             row["reference_tokens"] = _mc_reference(results["paged_hf"], paged)
         rows.append(row)
@@ -181,15 +186,16 @@ def _mc_reference(result: dict, paged) -> dict:
 def _print_table(rows: list[dict], args) -> None:
     print()
     print(f"| task | lm-eval --model hf (batch {args.batch_size}) | --model paged_hf (batch {args.paged_batch_size}) "
-          f"| speedup | metrics hf / paged_hf |")
-    print("| --- | --- | --- | --- | --- |")
+          f"| speedup | CPU time hf / paged_hf | metrics hf / paged_hf |")
+    print("| --- | --- | --- | --- | --- | --- |")
     names = {"phf_mc": f"multiple choice, {args.n_mc} x 4 (loglikelihood)",
              "phf_gen": f"generate_until, {args.n_gen} 5-shot prompts"}
     for row in rows:
         m = row["metrics"]
         metrics = ", ".join(f"{k} {m['hf'][k]:.3f} / {m['paged_hf'][k]:.3f}" for k in m["hf"])
         print(f"| {names[row['task']]} | {row['median_s']['hf']:.1f} s | {row['median_s']['paged_hf']:.1f} s | "
-              f"{row['speedup']:.1f}x | {metrics} |")
+              f"{row['speedup']:.1f}x | {row['median_cpu_s']['hf']:.0f} s / {row['median_cpu_s']['paged_hf']:.0f} s "
+              f"({row['cpu_ratio']:.1f}x) | {metrics} |")
     mc = next(r for r in rows if r["task"] == "phf_mc")
     ref = mc["reference_tokens"]
     print()
