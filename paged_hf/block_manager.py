@@ -33,13 +33,14 @@ class BlockManager:
     def admit(self, req: Request) -> int:
         """Take the cached prefix of a request that holds no blocks; return its token count.
 
-        At least one token is always left to compute: its logits give the next sample.
+        At least one token is always left to compute: its logits give the next sample; and no
+        position whose logits are still to be scored is served (``Request.prefix_limit``).
         """
         assert not req.block_table and req.num_computed_tokens == 0, req.request_id
         if self.index is None:
             return 0
         req.cache_namespace = self.index.namespace  # the KV it computes from now on belongs there
-        node, blocks = self.index.match_prefix(req.token_ids[: req.num_tokens - 1], req.cache_salt)
+        node, blocks = self.index.match_prefix(req.token_ids[: req.prefix_limit], req.cache_salt)
         if blocks:
             self.pool.incref(blocks)
             self.index.lock(node)

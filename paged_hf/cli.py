@@ -4,6 +4,8 @@
     paged-hf generate --model ./my-model --input ./saved_dataset --split test --messages-column messages \\
         --output out.jsonl --checkpoint-dir runs/eval1 --temperature 0.7 --top-p 0.9 --seed 1
     paged-hf bench --quick          # the benchmark harness, benchmarks/bench.py (source checkout)
+    paged-hf lm-eval --model paged_hf --model_args pretrained=default,dtype=bfloat16 --tasks ...
+                                    # lm-evaluation-harness's CLI with the paged_hf backend registered
 """
 from __future__ import annotations
 
@@ -21,6 +23,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "bench":  # everything after "bench" belongs to the harness
         return bench(argv[1:])
+    if argv and argv[0] == "lm-eval":  # everything after "lm-eval" belongs to lm-evaluation-harness
+        return lm_eval(argv[1:])
     args = _parser().parse_args(argv)
     return args.func(args)
 
@@ -62,6 +66,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--repetition-penalty", type=float, default=1.0)
     s.add_argument("--seed", type=int, help="row i samples with seed + i")
     s.add_argument("--ignore-eos", action="store_true")
+    s.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="end a row when its text contains TEXT (repeatable; escapes like \\n are read)")
+    s.add_argument("--include-stop-str", action="store_true", help="keep the stop string at the end of the text")
     e = g.add_argument_group("engine")
     e.add_argument("--max-num-seqs", type=int)
     e.add_argument("--max-num-batched-tokens", type=int)
@@ -75,6 +82,9 @@ def _parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="run the benchmark harness (benchmarks/bench.py); arguments pass through")
     b.set_defaults(func=lambda a: bench([]))
+    e = sub.add_parser("lm-eval", help="lm-evaluation-harness's CLI with --model paged_hf available; arguments "
+                       "pass through (needs the eval extra: pip install 'paged_hf[eval]')")
+    e.set_defaults(func=lambda a: lm_eval([]))
     return parser
 
 
@@ -90,7 +100,8 @@ def generate(args: argparse.Namespace) -> int:
         params = SamplingParams(max_new_tokens=args.max_new_tokens, min_new_tokens=args.min_new_tokens,
                                 temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
                                 repetition_penalty=args.repetition_penalty, seed=args.seed,
-                                ignore_eos=args.ignore_eos)
+                                ignore_eos=args.ignore_eos, stop=[_unescape(s) for s in args.stop],
+                                include_stop_str_in_output=args.include_stop_str)
     except ValueError as err:
         return _fail(str(err))
     engine_config = {k: v for k, v in {
@@ -329,6 +340,24 @@ def bench(argv: Sequence[str]) -> int:
     finally:
         sys.argv = old_argv
     return 0
+
+
+def lm_eval(argv: Sequence[str]) -> int:
+    """lm-evaluation-harness's own command line (``lm-eval ...``) with the ``paged_hf`` backend
+    registered: ``paged-hf lm-eval --model paged_hf --model_args pretrained=PATH ...``."""
+    try:
+        from .integrations.lm_eval import run_cli
+    except ImportError as err:
+        return _fail(f"lm-eval: {err}")
+    return run_cli(list(argv))
+
+
+def _unescape(text: str) -> str:
+    """``--stop '\\n\\n'`` as two newlines: a shell passes the backslashes through."""
+    try:
+        return text.encode("latin-1", "backslashreplace").decode("unicode_escape")
+    except UnicodeDecodeError:
+        return text
 
 
 def _is_main_process() -> bool:

@@ -63,6 +63,8 @@ def generate_dataset(model: torch.nn.Module, tokenizer: Any, dataset: Any, promp
       ``sampling_params``. When sampling (temperature > 0), row ``i`` without its own seed uses
       seed ``(sampling_params.seed or 0) + i``, so results do not depend on batching, resuming
       or sharding. One completion per row: ``n > 1`` is refused (repeat the rows instead).
+      Stop strings (``SamplingParams(stop=[...])``, or a row's own ``stop``) end a row on the
+      token that completes one; its text ends before the stop string.
     - One engine serves the whole dataset; rows are tokenized and queued as the engine drains
       (about ``2 * max_num_seqs`` waiting at a time), so a 100k-row dataset is never all queued.
       A model patched with ``paged_hf.patch`` uses its engine (``engine_for``) unless
@@ -216,7 +218,10 @@ def _finished_record(engine: Any, tokenizer: Any, row: int, req: Any) -> dict:
     if out.error is not None or out.finish_reason == "error":  # it failed inside a step, alone
         return _error_record(row, _without_request_id(out.error or "failed in the engine"))
     try:
-        text = _decode(tokenizer, out.token_ids) if tokenizer is not None else (out.text or "")
+        if isinstance(out.completions[0].stop_reason, str):  # ended by a stop string: the engine's cut text
+            text = out.text
+        else:
+            text = _decode(tokenizer, out.token_ids) if tokenizer is not None else (out.text or "")
     except Exception as e:  # the tokenizer cannot decode what this row generated: the row fails alone
         return _error_record(row, _describe(e))
     return make_record(row, text, len(out.token_ids), out.finish_reason, out.ttft, None)
@@ -243,6 +248,8 @@ def _engine(model: Any, tokenizer: Any, engine_config: dict) -> Any:
 
     if is_patched(model) and not engine_config:
         engine = engine_for(model)
+        if tokenizer is not None and engine.tokenizer is None:  # stop strings are read with it
+            engine.tokenizer = tokenizer
         if engine.requests:
             logger.warning("paged_hf.generate_dataset: the patched model's engine has %d live requests; "
                            "they are stepped along", len(engine.requests))

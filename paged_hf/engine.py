@@ -19,12 +19,14 @@ from .binding import check_still_patched, patch_state
 from .block_manager import BlockManager
 from .coherence import WeightsWatch
 from .config import DEFAULT_CPU_KV_BYTES, EngineConfig
+from .detokenizer import StopStrings
 from .outputs import Completion, RequestOutput
 from .request import FinishReason, Request
 from .runner import ModelRunner, max_positions
 from .sampler import sample
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
+from .scoring import ScoreOutput, prompt_logprobs_output, score_output, score_step_rows
 
 logger = logging.getLogger("paged_hf")
 
@@ -114,14 +116,21 @@ class Engine:
         return self._add(self._new_id(request_id), prompt, params, eos_token_ids)
 
     def _add(self, rid: str, prompt: Any, params: SamplingParams | None,
-             eos_token_ids: frozenset[int] | None = None) -> str:
+             eos_token_ids: frozenset[int] | None = None, stop_strings: StopStrings | None = None) -> str:
+        """``stop_strings``: a matcher of the caller's making (``model.generate``'s, with
+        transformers' semantics) instead of one for ``params.stop``."""
         check_still_patched(self.model, self._patch_state)
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"request {rid}: params must be SamplingParams, got {type(params).__name__}")
         params.validate(f"request {rid}")
-        if params.logprobs is not None and params.logprobs > self.vocab_size:
-            raise ValueError(f"request {rid}: logprobs={params.logprobs} exceeds the vocabulary ({self.vocab_size})")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, name)
+            if k is not None and k > self.vocab_size:
+                raise ValueError(f"request {rid}: {name}={k} exceeds the vocabulary ({self.vocab_size})")
+        if params.stop and self.tokenizer is None:
+            raise ValueError(f"request {rid}: stop={list(params.stop)!r} needs a tokenizer to read the text "
+                             "(Engine(model, tokenizer)); stop_token_ids need none")
         bad_stop = [t for t in params.stop_token_ids if t >= self.vocab_size]
         if bad_stop:
             raise ValueError(f"request {rid}: stop token id {bad_stop[0]} is outside the vocabulary "
@@ -130,10 +139,26 @@ class Engine:
         eos = self.eos_token_ids if eos_token_ids is None else frozenset(eos_token_ids)
         req = Request(rid, ids, params, eos, self.max_model_len)
         req.generator = self._generator(params, 0)
+        req.stop_strings = stop_strings if stop_strings is not None else self._stop_strings(params)
+        if params.prompt_logprobs is not None:
+            req.score_targets, req.score_start = ids[1:], 0
         self.scheduler.add(req)  # refuses what could never fit the pool
         self.requests[rid] = req
         self._stats.prompt_tokens += len(ids)
         return rid
+
+    def _stop_strings(self, params: SamplingParams) -> StopStrings | None:
+        if not params.stop:
+            return None
+        return StopStrings(self.tokenizer, params.stop, params.include_stop_str_in_output)
+
+    def add_score_request(self, context: Any, continuation: Any, request_id: str | None = None, *,
+                          top_logprobs: int | None = None, cache_salt: str | None = None) -> str:
+        """Queue one scoring request (see ``score``); returns its id. ``run_until_done`` gives
+        its ``ScoreOutput``."""
+        from .scoring import add_score_request
+
+        return add_score_request(self, self._new_id(request_id), context, continuation, top_logprobs, cache_salt)
 
     def _new_id(self, request_id: Any) -> str:
         if request_id is None:
@@ -287,6 +312,10 @@ class Engine:
                 req.swap_handle = None
             logits, meta = self.runner.execute(out.scheduled, out.block_copies)
             sched.mark_computed(out)
+            # logits: the sampled rows, then the scored ones (prompt logprobs, scoring requests)
+            scores, score_errors = score_step_rows(logits[len(meta.sampled_requests):], meta.score_rows) \
+                if meta.score_rows else ({}, {})
+            logits = logits[:len(meta.sampled_requests)]
             rows = list(meta.sampled_requests)
             row_of = list(range(len(rows)))
             for i, req in enumerate(meta.sampled_requests):
@@ -312,6 +341,11 @@ class Engine:
 
         sampled: dict[Request, int] = {}
         failed: list[Request] = []
+        for req, entries in scores.items():
+            req.scored.extend(entries)
+        for req, why in score_errors.items():
+            req.error = f"request {req.request_id}: {why}"
+            failed.append(req)
         for i, (req, tok, lp) in enumerate(zip(rows, result.tokens, result.logprobs)):
             if tok is None:
                 req.error = f"request {req.request_id}: {result.errors[i]}"
@@ -322,11 +356,50 @@ class Engine:
                 req.logprobs.append(lp)
         now = time.perf_counter()
         finished = sched.update(out, sampled, now)
+        finished += self._finish_prefill_only(out, failed, now)
+        failed += self._check_stop_strings(sampled, finished, now)
         for req in failed:
-            sched.finish(req, FinishReason.ERROR, now)
+            if not req.is_finished:
+                sched.finish(req, FinishReason.ERROR, now)
+            else:  # its last token's stop-string check failed: the output says so
+                req.finish_reason = FinishReason.ERROR
             logger.warning("paged_hf: %s", req.error)
         self._record_step(out, sampled, decode_tokens)
-        return sampled, finished + failed
+        return sampled, finished + [req for req in failed if req not in finished]
+
+    def _finish_prefill_only(self, out: SchedulerOutput, failed: list[Request], now: float) -> list[Request]:
+        """Scoring requests whose last position was computed this step are done."""
+        done = [req for req, _ in out.scheduled
+                if req.prefill_only and req.num_computed_tokens == req.num_tokens and req not in failed]
+        for req in done:
+            self.scheduler.finish(req, FinishReason.STOP, now)
+        return done
+
+    def _check_stop_strings(self, sampled: dict[Request, int], finished: list[Request], now: float) -> list[Request]:
+        """Feed each sampled token to its request's stop strings; a request whose token completed
+        one stops there (even if the same token also ended it by length). Returns the requests
+        whose check raised (a tokenizer failing on their ids): they fail alone."""
+        failed = []
+        for req, tok in sampled.items():
+            stops = req.stop_strings
+            if stops is None:
+                continue
+            try:
+                hit = stops.push(tok)
+            except Exception as e:  # noqa: BLE001 - this request's detokenization, no one else's
+                req.error = f"request {req.request_id}: detokenizing its output for stop strings failed: " \
+                            f"{type(e).__name__}: {e}"
+                failed.append(req)
+                continue
+            if hit is None:
+                continue
+            req.stop_reason = hit
+            if req.is_finished:
+                req.finish_reason = FinishReason.STOP
+            else:
+                self.scheduler.finish(req, FinishReason.STOP, now)
+                finished.append(req)
+        return failed
 
     def _swap_out(self, out: SchedulerOutput) -> None:
         """Copy preempted requests' KV to host memory before anything reuses their blocks. A copy
@@ -355,6 +428,7 @@ class Engine:
                         parent.max_model_len, arrival_time=parent.arrival_time, sample_index=k, parent=parent)
         child.num_cached_tokens = parent.num_cached_tokens
         child.generator = self._generator(parent.params, k)
+        child.stop_strings = parent.stop_strings.fresh() if parent.stop_strings is not None else None
         return child
 
     def _record_step(self, out: Any, sampled: dict[Request, int], decode_tokens: int) -> None:
@@ -429,6 +503,39 @@ class Engine:
         it = iter(outputs)
         return [errors[i] if rid is None else next(it) for i, rid in enumerate(ids)]
 
+    def score(self, pairs: Sequence[tuple[Any, Any]], *, top_logprobs: int | None = None,
+              cache_salt: str | None = None, progress: bool = False) -> list[ScoreOutput]:
+        """The loglikelihood of each continuation given its context, in input order.
+
+        ``pairs``: ``(context, continuation)`` as text (tokenized as lm-evaluation-harness does:
+        ``scoring.encode_pair``) or as token ids. Each pair is a prefill-only request through the
+        scheduler, batched with anything else running; pairs with the same context share its KV
+        (prefix cache), and each continuation token still gets its logprob. A refused or failed
+        pair gets a ``ScoreOutput`` with ``error`` set; the others run. ``top_logprobs=k`` adds the k
+        most likely tokens of every scored position.
+
+        >>> outs = engine.score([("Q: 2 + 2 =", " 4"), ("Q: 2 + 2 =", " 5")])
+        >>> [round(o.logprob, 2) for o in outs], outs[0].is_greedy
+        """
+        from .scoring import score
+
+        return score(self, pairs, top_logprobs, cache_salt, progress)
+
+    def score_rolling(self, texts: Sequence[Any], *, window: int | None = None, prefix_token: int | None = None,
+                      cache_salt: str | None = None, progress: bool = False) -> list[ScoreOutput]:
+        """The loglikelihood of each whole text (perplexity tasks): every token scored once, in
+        windows of at most ``window`` tokens (default ``max_model_len``), the first conditioned on
+        ``prefix_token`` (default the tokenizer's BOS, else EOS), each later one on as much of the
+        preceding text as fits (``scoring.rolling_windows``, lm-evaluation-harness's windows).
+        Texts are tokenized without special tokens; token ids are taken as they are.
+
+        >>> out = engine.score_rolling(["It was the best of times, it was the worst of times."], window=8)[0]
+        >>> math.exp(-out.logprob / len(out.token_ids))   # perplexity
+        """
+        from .scoring import score_rolling
+
+        return score_rolling(self, texts, window, prefix_token, cache_salt, progress)
+
     def run_until_done(self, request_ids: Sequence[str], *, on_token: Callable[[str, int], None] | None = None,
                        progress: bool = False) -> list[RequestOutput]:
         """Step until the given (already added) requests finish; their outputs in the given order.
@@ -502,7 +609,9 @@ class Engine:
         root = group[0].parent or group[0]
         return self._collect_root(root)
 
-    def make_output(self, root: Request, samples: list[Request] | None = None) -> RequestOutput:
+    def make_output(self, root: Request, samples: list[Request] | None = None) -> RequestOutput | ScoreOutput:
+        if root.prefill_only:
+            return score_output(root)
         samples = root.samples if samples is None else sorted(samples, key=lambda r: r.sample_index)
         completions = [self._completion(r) for r in samples]
         last = max((r.finish_time or 0.0) for r in samples)
@@ -511,17 +620,20 @@ class Engine:
         return RequestOutput(root.request_id, list(root.prompt_ids), completions,
                              ttft=None if first is None else first - root.arrival_time,
                              latency=last - root.arrival_time if last else None,
-                             num_cached_tokens=root.num_cached_tokens, error=error)
+                             num_cached_tokens=root.num_cached_tokens, error=error,
+                             prompt_logprobs=prompt_logprobs_output(root))
 
     def _completion(self, r: Request) -> Completion:
         reason, error, text = r.finish_reason, r.error, None
         try:
-            text = self.decode(r.output_ids)
+            # cut at the stop string, or the whole output decoded at once
+            text = r.stop_strings.text if r.stop_strings is not None and r.stop_strings.hit is not None \
+                else self.decode(r.output_ids)
         except Exception as e:  # noqa: BLE001 - a tokenizer failing on these ids fails this request alone
-            reason, error = FinishReason.ERROR, f"request {r.request_id}: detokenizing its output failed: " \
-                                                f"{type(e).__name__}: {e}"
+            reason = FinishReason.ERROR
+            error = error or f"request {r.request_id}: detokenizing its output failed: {type(e).__name__}: {e}"
         return Completion(list(r.output_ids), reason.value if reason else None, text,
-                          list(r.logprobs) if r.params.logprobs is not None else None, error)
+                          list(r.logprobs) if r.params.logprobs is not None else None, error, r.stop_reason)
 
     def decode(self, token_ids: list[int]) -> str | None:
         if self.tokenizer is None:

@@ -14,6 +14,7 @@ from transformers import GenerationConfig
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .binding import patch_state
+from .detokenizer import StopStrings
 from .sampling_params import SamplingParams
 
 # Settings that change the result and have no equivalent in the engine, with the value at
@@ -24,7 +25,7 @@ _UNSUPPORTED_SETTINGS = {
     "no_repeat_ngram_size": 0, "bad_words_ids": None, "force_words_ids": None, "constraints": None,
     "suppress_tokens": None, "begin_suppress_tokens": None, "sequence_bias": None,
     "forced_bos_token_id": None, "forced_eos_token_id": None, "exponential_decay_length_penalty": None,
-    "guidance_scale": None, "stop_strings": None, "prompt_lookup_num_tokens": None,
+    "guidance_scale": None, "prompt_lookup_num_tokens": None,
     "assistant_early_exit": None, "dola_layers": None, "watermarking_config": None, "token_healing": None,
     "max_time": None, "output_scores": False, "output_logits": False, "output_attentions": False,
     "output_hidden_states": False, "remove_invalid_values": False,
@@ -47,7 +48,7 @@ def paged_generate(self: torch.nn.Module, inputs: torch.Tensor | None = None,
                         ("custom_generate", custom_generate)):
         if value is not None and not (isinstance(value, list) and len(value) == 0):
             raise NotImplementedError(f"paged_hf generate: {name} is not supported; unpatch the model to use it")
-    kwargs.pop("tokenizer", None)  # only needed by stop_strings, refused below
+    tokenizer = kwargs.pop("tokenizer", None)  # what stop_strings are read with, as in transformers
     input_ids = kwargs.pop("input_ids", inputs)
     if input_ids is None:
         raise ValueError("paged_hf generate needs input_ids")
@@ -78,6 +79,12 @@ def paged_generate(self: torch.nn.Module, inputs: torch.Tensor | None = None,
         if gc.pad_token_id is not None and gc.pad_token_id not in eos_list:
             attention_mask = (input_ids != gc.pad_token_id).long()  # transformers infers it the same way
     params = _sampling_params(gc, padded_len)
+    stop_strings = gc.stop_strings
+    if isinstance(stop_strings, str):
+        stop_strings = [stop_strings]
+    if stop_strings and tokenizer is None:
+        raise ValueError("paged_hf generate: stop_strings need the model's tokenizer: pass it as "
+                         "generate(..., stop_strings=..., tokenizer=tokenizer), as transformers requires")
     if streamer is not None and batch * params.n != 1:
         raise NotImplementedError("paged_hf generate: a streamer needs a batch of one sequence")
 
@@ -90,8 +97,11 @@ def paged_generate(self: torch.nn.Module, inputs: torch.Tensor | None = None,
     try:  # on any exception (a refused row, Ctrl-C in a notebook) abort what was submitted
         for i, prompt in enumerate(prompts):
             try:  # refuse the whole call before anything runs: a tensor API has no per-row errors
-                # stop on the generation config's EOS, as transformers does
-                rids.append(engine.add_request(prompt, params, eos_token_ids=frozenset(eos_list)))
+                # stop on the generation config's EOS, as transformers does; stop strings as its
+                # StopStringCriteria: on special tokens' text too, and beginning in the prompt
+                stops = StopStrings(tokenizer, stop_strings, include=True, context_ids=prompt,
+                                    skip_special_tokens=False) if stop_strings else None
+                rids.append(engine._add(engine._new_id(None), prompt, params, frozenset(eos_list), stops))
             except (ValueError, TypeError) as e:
                 raise ValueError(f"paged_hf generate: row {i}: {e}") from e
         if streamer is not None:

@@ -7,12 +7,13 @@ For B sequences and T new tokens:
   kv_indptr[B+1], kv_indices   sequence i's KV blocks (cached and new) are
                                kv_indices[kv_indptr[i]:kv_indptr[i+1]]
   kv_last_page_len[B]          tokens used in each sequence's last block (1..block_size)
-  logits_indices[B']           rows whose logits are sampled: last token of each sequence
-                               whose chunk reaches the end of its known tokens
+  logits_indices[B' + R]       rows whose logits are needed: first the B' sampled rows (last
+                               token of each sequence whose chunk reaches the end of its known
+                               tokens), then the R rows scored (prompt logprobs, scoring requests)
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -35,6 +36,8 @@ class StepMetadata:
     kv_lens: list[int]
     kv_blocks: list[list[int]]  # per sequence, the blocks its KV spans (kv_indices, unflattened)
     sampled_requests: list[Request]  # one per logits row, in row order
+    # after the sampled rows, in row order: (request, first target, count) of its scored rows
+    score_rows: list[tuple[Request, int, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -60,6 +63,8 @@ def build_step_metadata(scheduled: list[tuple[Request, int]], block_size: int,
     last_page_len: list[int] = []
     logits_indices: list[int] = []
     sampled: list[Request] = []
+    score_indices: list[int] = []
+    score_rows: list[tuple[Request, int, int]] = []
     q_lens, kv_lens = [], []
     kv_blocks: list[list[int]] = []
     bs = block_size
@@ -79,9 +84,14 @@ def build_step_metadata(scheduled: list[tuple[Request, int]], block_size: int,
         last_page_len.append(end - (n_blocks - 1) * bs)
         q_lens.append(n)
         kv_lens.append(end)
-        if end == req.num_tokens:
+        if end == req.num_tokens and not req.prefill_only:
             logits_indices.append(len(input_ids) - 1)
             sampled.append(req)
+        first, count = req.score_rows(start, end)
+        if count:
+            row0 = len(input_ids) - n + (req.score_start + first - start)
+            score_indices.extend(range(row0, row0 + count))
+            score_rows.append((req, first, count))
 
     def i32(x: list[int]) -> torch.Tensor:
         return torch.tensor(x, dtype=torch.int32, device=device)
@@ -91,5 +101,6 @@ def build_step_metadata(scheduled: list[tuple[Request, int]], block_size: int,
         positions=torch.tensor(positions, dtype=torch.long, device=device),
         slot_mapping=i32(slots), qo_indptr=i32(qo_indptr), kv_indptr=i32(kv_indptr),
         kv_indices=i32(kv_indices), kv_last_page_len=i32(last_page_len),
-        logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=device),
-        block_size=bs, q_lens=q_lens, kv_lens=kv_lens, kv_blocks=kv_blocks, sampled_requests=sampled)
+        logits_indices=torch.tensor(logits_indices + score_indices, dtype=torch.long, device=device),
+        block_size=bs, q_lens=q_lens, kv_lens=kv_lens, kv_blocks=kv_blocks, sampled_requests=sampled,
+        score_rows=score_rows)

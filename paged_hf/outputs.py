@@ -11,6 +11,7 @@ class Completion:
     text: str | None = None
     logprobs: list | None = None  # per token: (chosen logprob, {token: logprob} top-k)
     error: str | None = None  # why this sample failed (finish_reason "error")
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it (None: EOS or other)
 
 
 @dataclass
@@ -25,6 +26,9 @@ class RequestOutput:
     latency: float | None = None  # seconds from arrival to finish
     num_cached_tokens: int = 0    # prompt tokens served from the prefix cache
     error: str | None = None      # set when the request was refused or failed; the others still ran
+    # with SamplingParams(prompt_logprobs=k): None for the first prompt token, then per token
+    # (its logprob, {token: logprob} of the k most likely)
+    prompt_logprobs: list | None = None
 
     @property
     def token_ids(self) -> list[int]:

@@ -14,6 +14,7 @@ from .sampling_params import SamplingParams
 if TYPE_CHECKING:
     import torch
 
+    from .detokenizer import StopStrings
     from .prefix_index import Node
 
 
@@ -61,6 +62,16 @@ class Request:
     generator: "torch.Generator | None" = None
     error: str | None = None  # why it finished with FinishReason.ERROR
     cache_namespace: Any = None  # prefix-cache namespace it was admitted under (the weights' generation)
+    stop_strings: "StopStrings | None" = None  # matches params.stop in the output as it grows
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+    # Scoring: the logprob of token score_targets[i] comes from the logits of position
+    # score_start + i (prompt_logprobs: the prompt's own tokens 1.. from positions 0..; a scoring
+    # request: its continuation). Positions served from the prefix cache have no logits, so the
+    # cache may serve only positions before the next one still to score (prefix_limit).
+    score_targets: list[int] | None = None
+    score_start: int = 0
+    scored: list = field(default_factory=list)  # per target so far: (logprob, is greedy, top-k dict or None)
+    prefill_only: bool = False  # a scoring request: computes its prompt's logits and finishes, samples nothing
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_ids)
@@ -101,13 +112,30 @@ class Request:
         return all(r.is_finished for r in self.samples)
 
     @property
+    def prefix_limit(self) -> int:
+        """How many leading tokens the prefix cache may serve at admission: all but the last (its
+        logits give the next sample), and none from the next position still to be scored."""
+        limit = self.num_tokens - 1
+        if self.score_targets is not None and len(self.scored) < len(self.score_targets):
+            limit = min(limit, self.score_start + len(self.scored))
+        return limit
+
+    def score_rows(self, start: int, end: int) -> tuple[int, int]:
+        """(first target, count) of the targets whose logits are at positions [start, end)."""
+        if self.score_targets is None:
+            return 0, 0
+        first = max(start, self.score_start + len(self.scored))
+        last = min(end, self.score_start + len(self.score_targets))
+        return first - self.score_start, max(0, last - first)
+
+    @property
     def cache_salt(self) -> str | None:
         return self.params.cache_salt
 
     @property
     def seqs_when_running(self) -> int:
         """Sequences this request will occupy once it samples (n > 1 forks into n)."""
-        return 1 if self.forked or self.parent is not None else self.params.n
+        return 1 if self.forked or self.parent is not None or self.prefill_only else self.params.n
 
     def append_token(self, token: int, now: float) -> bool:
         """Record a sampled token; return True when that finishes the request."""
@@ -119,6 +147,7 @@ class Request:
         if n_out >= p.min_new_tokens and (token in p.stop_token_ids
                                           or (not p.ignore_eos and token in self.eos_token_ids)):
             self.finish_reason = FinishReason.STOP
+            self.stop_reason = token if token in p.stop_token_ids else None
         elif n_out >= p.max_new_tokens or self.num_tokens >= self.max_model_len:
             self.finish_reason = FinishReason.LENGTH
         return self.finish_reason is not None

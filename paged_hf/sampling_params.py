@@ -20,6 +20,8 @@ GREEDY_TEMPERATURE = 1e-5
 MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 1e-6, 1e6
 # Sample k of a seeded request draws with seed + k; every one must be a valid generator seed.
 MAX_SEED = 2**63 - 1
+# Every token searches the last characters for each stop string: O(count x length) per token.
+MAX_STOP_STRINGS, MAX_STOP_STRING_LEN = 64, 1024
 
 
 @dataclass(frozen=True)
@@ -29,6 +31,8 @@ class SamplingParams:
 
     >>> SamplingParams(max_new_tokens=32, temperature=0.7, top_p=0.9, seed=1).is_greedy
     False
+    >>> SamplingParams(stop="Question:").stop      # one string or several
+    ('Question:',)
     """
 
     max_new_tokens: int = 16
@@ -44,6 +48,13 @@ class SamplingParams:
     n: int = 1
     logprobs: int | None = None  # None: none; 0 <= k <= 20: the chosen token's logprob plus the top k
     cache_salt: str | None = None  # requests with different salts never share cached KV
+    # text that ends the request on the token completing it (needs the engine's tokenizer); the
+    # text returned ends before it (include_stop_str_in_output: after it)
+    stop: tuple[str, ...] = ()
+    include_stop_str_in_output: bool = False
+    # None: none; 0 <= k <= 20: each prompt token's logprob plus the top k (vLLM's meaning; the
+    # first token has none). Positions need logits, so the prefix cache serves none of the prompt.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         ids = self.stop_token_ids
@@ -51,6 +62,12 @@ class SamplingParams:
                 or not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in ids):
             raise ValueError(f"sampling params: stop_token_ids={ids!r}, must be a list of token ids (int)")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in ids))
+        stop = self.stop
+        if isinstance(stop, str):
+            stop = (stop,)
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
+            raise ValueError(f"sampling params: stop={self.stop!r}, must be a string or a list of strings")
+        object.__setattr__(self, "stop", tuple(stop))
         self.validate()
 
     def validate(self, who: str = "sampling params") -> None:
@@ -84,6 +101,16 @@ class SamplingParams:
             raise bad("stop_token_ids", self.stop_token_ids, "non-negative token ids")
         if not isinstance(self.ignore_eos, bool):
             raise bad("ignore_eos", self.ignore_eos, "True or False")
+        if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs)
+                                                 or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            raise bad("prompt_logprobs", self.prompt_logprobs, f"None or an integer in [0, {MAX_LOGPROBS}]")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise bad("stop", self.stop, "non-empty strings")
+        if len(self.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_STRING_LEN for s in self.stop):
+            raise bad("stop", self.stop, f"at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_STRING_LEN} "
+                      "characters each")
+        if not isinstance(self.include_stop_str_in_output, bool):
+            raise bad("include_stop_str_in_output", self.include_stop_str_in_output, "True or False")
         if self.cache_salt is not None and not isinstance(self.cache_salt, str):
             # 1, True and 1.0 are equal as dict keys: they would share one cache
             raise bad("cache_salt", self.cache_salt, "None or a str")

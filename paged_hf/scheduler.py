@@ -61,11 +61,13 @@ class Scheduler:
             # it would wait at the head of the queue forever, and block everything behind it
             raise ValueError(f"request {req.request_id}: n={req.params.n} parallel samples exceed "
                              f"max_num_seqs={self.max_num_seqs}")
-        longest = min(req.num_prompt_tokens + req.params.max_new_tokens, req.max_model_len)
+        longest = req.num_prompt_tokens if req.prefill_only else \
+            min(req.num_prompt_tokens + req.params.max_new_tokens, req.max_model_len)
         need = blocks_for(longest, self.kv.block_size)
         if need > self.kv.num_blocks:
-            raise ValueError(f"request {req.request_id}: prompt ({req.num_prompt_tokens}) + max_new_tokens "
-                             f"({req.params.max_new_tokens}) needs {need} KV blocks, the pool has "
+            what = f"prompt ({req.num_prompt_tokens})" + \
+                ("" if req.prefill_only else f" + max_new_tokens ({req.params.max_new_tokens})")
+            raise ValueError(f"request {req.request_id}: {what} needs {need} KV blocks, the pool has "
                              f"{self.kv.num_blocks} of {self.kv.block_size} tokens")
 
     def add(self, req: Request) -> None:
@@ -175,7 +177,7 @@ class Scheduler:
         """Is the next block this request would compute being computed this step by another?"""
         bs = self.kv.block_size
         end = req.num_computed_tokens + bs
-        if not pending or end > req.num_tokens - 1:
+        if not pending or end > req.prefix_limit:
             return False
         return _block_keys(req, bs, end // bs)[-1] in pending
 

@@ -20,13 +20,13 @@ the loop goes on serving the others.
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 from typing import Any, Iterator
 
 import torch
 
+from .detokenizer import IncrementalDetokenizer, StopStrings
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
 
@@ -45,10 +45,12 @@ class RequestHandle:
     With ``n > 1``, ``stream()`` follows the first sample; ``result()`` has them all.
     """
 
-    def __init__(self, owner: "BackgroundEngine", request_id: str | None, tokenizer: Any) -> None:
+    def __init__(self, owner: "BackgroundEngine", request_id: str | None, tokenizer: Any,
+                 params: SamplingParams | None = None) -> None:
         self.request_id = request_id  # set by the engine when None
         self._owner = owner
         self._tokenizer = tokenizer
+        self._params = params
         self._cond = threading.Condition()
         self._tokens: list[int] = []
         self._output: RequestOutput | None = None
@@ -100,9 +102,11 @@ class RequestHandle:
     def stream(self) -> Iterator[str] | Iterator[int]:
         """Yield text deltas (token ids when the engine has no tokenizer) as they are produced.
 
-        Text is detokenized incrementally and never splits a UTF-8 character: a token that
-        ends mid-character waits for the next one. The concatenated deltas equal
-        ``result().text``. Can be called more than once; each call starts from the beginning.
+        Text is detokenized incrementally (``paged_hf.detokenizer``) and never splits a UTF-8
+        character: a token that ends mid-character waits for the next one. With stop strings,
+        the last ``len(longest stop) - 1`` characters wait until they cannot begin one, so a
+        stop string is never shown. The concatenated deltas equal ``result().text``. Can be
+        called more than once; each call starts from the beginning.
         """
         if self._tokenizer is None:
             return self.token_ids()
@@ -110,12 +114,20 @@ class RequestHandle:
 
     def _text_stream(self) -> Iterator[str]:
         detok = IncrementalDetokenizer(self._tokenizer)
+        params = self._params
+        stops = StopStrings(self._tokenizer, params.stop, params.include_stop_str_in_output) \
+            if params is not None and params.stop else None
         for tok in self.token_ids():
-            delta = detok.push(tok)
+            if stops is None:
+                delta = detok.push(tok)
+            else:
+                if stops.hit is None:  # the engine ends the request at a hit: nothing follows
+                    stops.push(tok)
+                delta = stops.safe_text()[len(detok.emitted):]
+                detok.emitted += delta
             if delta:
                 yield delta
-        final = self.result().text or ""
-        tail = detok.finish(final)
+        tail = detok.finish(self.result().text or "")  # what only the whole output's decode has
         if tail:
             yield tail
 
@@ -125,47 +137,6 @@ class RequestHandle:
         if self.done():
             return
         self._owner._call("cancel", self.request_id)
-
-
-class IncrementalDetokenizer:
-    """Text deltas of a growing token sequence, never emitting a broken UTF-8 character.
-
-    Each push decodes the whole output (what ``Engine.decode`` does at the end, so the pieces
-    add up to the final text exactly; O(length) per token, fine for interactive use) and emits
-    what is new, holding back a trailing
-    replacement character (an unfinished multi-byte character) and trailing whitespace
-    (which a tokenizer's clean-up may still change when the next token arrives).
-    """
-
-    def __init__(self, tokenizer: Any) -> None:
-        self.tokenizer = tokenizer
-        self.ids: list[int] = []
-        self.emitted = ""
-
-    def push(self, token: int) -> str:
-        self.ids.append(token)
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        end = len(text)
-        while end and (text[end - 1] == "\ufffd" or text[end - 1].isspace()):
-            end -= 1
-        stable = text[:end]
-        if len(stable) <= len(self.emitted) or not stable.startswith(self.emitted):
-            return ""  # nothing new, or earlier text changed under us: wait for it to settle
-        delta, self.emitted = stable[len(self.emitted):], stable
-        return delta
-
-    def finish(self, final_text: str) -> str:
-        """The rest of ``final_text``; it always begins with what was emitted."""
-        if not final_text.startswith(self.emitted):
-            # only a tokenizer whose clean-up rewrites earlier text (clean_up_tokenization_spaces
-            # turning "do n't" into "don't") gets here; the stream cannot take text back
-            logger.warning("paged_hf: streamed text %r is not a prefix of the final text %r",
-                           self.emitted, final_text)
-            common = os.path.commonprefix([self.emitted, final_text])
-            rest, self.emitted = final_text[len(common):], final_text
-            return rest
-        rest, self.emitted = final_text[len(self.emitted):], final_text
-        return rest
 
 
 class BackgroundEngine:
@@ -190,7 +161,7 @@ class BackgroundEngine:
         """Queue a prompt (text, or token ids); returns its handle at once. Bad input raises the
         engine's ValueError here, in the caller's thread (the loop thread validates it before
         its next step, so this waits at most one step). Without ``request_id`` the engine makes one."""
-        handle = RequestHandle(self, request_id, self.tokenizer)
+        handle = RequestHandle(self, request_id, self.tokenizer, params)
         self._call("add", handle, prompt, params)
         return handle
 

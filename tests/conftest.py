@@ -5,16 +5,34 @@ import torch
 
 
 @pytest.fixture(scope="session")
-def smollm2(tmp_path_factory):
-    """(model, tokenizer) of the default model, SmolLM2-135M-Instruct, in bfloat16.
+def smollm2_cache(tmp_path_factory):
+    """Where the default model's safetensors cache lives: $PAGED_HF_CACHE when set (shared
+    across runs; the first build dequantizes the GGUF, ~15-20 s), else a per-session temp dir."""
+    return os.environ.get("PAGED_HF_CACHE") or tmp_path_factory.mktemp("paged_hf_cache")
 
-    The safetensors cache lives in $PAGED_HF_CACHE when set (shared across runs; the
-    first build dequantizes the GGUF, ~15-20 s), else in a per-session temp dir.
-    """
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_cache):
+    """(model, tokenizer) of the default model, SmolLM2-135M-Instruct, in bfloat16."""
     from paged_hf.models import load_default_model
 
-    cache_dir = os.environ.get("PAGED_HF_CACHE") or tmp_path_factory.mktemp("paged_hf_cache")
-    return load_default_model(dtype=torch.bfloat16, cache_dir=cache_dir)
+    return load_default_model(dtype=torch.bfloat16, cache_dir=smollm2_cache)
+
+
+@pytest.fixture(scope="session")
+def smollm2_fp32(smollm2_cache):
+    """The same in float32: greedy tokens of the engine and of transformers then agree exactly."""
+    from paged_hf.models import load_default_model
+
+    return load_default_model(dtype=torch.float32, cache_dir=smollm2_cache)
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(smollm2, smollm2_cache):
+    """The cache directory itself: a plain transformers checkpoint (config, safetensors, tokenizer)."""
+    from paged_hf.models import default_cache_dir
+
+    return default_cache_dir(smollm2_cache)
 
 
 @pytest.fixture(scope="module")

@@ -58,7 +58,8 @@ def _fake_request(rid: int, num_tokens: int, computed: int, block_size: int, fre
     n_blocks = -(-num_tokens // block_size)
     table = [free.pop() for _ in range(n_blocks)]
     return types.SimpleNamespace(request_id=str(rid), token_ids=list(range(100 + rid, 100 + rid + num_tokens)),
-                                 num_tokens=num_tokens, num_computed_tokens=computed, block_table=table)
+                                 num_tokens=num_tokens, num_computed_tokens=computed, block_table=table,
+                                 prefill_only=False, score_rows=lambda start, end: (0, 0))
 
 
 def _csr_kv_slots(meta, i: int) -> list[int]:

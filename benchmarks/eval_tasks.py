@@ -1,0 +1,171 @@
+"""Local lm-evaluation-harness tasks, written to a directory: no hub access needed.
+
+    phf_mc       multiple choice: N questions x 4 choices, ~80-token contexts (a short story with
+                 numbers, then a question; the choices are numbers), metrics acc / acc_norm
+    phf_gen      generate_until: N few-shot one-digit arithmetic prompts, the same 5 shots for
+                 every prompt (lm-eval's first_n sampler, as MMLU's and BBH's configs use), until
+                 ["\\n\\n", "Q:"], metric exact_match (leading whitespace removed)
+    phf_rolling  loglikelihood_rolling: N short stories, word/byte perplexity, bits per byte
+
+    write_tasks("tasks/", n_mc=200, n_gen=100)   # then: lm-eval --include_path tasks/ --tasks phf_mc,phf_gen
+
+Used by benchmarks/bench_eval.py, tests/test_lm_eval.py and examples/lm_eval_local.py. The data
+are drawn from a seeded generator, so a directory is the same on every machine.
+"""
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+_NAMES = ["Tom", "Anna", "Ravi", "Mei", "Lucas", "Sofia", "Omar", "Ines", "Kenji", "Zara", "Noah", "Lena"]
+_THINGS = ["apples", "marbles", "books", "stamps", "pencils", "shells", "coins", "cards", "plums", "buttons"]
+_PLACES = ["the market", "school", "the library", "the beach", "a garden", "the station", "a museum", "the park"]
+_FILLER = [
+    "The weather was mild and a light wind came from the sea.",
+    "Nobody was in a hurry, and the streets were quiet for a Tuesday.",
+    "It had rained the night before, so the paths were still wet.",
+    "A small dog followed them for a while and then ran off.",
+    "They talked about the week ahead and what they would cook.",
+    "The sun was low by the time they reached the corner.",
+]
+
+
+def _story(rng: random.Random) -> tuple[str, str, int]:
+    """(passage, question, answer) about counting things."""
+    name, friend = rng.sample(_NAMES, 2)
+    thing = rng.choice(_THINGS)
+    start, got, gave = rng.randint(3, 40), rng.randint(2, 30), rng.randint(1, 9)
+    place = rng.choice(_PLACES)
+    passage = (f"{name} went to {place} with {friend} in the morning. {rng.choice(_FILLER)} {name} had {start} "
+               f"{thing} at the start of the day. At {place}, {name} found {got} more {thing} and gave {gave} "
+               f"of them to {friend}.")
+    return passage, f"How many {thing} did {name} have at the end of the day?", start + got - gave
+
+
+def _choices(rng: random.Random, answer: int) -> tuple[list[str], int]:
+    wrong = set()
+    while len(wrong) < 3:
+        w = answer + rng.choice([-10, -3, -2, -1, 1, 2, 3, 5, 10])
+        if w > 0 and w != answer:
+            wrong.add(w)
+    options = sorted(wrong | {answer})
+    rng.shuffle(options)
+    return [str(o) for o in options], options.index(answer)
+
+
+def write_tasks(directory: str | Path, n_mc: int = 200, n_gen: int = 100, n_rolling: int = 20,
+                seed: int = 0) -> Path:
+    """Write the three tasks' data and YAML configs into ``directory``; returns it."""
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed)
+
+    mc = []
+    for _ in range(n_mc):
+        passage, question, answer = _story(rng)
+        choices, label = _choices(rng, answer)
+        mc.append({"context": f"{passage}\nQuestion: {question}\nAnswer:", "choices": choices, "label": label})
+    _jsonl(out / "mc.jsonl", mc)
+    (out / "phf_mc.yaml").write_text(f"""task: phf_mc
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {(out / 'mc.jsonl').resolve()}
+output_type: multiple_choice
+test_split: test
+doc_to_text: "{{{{context}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: label
+metric_list:
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+  - metric: acc_norm
+    aggregation: mean
+    higher_is_better: true
+metadata:
+  version: 1.0
+""")
+
+    def arithmetic() -> dict:
+        a, b = rng.randint(1, 9), rng.randint(1, 9)
+        op = rng.choice(["plus", "times"])
+        return {"question": f"What is {a} {op} {b}?", "answer": str(a + b if op == "plus" else a * b)}
+
+    _jsonl(out / "gen_train.jsonl", [arithmetic() for _ in range(20)])
+    _jsonl(out / "gen_test.jsonl", [arithmetic() for _ in range(n_gen)])
+    (out / "phf_gen.yaml").write_text(f"""task: phf_gen
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    train: {(out / 'gen_train.jsonl').resolve()}
+    test: {(out / 'gen_test.jsonl').resolve()}
+output_type: generate_until
+training_split: train
+fewshot_split: train
+test_split: test
+num_fewshot: 5
+fewshot_config:
+  sampler: first_n
+doc_to_text: "Q: {{{{question}}}}\\nA:"
+doc_to_target: "{{{{answer}}}}"
+generation_kwargs:
+  until:
+    - "\\n\\n"
+    - "Q:"
+  do_sample: false
+  max_gen_toks: 16
+filter_list:
+  - name: "strip"
+    filter:
+      - function: "remove_whitespace"
+      - function: "take_first"
+metric_list:
+  - metric: exact_match
+    aggregation: mean
+    higher_is_better: true
+    ignore_case: true
+    ignore_punctuation: true
+metadata:
+  version: 1.0
+""")
+
+    stories = []
+    for _ in range(n_rolling):
+        parts = [_story(rng) for _ in range(rng.randint(1, 3))]
+        stories.append({"text": " ".join(f"{p} {q} The answer is {a}." for p, q, a in parts)})
+    _jsonl(out / "rolling.jsonl", stories)
+    (out / "phf_rolling.yaml").write_text(f"""task: phf_rolling
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {(out / 'rolling.jsonl').resolve()}
+output_type: loglikelihood_rolling
+test_split: test
+doc_to_text: ""
+doc_to_target: "{{{{text}}}}"
+metric_list:
+  - metric: word_perplexity
+    aggregation: weighted_perplexity
+    higher_is_better: false
+  - metric: byte_perplexity
+    aggregation: weighted_perplexity
+    higher_is_better: false
+  - metric: bits_per_byte
+    aggregation: bits_per_byte
+    higher_is_better: false
+metadata:
+  version: 1.0
+""")
+    return out
+
+
+def _jsonl(path: Path, rows: list[dict]) -> None:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+if __name__ == "__main__":
+    import sys
+
+    print(write_tasks(sys.argv[1] if len(sys.argv) > 1 else "eval_tasks"))
