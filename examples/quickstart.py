@@ -14,6 +14,7 @@ each row at its own EOS. Both are warmed up first; each call is timed end to end
 from __future__ import annotations
 
 import argparse
+import os
 import textwrap
 import time
 
@@ -129,8 +130,25 @@ def main() -> None:
     print(f"  transformers generate: {hf_tok} tokens in {hf_time:.2f}s = {hf_tok / hf_time:.1f} tok/s")
     print(f"  paged_hf generate:     {ph_tok} tokens in {ph_time:.2f}s = {ph_tok / ph_time:.1f} tok/s "
           f"({(ph_tok / ph_time) / (hf_tok / hf_time):.2f}x)")
+    busy = _busy_note()
+    if busy:
+        print(busy)
     stats = paged_hf.engine_for(model).stats()
     print("engine stats:", ", ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in stats.items()))
+
+
+def _busy_note() -> str | None:
+    """A warning when other processes were competing for the CPUs during the timings: then both
+    numbers, and paged_hf's most (many small ops, each waiting for a descheduled thread), mean little."""
+    try:
+        load = os.getloadavg()[0]
+    except OSError:
+        return None
+    cpus, ours = os.cpu_count() or 1, torch.get_num_threads()
+    if load - ours < 0.75 and load <= cpus:  # the load is about our own threads
+        return None
+    return (f"  note: this machine was busy (1-minute load average {load:.1f} on {cpus} CPUs, where this run uses {ours} threads): "
+            "other processes took CPU time during the timings, which are not reliable; run again on a quiet machine")
 
 
 if __name__ == "__main__":
