@@ -14,6 +14,7 @@ each row at its own EOS. Both are warmed up first; each call is timed end to end
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import textwrap
 import time
@@ -120,8 +121,8 @@ def main() -> None:
         print(textwrap.indent(textwrap.fill(b.strip(), 96), "  paged_hf:     "))
         if a != b:
             print(textwrap.indent(textwrap.fill(a.strip(), 96), "  transformers: "))
-    print(f"\n{same}/{len(QUESTIONS)} answers identical to transformers' greedy generate "
-          f"({args.dtype}; bf16 near-ties can flip a token)")
+    print(f"\n{same}/{len(QUESTIONS)} answers identical to transformers' greedy generate ({args.dtype})")
+    hf_rows, ph_rows = hf_out[:, width:].tolist(), ph_out[:, width:].tolist()
     bw = big["input_ids"].shape[1]
     hf_tok, ph_tok = n_tokens(hf_big, bw), n_tokens(ph_big, bw)
     lens = big["attention_mask"].sum(1)
@@ -135,6 +136,33 @@ def main() -> None:
         print(busy)
     stats = paged_hf.engine_for(model).stats()
     print("engine stats:", ", ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in stats.items()))
+    paged_hf.unpatch(model)
+    if same < len(QUESTIONS):
+        print(where_answers_part(model, tok, chats, hf_rows, ph_rows))
+
+
+def where_answers_part(model, tok, chats: list[str], hf_rows: list[list[int]], ph_rows: list[list[int]]) -> str:
+    """For each answer that differs, the first token where it does, judged by a float32 forward
+    of the model (unpadded) on the common prefix: how far apart the two tokens' logits are, and
+    which one float32 picks. In bf16 the two systems round differently (padding, batch shapes),
+    so greedy answers part where two tokens are almost tied; after that the texts follow their
+    own tokens."""
+    fp32 = copy.deepcopy(model).float()
+    gaps, fp32_picks_ours = [], 0
+    for chat, a, b in zip(chats, hf_rows, ph_rows):
+        k = next((j for j in range(min(len(a), len(b))) if a[j] != b[j]), None)
+        if k is None:
+            continue
+        prompt = tok(chat)["input_ids"]  # as the batch was tokenized, without its padding
+        with torch.no_grad():
+            logits = fp32(torch.tensor([prompt + a[:k]])).logits[0, -1]
+        gaps.append(abs(logits[a[k]] - logits[b[k]]).item())
+        fp32_picks_ours += bool(logits[b[k]] > logits[a[k]])
+    if not gaps:
+        return ""
+    return (f"  where they part: {len(gaps)} answer(s) first differ at a token whose two candidates' float32 logits are "
+            f"{min(gaps):.2f}-{max(gaps):.2f} apart (logits here are ~10-30), i.e. near-ties; float32 picks "
+            f"paged_hf's token in {fp32_picks_ours} of {len(gaps)}")
 
 
 def _busy_note() -> str | None:
