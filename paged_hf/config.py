@@ -36,6 +36,8 @@ class EngineConfig:
     use_cuda_graphs: bool = True  # capture pure-decode steps per batch bucket; CUDA + FlashInfer only, else ignored
     compile_decode: bool | str = False  # torch.compile the decode step; a string names the compile backend
     preemption_mode: str = "recompute"  # or "swap": preempted requests' blocks go to pinned host memory
+    # bf16 on a CPU: linear layers run on weights packed once for oneDNN, same results (paged_hf/cpu_linear.py)
+    cpu_packed_weights: bool = True
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -65,7 +67,7 @@ class EngineConfig:
         if self.max_num_seqs > self.max_num_batched_tokens:
             raise ValueError(f"max_num_seqs={self.max_num_seqs} exceeds max_num_batched_tokens="
                              f"{self.max_num_batched_tokens}: decodes need one token of budget each")
-        for name in ("enable_prefix_caching", "use_cuda_graphs"):
+        for name in ("enable_prefix_caching", "use_cuda_graphs", "cpu_packed_weights"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r}, must be True or False")
         if self.backend not in ("auto", "torch", "flashinfer"):
