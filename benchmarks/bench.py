@@ -385,7 +385,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-num-batched-tokens", type=int, help="paged_hf token budget per step")
     p.add_argument("--max-num-seqs", type=int, help="paged_hf max running sequences")
     p.add_argument("--max-prefill-tokens-while-decoding", type=int, help="paged_hf prefill tokens per step next "
-                   "to running decodes")
+                   "to running decodes (default: the engine's, 128; 0: no cap)")
     p.add_argument("--out", help="JSON path (default benchmarks/results/bench-<date>.json)")
     p.add_argument("--plot", nargs="?", const="", default=None, help="write a PNG (default: the JSON path, .png)")
     p.add_argument("--save-tokens", action="store_true", help="keep every request's output tokens in the JSON")
@@ -432,6 +432,8 @@ def engine_config(args) -> dict:
                       ("max_prefill_tokens_while_decoding", "max_prefill_tokens_while_decoding")):
         if getattr(args, flag) is not None:
             cfg[key] = getattr(args, flag)
+    if cfg.get("max_prefill_tokens_while_decoding") == 0:  # 0 on the command line: no cap
+        cfg["max_prefill_tokens_while_decoding"] = None
     return cfg
 
 

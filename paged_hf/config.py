@@ -13,6 +13,11 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 512
 DEFAULT_MAX_NUM_SEQS = 128
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_CPU_KV_BYTES = 1 << 30  # 1 GiB of KV unless told otherwise
+# Prefill tokens a step may carry while decodes run. Without a cap a step next to a long prompt
+# carries a 512-token chunk and its decodes wait ~5 decode steps for their next token (W-long: ITL
+# p99 16x p50); at 128 ITL p99/p50 was 2.4-2.7 on W-mixed, W-prefix-long and W-long, for 4-13% of
+# their throughput (benchmarks/bench_variants.py, README "Measured"). None: no cap.
+DEFAULT_MAX_PREFILL_TOKENS_WHILE_DECODING = 128
 
 
 @dataclass
@@ -26,9 +31,9 @@ class EngineConfig:
     max_num_seqs: int | None = None  # DEFAULT_MAX_NUM_SEQS
     max_num_batched_tokens: int | None = None  # DEFAULT_MAX_NUM_BATCHED_TOKENS
     max_model_len: int | None = None  # None: the model's max_position_embeddings
-    # prefill tokens per step while decodes run (None: all the budget they leave); lower it for a
+    # prefill tokens per step while decodes run (None: all the budget they leave); lower means a
     # steadier token stream next to long prompts, at the cost of those prompts' time to first token
-    max_prefill_tokens_while_decoding: int | None = None
+    max_prefill_tokens_while_decoding: int | None = DEFAULT_MAX_PREFILL_TOKENS_WHILE_DECODING
     enable_prefix_caching: bool = True
     backend: str = "auto"  # "auto", "torch" or "flashinfer"
     namespace: str | None = None  # prefix-cache namespace (model / adapter id); None: derived from the model
