@@ -44,6 +44,10 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+import omp_env  # noqa: E402  (before torch: OpenMP reads its wait policy when libgomp loads)
+
+OMP_WAIT_POLICY = omp_env.setup()
+
 import torch  # noqa: E402
 
 import bench_flops  # noqa: E402
@@ -370,6 +374,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="hf_seq runs only the first K requests and extrapolates (default 8; 0 = all)")
     p.add_argument("--threads", type=int, help="torch threads (default: all cores; --smoke: 1)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--omp-wait-policy", choices=omp_env.CHOICES, default="auto",
+                   help="OpenMP's wait policy for every system (default auto: PASSIVE when the machine is busy; "
+                        "see omp_env.py)")
     p.add_argument("--repeat", type=int, default=1, help="run every row R times, interleaved, and report the "
                    "median-wall run (its wall_s_runs lists all)")
     p.add_argument("--backend", choices=("auto", "torch"), help="paged_hf's backend (default auto: the CPU kernel "
@@ -378,7 +385,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-num-batched-tokens", type=int, help="paged_hf token budget per step")
     p.add_argument("--max-num-seqs", type=int, help="paged_hf max running sequences")
     p.add_argument("--max-prefill-tokens-while-decoding", type=int, help="paged_hf prefill tokens per step next "
-                   "to running decodes")
+                   "to running decodes (default: the engine's, 128; 0: no cap)")
     p.add_argument("--out", help="JSON path (default benchmarks/results/bench-<date>.json)")
     p.add_argument("--plot", nargs="?", const="", default=None, help="write a PNG (default: the JSON path, .png)")
     p.add_argument("--save-tokens", action="store_true", help="keep every request's output tokens in the JSON")
@@ -425,6 +432,8 @@ def engine_config(args) -> dict:
                       ("max_prefill_tokens_while_decoding", "max_prefill_tokens_while_decoding")):
         if getattr(args, flag) is not None:
             cfg[key] = getattr(args, flag)
+    if cfg.get("max_prefill_tokens_while_decoding") == 0:  # 0 on the command line: no cap
+        cfg["max_prefill_tokens_while_decoding"] = None
     return cfg
 
 
@@ -452,7 +461,7 @@ def machine_info(args) -> dict:
 
     return {"date": _dt.datetime.now().isoformat(timespec="seconds"), "python": platform.python_version(),
             "torch": torch.__version__, "transformers": transformers.__version__, "cpu": cpu,
-            "cores": os.cpu_count(), "threads": args.threads,
+            "cores": os.cpu_count(), "threads": args.threads, "omp_wait_policy": OMP_WAIT_POLICY,
             "loadavg_start": os.getloadavg() if hasattr(os, "getloadavg") else None}
 
 
@@ -587,6 +596,7 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1, default=str))
     print(f"JSON: {out}  (total {result['meta']['total_runtime_s']:.0f}s, threads {args.threads}, "
+          f"OpenMP wait policy {OMP_WAIT_POLICY}, "
           f"load avg {result['meta']['loadavg_start']} -> {result['meta']['loadavg_end']})")
     if args.plot is not None:
         png = Path(args.plot) if args.plot else out.with_suffix(".png")

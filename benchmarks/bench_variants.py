@@ -8,8 +8,8 @@ Variants (same model, same workloads, fresh engine per run, each preceded by a t
 
 - ``one decode group``: every decoding sequence padded to the longest, in one batched call (the
   torch backend before decode groups; ``GROUP_PADDING_TOKENS`` set beyond any batch);
-- ``decode groups``: the default engine;
-- ``decode groups + prefill cap 128``: ``max_prefill_tokens_while_decoding=128``.
+- ``decode groups``: the default engine (prefill capped at 128 tokens per step while decoding);
+- ``decode groups, no prefill cap``: ``max_prefill_tokens_while_decoding=None``.
 
 Rounds run every (workload, variant) once in turn, so a slow spell of the machine hits all
 variants alike; the table reports each one's median output tok/s, its ratio to the first
@@ -28,6 +28,10 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+import omp_env  # noqa: E402  (before torch: OpenMP reads its wait policy when libgomp loads)
+
+OMP_WAIT_POLICY = omp_env.setup()
+
 import torch  # noqa: E402
 
 import bench  # noqa: E402
@@ -40,9 +44,19 @@ from paged_hf.models import load_default_model  # noqa: E402
 VARIANTS = {
     "one decode group": dict(group_padding=1 << 60, config={}),
     "decode groups": dict(group_padding=torch_backend.GROUP_PADDING_TOKENS, config={}),
-    "decode groups + prefill cap 128": dict(group_padding=torch_backend.GROUP_PADDING_TOKENS,
-                                            config={"max_prefill_tokens_while_decoding": 128}),
+    "decode groups, no prefill cap": dict(group_padding=torch_backend.GROUP_PADDING_TOKENS,
+                                          config={"max_prefill_tokens_while_decoding": None}),
 }
+DEFAULT_VARIANTS = tuple(VARIANTS)
+# more, by name (--variants): the default engine but for one option
+for _name, _cfg in {"packed weights off": {"cpu_packed_weights": False},
+                    "prefill cap 64": {"max_prefill_tokens_while_decoding": 64},
+                    "prefill cap 128": {"max_prefill_tokens_while_decoding": 128},
+                    "prefill cap 256": {"max_prefill_tokens_while_decoding": 256},
+                    "budget 256": {"max_num_batched_tokens": 256},
+                    "budget 1024": {"max_num_batched_tokens": 1024},
+                    "budget 2048": {"max_num_batched_tokens": 2048}}.items():
+    VARIANTS[_name] = dict(group_padding=torch_backend.GROUP_PADDING_TOKENS, config=_cfg)
 
 
 def run_once(model, workload: W.Workload, warm: W.Workload, variant: dict) -> dict:
@@ -60,10 +74,13 @@ def run_once(model, workload: W.Workload, warm: W.Workload, variant: dict) -> di
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--workloads", default="mixed,prefix,long", help="comma list of mixed, prefix, long")
+    ap.add_argument("--workloads", default="mixed,prefix,long", help="comma list of mixed, prefix, prefix_long, long")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
+                    help=f"comma list, the first is the baseline; known: {', '.join(VARIANTS)}")
     ap.add_argument("--scale", type=float, default=1.0, help="shrink W-prefix and W-long, as bench.py --scale")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    ap.add_argument("--omp-wait-policy", choices=omp_env.CHOICES, default="auto", help="see omp_env.py")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/variants-<date>.json)")
     args = ap.parse_args(argv)
     if args.threads:
@@ -74,11 +91,15 @@ def main(argv: list[str] | None = None) -> int:
     pool = W.allowed_ids(model.config.vocab_size, special)
     workloads = W.build(args.workloads.split(","), pool, mixed_n=max(4, round(64 * args.scale)), scale=args.scale)
     warm = bench.warm_workload(pool)
-    runs: dict[tuple[str, str], list[dict]] = {(w.name, v): [] for w in workloads for v in VARIANTS}
+    chosen = [v.strip() for v in args.variants.split(",")]
+    unknown = [v for v in chosen if v not in VARIANTS]
+    if unknown:
+        ap.error(f"unknown variant(s) {unknown}; known: {list(VARIANTS)}")
+    runs: dict[tuple[str, str], list[dict]] = {(w.name, v): [] for w in workloads for v in chosen}
     for r in range(args.rounds):
         for w in workloads:
-            for name, variant in VARIANTS.items():
-                m = run_once(model, w, warm, variant)
+            for name in chosen:
+                m = run_once(model, w, warm, VARIANTS[name])
                 runs[(w.name, name)].append(m)
                 print(f"[round {r + 1}/{args.rounds}] {w.name} {name}: {m['out_tok_s']:.1f} out tok/s", file=sys.stderr,
                       flush=True)
@@ -86,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for w in workloads:
         base = None
-        for name in VARIANTS:
+        for name in chosen:
             ms = runs[(w.name, name)]
             tok_s = statistics.median(m["out_tok_s"] for m in ms)
             base = base or tok_s
@@ -95,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append({"workload": w.name, "variant": name, "out_tok_s": tok_s, "ratio": tok_s / base,
                          "itl_p50_ms": p50 * 1e3, "itl_p99_ms": p99 * 1e3, "runs": ms})
     print(f"\n## paged_hf variants, SmolLM2-135M bf16, {torch.get_num_threads()} threads, "
-          f"median of {args.rounds} interleaved rounds\n")
+          f"median of {args.rounds} interleaved rounds, OpenMP wait policy {OMP_WAIT_POLICY}\n")
     print("| workload | variant | out tok/s | vs first | ITL p50 ms | ITL p99 ms | p99/p50 |")
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
     for row in rows:

@@ -13,6 +13,11 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 512
 DEFAULT_MAX_NUM_SEQS = 128
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_CPU_KV_BYTES = 1 << 30  # 1 GiB of KV unless told otherwise
+# Prefill tokens a step may carry while decodes run. Without a cap a step next to a long prompt
+# carries a 512-token chunk and its decodes wait ~5 decode steps for their next token (W-long: ITL
+# p99 16x p50); at 128 ITL p99/p50 was 2.4-2.7 on W-mixed, W-prefix-long and W-long, for 4-13% of
+# their throughput (benchmarks/bench_variants.py, README "Measured"). None: no cap.
+DEFAULT_MAX_PREFILL_TOKENS_WHILE_DECODING = 128
 
 
 @dataclass
@@ -26,9 +31,9 @@ class EngineConfig:
     max_num_seqs: int | None = None  # DEFAULT_MAX_NUM_SEQS
     max_num_batched_tokens: int | None = None  # DEFAULT_MAX_NUM_BATCHED_TOKENS
     max_model_len: int | None = None  # None: the model's max_position_embeddings
-    # prefill tokens per step while decodes run (None: all the budget they leave); lower it for a
+    # prefill tokens per step while decodes run (None: all the budget they leave); lower means a
     # steadier token stream next to long prompts, at the cost of those prompts' time to first token
-    max_prefill_tokens_while_decoding: int | None = None
+    max_prefill_tokens_while_decoding: int | None = DEFAULT_MAX_PREFILL_TOKENS_WHILE_DECODING
     enable_prefix_caching: bool = True
     backend: str = "auto"  # "auto", "torch" or "flashinfer"
     namespace: str | None = None  # prefix-cache namespace (model / adapter id); None: derived from the model
@@ -36,6 +41,8 @@ class EngineConfig:
     use_cuda_graphs: bool = True  # capture pure-decode steps per batch bucket; CUDA + FlashInfer only, else ignored
     compile_decode: bool | str = False  # torch.compile the decode step; a string names the compile backend
     preemption_mode: str = "recompute"  # or "swap": preempted requests' blocks go to pinned host memory
+    # bf16 on a CPU: linear layers run on weights packed once for oneDNN, same results (paged_hf/cpu_linear.py)
+    cpu_packed_weights: bool = True
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -65,7 +72,7 @@ class EngineConfig:
         if self.max_num_seqs > self.max_num_batched_tokens:
             raise ValueError(f"max_num_seqs={self.max_num_seqs} exceeds max_num_batched_tokens="
                              f"{self.max_num_batched_tokens}: decodes need one token of budget each")
-        for name in ("enable_prefix_caching", "use_cuda_graphs"):
+        for name in ("enable_prefix_caching", "use_cuda_graphs", "cpu_packed_weights"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r}, must be True or False")
         if self.backend not in ("auto", "torch", "flashinfer"):

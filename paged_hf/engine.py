@@ -265,6 +265,7 @@ class Engine:
         bypasses autograd's counter, unlike ``p.copy_(w)`` under ``torch.no_grad()``)."""
         self._cache_generation += 1
         self.kv.reset_prefix_cache((self._namespace, self._cache_generation))
+        self.runner.weights_changed()
 
     def check_weights(self, rescan: bool = False) -> bool:
         """Reset the prefix cache if the model's weights changed since the last check; True if

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import torch
 
+import contextlib
+
+from . import cpu_linear
 from .attention import active_backend
 from .backends import select_backend
 from .config import EngineConfig
@@ -51,6 +54,14 @@ class ModelRunner:
         self.backend = select_backend(config.backend, self.device, self.dtype, layout)(
             layout, num_blocks + int(accelerate), config.block_size, dtype=self.dtype, device=self.device)
         self.decode = DecodeAccelerator.build(model, self.backend, config, pad_block=num_blocks) if accelerate else None
+        # bf16 on a CPU: the linear layers use weights packed once for oneDNN (paged_hf/cpu_linear.py)
+        self.packed = cpu_linear.PackedLinears(model) if (config.cpu_packed_weights and self.decode is None and
+                                                          cpu_linear.supported(self.dtype, self.device)) else None
+
+    def weights_changed(self) -> None:
+        """The model's weights changed: what was derived from them is made again."""
+        if self.packed is not None:
+            self.packed.reset()
 
     @torch.inference_mode()
     def execute(self, scheduled: list[tuple[Request, int]], block_copies: list[tuple[int, int]]
@@ -61,7 +72,7 @@ class ModelRunner:
         if self.decode is not None and self.decode.can_run(meta):
             return self.decode.run(meta), meta
         self.backend.plan(meta)
-        with active_backend(self.backend):
+        with active_backend(self.backend), (self.packed.active() if self.packed else contextlib.nullcontext()):
             out = self.model(input_ids=meta.input_ids[None], position_ids=meta.positions[None],
                              use_cache=False, logits_to_keep=meta.logits_indices)
         logits = out.logits[0]

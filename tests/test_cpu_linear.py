@@ -1,0 +1,66 @@
+"""Packed oneDNN weights for the linear layers in bf16 on a CPU (paged_hf/cpu_linear.py): the same
+results as ``F.linear`` bit for bit, only inside engine steps, packed again when the weights change."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import paged_hf
+from paged_hf import cpu_linear
+from tiny_models import FAMILIES, make_tiny_model, tiny_prompts
+
+pytestmark = pytest.mark.skipif(not cpu_linear.supported(torch.bfloat16, torch.device("cpu")),
+                                reason="no bf16 oneDNN on this CPU (or packed results differ): F.linear stays")
+
+SMALL = {"block_size": 4, "max_num_batched_tokens": 16, "max_num_seqs": 8}
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16, 64, 300])
+def test_the_packed_op_is_f_linear_bit_for_bit(rows):
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(1536, 576, generator=g).bfloat16()
+    b = torch.randn(1536, generator=g).bfloat16()
+    packed = torch.ops.mkldnn._reorder_linear_weight(w, 64)  # packed for 64 rows, used at any
+    x = torch.randn(1, rows, 576, generator=g).bfloat16()
+    for bias in (None, b):
+        assert torch.equal(cpu_linear._packed_linear(x, packed, bias), F.linear(x, w, bias))
+
+
+def _run(model, prompts, packed: bool):
+    engine = paged_hf.Engine(model, cpu_packed_weights=packed, **SMALL)
+    assert (engine.runner.packed is not None) == packed
+    params = paged_hf.SamplingParams(max_new_tokens=8, ignore_eos=True, logprobs=3)
+    return engine, engine.generate(prompts, params)
+
+
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f != "gpt2"])  # GPT-2's Conv1D is no nn.Linear
+def test_engine_outputs_are_identical_with_and_without_packed_weights(family):
+    model = make_tiny_model(family, dtype=torch.bfloat16)
+    prompts = tiny_prompts(model.config.vocab_size, 4, [1, 6, 19, 41], seed=5)
+    engine, with_packed = _run(model, prompts, packed=True)
+    assert len(engine.runner.packed.modules) >= 4 * model.config.num_hidden_layers
+    assert all("forward" not in m.__dict__ for m in engine.runner.packed.modules)  # untouched outside a step
+    _, without = _run(model, prompts, packed=False)
+    for a, b in zip(with_packed, without):
+        assert a.token_ids == b.token_ids
+        assert a.completions[0].logprobs == b.completions[0].logprobs  # bit for bit, not within a tolerance
+
+
+def test_a_weight_update_is_packed_again():
+    model = make_tiny_model("llama", dtype=torch.bfloat16)
+    prompts = tiny_prompts(model.config.vocab_size, 2, [7, 12], seed=6)
+    engine, _ = _run(model, prompts, packed=True)
+    with torch.no_grad():
+        for m in engine.runner.packed.modules:
+            m.weight.mul_(-1.5)  # an optimizer step's kind of write: the version counter moves
+    params = paged_hf.SamplingParams(max_new_tokens=8, ignore_eos=True, logprobs=3)
+    after = engine.generate(prompts, params)
+    reference = paged_hf.Engine(model, cpu_packed_weights=False, **SMALL).generate(prompts, params)
+    assert [o.completions[0].logprobs for o in after] == [o.completions[0].logprobs for o in reference]
+
+
+def test_fp32_and_the_option_off_keep_f_linear():
+    assert not cpu_linear.supported(torch.float32, torch.device("cpu"))
+    engine = paged_hf.Engine(make_tiny_model("llama"), **SMALL)  # fp32
+    assert engine.runner.packed is None
+    with pytest.raises(ValueError, match="cpu_packed_weights"):
+        paged_hf.Engine(make_tiny_model("llama", dtype=torch.bfloat16), cpu_packed_weights="yes")
