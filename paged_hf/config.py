@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 # Defaults from measurements on a 2-core AVX-512 machine with SmolLM2-135M in bf16
 # (benchmarks/bench.py): bf16 matmuls run at ~374 GFLOP/s for 128 rows and ~401 for 512, so
@@ -16,8 +19,9 @@ DEFAULT_CPU_KV_BYTES = 1 << 30  # 1 GiB of KV unless told otherwise
 # Prefill tokens a step may carry while decodes run. Without a cap a step next to a long prompt
 # carries a 512-token chunk and its decodes wait ~5 decode steps for their next token (W-long: ITL
 # p99 16x p50); at 128 ITL p99/p50 was 2.4-2.7 on W-mixed, W-prefix-long and W-long, for 4-13% of
-# their throughput (benchmarks/bench_variants.py, README "Measured"). None: no cap.
-DEFAULT_MAX_PREFILL_TOKENS_WHILE_DECODING = 128
+# their throughput (benchmarks/bench_variants.py, README "Measured"). On CUDA there is no cap by
+# default: a GPU step's cost hardly grows with its prefill rows, and no GPU measurement says otherwise.
+DEFAULT_CPU_MAX_PREFILL_TOKENS_WHILE_DECODING = 128
 
 
 @dataclass
@@ -32,8 +36,9 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None  # DEFAULT_MAX_NUM_BATCHED_TOKENS
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     # prefill tokens per step while decodes run (None: all the budget they leave); lower means a
-    # steadier token stream next to long prompts, at the cost of those prompts' time to first token
-    max_prefill_tokens_while_decoding: int | None = DEFAULT_MAX_PREFILL_TOKENS_WHILE_DECODING
+    # steadier token stream next to long prompts, at the cost of those prompts' time to first token.
+    # "auto": DEFAULT_CPU_MAX_PREFILL_TOKENS_WHILE_DECODING on a CPU, no cap on CUDA
+    max_prefill_tokens_while_decoding: int | str | None = "auto"
     enable_prefix_caching: bool = True
     backend: str = "auto"  # "auto", "torch" or "flashinfer"
     namespace: str | None = None  # prefix-cache namespace (model / adapter id); None: derived from the model
@@ -56,8 +61,8 @@ class EngineConfig:
         if self.max_num_seqs is None:
             self.max_num_seqs = min(DEFAULT_MAX_NUM_SEQS, self.max_num_batched_tokens)
         cap = self.max_prefill_tokens_while_decoding
-        if cap is not None and (not isinstance(cap, int) or isinstance(cap, bool) or cap < 1):
-            raise ValueError(f"max_prefill_tokens_while_decoding={cap!r}, must be None or an integer >= 1")
+        if cap is not None and cap != "auto" and (not isinstance(cap, int) or isinstance(cap, bool) or cap < 1):
+            raise ValueError(f"max_prefill_tokens_while_decoding={cap!r}, must be 'auto', None or an integer >= 1")
         if self.num_blocks is not None and (not isinstance(self.num_blocks, int) or isinstance(self.num_blocks, bool)
                                             or self.num_blocks < 1):
             raise ValueError(f"num_blocks={self.num_blocks!r}, must be an integer >= 1")
@@ -81,6 +86,12 @@ class EngineConfig:
             raise ValueError(f"compile_decode={self.compile_decode!r}, must be a bool or a torch.compile backend name")
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode={self.preemption_mode!r}, must be 'recompute' or 'swap'")
+
+    def resolve_for(self, device: "torch.device") -> None:
+        """Settle the defaults that depend on the device the model is on."""
+        if self.max_prefill_tokens_while_decoding == "auto":
+            self.max_prefill_tokens_while_decoding = \
+                DEFAULT_CPU_MAX_PREFILL_TOKENS_WHILE_DECODING if device.type == "cpu" else None
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":

@@ -39,6 +39,19 @@ def supported(dtype: torch.dtype, device: torch.device) -> bool:
     return _EXACT["bf16"]
 
 
+def affordable(nbytes: int) -> tuple[bool, str]:
+    """Whether a second copy of ``nbytes`` of weights fits: at most a quarter of the memory
+    available now (a 7B model in bf16 would need ~13 GiB more). Returns (ok, why not)."""
+    try:
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):  # no sysconf here: do not risk it
+        return False, "the memory available could not be read"
+    if nbytes <= available // 4:
+        return True, ""
+    return False, (f"the packed copy ({nbytes / 2**30:.1f} GiB) would take more than a quarter of the "
+                   f"{available / 2**30:.1f} GiB of memory available")
+
+
 def _check_exact() -> bool:
     try:
         if not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
@@ -69,6 +82,7 @@ class PackedLinears:
                         and m.weight.dtype == torch.bfloat16 and m.weight.device.type == "cpu"
                         and m.weight.dim() == 2]
         self.batch_hint = batch_hint
+        self.nbytes = sum(m.weight.numel() * m.weight.element_size() for m in self.modules)
         self._forwards: list | None = None
 
     def reset(self) -> None:

@@ -59,6 +59,7 @@ class Engine:
                              "or call paged_hf.patch(model) first")
         self.layout = state.layout
         self.model = model
+        self.config.resolve_for(next(model.parameters()).device)
         self.tokenizer = tokenizer
         self.max_model_len = _within_limits(self.config, _max_model_len(model, self.config.max_model_len), state.limits)
         self.vocab_size = model.config.get_text_config().vocab_size

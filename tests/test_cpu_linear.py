@@ -64,3 +64,21 @@ def test_fp32_and_the_option_off_keep_f_linear():
     assert engine.runner.packed is None
     with pytest.raises(ValueError, match="cpu_packed_weights"):
         paged_hf.Engine(make_tiny_model("llama", dtype=torch.bfloat16), cpu_packed_weights="yes")
+
+
+def test_no_second_copy_of_weights_that_would_crowd_memory(monkeypatch, caplog):
+    ok, _ = cpu_linear.affordable(1 << 20)
+    assert ok
+    ok, why = cpu_linear.affordable(1 << 50)  # a petabyte of weights
+    assert not ok and "quarter" in why
+    model = make_tiny_model("llama", dtype=torch.bfloat16)
+    prompts = tiny_prompts(model.config.vocab_size, 2, [7, 12], seed=7)
+    params = paged_hf.SamplingParams(max_new_tokens=6, ignore_eos=True, logprobs=3)
+    reference = paged_hf.Engine(model, cpu_packed_weights=False, **SMALL).generate(prompts, params)
+    monkeypatch.setattr(cpu_linear.os, "sysconf", lambda name: 1)  # one byte of memory available
+    with caplog.at_level("WARNING", logger="paged_hf"):
+        engine = paged_hf.Engine(model, **SMALL)
+    assert engine.runner.packed is None
+    assert "not packed" in caplog.text and "quarter" in caplog.text
+    assert [o.completions[0].logprobs for o in engine.generate(prompts, params)] == \
+        [o.completions[0].logprobs for o in reference]

@@ -521,3 +521,20 @@ def test_weights_made_under_inference_mode_have_no_version_counter_and_still_run
     for prompt, out in zip(prompts, outs):
         assert out.error is None
         assert_teacher_forced(model, prompt, out.token_ids, what="inference-mode weights")
+
+
+def test_the_prefill_cap_default_follows_the_device():
+    from paged_hf.config import DEFAULT_CPU_MAX_PREFILL_TOKENS_WHILE_DECODING, EngineConfig
+
+    cfg = EngineConfig()
+    assert cfg.max_prefill_tokens_while_decoding == "auto"
+    cfg.resolve_for(torch.device("cpu"))
+    assert cfg.max_prefill_tokens_while_decoding == DEFAULT_CPU_MAX_PREFILL_TOKENS_WHILE_DECODING
+    cfg = EngineConfig()
+    cfg.resolve_for(torch.device("cuda", 0))
+    assert cfg.max_prefill_tokens_while_decoding is None
+    cfg = EngineConfig(max_prefill_tokens_while_decoding=None)  # an explicit None stays: no cap
+    cfg.resolve_for(torch.device("cpu"))
+    assert cfg.max_prefill_tokens_while_decoding is None
+    with pytest.raises(ValueError, match="'auto', None or an integer"):
+        EngineConfig(max_prefill_tokens_while_decoding="fast")
