@@ -16,47 +16,20 @@ from __future__ import annotations
 import argparse
 import copy
 import os
+import sys
 import textwrap
 import time
-
-
-class OtherProcesses:
-    """CPU time other processes take while a block runs: the machine's busy time (/proc/stat)
-    less this process's own (Linux; elsewhere ``cores`` stays None). Load averages do not tell
-    it: this VM's floor is ~1 with nothing running."""
-
-    def __enter__(self) -> "OtherProcesses":
-        self.cores = None
-        self._start = (_machine_busy_s(), os.times(), time.perf_counter())
-        return self
-
-    def __exit__(self, *exc) -> None:
-        busy0, own0, wall0 = self._start
-        busy1, own1, wall1 = _machine_busy_s(), os.times(), time.perf_counter()
-        if busy0 is not None and busy1 is not None:
-            own = (own1.user + own1.system) - (own0.user + own0.system)
-            self.cores = max(0.0, (busy1 - busy0 - own) / (wall1 - wall0))  # cores they kept busy
-
-
-def _machine_busy_s() -> float | None:
-    try:
-        with open("/proc/stat") as f:
-            fields = [int(x) for x in f.readline().split()[1:9]]
-    except (OSError, ValueError):
-        return None
-    user, nice, system, _idle, _iowait, irq, softirq, steal = fields
-    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
-
+from pathlib import Path
 
 # On a machine other jobs share, OpenMP threads spinning between parallel regions stall every one
 # of them (README, "On a CPU"); libgomp reads its wait policy once, when torch loads, so it is
-# decided here, for transformers and paged_hf alike: PASSIVE when other processes kept a third of a core
-# busy over a short look (on idle cores it cost paged_hf ~10% here, so not otherwise).
-if "OMP_WAIT_POLICY" not in os.environ:
-    with OtherProcesses() as _look:
-        time.sleep(0.5)
-    if _look.cores is not None and _look.cores > 0.3:
-        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+# decided here, for transformers and paged_hf alike: PASSIVE when other processes keep a third of
+# a core busy over a half-second look (on idle cores it cost paged_hf ~10% here, so not otherwise).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from omp_env import OtherProcesses, others_busy_now  # noqa: E402
+
+if "OMP_WAIT_POLICY" not in os.environ and others_busy_now():
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
 
 import torch  # noqa: E402
 
