@@ -38,6 +38,8 @@ from paged_hf.metadata import StepMetadata  # noqa: E402
 
 
 def step_metadata(specs: list[tuple[int, int]], bs: int, perm: list[int]) -> StepMetadata:
+    """A step built by hand: sequence i has ``specs[i] = (new tokens, context length)``, its blocks
+    taken in turn from ``perm`` (also used by tests/test_cpu_paged_attention.py)."""
     slots, pos, qo, kvp, kvi, last, blocks, used = [], [], [0], [0], [], [], [], 0
     for ql, kv in specs:
         nb = -(-kv // bs)

@@ -20,8 +20,10 @@ import paged_hf
 from oracle import assert_teacher_forced
 from paged_hf.backends import TorchBackend, select_backend
 from paged_hf.backends import cpu_paged_attention as cpa
-from paged_hf.metadata import StepMetadata
 from tiny_models import FAMILIES, make_tiny_model, tiny_prompts
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from bench_attention import step_metadata  # noqa: E402  (steps built by hand, shared with the benchmark)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -155,27 +157,6 @@ def test_op_writes_only_the_rows_of_the_sequences_it_is_given():
 
 
 # ---- the kernel backend against the torch backend ----------------------------------------------
-def step_metadata(specs: list[tuple[int, int]], bs: int, perm: list[int]) -> StepMetadata:
-    """Metadata of one step: sequences of (new tokens, context incl. them), pages taken from ``perm``."""
-    slots, pos, qo, kvp, kvi, last, blocks, used = [], [], [0], [0], [], [], [], 0
-    for ql, kv in specs:
-        nb = -(-kv // bs)
-        b = perm[used:used + nb]
-        used += nb
-        for p in range(kv - ql, kv):
-            slots.append(b[p // bs] * bs + p % bs)
-            pos.append(p)
-        qo.append(qo[-1] + ql)
-        kvp.append(kvp[-1] + nb)
-        kvi += b
-        last.append(kv - (nb - 1) * bs)
-        blocks.append(b)
-    i32 = lambda x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
-    return StepMetadata(torch.zeros(len(pos), dtype=torch.long), torch.tensor(pos), i32(slots), i32(qo), i32(kvp),
-                        i32(kvi), i32(last), torch.tensor([len(pos) - 1]), bs, [q for q, _ in specs],
-                        [k for _, k in specs], blocks, [])
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window,softcap", [(None, None), (6, None), (None, 30.0), (5, 20.0)])
 def test_kernel_backend_agrees_with_the_torch_backend(dtype, window, softcap):
