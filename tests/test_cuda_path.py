@@ -236,14 +236,20 @@ def _generate(model, prompts, params, **config):
     return [o.token_ids for o in outs], engine
 
 
-@pytest.mark.parametrize("family", ["llama", "llama_mqa", "qwen2", "gemma2", "gpt2"])
-def test_flashinfer_backend_matches_torch_backend(family, fake_flashinfer, monkeypatch):
-    model = make_tiny_model(family)
+def _flashinfer_matches_torch(model, backend_cls, monkeypatch, graphs: bool = False):
+    """The workload through the torch backend, then through ``backend_cls`` (and with ``graphs``
+    the CUDA-graph decode path): the same tokens. Returns the second engine."""
     prompts, params = _workload(model.config.vocab_size)
     expected, _ = _generate(model, prompts, params, backend="torch")
-    _use_backend(monkeypatch, fake_flashinfer.FlashInferBackend)
+    _use_backend(monkeypatch, backend_cls, graphs=graphs)
     got, engine = _generate(model, prompts, params)
     assert got == expected
+    return engine
+
+
+@pytest.mark.parametrize("family", ["llama", "llama_mqa", "qwen2", "gemma2", "gpt2"])
+def test_flashinfer_backend_matches_torch_backend(family, fake_flashinfer, monkeypatch):
+    engine = _flashinfer_matches_torch(make_tiny_model(family), fake_flashinfer.FlashInferBackend, monkeypatch)
     backend = engine.runner.backend
     assert isinstance(backend, fake_flashinfer.FlashInferBackend)
     kinds = {kind for kind, _ in backend._eager}
@@ -279,12 +285,8 @@ def test_flashinfer_backend_plans_once_per_step_per_variant(fake_flashinfer, mon
 @pytest.mark.parametrize("family", ["llama", "gemma2"])
 def test_cuda_graph_decode_path(family, fake_flashinfer, monkeypatch):
     """Decode steps padded to buckets and replayed from fixed buffers give the same tokens."""
-    model = make_tiny_model(family)
-    prompts, params = _workload(model.config.vocab_size)
-    expected, _ = _generate(model, prompts, params, backend="torch")
-    _use_backend(monkeypatch, fake_flashinfer.FlashInferBackend, graphs=True)
-    got, engine = _generate(model, prompts, params)
-    assert got == expected
+    engine = _flashinfer_matches_torch(make_tiny_model(family), fake_flashinfer.FlashInferBackend, monkeypatch,
+                                       graphs=True)
     runner, backend = engine.runner, engine.runner.backend
     accel = runner.decode
     assert accel is not None and accel.use_graphs and accel._captured

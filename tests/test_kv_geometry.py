@@ -13,7 +13,7 @@ import paged_hf
 from paged_hf.backends import TorchBackend, select_backend
 from paged_hf.backends.swap import swap_in, swap_out
 from paged_hf.kv_geometry import KVLayout, LayerSpec
-from test_cuda_path import _generate, _use_backend, _workload, fake_flashinfer  # noqa: F401 - a fixture
+from test_cuda_path import _flashinfer_matches_torch, _workload, fake_flashinfer  # noqa: F401 - a fixture
 from tiny_models import make_arch_model
 
 MLA = KVLayout((LayerSpec(4, 4, 16, 12),) * 2)
@@ -38,12 +38,7 @@ def test_flashinfer_backend_runs_per_layer_widths(fake_flashinfer, monkeypatch):
     """Gemma 4's sliding layers (16 wide) and full layer (32 wide) through the FlashInfer backend:
     one planned variant per shape, the same tokens as the torch backend."""
     monkeypatch.setattr(fake_flashinfer, "SUPPORTED_HEAD_DIMS", (16, 32))
-    model = make_arch_model("gemma4_text")
-    prompts, params = _workload(model.config.vocab_size)
-    expected, _ = _generate(model, prompts, params, backend="torch")
-    _use_backend(monkeypatch, fake_flashinfer.FlashInferBackend)
-    got, engine = _generate(model, prompts, params)
-    assert got == expected
+    engine = _flashinfer_matches_torch(make_arch_model("gemma4_text"), fake_flashinfer.FlashInferBackend, monkeypatch)
     backend = engine.runner.backend
     assert [tuple(c.shape[-2:]) for c in backend.kv] == [(2, 16)] * 3 + [(2, 32)]
     assert {(v[0], v[5]) for v in backend.variants} == {(7, 16), (-1, 32)}, "window_left 7 on the 16-wide layers"
