@@ -471,9 +471,11 @@ def benchmark(args) -> dict:
                               "args": {k: v for k, v in vars(args).items() if not k.startswith("_")},
                               "engine_config_overrides": eng_cfg, "ceilings": {}, "workloads": {}, "rows": []}
     t_run = time.perf_counter()
-    load = _loadavg1()
-    if load is not None and args.threads > 1 and load > (os.cpu_count() or 1) - args.threads + 0.5:
-        print(f"WARNING: load average {load:.1f} on {os.cpu_count()} cores before the run: other processes compete "
+    with omp_env.OtherProcesses() as look:  # not the load average: this VM idles at ~1
+        time.sleep(0.5)
+    others = look.cores
+    if others is not None and args.threads > 1 and others > (os.cpu_count() or 1) - args.threads + 0.3:
+        print(f"WARNING: other processes kept {others:.1f} of {os.cpu_count()} cores busy before the run: they compete "
               f"for the cores. Multi-threaded GEMMs stall badly when oversubscribed (on this machine one forward "
               f"ranged from 66 ms to 2.5 s with 2 threads, 80-92 ms with 1): compare rows of one run only, check "
               f"the cpu column, and prefer --threads 1 and --repeat 3 while the machine is busy.",
