@@ -148,6 +148,21 @@ class Engine:
         self._stats.prompt_tokens += len(ids)
         return rid
 
+    def _check_token_ids(self, rid: str, ids: list, what: str) -> None:
+        """Token ids a request carries (its prompt; a scoring pair's context or continuation):
+        ints, inside the vocabulary, none of them a media placeholder."""
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise ValueError(f"request {rid}: {what} must be token ids (int)")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"request {rid}: {what} token id {bad[0]} is outside the vocabulary "
+                             f"[0, {self.vocab_size})")
+        media = [t for t in ids if t in self._patch_state.media_token_ids]
+        if media:
+            raise ValueError(f"request {rid}: {what} token id {media[0]} is this model's image/video/audio "
+                             "placeholder; media inputs are not supported yet (paged_hf runs the text path of "
+                             "multimodal models)")
+
     def _stop_strings(self, params: SamplingParams) -> StopStrings | None:
         if not params.stop:
             return None
@@ -187,15 +202,7 @@ class Engine:
             raise ValueError(f"request {rid}: a prompt is text or a list of token ids, got {type(prompt).__name__}")
         if not ids:
             raise ValueError(f"request {rid}: empty prompt")
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-            raise ValueError(f"request {rid}: prompt must be token ids (int)")
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"request {rid}: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
-        media = [t for t in ids if t in self._patch_state.media_token_ids]
-        if media:
-            raise ValueError(f"request {rid}: token id {media[0]} is this model's image/video/audio placeholder; "
-                             "media inputs are not supported yet (paged_hf runs the text path of multimodal models)")
+        self._check_token_ids(rid, ids, "prompt")
         if len(ids) >= self.max_model_len:
             raise ValueError(f"request {rid}: prompt has {len(ids)} tokens, max_model_len is {self.max_model_len} "
                              "(room for at least one new token is needed)")

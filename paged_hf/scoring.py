@@ -105,16 +105,7 @@ def add_score_request(engine: Any, rid: str, context: Any, continuation: Any | N
     params.validate(f"request {rid}")
     ctx, cont = _pair_ids(engine, rid, context, continuation)
     for what, ids in (("context", ctx), ("continuation", cont)):
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-            raise ValueError(f"request {rid}: the {what} must be token ids (int)")
-        bad = [t for t in ids if not 0 <= t < engine.vocab_size]
-        if bad:
-            raise ValueError(f"request {rid}: {what} token id {bad[0]} is outside the vocabulary "
-                             f"[0, {engine.vocab_size})")
-        media = [t for t in ids if t in engine._patch_state.media_token_ids]
-        if media:
-            raise ValueError(f"request {rid}: {what} token id {media[0]} is this model's image/video/audio "
-                             "placeholder; media inputs are not supported yet")
+        engine._check_token_ids(rid, ids, what)
     if not ctx:
         raise ValueError(f"request {rid}: empty context: the first continuation token needs a token before it "
                          "(give a BOS token, or text, which gets the tokenizer's BOS/EOS)")
