@@ -143,10 +143,14 @@ class Engine:
         req.stop_strings = stop_strings if stop_strings is not None else self._stop_strings(params)
         if params.prompt_logprobs is not None:
             req.score_targets, req.score_start = ids[1:], 0
-        self.scheduler.add(req)  # refuses what could never fit the pool
-        self.requests[rid] = req
-        self._stats.prompt_tokens += len(ids)
-        return rid
+        return self._queue(req)
+
+    def _queue(self, req: Request) -> str:
+        """Hand a built request to the scheduler (which refuses what could never fit the pool)."""
+        self.scheduler.add(req)
+        self.requests[req.request_id] = req
+        self._stats.prompt_tokens += req.num_prompt_tokens
+        return req.request_id
 
     def _check_token_ids(self, rid: str, ids: list, what: str) -> None:
         """Token ids a request carries (its prompt; a scoring pair's context or continuation):

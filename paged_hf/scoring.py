@@ -119,10 +119,7 @@ def add_score_request(engine: Any, rid: str, context: Any, continuation: Any | N
     req.prefill_only = True
     req.score_targets = list(cont)
     req.score_start = len(ctx) - 1
-    engine.scheduler.add(req)  # refuses what could never fit the pool
-    engine.requests[rid] = req
-    engine._stats.prompt_tokens += req.num_prompt_tokens
-    return rid
+    return engine._queue(req)
 
 
 def _pair_ids(engine: Any, rid: str, context: Any, continuation: Any) -> tuple[list[int], list[int]]:

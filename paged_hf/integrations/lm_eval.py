@@ -64,7 +64,7 @@ except ImportError as _err:  # pragma: no cover - the message is the point
 
 from ..config import EngineConfig
 from ..sampling_params import SamplingParams
-from ..scoring import rolling_windows
+from ..scoring import prefix_token_id, rolling_windows
 
 logger = logging.getLogger("paged_hf")
 
@@ -160,9 +160,7 @@ class PagedHFLM(TemplateLM):
     def prefix_token_id(self) -> int:
         if self.custom_prefix_token_id is not None:
             return self.custom_prefix_token_id
-        if self.tokenizer.bos_token_id is not None:
-            return self.tokenizer.bos_token_id
-        return self.tokenizer.eos_token_id
+        return prefix_token_id(self.tokenizer)  # BOS, else EOS, as Engine.score_rolling
 
     @property
     def max_length(self) -> int:
