@@ -41,7 +41,6 @@ class PatchState:
     # engine refuses to run once the state it was built under is gone
     engines: weakref.WeakSet = field(default_factory=weakref.WeakSet)
 
-
     def get_engine(self) -> Any:
         """The engine behind the patched ``generate``, built on first use."""
         if self.engine is None:
