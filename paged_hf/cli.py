@@ -158,54 +158,11 @@ def generate(args: argparse.Namespace) -> int:
 def load_model(name: str, gguf_file: str | None, tokenizer_name: str | None, dtype: str,
                device: str) -> tuple[Any, Any]:
     """(model, tokenizer). Raises ValueError naming the option (--model, --tokenizer, --device)
-    whose value cannot be loaded; the tokenizer and the model's config are read before its weights,
-    so those mistakes are found in a moment."""
-    import torch
+    whose value cannot be loaded (paged_hf/loading.py)."""
+    from .loading import load_model as load
 
-    torch_dtype = None if dtype == "auto" else getattr(torch, dtype)
-    if name == "default":
-        from .models import load_default_model
-
-        return _load("--model", name, "it", lambda: load_default_model(dtype=torch_dtype or torch.bfloat16,
-                                                                         device=device))
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    extra: dict[str, Any] = {"gguf_file": gguf_file} if gguf_file else {}
-    model_extra = dict(extra)
-    if gguf_file:
-        try:  # plain dense weights, which the engine patches (see paged_hf.models)
-            from transformers import GgufConfig
-
-            model_extra["quantization_config"] = GgufConfig(dequantize=True)
-        except ImportError:  # older transformers always dequantize GGUF
-            pass
-    _load("--model", name, "it", lambda: AutoConfig.from_pretrained(name, **extra))
-    if tokenizer_name:
-        tokenizer = _load("--tokenizer", tokenizer_name, "it", lambda: AutoTokenizer.from_pretrained(tokenizer_name))
-    else:
-        tokenizer = _load("--model", name, "its tokenizer (choose one with --tokenizer)",
-                          lambda: AutoTokenizer.from_pretrained(name, **extra))
-    model = _load("--model", name, "it",
-                  lambda: AutoModelForCausalLM.from_pretrained(name, dtype=torch_dtype or "auto", **model_extra))
-    try:
-        model.to(device).eval()
-    except (RuntimeError, ValueError, TypeError, AssertionError) as err:  # torch's ways of refusing a device
-        raise ValueError(f"--device {device}: {err}") from None
-    return model, tokenizer
-
-
-def _load(option: str, name: str, what: str, load: Any) -> Any:
-    if _looks_like_path(name) and not Path(name).expanduser().exists():
-        raise ValueError(f"{option} {name}: no such directory")
-    try:
-        return load()
-    except Exception as err:  # transformers raises OSError, ValueError, KeyError, ... for "not a model here"
-        raise ValueError(f"{option} {name}: cannot load {what} ({type(err).__name__}: {err})") from None
-
-
-def _looks_like_path(name: str) -> bool:
-    """A name that cannot be a Hub repo id ("name" or "owner/name"), so it must be a local path."""
-    return os.path.isabs(name) or name.startswith((".", "~")) or name.count("/") > 1
+    return load(name, tokenizer=tokenizer_name, dtype=dtype, device=device, gguf_file=gguf_file,
+                labels={"model": "--model", "tokenizer": "--tokenizer", "device": "--device"})
 
 
 def load_input(path: str, split: str | None) -> Any:

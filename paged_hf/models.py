@@ -67,24 +67,12 @@ def _is_complete(path: Path) -> bool:
 
 def _load_from_gguf() -> tuple["PreTrainedModel", "PreTrainedTokenizerBase"]:
     """Dequantize the GGUF into a plain float32 transformers model and tokenizer."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from .loading import load_model
 
-    gguf_path = smollm2_gguf_path()
-    directory, filename = os.path.split(gguf_path)
-    kwargs = {}
-    try:
-        from transformers import GgufConfig
-
-        # Newer transformers can keep GGUF weights packed in custom modules when the
-        # `kernels` package is present; we need plain dense nn.Linear weights to patch
-        # and to save, so always ask for the dequantized model.
-        kwargs["quantization_config"] = GgufConfig(dequantize=True)
-    except ImportError:  # older transformers: the GGUF loader always dequantizes
-        pass
-    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=filename)
+    directory, filename = os.path.split(smollm2_gguf_path())
     # float32 keeps the dequantized values exactly (Q4_1 blocks are fp16 scale * int + fp16 min,
     # which bf16 generally cannot hold), so any dtype requested later is one rounding away from the file.
-    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=filename, dtype=torch.float32, **kwargs)
+    model, tokenizer = load_model(directory, gguf_file=filename, dtype=torch.float32)
     for name, param in model.named_parameters():
         if not param.is_floating_point():
             raise RuntimeError(f"GGUF weight {name} was not dequantized (dtype {param.dtype})")

@@ -63,6 +63,7 @@ except ImportError as _err:  # pragma: no cover - the message is the point
                       f"(lm-eval==0.4.13) ({_err})") from _err
 
 from ..config import EngineConfig
+from ..loading import load_model
 from ..sampling_params import SamplingParams
 from ..scoring import prefix_token_id, rolling_windows
 
@@ -128,8 +129,9 @@ class PagedHFLM(TemplateLM):
             else:
                 self.engine = Engine(model, tokenizer, **engine_options)
         else:
-            model, tokenizer = _load(str(pretrained), tokenizer, dtype, _device(device), revision,
-                                     trust_remote_code, gguf_file)
+            model, tokenizer = load_model(str(pretrained), tokenizer=tokenizer, dtype=dtype, device=_device(device),
+                                          gguf_file=gguf_file, revision=revision, trust_remote_code=trust_remote_code,
+                                          labels={"model": "pretrained", "tokenizer": "tokenizer"})
             self.engine = Engine(model, tokenizer, **engine_options)
         if tokenizer is None:
             raise ValueError("paged_hf: lm-eval passes text, so a tokenizer is needed (tokenizer=...)")
@@ -348,30 +350,6 @@ def _sampling_params(kwargs: dict, max_new_tokens: int, stop: list[str]) -> Samp
     if kwargs.get("seed") is not None:
         fields["seed"] = int(kwargs["seed"])
     return SamplingParams(max_new_tokens=max_new_tokens, stop=stop, **fields)
-
-
-def _load(name: str, tokenizer: Any, dtype: Any, device: str, revision: str | None, trust_remote_code: bool,
-          gguf_file: str | None) -> tuple[torch.nn.Module, Any]:
-    """(model, tokenizer) by name: ``default`` is the embedded SmolLM2-135M-Instruct."""
-    dtype_name = dtype if isinstance(dtype, str) else str(dtype).replace("torch.", "")
-    if name == "default":
-        from ..models import load_default_model
-
-        torch_dtype = torch.bfloat16 if dtype_name == "auto" else getattr(torch, dtype_name)
-        model, default_tok = load_default_model(dtype=torch_dtype, device=device)
-        return model, default_tok if tokenizer is None else _load_tokenizer(tokenizer, model, revision,
-                                                                            trust_remote_code, gguf_file)
-    from transformers import AutoModelForCausalLM
-
-    extra: dict[str, Any] = {"trust_remote_code": trust_remote_code}
-    if revision is not None:
-        extra["revision"] = revision
-    if gguf_file is not None:
-        extra["gguf_file"] = gguf_file
-    torch_dtype = "auto" if dtype_name == "auto" else getattr(torch, dtype_name)
-    model = AutoModelForCausalLM.from_pretrained(name, dtype=torch_dtype, **extra).to(device).eval()
-    return model, _load_tokenizer(tokenizer if tokenizer is not None else name, model, revision,
-                                  trust_remote_code, gguf_file)
 
 
 def _load_tokenizer(tokenizer: Any, model: torch.nn.Module, revision: str | None, trust_remote_code: bool,

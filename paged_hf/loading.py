@@ -1,0 +1,95 @@
+"""A model and its tokenizer by name, for the front ends (the CLI, the lm-eval backend).
+
+    model, tokenizer = load_model("default")                       # the embedded SmolLM2-135M-Instruct
+    model, tokenizer = load_model("/ckpts/llama", dtype="bfloat16", device="cpu")
+    model, tokenizer = load_model("repo/name", gguf_file="model.Q4_K_M.gguf")   # dequantized
+
+Every mistake is a ``LoadError`` (a ``ValueError``) that names the argument at fault in the
+caller's words (``labels``: the CLI says ``--model``, lm-eval ``pretrained``), and the tokenizer
+and config are read before the weights, so a wrong name is found in a moment.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+
+class LoadError(ValueError):
+    """A model, tokenizer or device that cannot be used; the message names the argument."""
+
+
+DEFAULT_LABELS = {"model": "model", "tokenizer": "tokenizer", "device": "device"}
+
+
+def load_model(name: str, *, tokenizer: Any = None, dtype: str | torch.dtype = "auto",
+               device: str | torch.device = "cpu", gguf_file: str | None = None, revision: str | None = None,
+               trust_remote_code: bool = False, labels: dict[str, str] | None = None) -> tuple[Any, Any]:
+    """(model in eval mode on ``device``, tokenizer). ``name`` is a checkpoint directory, a Hub id
+    or ``default``; ``dtype`` "auto" is the checkpoint's own (bfloat16 for ``default``); a GGUF file
+    is dequantized into plain weights, which the engine patches. ``tokenizer``: a name to load, a
+    tokenizer object to return as it is, or None for the model's own."""
+    label = {**DEFAULT_LABELS, **(labels or {})}
+    dtype_name = dtype if isinstance(dtype, str) else str(dtype).replace("torch.", "")
+    if dtype_name != "auto" and not isinstance(getattr(torch, dtype_name, None), torch.dtype):
+        raise LoadError(f"dtype {dtype_name!r} is not a torch dtype")
+    torch_dtype = None if dtype_name == "auto" else getattr(torch, dtype_name)
+    from transformers import AutoTokenizer
+
+    hub: dict[str, Any] = {"trust_remote_code": trust_remote_code}
+    if revision is not None:
+        hub["revision"] = revision
+    tok = tokenizer
+    if isinstance(tokenizer, str):
+        tok = _attempt(label["tokenizer"], tokenizer, "it",
+                       lambda: AutoTokenizer.from_pretrained(tokenizer, **hub))
+    if name == "default":
+        from .models import load_default_model
+
+        model, default_tok = _attempt(label["model"], name, "it", lambda: load_default_model(
+            dtype=torch_dtype or torch.bfloat16))
+        return _to_device(model, device, label), tok if tokenizer is not None else default_tok
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    files: dict[str, Any] = {**hub, **({"gguf_file": gguf_file} if gguf_file else {})}
+    _attempt(label["model"], name, "it", lambda: AutoConfig.from_pretrained(name, **files))
+    if tokenizer is None:
+        tok = _attempt(label["model"], name, f"its tokenizer (name one with {label['tokenizer']})",
+                       lambda: AutoTokenizer.from_pretrained(name, **files))
+    weights = dict(files)
+    if gguf_file:
+        # newer transformers can keep GGUF weights packed in their own modules (with the `kernels`
+        # package); the engine patches and cpu_linear packs plain nn.Linear weights, so dequantize
+        try:
+            from transformers import GgufConfig
+
+            weights["quantization_config"] = GgufConfig(dequantize=True)
+        except ImportError:  # older transformers always dequantize GGUF
+            pass
+    model = _attempt(label["model"], name, "it",
+                     lambda: AutoModelForCausalLM.from_pretrained(name, dtype=torch_dtype or "auto", **weights))
+    return _to_device(model, device, label), tok
+
+
+def _to_device(model: torch.nn.Module, device: str | torch.device, label: dict[str, str]) -> torch.nn.Module:
+    try:
+        return model.to(device).eval()
+    except (RuntimeError, ValueError, TypeError, AssertionError) as err:  # torch's ways of refusing a device
+        raise LoadError(f"{label['device']} {device}: {err}") from None
+
+
+def _attempt(label: str, name: str, what: str, load: Callable[[], Any]) -> Any:
+    if looks_like_path(name) and not Path(name).expanduser().exists():
+        raise LoadError(f"{label} {name}: no such directory")
+    try:
+        return load()
+    except Exception as err:  # transformers raises OSError, ValueError, KeyError, ... for "not a model here"
+        raise LoadError(f"{label} {name}: cannot load {what} ({type(err).__name__}: {err})") from None
+
+
+def looks_like_path(name: str) -> bool:
+    """A name that cannot be a Hub repo id ("name" or "owner/name"), so it must be a local path."""
+    return os.path.isabs(name) or name.startswith((".", "~")) or name.count("/") > 1
