@@ -55,7 +55,11 @@ for _name, _cfg in {"packed weights off": {"cpu_packed_weights": False},
                     "prefill cap 256": {"max_prefill_tokens_while_decoding": 256},
                     "budget 256": {"max_num_batched_tokens": 256},
                     "budget 1024": {"max_num_batched_tokens": 1024},
-                    "budget 2048": {"max_num_batched_tokens": 2048}}.items():
+                    "budget 2048": {"max_num_batched_tokens": 2048},
+                    "budget 2048 no cap": {"max_num_batched_tokens": 2048,
+                                                    "max_prefill_tokens_while_decoding": None},
+                    "budget 1024 no cap": {"max_num_batched_tokens": 1024,
+                                                    "max_prefill_tokens_while_decoding": None}}.items():
     VARIANTS[_name] = dict(group_padding=torch_backend.GROUP_PADDING_TOKENS, config=_cfg)
 
 
@@ -76,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workloads", default="mixed,prefix,long", help="comma list of mixed, prefix, prefix_long, long")
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
+    ap.add_argument("--variants", default=";".join(DEFAULT_VARIANTS),
                     help=f"comma list, the first is the baseline; known: {', '.join(VARIANTS)}")
     ap.add_argument("--scale", type=float, default=1.0, help="shrink W-prefix and W-long, as bench.py --scale")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
@@ -91,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     pool = W.allowed_ids(model.config.vocab_size, special)
     workloads = W.build(args.workloads.split(","), pool, mixed_n=max(4, round(64 * args.scale)), scale=args.scale)
     warm = bench.warm_workload(pool)
-    chosen = [v.strip() for v in args.variants.split(",")]
+    chosen = [v.strip() for v in args.variants.split(";" if ";" in args.variants else ",")]
     unknown = [v for v in chosen if v not in VARIANTS]
     if unknown:
         ap.error(f"unknown variant(s) {unknown}; known: {list(VARIANTS)}")
