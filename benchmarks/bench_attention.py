@@ -66,6 +66,11 @@ def cases(seed: int) -> dict[str, list[tuple[int, int]]]:
         "decode 64 x (512 + U[20,300])": [(1, 512 + int(n)) for n in torch.randint(20, 301, (64,), generator=g)],
         "32 decodes x 300 + a 256-token prompt": [(1, 300)] * 32 + [(256, 256)],
         "a 512-token chunk over 1,500 cached": [(512, 2012)],
+        "a 128-token chunk over 384 cached": [(128, 512)],
+        "a fresh 64-token prompt": [(64, 64)],
+        "4 fresh prompts of 128": [(128, 128)] * 4,
+        "a fresh 512-token prompt": [(512, 512)],
+        "a fresh 2,000-token prompt": [(2000, 2000)],
     }
 
 

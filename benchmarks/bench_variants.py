@@ -81,7 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workloads", default="mixed,prefix,long", help="comma list of mixed, prefix, prefix_long, long")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--variants", default=";".join(DEFAULT_VARIANTS),
-                    help=f"comma list, the first is the baseline; known: {', '.join(VARIANTS)}")
+                    help=f"comma list (';' where a name holds a comma), the first is the baseline; known: "
+                         f"{'; '.join(VARIANTS)}")
     ap.add_argument("--scale", type=float, default=1.0, help="shrink W-prefix and W-long, as bench.py --scale")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     ap.add_argument("--omp-wait-policy", choices=omp_env.CHOICES, default="auto", help="see omp_env.py")

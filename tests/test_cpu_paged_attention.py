@@ -112,7 +112,7 @@ def test_op_matches_a_float64_reference(problem):
     torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("dk,dv", [(64, 64), (128, 32), (32, 96)])
+@pytest.mark.parametrize("dk,dv", [(64, 64), (128, 32), (32, 96), (32, 256)])
 @pytest.mark.parametrize("window,softcap", [(0, 0.0), (13, 0.0), (0, 30.0), (21, 10.0)])
 def test_bf16_16_token_blocks_match_a_float64_reference(dk, dv, window, softcap):
     """The shapes the bf16 pair-dot-product path takes on CPUs with AVX512-BF16 (16-token blocks, head
@@ -161,9 +161,10 @@ def test_op_writes_only_the_rows_of_the_sequences_it_is_given():
 @pytest.mark.parametrize("window,softcap", [(None, None), (6, None), (None, 30.0), (5, 20.0)])
 def test_kernel_backend_agrees_with_the_torch_backend(dtype, window, softcap):
     bs, hq, hkv, d = 4, 6, 2, 32
-    # decodes, fresh and cached short chunks (the kernel), fresh and cached long ones (the torch path's SDPA)
-    specs = [(1, 1), (1, 23), (9, 9), (7, 30), (1, 14), (16, 16), (1, 40), (40, 40), (35, 61)]
-    assert max(q for q, _ in specs) > cpa.KERNEL_MAX_Q_LEN
+    # decodes, short chunks and small prompts (the kernel), a long prompt (the torch path's SDPA)
+    specs = [(1, 1), (1, 23), (9, 9), (7, 30), (1, 14), (16, 16), (1, 40), (40, 40), (35, 61), (520, 520)]
+    takes = [cpa.kernel_takes(q, kv, bf16_path=False) for q, kv in specs]
+    assert takes == [True] * 9 + [False]
     n_blocks = sum(-(-kv // bs) for _, kv in specs) + 2
     meta = step_metadata(specs, bs, torch.randperm(n_blocks, generator=torch.Generator().manual_seed(0)).tolist())
     ref, ker = TorchBackend(2, n_blocks, bs, hkv, d, dtype, "cpu"), cpa.CpuPagedBackend(2, n_blocks, bs, hkv, d,
@@ -183,7 +184,36 @@ def test_kernel_backend_agrees_with_the_torch_backend(dtype, window, softcap):
                                                                                  ref.kv[2 * layer + 1])
         tol = 2e-5 if dtype == torch.float32 else 3e-2  # the torch path rounds scores and probs to bf16
         torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
-        assert ker._torch_plan == "long" and len(ker._args[0]) == 7, "the kernel served every decode and short chunk"
+        assert ker._torch_plan == "long" and len(ker._args[0]) == sum(takes), "the kernel served what it takes"
+
+
+def test_on_the_bf16_path_the_kernel_attends_every_sequence():
+    """bf16, 16-token blocks, head dims multiples of 32, an AVX512-BF16 build: long prompts and long
+    chunks over cached context go to the kernel too (it beats SDPA there), and agree with the torch path."""
+    bs, hq, hkv, d = 16, 6, 2, 64
+    specs = [(1, 40), (600, 600), (300, 700), (40, 40), (1, 333)]
+    n_blocks = sum(-(-kv // bs) for _, kv in specs) + 2
+    fast = "-mavx512bf16" in cpa.compile_flags()
+    ker = cpa.CpuPagedBackend(2, n_blocks, bs, hkv, d, torch.bfloat16, "cpu")
+    assert ker._bf16_path is fast
+    assert cpa.CpuPagedBackend(2, n_blocks, bs, hkv, 48, torch.bfloat16, "cpu")._bf16_path is False  # 48 % 32
+    assert cpa.CpuPagedBackend(2, n_blocks, 8, hkv, d, torch.bfloat16, "cpu")._bf16_path is False
+    assert cpa.CpuPagedBackend(2, n_blocks, bs, hkv, d, torch.float32, "cpu")._bf16_path is False
+    if not fast:
+        pytest.skip("this CPU has no AVX512-BF16: the bf16 path is not built")
+    meta = step_metadata(specs, bs, torch.randperm(n_blocks, generator=torch.Generator().manual_seed(0)).tolist())
+    ref = TorchBackend(2, n_blocks, bs, hkv, d, torch.bfloat16, "cpu")
+    gen = torch.Generator().manual_seed(1)
+    for a, b in zip(ref.kv, ker.kv):
+        a.copy_(torch.randn(a.shape, generator=gen))
+        b.copy_(a)
+    q, k, v = (torch.randn(1, h, meta.num_tokens, d, generator=gen).bfloat16() for h in (hq, hkv, hkv))
+    ref.plan(meta)
+    ker.plan(meta)
+    want = ref.attend(0, q, k, v, d ** -0.5)
+    got = ker.attend(0, q, k, v, d ** -0.5)
+    assert ker._torch_plan is None and len(ker._args[0]) == len(specs), "the kernel attended every sequence"
+    torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=3e-2)
 
 
 def test_a_layer_with_a_feature_the_kernel_lacks_takes_the_torch_path(monkeypatch):

@@ -117,8 +117,13 @@ struct Problem {
 
 // Per-thread scratch, sized for the largest item.
 struct Scratch {
-  std::vector<float> q, acc, s, m, l, kf, vf;
+  std::vector<float> q, acc, s, m, l, kf, vf, corr;
+  std::vector<int32_t> vis;
+  std::vector<uint16_t> p16;
   void reserve(int64_t rows, const Problem& p) {
+    corr.resize(rows);
+    vis.resize(2 * rows);
+    p16.resize(rows * 16);
     q.resize(rows * p.k_dim);
     acc.resize(rows * p.v_dim);
     s.resize(rows * p.block_size);
@@ -278,6 +283,30 @@ inline __m512 tree16(__m512* a) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, 0x88), _mm512_shuffle_f32x4(w0, w1, 0xDD));
 }
 
+// acc[r + k] = acc[r + k] * corr[r + k] + P[r + k] V for k < N rows that see the same keys
+// [j_beg, j_end) of a block; P as bf16 pairs, V as interleaved pairs of keys (see run_item_bf16).
+template <int N, int MAXC>
+inline void pv_rows(int64_t r, int64_t j_beg, int64_t j_end, int64_t nacc, int64_t Dv, const float* corr,
+                    const uint16_t* pr, const __m512i* vp, float* acc) {
+  __m512 o[N][MAXC];
+  for (int k = 0; k < N; ++k) {
+    const __m512 cv = _mm512_set1_ps(corr[r + k]);
+    for (int64_t c = 0; c < nacc; ++c) o[k][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + (r + k) * Dv + 16 * c), cv);
+  }
+  for (int64_t i = j_beg / 2; i < (j_end + 1) / 2; ++i) {
+    __m512bh pv[N];
+    for (int k = 0; k < N; ++k)
+      pv[k] = (__m512bh)_mm512_set1_epi32(static_cast<int>(reinterpret_cast<const uint32_t*>(pr + 16 * (r + k))[i]));
+    const __m512i* vpi = vp + i * (Dv / 32) * 2;
+    for (int64_t c = 0; c < nacc; ++c) {
+      const __m512bh v = (__m512bh)_mm512_loadu_si512(vpi + c);
+      for (int k = 0; k < N; ++k) o[k][c] = _mm512_dpbf16_ps(o[k][c], pv[k], v);
+    }
+  }
+  for (int k = 0; k < N; ++k)
+    for (int64_t c = 0; c < nacc; ++c) _mm512_storeu_ps(acc + (r + k) * Dv + 16 * c, o[k][c]);
+}
+
 inline bool bf16_path(const Problem& p) {
   return p.block_size == 16 && p.k_dim % 32 == 0 && p.v_dim % 32 == 0 && p.v_dim <= 512;
 }
@@ -292,9 +321,8 @@ void run_item_bf16(const Item& it, const Problem& p, const c10::BFloat16* query,
   float* acc = w.acc.data();
   float* m = w.m.data();
   float* l = w.l.data();
-  // scratch reused as bf16: the tile's queries [R][Dk], P [R][16], interleaved V pairs [8][Dv]x2
+  // scratch reused as bf16: the tile's queries [R][Dk], interleaved V pairs [8][Dv]x2
   uint16_t* qb = reinterpret_cast<uint16_t*>(w.q.data());
-  uint16_t* pb = reinterpret_cast<uint16_t*>(w.s.data());
   __m512i* vp = reinterpret_cast<__m512i*>(w.vf.data());
   for (int64_t t = 0; t < n_tok; ++t)
     for (int64_t g = 0; g < G; ++g)
@@ -307,18 +335,29 @@ void run_item_bf16(const Item& it, const Problem& p, const c10::BFloat16* query,
   const int64_t lo = p.window > 0 ? std::max<int64_t>(0, first_pos - p.window + 1) : 0;
   const int64_t hi = last_pos + 1;
   const int32_t* blocks = p.kv_indices + p.kv_indptr[it.seq];
+  // Each block in three passes over the tile's rows (scores, softmax, P V) rather than one row at a
+  // time: a row's work is a long chain of dependent steps (dot products, reduction tree, max, exp,
+  // P V), and short passes let the CPU overlap the independent rows of one pass.
+  float* sc = w.s.data();                                  // [R][16] scores
+  float* corr = w.corr.data();                             // [R] rescale of the accumulator
+  uint16_t* pr = w.p16.data();                             // [R][16] P in bf16
+  int32_t* vis_lo = w.vis.data();                          // [R] visible keys [lo, hi) of the block
+  int32_t* vis_hi = vis_lo + R;
   for (int64_t blk = lo / bs; blk * bs < hi; ++blk) {
     const int64_t j0 = blk * bs, n = std::min(bs, hi - j0);
     const int64_t page = (static_cast<int64_t>(blocks[blk]) * p.kv_heads + it.head) * bs;
     const uint16_t* kb = reinterpret_cast<const uint16_t*>(k_cache + page * Dk);
     const uint16_t* vb = reinterpret_cast<const uint16_t*>(v_cache + page * Dv);
-    int64_t pairs_built = 0;  // V pairs are interleaved once per block, when a row first needs them
-    const int64_t n_pairs = (n + 1) / 2;
+    // pass 1: scores of the visible keys (others -inf)
+    bool any = false;
     for (int64_t r = 0; r < R; ++r) {
       const int64_t pos = first_pos + r / G;
       const int64_t j_end = std::min<int64_t>(n, pos - j0 + 1);
       const int64_t j_beg = p.window > 0 ? std::max<int64_t>(0, pos - p.window + 1 - j0) : 0;
+      vis_lo[r] = static_cast<int32_t>(j_beg);
+      vis_hi[r] = static_cast<int32_t>(j_end);
       if (j_end <= j_beg) continue;
+      any = true;
       __m512 a[16];
       for (int j = 0; j < 16; ++j) a[j] = _mm512_setzero_ps();
       const uint16_t* qr = qb + r * Dk;
@@ -331,34 +370,43 @@ void run_item_bf16(const Item& it, const Problem& p, const c10::BFloat16* query,
       if (p.softcap > 0) x = softcap_vec(Vec(x), p.scale / p.softcap, p.softcap);
       const __mmask16 vis = _mm512_cmp_epi32_mask(iota, _mm512_set1_epi32(static_cast<int>(j_beg)), _MM_CMPINT_NLT) &
                             _mm512_cmp_epi32_mask(iota, _mm512_set1_epi32(static_cast<int>(j_end)), _MM_CMPINT_LT);
-      x = _mm512_mask_blend_ps(vis, _mm512_set1_ps(NEG_INF), x);
+      _mm512_storeu_ps(sc + 16 * r, _mm512_mask_blend_ps(vis, _mm512_set1_ps(NEG_INF), x));
+    }
+    if (!any) continue;
+    // pass 2: online softmax update, P rounded to bf16
+    for (int64_t r = 0; r < R; ++r) {
+      if (vis_hi[r] <= vis_lo[r]) continue;
+      const __m512 x = _mm512_loadu_ps(sc + 16 * r);
       const float m_new = std::max(m[r], _mm512_reduce_max_ps(x));
-      const float corr = std::exp(m[r] - m_new);
-      __m512 e = Vec(_mm512_sub_ps(x, _mm512_set1_ps(m_new))).exp_u20();
-      e = _mm512_maskz_mov_ps(vis, e);  // masked keys: exactly 0
-      l[r] = l[r] * corr + _mm512_reduce_add_ps(e);
+      corr[r] = std::exp(m[r] - m_new);
+      const __mmask16 vis = _mm512_cmp_epi32_mask(iota, _mm512_set1_epi32(vis_lo[r]), _MM_CMPINT_NLT) &
+                            _mm512_cmp_epi32_mask(iota, _mm512_set1_epi32(vis_hi[r]), _MM_CMPINT_LT);
+      const __m512 e = _mm512_maskz_mov_ps(vis, Vec(_mm512_sub_ps(x, _mm512_set1_ps(m_new))).exp_u20());
+      l[r] = l[r] * corr[r] + _mm512_reduce_add_ps(e);
       m[r] = m_new;
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb), (__m256i)_mm512_cvtneps_pbh(e));
-      for (; pairs_built < n_pairs; ++pairs_built) {  // keys 2i, 2i+1 (a missing partner reads as 0)
-        const int64_t j = 2 * pairs_built;
-        for (int64_t c = 0; c < Dv / 32; ++c) {
-          const __m512i v0 = _mm512_loadu_si512(vb + j * Dv + 32 * c);
-          const __m512i v1 = j + 1 < n ? _mm512_loadu_si512(vb + (j + 1) * Dv + 32 * c) : _mm512_setzero_si512();
-          _mm512_storeu_si512(vp + (pairs_built * Dv / 32 + c) * 2, _mm512_unpacklo_epi16(v0, v1));
-          _mm512_storeu_si512(vp + (pairs_built * Dv / 32 + c) * 2 + 1, _mm512_unpackhi_epi16(v0, v1));
-        }
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + 16 * r), (__m256i)_mm512_cvtneps_pbh(e));
+    }
+    // V's pairs of keys interleaved (a missing partner reads as 0), then pass 3: acc = acc * corr + P V
+    const int64_t n_pairs = (n + 1) / 2;
+    for (int64_t i = 0; i < n_pairs; ++i) {
+      const int64_t j = 2 * i;
+      for (int64_t c = 0; c < Dv / 32; ++c) {
+        const __m512i v0 = _mm512_loadu_si512(vb + j * Dv + 32 * c);
+        const __m512i v1 = j + 1 < n ? _mm512_loadu_si512(vb + (j + 1) * Dv + 32 * c) : _mm512_setzero_si512();
+        _mm512_storeu_si512(vp + (i * Dv / 32 + c) * 2, _mm512_unpacklo_epi16(v0, v1));
+        _mm512_storeu_si512(vp + (i * Dv / 32 + c) * 2 + 1, _mm512_unpackhi_epi16(v0, v1));
       }
-      float* ar = acc + r * Dv;
-      __m512 o[32];
-      const __m512 cv = _mm512_set1_ps(corr);
-      for (int64_t c = 0; c < nacc; ++c) o[c] = _mm512_mul_ps(_mm512_loadu_ps(ar + 16 * c), cv);
-      const uint32_t* pp = reinterpret_cast<const uint32_t*>(pb);
-      for (int64_t i = j_beg / 2; i < (j_end + 1) / 2; ++i) {
-        const __m512bh pv = (__m512bh)_mm512_set1_epi32(static_cast<int>(pp[i]));
-        const __m512i* vpi = vp + i * (Dv / 32) * 2;
-        for (int64_t c = 0; c < nacc; ++c) o[c] = _mm512_dpbf16_ps(o[c], pv, (__m512bh)_mm512_loadu_si512(vpi + c));
+    }
+    for (int64_t r = 0; r < R;) {
+      if (vis_hi[r] <= vis_lo[r]) {
+        ++r;
+      } else if (nacc <= 8 && r + 1 < R && vis_lo[r] == vis_lo[r + 1] && vis_hi[r] == vis_hi[r + 1]) {
+        pv_rows<2, 8>(r, vis_lo[r], vis_hi[r], nacc, Dv, corr, pr, vp, acc);  // two rows share each V load
+        r += 2;
+      } else {
+        pv_rows<1, 32>(r, vis_lo[r], vis_hi[r], nacc, Dv, corr, pr, vp, acc);
+        ++r;
       }
-      for (int64_t c = 0; c < nacc; ++c) _mm512_storeu_ps(ar + 16 * c, o[c]);
     }
   }
   for (int64_t r = 0; r < R; ++r) {
