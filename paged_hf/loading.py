@@ -16,6 +16,8 @@ from typing import Any, Callable
 
 import torch
 
+from .models import dequantized_gguf, load_default_model
+
 
 class LoadError(ValueError):
     """A model, tokenizer or device that cannot be used; the message names the argument."""
@@ -46,8 +48,6 @@ def load_model(name: str, *, tokenizer: Any = None, dtype: str | torch.dtype = "
         tok = _attempt(label["tokenizer"], tokenizer, "it",
                        lambda: AutoTokenizer.from_pretrained(tokenizer, **hub))
     if name == "default":
-        from .models import load_default_model
-
         model, default_tok = _attempt(label["model"], name, "it", lambda: load_default_model(
             dtype=torch_dtype or torch.bfloat16))
         return _to_device(model, device, label), tok if tokenizer is not None else default_tok
@@ -59,16 +59,7 @@ def load_model(name: str, *, tokenizer: Any = None, dtype: str | torch.dtype = "
     if tokenizer is None:
         tok = _attempt(label["model"], name, f"its tokenizer (name one with {label['tokenizer']})",
                        lambda: AutoTokenizer.from_pretrained(name, **files))
-    weights = dict(files)
-    if gguf_file:
-        # newer transformers can keep GGUF weights packed in their own modules (with the `kernels`
-        # package); the engine patches and cpu_linear packs plain nn.Linear weights, so dequantize
-        try:
-            from transformers import GgufConfig
-
-            weights["quantization_config"] = GgufConfig(dequantize=True)
-        except ImportError:  # older transformers always dequantize GGUF
-            pass
+    weights = {**files, **(dequantized_gguf() if gguf_file else {})}
     model = _attempt(label["model"], name, "it",
                      lambda: AutoModelForCausalLM.from_pretrained(name, dtype=torch_dtype or "auto", **weights))
     return _to_device(model, device, label), tok

@@ -65,14 +65,28 @@ def _is_complete(path: Path) -> bool:
     return path.is_dir() and all((path / name).is_file() for name in _CACHE_REQUIRED)
 
 
+def dequantized_gguf() -> dict:
+    """``from_pretrained`` keywords that load a GGUF file as plain dense weights. Newer transformers
+    can keep GGUF weights packed in their own modules (with the `kernels` package); the engine
+    patches, and saving needs, plain ``nn.Linear`` weights, so always dequantize."""
+    try:
+        from transformers import GgufConfig
+    except ImportError:  # older transformers: the GGUF loader always dequantizes
+        return {}
+    return {"quantization_config": GgufConfig(dequantize=True)}
+
+
 def _load_from_gguf() -> tuple["PreTrainedModel", "PreTrainedTokenizerBase"]:
     """Dequantize the GGUF into a plain float32 transformers model and tokenizer."""
-    from .loading import load_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    directory, filename = os.path.split(smollm2_gguf_path())
+    gguf_path = smollm2_gguf_path()
+    directory, filename = os.path.split(gguf_path)
+    kwargs = dequantized_gguf()
+    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=filename)
     # float32 keeps the dequantized values exactly (Q4_1 blocks are fp16 scale * int + fp16 min,
     # which bf16 generally cannot hold), so any dtype requested later is one rounding away from the file.
-    model, tokenizer = load_model(directory, gguf_file=filename, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=filename, dtype=torch.float32, **kwargs)
     for name, param in model.named_parameters():
         if not param.is_floating_point():
             raise RuntimeError(f"GGUF weight {name} was not dequantized (dtype {param.dtype})")
