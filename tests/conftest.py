@@ -35,6 +35,19 @@ def smollm2_dir(smollm2, smollm2_cache):
     return default_cache_dir(smollm2_cache)
 
 
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory):
+    """A tiny random llama and the tiny byte-level tokenizer saved as a checkpoint directory
+    (for the front ends that load a model by name); tests only read it."""
+    from tiny_models import make_tiny_model
+    from tiny_tokenizer import make_tiny_tokenizer
+
+    path = tmp_path_factory.mktemp("tiny_llama")
+    make_tiny_model("llama").save_pretrained(path)
+    make_tiny_tokenizer().save_pretrained(path)
+    return path
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """One intra-op thread for a module: tiny models gain nothing from more, and on a busy

@@ -14,11 +14,8 @@ from tiny_tokenizer import make_tiny_tokenizer
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny_llama")
-    make_tiny_model("llama").save_pretrained(path)
-    make_tiny_tokenizer().save_pretrained(path)
-    return path
+def model_dir(tiny_llama_dir):
+    return tiny_llama_dir
 
 
 def test_generate_from_jsonl(model_dir, tmp_path):

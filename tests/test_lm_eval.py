@@ -50,11 +50,8 @@ def task_manager(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny_llama")
-    make_tiny_model("llama").save_pretrained(path)
-    make_tiny_tokenizer().save_pretrained(path)
-    return path
+def tiny_dir(tiny_llama_dir):
+    return tiny_llama_dir
 
 
 def evaluate(model: str, path: Path, dtype: str, tasks: list[str], task_manager, **kwargs):

@@ -16,11 +16,8 @@ from tiny_tokenizer import make_tiny_tokenizer  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny_llama")
-    make_tiny_model("llama").save_pretrained(path)
-    make_tiny_tokenizer().save_pretrained(path)
-    return path
+def tiny_dir(tiny_llama_dir):
+    return tiny_llama_dir
 
 
 def test_a_checkpoint_directory_loads_in_the_dtype_asked(tiny_dir):

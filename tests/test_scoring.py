@@ -23,11 +23,13 @@ from tiny_tokenizer import make_tiny_tokenizer
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 FP32_TOL = 1e-4
-# SmolLM2 in bf16: bf16 itself is far from exact (on these tokens transformers' bf16 logprobs
-# are up to 0.19 from its fp32 ones, the engine's up to 0.16), and the engine's and transformers'
-# attention kernels round differently: measured here, the two differ by 0.12 at most per token.
-# A wrong cache or mask moves them by whole units.
-BF16_TOKEN_TOL, BF16_SUM_TOL = 0.25, 0.35
+# SmolLM2 in bf16, against the same weights in fp32 (the truth bf16 approximates): bf16 itself is
+# far from exact. Over 717 tokens (40 README passages, 8-word continuations) transformers' bf16
+# logprobs were up to 0.24 from fp32 (mean 0.038), the engine's up to 0.22 (mean 0.037); on this
+# test's six pairs up to 0.20 and 0.28 (means 0.037 and 0.040), the two rounding differently, so
+# engine vs transformers in bf16 may differ by their sum. A wrong cache or mask moves logprobs by
+# whole units; a kernel that rounds worse raises the mean error, checked against transformers'.
+BF16_TOKEN_TOL, BF16_SUM_TOL = 0.35, 0.5
 
 
 @torch.no_grad()
@@ -248,8 +250,9 @@ def test_a_scoring_failure_inside_a_step_ends_that_request_alone(monkeypatch):
     assert not engine.requests and engine.kv.pool.num_used == 0
 
 
-def test_smollm2_bf16_scores_within_tolerance(smollm2):
+def test_smollm2_bf16_scores_within_tolerance(smollm2, smollm2_fp32):
     model, tok = smollm2
+    fp32_model = smollm2_fp32[0]
     engine = paged_hf.Engine(model, tok, max_num_batched_tokens=64)
     context = ("Answer with the name of a city.\nQuestion: What is the capital of Italy?\nAnswer: Rome\n"
                "Question: What is the capital of Spain?\nAnswer: Madrid\nQuestion: What is the capital of France?\n"
@@ -259,11 +262,16 @@ def test_smollm2_bf16_scores_within_tolerance(smollm2):
     outs = engine.score(pairs)
     assert outs[0].logprob > max(o.logprob for o in outs[1:4])  # Paris
     assert engine.stats()["prefix_hit_tokens"] > 0
+    engine_err, hf_err = [], []
     for (ctx, cont), out in zip(pairs, outs):
-        ctx_ids, cont_ids = encode_pair(tok, ctx, cont)
-        ref = reference_logprobs(model, ctx_ids, cont_ids)
-        diff = (torch.tensor(out.token_logprobs) - ref).abs()
-        assert diff.max() < BF16_TOKEN_TOL and abs(out.logprob - float(ref.sum())) < BF16_SUM_TOL, (cont, diff)
+        ids = encode_pair(tok, ctx, cont)
+        truth = reference_logprobs(fp32_model, *ids)
+        diff = (torch.tensor(out.token_logprobs) - truth).abs()
+        assert diff.max() < BF16_TOKEN_TOL and abs(out.logprob - float(truth.sum())) < BF16_SUM_TOL, (cont, diff)
+        engine_err.append(diff)
+        hf_err.append((reference_logprobs(model, *ids) - truth).abs())
+    engine_mean, hf_mean = torch.cat(engine_err).mean(), torch.cat(hf_err).mean()
+    assert engine_mean <= 1.25 * hf_mean + 0.01, (engine_mean, hf_mean)
 
 
 # ---- faults over random mixed workloads ---------------------------------------------------------
