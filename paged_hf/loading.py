@@ -38,15 +38,12 @@ def load_model(name: str, *, tokenizer: Any = None, dtype: str | torch.dtype = "
     if dtype_name != "auto" and not isinstance(getattr(torch, dtype_name, None), torch.dtype):
         raise LoadError(f"dtype {dtype_name!r} is not a torch dtype")
     torch_dtype = None if dtype_name == "auto" else getattr(torch, dtype_name)
-    from transformers import AutoTokenizer
-
     hub: dict[str, Any] = {"trust_remote_code": trust_remote_code}
     if revision is not None:
         hub["revision"] = revision
     tok = tokenizer
     if isinstance(tokenizer, str):
-        tok = _attempt(label["tokenizer"], tokenizer, "it",
-                       lambda: AutoTokenizer.from_pretrained(tokenizer, **hub))
+        tok = load_tokenizer(tokenizer, label=label["tokenizer"], **hub)
     if name == "default":
         model, default_tok = _attempt(label["model"], name, "it", lambda: load_default_model(
             dtype=torch_dtype or torch.bfloat16))
@@ -57,12 +54,26 @@ def load_model(name: str, *, tokenizer: Any = None, dtype: str | torch.dtype = "
     files: dict[str, Any] = {**hub, **({"gguf_file": gguf_file} if gguf_file else {})}
     _attempt(label["model"], name, "it", lambda: AutoConfig.from_pretrained(name, **files))
     if tokenizer is None:
-        tok = _attempt(label["model"], name, f"its tokenizer (name one with {label['tokenizer']})",
-                       lambda: AutoTokenizer.from_pretrained(name, **files))
+        tok = load_tokenizer(name, gguf_file=gguf_file, label=label["model"],
+                             what=f"its tokenizer (name one with {label['tokenizer']})", **hub)
     weights = {**files, **(dequantized_gguf() if gguf_file else {})}
     model = _attempt(label["model"], name, "it",
                      lambda: AutoModelForCausalLM.from_pretrained(name, dtype=torch_dtype or "auto", **weights))
     return _to_device(model, device, label), tok
+
+
+def load_tokenizer(name: str, *, gguf_file: str | None = None, revision: str | None = None,
+                   trust_remote_code: bool = False, label: str = "tokenizer", what: str = "it") -> Any:
+    """The tokenizer in directory or Hub repo ``name`` (from ``gguf_file`` there, if given); a
+    ``LoadError`` naming ``label`` if it cannot be loaded."""
+    from transformers import AutoTokenizer
+
+    files: dict[str, Any] = {"trust_remote_code": trust_remote_code}
+    if revision is not None:
+        files["revision"] = revision
+    if gguf_file:
+        files["gguf_file"] = gguf_file
+    return _attempt(label, name, what, lambda: AutoTokenizer.from_pretrained(name, **files))
 
 
 def _to_device(model: torch.nn.Module, device: str | torch.device, label: dict[str, str]) -> torch.nn.Module:

@@ -63,7 +63,7 @@ except ImportError as _err:  # pragma: no cover - the message is the point
                       f"(lm-eval==0.4.13) ({_err})") from _err
 
 from ..config import EngineConfig
-from ..loading import load_model
+from ..loading import load_model, load_tokenizer
 from ..sampling_params import SamplingParams
 from ..scoring import prefix_token_id, rolling_windows
 
@@ -354,19 +354,14 @@ def _sampling_params(kwargs: dict, max_new_tokens: int, stop: list[str]) -> Samp
 
 def _load_tokenizer(tokenizer: Any, model: torch.nn.Module, revision: str | None, trust_remote_code: bool,
                     gguf_file: str | None) -> Any:
+    """The tokenizer for a model object: one given as an object, by name, or the model's own."""
     if tokenizer is not None and not isinstance(tokenizer, str):
         return tokenizer
-    from transformers import AutoTokenizer
-
     name = tokenizer or getattr(model, "name_or_path", None)
     if not name:
         raise ValueError("paged_hf: give the tokenizer (tokenizer=...) of a model object that has no name_or_path")
-    extra: dict[str, Any] = {"trust_remote_code": trust_remote_code}
-    if revision is not None:
-        extra["revision"] = revision
-    if gguf_file is not None and tokenizer is None:
-        extra["gguf_file"] = gguf_file
-    return AutoTokenizer.from_pretrained(name, **extra)
+    return load_tokenizer(name, gguf_file=gguf_file if tokenizer is None else None, revision=revision,
+                          trust_remote_code=trust_remote_code)
 
 
 def run_cli(argv: list[str]) -> int:
