@@ -34,7 +34,7 @@ if "OMP_WAIT_POLICY" not in os.environ and others_busy_now():
 import torch  # noqa: E402
 
 import paged_hf
-from paged_hf.models import load_default_model
+from paged_hf.frontends.models import load_default_model
 
 QUESTIONS = [
     "What is the capital of France?",

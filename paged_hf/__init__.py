@@ -28,12 +28,12 @@ Where things live (the four roles of the design):
 Imports run one way: the model side imports the engine side, never the reverse.
 """
 from .config import EngineConfig
-from .datasets_eval import generate_dataset
-from .outputs import Completion, RequestOutput
-from .patching import Engine, UnsupportedModelError, engine_for, is_patched, patch, unpatch
-from .sampling_params import SamplingParams
-from .scoring import ScoreOutput
-from .serve import serve
+from .frontends.datasets_eval import generate_dataset
+from .engine.outputs import Completion, RequestOutput
+from .model.patching import Engine, UnsupportedModelError, engine_for, is_patched, patch, unpatch
+from .requests.sampling_params import SamplingParams
+from .engine.scoring import ScoreOutput
+from .frontends.serve import serve
 
 __all__ = ["Completion", "Engine", "EngineConfig", "RequestOutput", "SamplingParams", "ScoreOutput",
            "UnsupportedModelError", "engine_for", "generate_dataset", "is_patched", "patch", "serve", "unpatch"]

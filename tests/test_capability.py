@@ -12,8 +12,9 @@ import pytest
 import torch
 
 import paged_hf
-from paged_hf import attention, capability
-from paged_hf.support import build_tiny_model
+from paged_hf.execution import attention
+from paged_hf.model import capability
+from paged_hf.model.support import build_tiny_model
 from tiny_models import make_tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
@@ -179,12 +180,12 @@ def test_mask_patterns_are_read_past_the_probe():
 
 
 # ---- the dependency direction ---------------------------------------------------------------------
-MODEL_SIDE = {"paged_hf.patching", "paged_hf.capability", "paged_hf.support", "paged_hf.patches"}
-ENGINE_SIDE = {"paged_hf.engine", "paged_hf.runner", "paged_hf.binding", "paged_hf.kv_geometry", "paged_hf.attention",
-               "paged_hf.coherence", "paged_hf.scheduler", "paged_hf.block_manager", "paged_hf.metadata",
-               "paged_hf.cuda_graphs", "paged_hf.compile_decode", "paged_hf.cuda_memory", "paged_hf.sampler",
-               "paged_hf.hf_generate", "paged_hf.backends", "paged_hf.backends.torch_backend",
-               "paged_hf.backends.flashinfer_backend", "paged_hf.backends.swap"}
+MODEL_SIDE = {"paged_hf.model.patching", "paged_hf.model.capability", "paged_hf.model.support", "paged_hf.patches"}
+ENGINE_SIDE = {"paged_hf.engine.engine", "paged_hf.execution.runner", "paged_hf.engine.binding", "paged_hf.execution.kv_geometry", "paged_hf.execution.attention",
+               "paged_hf.cache.coherence", "paged_hf.engine.scheduler", "paged_hf.cache.block_manager", "paged_hf.execution.metadata",
+               "paged_hf.execution.cuda_graphs", "paged_hf.execution.compile_decode", "paged_hf.execution.cuda_memory", "paged_hf.execution.sampler",
+               "paged_hf.model.hf_generate", "paged_hf.execution.backends", "paged_hf.execution.backends.torch_backend",
+               "paged_hf.execution.backends.flashinfer_backend", "paged_hf.execution.backends.swap"}
 
 
 def _import_graph() -> dict[str, set[str]]:

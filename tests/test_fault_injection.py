@@ -22,7 +22,9 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 import paged_hf
-from paged_hf import SamplingParams, engine as engine_module, sampler
+from paged_hf import SamplingParams
+from paged_hf.engine import engine as engine_module
+from paged_hf.execution import sampler
 from tiny_models import N_SPECIAL, make_tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")

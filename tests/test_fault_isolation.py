@@ -12,7 +12,7 @@ import torch
 import paged_hf
 from oracle import assert_teacher_forced
 from paged_hf import SamplingParams
-from paged_hf.serve import BackgroundEngine
+from paged_hf.frontends.serve import BackgroundEngine
 from tiny_models import make_tiny_model, tiny_prompts
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -129,7 +129,7 @@ def test_forward_that_raises_once_ends_that_steps_requests_and_frees_their_block
 
 
 def test_a_requests_sampling_failure_ends_it_alone(model, prompts, reference, monkeypatch):
-    from paged_hf import sampler
+    from paged_hf.execution import sampler
 
     prepare = sampler._prepare_row
 
@@ -170,7 +170,7 @@ def test_nan_logits_of_one_request_end_it_alone(model, prompts, reference):
 def test_a_step_failing_after_it_forked_parallel_samples(model, prompts, fault, monkeypatch):
     """The step that first samples an n > 1 request forks its samples, then the sampler fails:
     an error ends the forked samples too; an interrupt takes the fork back (it forks again)."""
-    from paged_hf import engine as engine_module
+    from paged_hf.engine import engine as engine_module
 
     params = SamplingParams(max_new_tokens=5, n=3, temperature=1.0, seed=11, ignore_eos=True)
     expected = paged_hf.Engine(model, block_size=4, num_blocks=64).generate([prompts[1]], params)[0]

@@ -1,4 +1,4 @@
-"""The support table's script (paged_hf/support.py) over a fixed subset of types: verdicts, the
+"""The support table's script (paged_hf/model/support.py) over a fixed subset of types: verdicts, the
 reasons it reports, and the README table it writes."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from paged_hf import support
+from paged_hf.model import support
 
 EXPECTED = {  # type: (verdict, words its details must hold)
     "llama": ("pass", "GQA"),

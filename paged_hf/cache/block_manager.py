@@ -11,7 +11,7 @@ from typing import Hashable
 
 from .block_pool import BlockPool
 from .prefix_index import RadixPrefixIndex
-from .request import Request
+from ..requests.request import Request
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:

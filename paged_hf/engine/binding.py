@@ -14,8 +14,8 @@ from typing import Any, Callable
 
 import torch
 
-from . import attention
-from .kv_geometry import KVLayout
+from ..execution import attention
+from ..execution.kv_geometry import KVLayout
 
 STATE_ATTR = "_paged_hf_state"
 

@@ -16,15 +16,15 @@ from typing import Any, Callable, Sequence
 import torch
 
 from .binding import check_still_patched, patch_state
-from .block_manager import BlockManager
-from .coherence import WeightsWatch
-from .config import DEFAULT_CPU_KV_BYTES, EngineConfig
-from .detokenizer import StopStrings
+from ..cache.block_manager import BlockManager
+from ..cache.coherence import WeightsWatch
+from ..config import DEFAULT_CPU_KV_BYTES, EngineConfig
+from ..requests.detokenizer import StopStrings
 from .outputs import Completion, RequestOutput
-from .request import FinishReason, Request
-from .runner import ModelRunner, max_positions
-from .sampler import sample
-from .sampling_params import SamplingParams
+from ..requests.request import FinishReason, Request
+from ..execution.runner import ModelRunner, max_positions
+from ..execution.sampler import sample
+from ..requests.sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
 from .scoring import ScoreOutput, prompt_logprobs_output, score_output, score_step_rows
 
@@ -47,9 +47,9 @@ class EngineStats:
 
 
 class Engine:
-    """The engine over a model whose attention is paged. ``paged_hf.Engine`` (paged_hf/patching.py)
+    """The engine over a model whose attention is paged. ``paged_hf.Engine`` (paged_hf/model/patching.py)
     checks and patches the model first when needed; this class reads what patching left on the
-    model (paged_hf/binding.py) and never imports the model side."""
+    model (paged_hf/engine/binding.py) and never imports the model side."""
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any = None, **config: Any) -> None:
         self.config = EngineConfig.from_kwargs(**config)
@@ -95,7 +95,7 @@ class Engine:
             if cfg.kv_cache_memory is not None:  # an explicit fraction of the free memory
                 budget = int(torch.cuda.mem_get_info(device)[0] * cfg.kv_cache_memory)
             else:  # gpu_memory_utilization of the total, less what the largest step needs
-                from .cuda_memory import profile_kv_budget
+                from ..execution.cuda_memory import profile_kv_budget
                 budget = profile_kv_budget(self.model, cfg)
         else:
             budget = int(cfg.kv_cache_memory or DEFAULT_CPU_KV_BYTES)

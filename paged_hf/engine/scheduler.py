@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from .block_manager import BlockManager, blocks_for
-from .request import FinishReason, Request, RequestStatus
+from ..cache.block_manager import BlockManager, blocks_for
+from ..requests.request import FinishReason, Request, RequestStatus
 
 
 @dataclass

@@ -31,10 +31,10 @@ from typing import Any, Sequence
 import torch
 
 from .binding import check_still_patched
-from .request import Request
-from .sampling_params import SamplingParams
+from ..requests.request import Request
+from ..requests.sampling_params import SamplingParams
 
-# The functions below take the engine (paged_hf.engine.Engine) as ``engine``; it is not imported
+# The functions below take the engine (paged_hf.engine.engine.Engine) as ``engine``; it is not imported
 # here, even for type checking, since engine.py imports this module.
 
 

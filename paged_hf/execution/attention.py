@@ -9,7 +9,7 @@ had before ``patch``, so training and scoring keep working exactly as before.
 
 In a step the backend gets the layer index, q/k/v, ``scaling``, ``softcap``, ``sliding_window``
 and ``s_aux`` (attention sinks); the layer's window and chunk come from the KV layout patch read
-(paged_hf/kv_geometry.py). A mask that still reaches attention in a step was built by the module
+(paged_hf/execution/kv_geometry.py). A mask that still reaches attention in a step was built by the module
 itself (the mask function returned None): it fails the step rather than being dropped.
 """
 from __future__ import annotations

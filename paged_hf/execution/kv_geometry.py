@@ -1,6 +1,6 @@
 """Per-layer KV geometry: what each attention layer writes into the paged cache, and how it reads it.
 
-The capability check (paged_hf/capability.py) reads it from the model (one probe forward: the
+The capability check (paged_hf/model/capability.py) reads it from the model (one probe forward: the
 shapes each attention layer's K and V really have, the masks transformers builds for it, the
 keywords it passes) and the engine sizes and runs the KV cache from it. Nothing here knows about
 models; it is plain data, so the engine side depends on it and never on the model side.

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .request import Request
+from ..requests.request import Request
 
 
 @dataclass

@@ -14,11 +14,11 @@ import torch
 from . import cpu_linear
 from .attention import active_backend
 from .backends import select_backend
-from .config import EngineConfig
+from ..config import EngineConfig
 from .cuda_graphs import DecodeAccelerator, wants_decode_accelerator
 from .kv_geometry import KVLayout
 from .metadata import StepMetadata, build_step_metadata
-from .request import Request
+from ..requests.request import Request
 
 logger = logging.getLogger("paged_hf")
 
@@ -47,7 +47,7 @@ def max_positions(model: torch.nn.Module) -> tuple[int | None, int | None]:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, config: EngineConfig, num_blocks: int, layout: KVLayout) -> None:
-        """``layout``: the model's per-layer KV geometry (paged_hf/kv_geometry.py), found when it was patched."""
+        """``layout``: the model's per-layer KV geometry (paged_hf/execution/kv_geometry.py), found when it was patched."""
         self.model = model
         self.config = config
         self.device = next(model.parameters()).device
@@ -57,7 +57,7 @@ class ModelRunner:
         self.backend = select_backend(config.backend, self.device, self.dtype, layout)(
             layout, num_blocks + int(accelerate), config.block_size, dtype=self.dtype, device=self.device)
         self.decode = DecodeAccelerator.build(model, self.backend, config, pad_block=num_blocks) if accelerate else None
-        # bf16 on a CPU: the linear layers use weights packed once for oneDNN (paged_hf/cpu_linear.py)
+        # bf16 on a CPU: the linear layers use weights packed once for oneDNN (paged_hf/execution/cpu_linear.py)
         self.packed = cpu_linear.PackedLinears(model) if (config.cpu_packed_weights and self.decode is None and
                                                           cpu_linear.supported(self.dtype, self.device)) else None
         if self.packed is not None:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .request import Request
+from ..requests.request import Request
 
 
 @dataclass

@@ -89,9 +89,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def generate(args: argparse.Namespace) -> int:
-    from .config import EngineConfig
+    from ..config import EngineConfig
     from .datasets_eval import generate_dataset
-    from .sampling_params import SamplingParams
+    from ..requests.sampling_params import SamplingParams
 
     # every check that needs no data or model comes first: a mistake costs nothing
     if args.limit is not None and args.limit < 0:
@@ -158,7 +158,7 @@ def generate(args: argparse.Namespace) -> int:
 def load_model(name: str, gguf_file: str | None, tokenizer_name: str | None, dtype: str,
                device: str) -> tuple[Any, Any]:
     """(model, tokenizer). Raises ValueError naming the option (--model, --tokenizer, --device)
-    whose value cannot be loaded (paged_hf/loading.py)."""
+    whose value cannot be loaded (paged_hf/frontends/loading.py)."""
     from .loading import load_model as load
 
     return load(name, tokenizer=tokenizer_name, dtype=dtype, device=device, gguf_file=gguf_file,
@@ -303,7 +303,7 @@ def lm_eval(argv: Sequence[str]) -> int:
     """lm-evaluation-harness's own command line (``lm-eval ...``) with the ``paged_hf`` backend
     registered: ``paged-hf lm-eval --model paged_hf --model_args pretrained=PATH ...``."""
     try:
-        from .integrations.lm_eval import run_cli
+        from ..integrations.lm_eval import run_cli
     except ImportError as err:
         return _fail(f"lm-eval: {err}")
     return run_cli(list(argv))

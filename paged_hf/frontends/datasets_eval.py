@@ -11,7 +11,7 @@ whole dataset, original order, a progress bar, a resumable checkpoint, and shard
 
 A row that fails (refused at admission, raising while it is tokenized or chat-templated, or
 failing inside the engine) does not stop the run: it gets finish_reason "error" and its message
-in ``{output_column}_error``. Checkpoint layout and resume rules: ``paged_hf.checkpoint``
+in ``{output_column}_error``. Checkpoint layout and resume rules: ``paged_hf.frontends.checkpoint``
 (finished rows are appended as they complete, written and flushed every step, fsynced about once
 a second; errored rows run again on a rerun).
 """
@@ -28,7 +28,7 @@ from typing import Any, Iterator
 import torch
 
 from .checkpoint import Checkpoint, fingerprint, make_record
-from .sampling_params import SamplingParams
+from ..requests.sampling_params import SamplingParams
 
 logger = logging.getLogger("paged_hf")
 
@@ -73,7 +73,7 @@ def generate_dataset(model: torch.nn.Module, tokenizer: Any, dataset: Any, promp
       same arguments skips them and returns the same dataset as an uninterrupted run (the ttft
       of restored rows is the one measured when they ran). Rows that ended in "error" run again.
       Different arguments (model, tokenizer, sampling params, columns, dataset, or the engine's
-      effective max_model_len and EOS ids) raise ValueError. See ``paged_hf.checkpoint``.
+      effective max_model_len and EOS ids) raise ValueError. See ``paged_hf.frontends.checkpoint``.
     - Under ``accelerate launch --num_processes K`` (or ``torchrun --nproc_per_node K``) each
       process runs its shard (``datasets.distributed.split_dataset_by_node``) on its own engine;
       rank 0 gathers (``torch.distributed.gather_object``) and returns the whole dataset in the
@@ -244,7 +244,7 @@ def _without_request_id(message: str) -> str:
 
 
 def _engine(model: Any, tokenizer: Any, engine_config: dict) -> Any:
-    from .patching import Engine, engine_for, is_patched  # Engine patches the model if needed
+    from ..model.patching import Engine, engine_for, is_patched  # Engine patches the model if needed
 
     if is_patched(model) and not engine_config:
         engine = engine_for(model)

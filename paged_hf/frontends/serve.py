@@ -26,9 +26,9 @@ from typing import Any, Iterator
 
 import torch
 
-from .detokenizer import IncrementalDetokenizer, StopStrings
-from .outputs import RequestOutput
-from .sampling_params import SamplingParams
+from ..requests.detokenizer import IncrementalDetokenizer, StopStrings
+from ..engine.outputs import RequestOutput
+from ..requests.sampling_params import SamplingParams
 
 logger = logging.getLogger("paged_hf")
 
@@ -102,7 +102,7 @@ class RequestHandle:
     def stream(self) -> Iterator[str] | Iterator[int]:
         """Yield text deltas (token ids when the engine has no tokenizer) as they are produced.
 
-        Text is detokenized incrementally (``paged_hf.detokenizer``) and never splits a UTF-8
+        Text is detokenized incrementally (``paged_hf.requests.detokenizer``) and never splits a UTF-8
         character: a token that ends mid-character waits for the next one. With stop strings,
         the last ``len(longest stop) - 1`` characters wait until they cannot begin one, so a
         stop string is never shown. The concatenated deltas equal ``result().text``. Can be
@@ -347,7 +347,7 @@ def serve(model: torch.nn.Module, tokenizer: Any = None, *, warmup: bool = True,
     >>> print("".join(bg.submit("Hello", SamplingParams(max_new_tokens=8)).stream()))
     >>> bg.shutdown()
     """
-    from .patching import Engine, engine_for, is_patched  # Engine patches the model if needed
+    from ..model.patching import Engine, engine_for, is_patched  # Engine patches the model if needed
 
     if is_patched(model) and not config:
         engine = engine_for(model)

@@ -40,9 +40,9 @@ from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from .kv_geometry import KVLayout, LayerSpec
-from .patches import family_for
-from .runner import max_positions
+from ..execution.kv_geometry import KVLayout, LayerSpec
+from ..patches import family_for
+from ..execution.runner import max_positions
 
 PROBE = "paged_hf_probe"
 PROBE_TOKENS = 6

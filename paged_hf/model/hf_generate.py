@@ -13,9 +13,9 @@ import torch
 from transformers import GenerationConfig
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from .binding import patch_state
-from .detokenizer import StopStrings
-from .sampling_params import SamplingParams
+from ..engine.binding import patch_state
+from ..requests.detokenizer import StopStrings
+from ..requests.sampling_params import SamplingParams
 
 # Settings that change the result and have no equivalent in the engine, with the value at
 # which they do nothing.

@@ -5,9 +5,9 @@
     >>> model.generate(input_ids, attention_mask=mask, max_new_tokens=32)  # same API, continuous batching
     >>> paged_hf.unpatch(model)                                            # exactly as before
 
-This is the model side: it decides whether the model can run (paged_hf/capability.py, with the
+This is the model side: it decides whether the model can run (paged_hf/model/capability.py, with the
 per-family quirks in patches/), selects the paged attention implementation and leaves a
-``PatchState`` (paged_hf/binding.py) for the engine to read. It builds engines; engines never
+``PatchState`` (paged_hf/engine/binding.py) for the engine to read. It builds engines; engines never
 import it.
 """
 from __future__ import annotations
@@ -17,10 +17,11 @@ from typing import Any
 
 import torch
 
-from . import attention, capability
-from .binding import STATE_ATTR, PatchState, patch_state
-from .config import EngineConfig
-from .engine import Engine as _EngineCore
+from ..execution import attention
+from . import capability
+from ..engine.binding import STATE_ATTR, PatchState, patch_state
+from ..config import EngineConfig
+from ..engine.engine import Engine as _EngineCore
 from .hf_generate import paged_generate
 
 UnsupportedModelError = capability.UnsupportedModelError
@@ -80,7 +81,7 @@ def unpatch(model: torch.nn.Module) -> torch.nn.Module:
     busy = [e for e in list(state.engines) if e.is_busy]
     if busy:
         raise RuntimeError(f"unpatch: {len(busy)} paged_hf engine(s) still run on this model (unfinished requests, "
-                           "or a background engine from paged_hf.serve); let them finish or shut the background "
+                           "or a background engine from paged_hf.frontends.serve); let them finish or shut the background "
                            "engine down first")
     _restore(model, state.original_attn, state.saved_implementations)
     model.__dict__.pop("generate", None)
@@ -104,7 +105,7 @@ def is_patched(model: torch.nn.Module) -> bool:
 
 
 class Engine(_EngineCore):
-    """``paged_hf.Engine(model, tokenizer, **options)``: the engine (paged_hf/engine.py) over a
+    """``paged_hf.Engine(model, tokenizer, **options)``: the engine (paged_hf/engine/engine.py) over a
     model, which is checked and switched to paged attention first if it was not patched yet."""
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any = None, **config: Any) -> None:

@@ -1,9 +1,9 @@
 """Which transformers causal LMs paged_hf runs: the support table, measured, not declared.
 
-    python -m paged_hf.support                       # every type of the installed transformers
-    python -m paged_hf.support llama gpt_oss bloom   # some types
-    python -m paged_hf.support --readme README.md --json support.json
-    python -m paged_hf.support --from-json support.json --readme README.md   # re-render only
+    python -m paged_hf.model.support                       # every type of the installed transformers
+    python -m paged_hf.model.support llama gpt_oss bloom   # some types
+    python -m paged_hf.model.support --readme README.md --json support.json
+    python -m paged_hf.model.support --from-json support.json --readme README.md   # re-render only
 
 For every ``model_type`` in ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` (and the text path of a few
 image-text models), a tiny random model is built from the type's own config class (sizes shrunk,
@@ -238,9 +238,10 @@ def compare(reference: torch.nn.Module, prompts: list[list[int]], outputs: list[
 
 def check_type(model_type: str, multimodal: bool = False) -> Result:
     """Build the tiny model of ``model_type``, patch it and compare it with transformers."""
-    import paged_hf
-    from .binding import patch_state
+    from ..engine.binding import patch_state
+    from ..requests.sampling_params import SamplingParams
     from .capability import UnsupportedModelError
+    from .patching import Engine, patch, unpatch
 
     result = Result(model_type, "no tiny model", multimodal=multimodal)
     try:
@@ -252,7 +253,7 @@ def check_type(model_type: str, multimodal: bool = False) -> Result:
         result.reason = _one_line(f"{type(e).__name__}: {e}")
         return result
     try:
-        paged_hf.patch(model)
+        patch(model)
     except UnsupportedModelError as e:
         result.verdict, result.reason = "refused", _one_line(str(e))
         return result
@@ -268,14 +269,14 @@ def check_type(model_type: str, multimodal: bool = False) -> Result:
     try:
         layout = patch_state(model).layout
         for name, settings in SETTINGS.items():
-            engine = paged_hf.Engine(model, **settings)
-            params = paged_hf.SamplingParams(max_new_tokens=MAX_NEW_TOKENS, ignore_eos=True, logprobs=TOP_LOGPROBS)
+            engine = Engine(model, **settings)
+            params = SamplingParams(max_new_tokens=MAX_NEW_TOKENS, ignore_eos=True, logprobs=TOP_LOGPROBS)
             problems = compare(reference, prompts, engine.generate(prompts, params))
             if problems:
                 result.verdict = "wrong"
                 result.reason = _one_line(f"{name}: {len(problems)} mismatch(es): " + "; ".join(problems[:2]))
                 return result
-        paged_hf.unpatch(model)
+        unpatch(model)
         x = torch.tensor([prompts[2]])
         with torch.no_grad():
             if not torch.equal(model(input_ids=x, use_cache=False).logits, reference(input_ids=x, use_cache=False).logits):
@@ -375,7 +376,7 @@ def run_sweep(types: list[str] | None = None, multimodal: tuple[str, ...] | list
 
 
 # ---- the README table ----------------------------------------------------------------------------------
-TABLE_START = "<!-- support-table:start (python -m paged_hf.support --readme README.md) -->"
+TABLE_START = "<!-- support-table:start (python -m paged_hf.model.support --readme README.md) -->"
 TABLE_END = "<!-- support-table:end -->"
 
 
@@ -423,7 +424,7 @@ def write_readme(path: str | Path, table: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m paged_hf.support", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m paged_hf.model.support", description=__doc__.split("\n\n")[0])
     parser.add_argument("types", nargs="*", help="model types (default: every causal LM type, then the text path of "
                         f"{', '.join(MULTIMODAL_TYPES)})")
     parser.add_argument("--multimodal", nargs="*", default=None, help="image-text types whose text path to check")

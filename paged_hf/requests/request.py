@@ -15,7 +15,6 @@ if TYPE_CHECKING:
     import torch
 
     from .detokenizer import StopStrings
-    from .prefix_index import Node
 
 
 class RequestStatus(enum.Enum):
@@ -50,7 +49,7 @@ class Request:
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
     num_cached_tokens: int = 0    # of the prompt, served from the prefix cache at first admission
     block_table: list[int] = field(default_factory=list)
-    prefix_node: "Node | None" = None  # deepest locked prefix-index node
+    prefix_node: Any = None  # deepest locked prefix-index node (the block manager's handle; opaque here)
     num_tree_blocks: int = 0           # leading blocks of block_table that the prefix index holds
     first_token_time: float | None = None
     finish_time: float | None = None

@@ -127,7 +127,7 @@ class SamplingParams:
         """Translate a transformers ``GenerationConfig`` (sampling fields only) into SamplingParams.
 
         Options with no equivalent here (beam search, assisted decoding, ...) are the caller's to reject;
-        see ``paged_hf.hf_generate``.
+        see ``paged_hf.model.hf_generate``.
         """
         gc = generation_config
         do_sample = bool(getattr(gc, "do_sample", False))

@@ -1,5 +1,5 @@
 """CPU attention that reads K/V through the block table in place: the ``paged_hf::paged_attention``
-C++ op (``paged_hf/csrc/paged_attention.cpp``) and the backend that uses it.
+C++ op (``paged_hf/execution/csrc/paged_attention.cpp``) and the backend that uses it.
 
 The torch backend copies every decoding sequence's K/V out of the pages for every layer of every
 step; this op reads them where they are: one call per layer for all sequences of the step, decode
@@ -15,7 +15,7 @@ ninja) into ``$PAGED_HF_EXTENSIONS_DIR``, default ``<paged_hf cache>/extensions`
 version and the flags, so later processes load it in well under a second. Without a compiler (or
 with ``PAGED_HF_CPU_KERNEL=0``) backend ``auto`` stays on the torch path, with one warning.
 
-    from paged_hf.backends import cpu_paged_attention as cpa
+    from paged_hf.execution.backends import cpu_paged_attention as cpa
     cpa.load()                # True when the op is usable (builds it the first time)
     torch.ops.paged_hf.paged_attention(query, k_cache, v_cache, q_start, q_len, kv_len,
                                        kv_indptr, kv_indices, scale, sliding_window, softcap, out)

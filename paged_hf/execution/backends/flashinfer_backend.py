@@ -18,7 +18,7 @@ gets its own planned wrapper (Gemma 2/3: a sliding and a full one; GPT-2 with
 ``scale_attn_by_inverse_layer_idx``: one per layer; per-layer geometry, as in Gemma 4: one per
 shape). Variants are learnt from the first forward (``attend`` plans a new one on the spot,
 eagerly) and planned up front in every later ``plan``. Each layer's cache has its own heads and
-width (paged_hf/kv_geometry.py). What these wrappers cannot do here (K and V of different widths,
+width (paged_hf/execution/kv_geometry.py). What these wrappers cannot do here (K and V of different widths,
 attention sinks, chunked attention) ``unsupported_reason`` names, and 'auto' then runs the torch
 backend on CUDA with one warning.
 
@@ -31,7 +31,7 @@ Index tensors are int32; the small indptr / last-page arrays are built on the ho
 metadata's host lists (FlashInfer's ``plan`` reads them on the host anyway, so passing device
 tensors would cost a device sync per plan), ``kv_indices`` stays on the device.
 
-CUDA graphs (paged_hf/cuda_graphs.py): ``prepare_cuda_graphs`` allocates fixed buffers, and
+CUDA graphs (paged_hf/execution/cuda_graphs.py): ``prepare_cuda_graphs`` allocates fixed buffers, and
 ``plan(meta, graph_batch=b)`` plans the bucket's ``use_cuda_graph=True`` decode wrappers, whose
 indptr / indices / last_page_len live in those buffers, and copies the K/V write rows into a
 fixed buffer too, so a captured ``attend`` reads everything from fixed addresses.

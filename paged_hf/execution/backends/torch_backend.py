@@ -2,7 +2,7 @@
 
 K of layer l lives in ``kv[2 * l]`` and V in ``kv[2 * l + 1]``, [num_blocks, kv_heads,
 block_size, k_dim] and [num_blocks, kv_heads, block_size, v_dim], contiguous: each head's tokens
-sit together (HND). Heads and widths are the layer's own (paged_hf/kv_geometry.py: per-layer
+sit together (HND). Heads and widths are the layer's own (paged_hf/execution/kv_geometry.py: per-layer
 geometry, MLA's K and V at their own widths). That layout is
 chosen for the decode gather: one ``index_select`` of whole blocks copies 1-2 KB runs and
 yields K/V in the [seq, head, position, dim] order attention wants. (Gathering token rows of
