@@ -73,7 +73,7 @@ class StepTimer:
 
 
 def instrument(engine: Any, timer: StepTimer) -> list[Callable[[], None]]:
-    import paged_hf.engine.engine as engine_mod
+    import paged_hf.engine.step as engine_mod
     import paged_hf.execution.runner as runner_mod
 
     undo = [timer.wrap(engine.scheduler, "schedule", "schedule"),

@@ -170,7 +170,7 @@ def test_nan_logits_of_one_request_end_it_alone(model, prompts, reference):
 def test_a_step_failing_after_it_forked_parallel_samples(model, prompts, fault, monkeypatch):
     """The step that first samples an n > 1 request forks its samples, then the sampler fails:
     an error ends the forked samples too; an interrupt takes the fork back (it forks again)."""
-    from paged_hf.engine import engine as engine_module
+    from paged_hf.engine import step as engine_module
 
     params = SamplingParams(max_new_tokens=5, n=3, temperature=1.0, seed=11, ignore_eos=True)
     expected = paged_hf.Engine(model, block_size=4, num_blocks=64).generate([prompts[1]], params)[0]

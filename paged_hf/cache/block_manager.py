@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from typing import Hashable
 
+from ..requests.request import Request
 from .block_pool import BlockPool
 from .prefix_index import RadixPrefixIndex
-from ..requests.request import Request
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:

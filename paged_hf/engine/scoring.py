@@ -30,9 +30,9 @@ from typing import Any, Sequence
 
 import torch
 
-from .binding import check_still_patched
 from ..requests.request import Request
 from ..requests.sampling_params import SamplingParams
+from .binding import check_still_patched
 
 # The functions below take the engine (paged_hf.engine.engine.Engine) as ``engine``; it is not imported
 # here, even for type checking, since engine.py imports this module.

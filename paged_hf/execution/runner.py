@@ -11,14 +11,14 @@ import logging
 
 import torch
 
+from ..config import EngineConfig
+from ..requests.request import Request
 from . import cpu_linear
 from .attention import active_backend
 from .backends import select_backend
-from ..config import EngineConfig
 from .cuda_graphs import DecodeAccelerator, wants_decode_accelerator
 from .kv_geometry import KVLayout
 from .metadata import StepMetadata, build_step_metadata
-from ..requests.request import Request
 
 logger = logging.getLogger("paged_hf")
 

@@ -90,8 +90,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def generate(args: argparse.Namespace) -> int:
     from ..config import EngineConfig
-    from .datasets_eval import generate_dataset
     from ..requests.sampling_params import SamplingParams
+    from .datasets_eval import generate_dataset
 
     # every check that needs no data or model comes first: a mistake costs nothing
     if args.limit is not None and args.limit < 0:

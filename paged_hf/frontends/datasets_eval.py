@@ -27,8 +27,8 @@ from typing import Any, Iterator
 
 import torch
 
-from .checkpoint import Checkpoint, fingerprint, make_record
 from ..requests.sampling_params import SamplingParams
+from .checkpoint import Checkpoint, fingerprint, make_record
 
 logger = logging.getLogger("paged_hf")
 

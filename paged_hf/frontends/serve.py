@@ -26,8 +26,8 @@ from typing import Any, Iterator
 
 import torch
 
-from ..requests.detokenizer import IncrementalDetokenizer, StopStrings
 from ..engine.outputs import RequestOutput
+from ..requests.detokenizer import IncrementalDetokenizer, StopStrings
 from ..requests.sampling_params import SamplingParams
 
 logger = logging.getLogger("paged_hf")

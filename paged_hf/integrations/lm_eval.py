@@ -63,9 +63,9 @@ except ImportError as _err:  # pragma: no cover - the message is the point
                       f"(lm-eval==0.4.13) ({_err})") from _err
 
 from ..config import EngineConfig
+from ..engine.scoring import prefix_token_id, rolling_windows
 from ..frontends.loading import load_model, load_tokenizer
 from ..requests.sampling_params import SamplingParams
-from ..engine.scoring import prefix_token_id, rolling_windows
 
 logger = logging.getLogger("paged_hf")
 

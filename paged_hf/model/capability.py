@@ -41,8 +41,8 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ..execution.kv_geometry import KVLayout, LayerSpec
-from ..patches import family_for
 from ..execution.runner import max_positions
+from ..patches import family_for
 
 PROBE = "paged_hf_probe"
 PROBE_TOKENS = 6

@@ -17,11 +17,11 @@ from typing import Any
 
 import torch
 
+from ..config import EngineConfig
+from ..engine.binding import STATE_ATTR, PatchState, patch_state
+from ..engine.engine import Engine as _EngineCore
 from ..execution import attention
 from . import capability
-from ..engine.binding import STATE_ATTR, PatchState, patch_state
-from ..config import EngineConfig
-from ..engine.engine import Engine as _EngineCore
 from .hf_generate import paged_generate
 
 UnsupportedModelError = capability.UnsupportedModelError

@@ -343,8 +343,9 @@ def causal_lm_types() -> list[str]:
 def run_sweep(types: list[str] | None = None, multimodal: tuple[str, ...] | list[str] | None = None,
               per_type_seconds: int = 300, progress: Any = None) -> list[Result]:
     """``check_type`` for each type (default: all causal LM types, then MULTIMODAL_TYPES' text paths)."""
-    from transformers.utils import logging as hf_logging
     import logging
+
+    from transformers.utils import logging as hf_logging
 
     types = causal_lm_types() if types is None else list(types)
     multimodal = MULTIMODAL_TYPES if multimodal is None else tuple(multimodal)

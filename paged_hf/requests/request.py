@@ -17,6 +17,24 @@ if TYPE_CHECKING:
     from .detokenizer import StopStrings
 
 
+# Ids the engine makes start with this; a caller's id may not, so the two never collide: the
+# engine's own ids ("paged_hf:<n>") and the ids of samples 1..n-1 of an n > 1 request
+# ("paged_hf:<root id>#<k>") are unlike any id a caller can choose.
+AUTO_ID_PREFIX = "paged_hf:"
+
+
+def sample_request_id(root_id: str, k: int) -> str:
+    """The id of sample ``k`` (1..n-1) of request ``root_id`` (sample 0 is the root itself)."""
+    return f"{AUTO_ID_PREFIX}{root_id}#{k}"
+
+
+def root_request_id(request_id: str) -> str:
+    """The id of the request a sample's id belongs to (``request_id`` itself for a root)."""
+    if request_id.startswith(AUTO_ID_PREFIX) and "#" in request_id:
+        return request_id[len(AUTO_ID_PREFIX):].rsplit("#", 1)[0]
+    return request_id
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
