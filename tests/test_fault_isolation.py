@@ -13,6 +13,7 @@ import paged_hf
 from oracle import assert_teacher_forced
 from paged_hf import SamplingParams
 from paged_hf.frontends.serve import BackgroundEngine
+from paged_hf.requests.request import root_request_id
 from tiny_models import make_tiny_model, tiny_prompts
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -343,6 +344,23 @@ def test_caller_id_like_a_sample_id_does_not_collide(model, prompts):
     assert cancelled.prompt_token_ids == prompts[1] and cancelled.finish_reason == "abort"
     out = engine.run_until_done(["job"])[0]
     assert len(out.completions) == 2 and all(len(c.token_ids) == 6 for c in out.completions)
+    assert_clean(engine)
+
+
+def test_step_never_hands_out_one_id_for_two_requests(model, prompts):
+    engine = paged_hf.Engine(model, block_size=4, num_blocks=64)
+    sampled = SamplingParams(max_new_tokens=6, n=2, temperature=1.0, seed=5, ignore_eos=True)
+    engine.add_request(prompts[0], sampled, request_id="job")
+    engine.add_request(prompts[1], GREEDY, request_id="job#1")
+    seen: dict[str, object] = {}
+    while engine.has_unfinished:
+        sampled_now, _finished = engine.step()
+        for req in sampled_now:
+            assert seen.setdefault(req.request_id, req) is req, f"two requests stepped as {req.request_id!r}"
+    assert {"job", "job#1"} <= set(seen) and len(seen) == 3
+    child = next(r for rid, r in seen.items() if rid not in ("job", "job#1"))
+    assert child.parent is seen["job"] and root_request_id(child.request_id) == "job"
+    engine.run_until_done(["job", "job#1"])
     assert_clean(engine)
 
 
