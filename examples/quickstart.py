@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 # On a machine other jobs share, OpenMP threads spinning between parallel regions stall every one
-# of them (README, "On a CPU"); libgomp reads its wait policy once, when torch loads, so it is
+# of them (docs/backends.md, "On a CPU"); libgomp reads its wait policy once, when torch loads, so it is
 # decided here, for transformers and paged_hf alike: PASSIVE when other processes keep a third of
 # a core busy over a half-second look (on idle cores it cost paged_hf ~10% here, so not otherwise).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))

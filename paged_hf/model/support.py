@@ -2,8 +2,8 @@
 
     python -m paged_hf.model.support                       # every type of the installed transformers
     python -m paged_hf.model.support llama gpt_oss bloom   # some types
-    python -m paged_hf.model.support --readme README.md --json support.json
-    python -m paged_hf.model.support --from-json support.json --readme README.md   # re-render only
+    python -m paged_hf.model.support --page docs/support.md --json support.json
+    python -m paged_hf.model.support --from-json support.json --page docs/support.md   # re-render only
 
 For every ``model_type`` in ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` (and the text path of a few
 image-text models), a tiny random model is built from the type's own config class (sizes shrunk,
@@ -376,8 +376,8 @@ def run_sweep(types: list[str] | None = None, multimodal: tuple[str, ...] | list
     return results
 
 
-# ---- the README table ----------------------------------------------------------------------------------
-TABLE_START = "<!-- support-table:start (python -m paged_hf.model.support --readme README.md) -->"
+# ---- the support page's table ----------------------------------------------------------------------------------
+TABLE_START = "<!-- support-table:start (python -m paged_hf.model.support --page docs/support.md) -->"
 TABLE_END = "<!-- support-table:end -->"
 
 
@@ -414,7 +414,7 @@ def render_table(results: list[Result], transformers_version: str) -> str:
     return "\n".join(lines)
 
 
-def write_readme(path: str | Path, table: str) -> None:
+def write_page(path: str | Path, table: str) -> None:
     path = Path(path)
     text = path.read_text()
     if TABLE_START not in text or TABLE_END not in text:
@@ -430,8 +430,8 @@ def main(argv: list[str] | None = None) -> int:
                         f"{', '.join(MULTIMODAL_TYPES)})")
     parser.add_argument("--multimodal", nargs="*", default=None, help="image-text types whose text path to check")
     parser.add_argument("--json", help="write the results here (one object per type)")
-    parser.add_argument("--readme", help="rewrite the support table between the markers in this file")
-    parser.add_argument("--from-json", help="no sweep: render --readme from a file --json wrote")
+    parser.add_argument("--page", help="rewrite the support table between the markers in this file (docs/support.md)")
+    parser.add_argument("--from-json", help="no sweep: render --page from a file --json wrote")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     parser.add_argument("--per-type-seconds", type=int, default=300)
     args = parser.parse_args(argv)
@@ -440,8 +440,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.from_json:
         saved = json.loads(Path(args.from_json).read_text())
         results = [Result(**row) for row in saved["results"]]
-        if args.readme:
-            write_readme(args.readme, render_table(results, saved["transformers"]))
+        if args.page:
+            write_page(args.page, render_table(results, saved["transformers"]))
         return 0
     torch.set_num_threads(args.threads)
     multimodal = args.multimodal if args.multimodal is not None else (None if not args.types else [])
@@ -453,8 +453,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps({"transformers": transformers.__version__,
                                                "results": [r.row() for r in results]}, indent=1))
-    if args.readme:
-        write_readme(args.readme, render_table(results, transformers.__version__))
+    if args.page:
+        write_page(args.page, render_table(results, transformers.__version__))
     bad = [r for r in results if r.verdict in ("wrong", "error")]
     return 1 if bad else 0
 
