@@ -32,9 +32,9 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from paged_hf.backends import cpu_paged_attention as cpa  # noqa: E402
-from paged_hf.backends.torch_backend import TorchBackend  # noqa: E402
-from paged_hf.metadata import StepMetadata  # noqa: E402
+from paged_hf.execution.backends import cpu_paged_attention as cpa  # noqa: E402
+from paged_hf.execution.backends.torch_backend import TorchBackend  # noqa: E402
+from paged_hf.execution.metadata import StepMetadata  # noqa: E402
 
 
 def step_metadata(specs: list[tuple[int, int]], bs: int, perm: list[int]) -> StepMetadata:

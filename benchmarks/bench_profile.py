@@ -73,8 +73,8 @@ class StepTimer:
 
 
 def instrument(engine: Any, timer: StepTimer) -> list[Callable[[], None]]:
-    import paged_hf.engine as engine_mod
-    import paged_hf.runner as runner_mod
+    import paged_hf.engine.step as engine_mod
+    import paged_hf.execution.runner as runner_mod
 
     undo = [timer.wrap(engine.scheduler, "schedule", "schedule"),
             timer.wrap(runner_mod, "build_step_metadata", "metadata"),

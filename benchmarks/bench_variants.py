@@ -38,8 +38,8 @@ import bench  # noqa: E402
 import bench_systems as S  # noqa: E402
 import bench_workloads as W  # noqa: E402
 import paged_hf  # noqa: E402
-import paged_hf.backends.torch_backend as torch_backend  # noqa: E402
-from paged_hf.models import load_default_model  # noqa: E402
+import paged_hf.execution.backends.torch_backend as torch_backend  # noqa: E402
+from paged_hf.frontends.models import load_default_model  # noqa: E402
 
 VARIANTS = {
     "one decode group": dict(group_padding=1 << 60, config={}),

@@ -407,7 +407,7 @@ def main(argv: list[str] | None = None) -> int:
                       decode_batch=64, decode_steps=50, agree_prompts=8, agree_new_tokens=48)
     skip = set(filter(None, args.skip.split(",")))
     if args.fa2 and not setup.dry_run:
-        from paged_hf.backends import flashinfer_backend
+        from paged_hf.execution.backends import flashinfer_backend
         flashinfer_backend.PREFILL_BACKEND, flashinfer_backend.DECODE_TENSOR_CORES = "fa2", True
     started = time.perf_counter()
     report: dict[str, Any] = {"dry_run": setup.dry_run, "environment": environment(setup),

@@ -18,7 +18,7 @@ import time
 import datasets
 
 import paged_hf
-from paged_hf.models import load_default_model
+from paged_hf.frontends.models import load_default_model
 
 TOPICS = ["the moon", "tea", "rain", "bicycles", "volcanoes", "bees", "libraries", "the ocean", "bread", "trains",
           "snow", "owls"]

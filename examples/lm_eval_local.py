@@ -37,7 +37,7 @@ def main() -> None:
 
     import paged_hf.integrations.lm_eval as ple  # registers --model paged_hf
     from eval_tasks import write_tasks
-    from paged_hf.models import load_default_model
+    from paged_hf.frontends.models import load_default_model
 
     tasks_dir = write_tasks(Path(tempfile.mkdtemp(prefix="paged_hf_tasks_")), n_mc=50, n_gen=20, n_rolling=10)
     tasks = TaskManager(include_path=str(tasks_dir), include_defaults=False)

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 # On a machine other jobs share, OpenMP threads spinning between parallel regions stall every one
-# of them (README, "On a CPU"); libgomp reads its wait policy once, when torch loads, so it is
+# of them (docs/backends.md, "On a CPU"); libgomp reads its wait policy once, when torch loads, so it is
 # decided here, for transformers and paged_hf alike: PASSIVE when other processes keep a third of
 # a core busy over a half-second look (on idle cores it cost paged_hf ~10% here, so not otherwise).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -34,7 +34,7 @@ if "OMP_WAIT_POLICY" not in os.environ and others_busy_now():
 import torch  # noqa: E402
 
 import paged_hf
-from paged_hf.models import load_default_model
+from paged_hf.frontends.models import load_default_model
 
 QUESTIONS = [
     "What is the capital of France?",

@@ -8,32 +8,27 @@
     engine.generate(["Hello"], paged_hf.SamplingParams(max_new_tokens=32, stop=["\n\n"]))
     engine.score([("The capital of France is", " Paris")])   # loglikelihood of a continuation
 
-Where things live (the four roles of the design):
-  block pool + prefix index  block_pool.py, prefix_index.py, block_manager.py
-  request state              request.py, sampling_params.py, outputs.py; detokenizer.py (incremental
-                             detokenization, stop strings)
-  scheduler                  scheduler.py
-  execution backend          runner.py, metadata.py, attention.py, backends/, sampler.py,
-                             kv_geometry.py (per-layer KV layout);
-                             on CPU: backends/cpu_paged_attention.py + csrc/ (the paged attention op);
-                             on CUDA: cuda_graphs.py, compile_decode.py, cuda_memory.py
-  the model side             patching.py (patch / unpatch / paged_hf.Engine), capability.py (can this
-                             model run? what is its KV layout?), patches/ (per-family quirks),
-                             support.py (the support table over every transformers causal LM);
-                             binding.py is what patching leaves on a model for the engine
-  front ends                 engine.py, hf_generate.py, datasets_eval.py (generate_dataset),
-                             serve.py (background engine), cli.py (paged-hf), scoring.py (Engine.score,
-                             score_rolling, prompt logprobs), integrations/lm_eval.py (lm-eval backend)
-
-Imports run one way: the model side imports the engine side, never the reverse.
+Where things live: folders are roles, and imports run one way, top to bottom
+(tests/test_layout.py checks it):
+  frontends/, integrations/  generate_dataset, serve (background engine), the paged-hf CLI, loading
+                             models; the lm-eval backend
+  model/                     patch / unpatch / paged_hf.Engine, the capability check, the generate
+                             patch installs, the support table; per-family quirks in patches/
+  engine/                    Engine: admission, the step loop, scheduler, outputs, scoring; binding
+                             (what patching leaves on a model for the engine)
+  execution/                 runner, step metadata, the attention seam, backends (torch, CPU kernel,
+                             FlashInfer), sampler, KV geometry, CUDA graphs
+  cache/                     block pool, prefix index, block manager, weight coherence
+  requests/                  request state: Request, SamplingParams, detokenizer / stop strings
+  config.py                  EngineConfig, read by every layer
 """
 from .config import EngineConfig
-from .datasets_eval import generate_dataset
-from .outputs import Completion, RequestOutput
-from .patching import Engine, UnsupportedModelError, engine_for, is_patched, patch, unpatch
-from .sampling_params import SamplingParams
-from .scoring import ScoreOutput
-from .serve import serve
+from .engine.outputs import Completion, RequestOutput
+from .engine.scoring import ScoreOutput
+from .frontends.datasets_eval import generate_dataset
+from .frontends.serve import serve
+from .model.patching import Engine, UnsupportedModelError, engine_for, is_patched, patch, unpatch
+from .requests.sampling_params import SamplingParams
 
 __all__ = ["Completion", "Engine", "EngineConfig", "RequestOutput", "SamplingParams", "ScoreOutput",
            "UnsupportedModelError", "engine_for", "generate_dataset", "is_patched", "patch", "serve", "unpatch"]

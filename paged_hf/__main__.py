@@ -1,6 +1,6 @@
 """``python -m paged_hf`` is the ``paged-hf`` command."""
 import sys
 
-from .cli import main
+from .frontends.cli import main
 
 sys.exit(main())

@@ -42,11 +42,11 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     backend: str = "auto"  # "auto", "torch" or "flashinfer"
     namespace: str | None = None  # prefix-cache namespace (model / adapter id); None: derived from the model
-    # CUDA path (issue 5): see paged_hf/cuda_graphs.py, paged_hf/compile_decode.py, paged_hf/backends/swap.py
+    # CUDA path (issue 5): see paged_hf/execution/cuda_graphs.py, paged_hf/execution/compile_decode.py, paged_hf/execution/backends/swap.py
     use_cuda_graphs: bool = True  # capture pure-decode steps per batch bucket; CUDA + FlashInfer only, else ignored
     compile_decode: bool | str = False  # torch.compile the decode step; a string names the compile backend
     preemption_mode: str = "recompute"  # or "swap": preempted requests' blocks go to pinned host memory
-    # bf16 on a CPU: linear layers run on weights packed once for oneDNN, same results (paged_hf/cpu_linear.py)
+    # bf16 on a CPU: linear layers run on weights packed once for oneDNN, same results (paged_hf/execution/cpu_linear.py)
     cpu_packed_weights: bool = True
 
     def __post_init__(self) -> None:

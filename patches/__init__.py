@@ -1,6 +1,6 @@
 """Per-family quirks, one file per model family (shipped as ``paged_hf.patches``).
 
-Whether a model runs is decided from the model itself (paged_hf/capability.py): its attention goes
+Whether a model runs is decided from the model itself (paged_hf/model/capability.py): its attention goes
 through transformers' AttentionInterface, and each layer's geometry, window, chunk, sinks and
 softcap are read from it. A family gets a file here only for what that check cannot see: each
 module names the ``model_type`` values it covers in ``MODEL_TYPES`` and may define ``check(model)``,

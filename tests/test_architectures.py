@@ -14,7 +14,7 @@ import torch
 
 import paged_hf
 from oracle import assert_logprobs_close, assert_teacher_forced
-from paged_hf.binding import patch_state
+from paged_hf.engine.binding import patch_state
 from tiny_models import ARCHITECTURES, FAMILIES, PAD_ID, SLIDING_WINDOW, make_arch_model, make_tiny_model, tiny_prompts
 
 W = SLIDING_WINDOW

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from paged_hf.block_pool import BlockPool
-from paged_hf.prefix_index import RadixPrefixIndex
+from paged_hf.cache.block_pool import BlockPool
+from paged_hf.cache.prefix_index import RadixPrefixIndex
 
 BS = 2
 

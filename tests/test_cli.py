@@ -8,7 +8,7 @@ import sys
 import pytest
 
 import paged_hf
-from paged_hf import cli
+from paged_hf.frontends import cli
 from tiny_models import make_tiny_model
 from tiny_tokenizer import make_tiny_tokenizer
 

@@ -1,11 +1,11 @@
-"""Packed oneDNN weights for the linear layers in bf16 on a CPU (paged_hf/cpu_linear.py): the same
+"""Packed oneDNN weights for the linear layers in bf16 on a CPU (paged_hf/execution/cpu_linear.py): the same
 results as ``F.linear`` bit for bit, only inside engine steps, packed again when the weights change."""
 import pytest
 import torch
 import torch.nn.functional as F
 
 import paged_hf
-from paged_hf import cpu_linear
+from paged_hf.execution import cpu_linear
 from tiny_models import FAMILIES, make_tiny_model, tiny_prompts
 
 pytestmark = pytest.mark.skipif(not cpu_linear.supported(torch.bfloat16, torch.device("cpu")),

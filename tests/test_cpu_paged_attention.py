@@ -1,4 +1,4 @@
-"""The CPU paged attention kernel (paged_hf/backends/cpu_paged_attention.py, paged_hf/csrc/):
+"""The CPU paged attention kernel (paged_hf/execution/backends/cpu_paged_attention.py, paged_hf/execution/csrc/):
 the op against a float64 reference written here, the kernel backend against the torch backend,
 generation through it against transformers on all nine families in fp32 and bf16 (small blocks,
 chunked prefill, prefix hits), and the fallback when it cannot be built."""
@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 
 import paged_hf
 from oracle import assert_teacher_forced
-from paged_hf.backends import TorchBackend, select_backend
-from paged_hf.backends import cpu_paged_attention as cpa
+from paged_hf.execution.backends import TorchBackend, select_backend
+from paged_hf.execution.backends import cpu_paged_attention as cpa
 from tiny_models import FAMILIES, make_tiny_model, tiny_prompts
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -231,7 +231,7 @@ def test_a_layer_with_a_feature_the_kernel_lacks_takes_the_torch_path(monkeypatc
     assert ker.attend(0, q, k, v, 0.25, sinks=None).shape == (1, 6, 4, 16)  # an absent feature: the kernel
     assert len(calls) == 1
 
-    from paged_hf.kv_geometry import KVLayout, LayerSpec
+    from paged_hf.execution.kv_geometry import KVLayout, LayerSpec
     chunked = cpa.CpuPagedBackend(KVLayout((LayerSpec(4, 2, 16, 16, chunk=8),)), n_blocks, bs, dtype=torch.float32)
     chunked.plan(meta)
     assert chunked.attend(0, q, k, v, 0.25) == "torch path" and chunked._torch_plan == "full"  # a chunked layer

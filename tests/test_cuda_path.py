@@ -19,34 +19,34 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import paged_hf
-import paged_hf.runner
+import paged_hf.execution.runner
 from paged_hf import SamplingParams
-from paged_hf.backends import TorchBackend, select_backend
-from paged_hf.backends.swap import swap_in, swap_out
-from paged_hf.cuda_graphs import (DecodeAccelerator, _EagerGraph, bucket_for, decode_buckets, pad_decode_metadata,
+from paged_hf.execution.backends import TorchBackend, select_backend
+from paged_hf.execution.backends.swap import swap_in, swap_out
+from paged_hf.execution.cuda_graphs import (DecodeAccelerator, _EagerGraph, bucket_for, decode_buckets, pad_decode_metadata,
                                   padding_metadata)
-from paged_hf.cuda_memory import kv_budget_from_profile
-from paged_hf.metadata import build_step_metadata
+from paged_hf.execution.cuda_memory import kv_budget_from_profile
+from paged_hf.execution.metadata import build_step_metadata
 from tiny_models import FAMILIES, make_tiny_model, tiny_prompts
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def _forget_flashinfer_backend():
-    sys.modules.pop("paged_hf.backends.flashinfer_backend", None)
-    if hasattr(paged_hf.backends, "flashinfer_backend"):
-        delattr(paged_hf.backends, "flashinfer_backend")
+    sys.modules.pop("paged_hf.execution.backends.flashinfer_backend", None)
+    if hasattr(paged_hf.execution.backends, "flashinfer_backend"):
+        delattr(paged_hf.execution.backends, "flashinfer_backend")
 
 
 @pytest.fixture
 def fake_flashinfer(monkeypatch):
-    """paged_hf.backends.flashinfer_backend imported against tests/fake_flashinfer.py (fp32 and
+    """paged_hf.execution.backends.flashinfer_backend imported against tests/fake_flashinfer.py (fp32 and
     the tiny models' head_dim 16 allowed, so outputs can be compared with the torch backend)."""
     import fake_flashinfer as fake
 
     _forget_flashinfer_backend()
     monkeypatch.setitem(sys.modules, "flashinfer", fake.as_module())
-    mod = importlib.import_module("paged_hf.backends.flashinfer_backend")
+    mod = importlib.import_module("paged_hf.execution.backends.flashinfer_backend")
     monkeypatch.setattr(mod, "SUPPORTED_DTYPES", (torch.float32, torch.float16, torch.bfloat16))
     monkeypatch.setattr(mod, "SUPPORTED_HEAD_DIMS", (16,))
     yield mod
@@ -214,9 +214,9 @@ print("ok")
 def _use_backend(monkeypatch, backend_cls, graphs: bool = False, graph_factory=_EagerGraph):
     """Make engines built from now on use ``backend_cls`` (on CPU), and with ``graphs`` the
     CUDA-graph decode path with stand-in graphs (``graph_factory``, eager by default)."""
-    monkeypatch.setattr(paged_hf.runner, "select_backend", lambda *a, **k: backend_cls)
+    monkeypatch.setattr(paged_hf.execution.runner, "select_backend", lambda *a, **k: backend_cls)
     if graphs:
-        monkeypatch.setattr(paged_hf.runner, "wants_decode_accelerator", lambda config, device: True)
+        monkeypatch.setattr(paged_hf.execution.runner, "wants_decode_accelerator", lambda config, device: True)
         monkeypatch.setattr(DecodeAccelerator, "build", classmethod(
             lambda cls, model, backend, config, pad_block: cls(
                 model, backend, config.max_num_seqs, pad_block, use_graphs=True, compile_backend=None,
@@ -385,7 +385,7 @@ def test_padding_rows_are_not_sampled():
     with torch.inference_mode():
         prefill = build_step_metadata([(r, r.num_tokens) for r in reqs], 4)
         backend.plan(prefill)
-        with paged_hf.attention.active_backend(backend):
+        with paged_hf.execution.attention.active_backend(backend):
             model(input_ids=prefill.input_ids[None], position_ids=prefill.positions[None], use_cache=False)
         for r in reqs:
             r.num_computed_tokens = r.num_tokens
@@ -397,7 +397,7 @@ def test_padding_rows_are_not_sampled():
         padded = accel.run(step)  # bucket 4: one padding row
         assert padded.shape == (3, model.config.vocab_size)
         backend.plan(step)
-        with paged_hf.attention.active_backend(backend):
+        with paged_hf.execution.attention.active_backend(backend):
             plain = model(input_ids=step.input_ids[None], position_ids=step.positions[None], use_cache=False).logits[0]
     torch.testing.assert_close(padded, plain)
 
@@ -488,7 +488,7 @@ def test_kv_budget_arithmetic():
     assert kv_budget_from_profile(80 * gib, 0.9, 10 * gib, gib, reserve=gib) == int(72 * gib) - 12 * gib
     with pytest.raises(ValueError, match="gpu_memory_utilization=0.1"):
         kv_budget_from_profile(80 * gib, 0.1, 10 * gib, 0, reserve=0)
-    from paged_hf.cuda_memory import profile_kv_budget
+    from paged_hf.execution.cuda_memory import profile_kv_budget
     with pytest.raises(ValueError, match="CUDA device"):
         profile_kv_budget(make_tiny_model("llama"), paged_hf.EngineConfig())
 

@@ -1,4 +1,4 @@
-"""Decoding sequences attend in groups of similar length (paged_hf/backends/torch_backend.py):
+"""Decoding sequences attend in groups of similar length (paged_hf/execution/backends/torch_backend.py):
 the grouping itself, and generation through several groups against transformers."""
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import paged_hf
-import paged_hf.backends.torch_backend as torch_backend
+import paged_hf.execution.backends.torch_backend as torch_backend
 from oracle import assert_teacher_forced
-from paged_hf.backends.torch_backend import decode_groups
+from paged_hf.execution.backends.torch_backend import decode_groups
 from tiny_models import FAMILIES, make_tiny_model, tiny_prompts
 
 

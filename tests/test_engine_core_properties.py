@@ -16,10 +16,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from paged_hf.block_manager import BlockManager, blocks_for
-from paged_hf.request import FinishReason, Request, RequestStatus
-from paged_hf.sampling_params import SamplingParams
-from paged_hf.scheduler import Scheduler, SchedulerOutput
+from paged_hf.cache.block_manager import BlockManager, blocks_for
+from paged_hf.requests.request import FinishReason, Request, RequestStatus
+from paged_hf.requests.sampling_params import SamplingParams
+from paged_hf.engine.scheduler import Scheduler, SchedulerOutput
 
 EOS = 0
 STOP = 1

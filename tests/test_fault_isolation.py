@@ -12,7 +12,8 @@ import torch
 import paged_hf
 from oracle import assert_teacher_forced
 from paged_hf import SamplingParams
-from paged_hf.serve import BackgroundEngine
+from paged_hf.frontends.serve import BackgroundEngine
+from paged_hf.requests.request import root_request_id
 from tiny_models import make_tiny_model, tiny_prompts
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -129,7 +130,7 @@ def test_forward_that_raises_once_ends_that_steps_requests_and_frees_their_block
 
 
 def test_a_requests_sampling_failure_ends_it_alone(model, prompts, reference, monkeypatch):
-    from paged_hf import sampler
+    from paged_hf.execution import sampler
 
     prepare = sampler._prepare_row
 
@@ -170,7 +171,7 @@ def test_nan_logits_of_one_request_end_it_alone(model, prompts, reference):
 def test_a_step_failing_after_it_forked_parallel_samples(model, prompts, fault, monkeypatch):
     """The step that first samples an n > 1 request forks its samples, then the sampler fails:
     an error ends the forked samples too; an interrupt takes the fork back (it forks again)."""
-    from paged_hf import engine as engine_module
+    from paged_hf.engine import step as engine_module
 
     params = SamplingParams(max_new_tokens=5, n=3, temperature=1.0, seed=11, ignore_eos=True)
     expected = paged_hf.Engine(model, block_size=4, num_blocks=64).generate([prompts[1]], params)[0]
@@ -343,6 +344,23 @@ def test_caller_id_like_a_sample_id_does_not_collide(model, prompts):
     assert cancelled.prompt_token_ids == prompts[1] and cancelled.finish_reason == "abort"
     out = engine.run_until_done(["job"])[0]
     assert len(out.completions) == 2 and all(len(c.token_ids) == 6 for c in out.completions)
+    assert_clean(engine)
+
+
+def test_step_never_hands_out_one_id_for_two_requests(model, prompts):
+    engine = paged_hf.Engine(model, block_size=4, num_blocks=64)
+    sampled = SamplingParams(max_new_tokens=6, n=2, temperature=1.0, seed=5, ignore_eos=True)
+    engine.add_request(prompts[0], sampled, request_id="job")
+    engine.add_request(prompts[1], GREEDY, request_id="job#1")
+    seen: dict[str, object] = {}
+    while engine.has_unfinished:
+        sampled_now, _finished = engine.step()
+        for req in sampled_now:
+            assert seen.setdefault(req.request_id, req) is req, f"two requests stepped as {req.request_id!r}"
+    assert {"job", "job#1"} <= set(seen) and len(seen) == 3
+    child = next(r for rid, r in seen.items() if rid not in ("job", "job#1"))
+    assert child.parent is seen["job"] and root_request_id(child.request_id) == "job"
+    engine.run_until_done(["job", "job#1"])
     assert_clean(engine)
 
 

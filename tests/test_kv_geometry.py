@@ -10,9 +10,9 @@ import pytest
 import torch
 
 import paged_hf
-from paged_hf.backends import TorchBackend, select_backend
-from paged_hf.backends.swap import swap_in, swap_out
-from paged_hf.kv_geometry import KVLayout, LayerSpec
+from paged_hf.execution.backends import TorchBackend, select_backend
+from paged_hf.execution.backends.swap import swap_in, swap_out
+from paged_hf.execution.kv_geometry import KVLayout, LayerSpec
 from test_cuda_path import _flashinfer_matches_torch, _workload, fake_flashinfer  # noqa: F401 - a fixture
 from tiny_models import make_arch_model
 

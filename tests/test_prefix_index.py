@@ -5,10 +5,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from paged_hf.block_manager import BlockManager
-from paged_hf.prefix_index import RadixPrefixIndex
-from paged_hf.request import Request
-from paged_hf.sampling_params import SamplingParams
+from paged_hf.cache.block_manager import BlockManager
+from paged_hf.cache.prefix_index import RadixPrefixIndex
+from paged_hf.requests.request import Request
+from paged_hf.requests.sampling_params import SamplingParams
 
 BS = 4
 

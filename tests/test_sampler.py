@@ -14,8 +14,8 @@ import torch
 from transformers import GenerationConfig
 
 from paged_hf import SamplingParams
-from paged_hf.request import Request
-from paged_hf.sampler import sample
+from paged_hf.requests.request import Request
+from paged_hf.execution.sampler import sample
 from tiny_models import make_tiny_model
 
 VOCAB = 16

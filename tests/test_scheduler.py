@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from paged_hf.block_manager import BlockManager
-from paged_hf.request import FinishReason, Request, RequestStatus
-from paged_hf.sampling_params import SamplingParams
-from paged_hf.scheduler import Scheduler, SchedulerOutput
+from paged_hf.cache.block_manager import BlockManager
+from paged_hf.requests.request import FinishReason, Request, RequestStatus
+from paged_hf.requests.sampling_params import SamplingParams
+from paged_hf.engine.scheduler import Scheduler, SchedulerOutput
 
 
 def make(num_blocks: int = 64, block_size: int = 4, budget: int = 32, max_seqs: int = 8,

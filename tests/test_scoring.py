@@ -16,7 +16,7 @@ import torch
 
 import paged_hf
 from paged_hf import SamplingParams
-from paged_hf.scoring import encode_pair, rolling_windows
+from paged_hf.engine.scoring import encode_pair, rolling_windows
 from tiny_models import FAMILIES, make_tiny_model, tiny_prompts
 from tiny_tokenizer import make_tiny_tokenizer
 
@@ -158,7 +158,10 @@ def test_prompt_logprobs_of_generation_requests():
 
 
 def test_rolling_windows_are_lm_evals():
-    from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+    lm_eval_utils = pytest.importorskip("lm_eval.utils", reason="the eval extra (lm-eval==0.4.13) is installed by "
+                                                                "make install")
+    get_rolling_token_windows, make_disjoint_window = (lm_eval_utils.get_rolling_token_windows,
+                                                       lm_eval_utils.make_disjoint_window)
 
     rng = random.Random(0)
     for _ in range(200):
@@ -225,7 +228,7 @@ def test_bad_scoring_requests_are_refused_alone():
 
 
 def test_a_scoring_failure_inside_a_step_ends_that_request_alone(monkeypatch):
-    import paged_hf.scoring as scoring
+    import paged_hf.engine.scoring as scoring
 
     model = make_tiny_model("llama")
     pairs = workload(model.config.vocab_size)
@@ -288,7 +291,7 @@ def test_scoring_under_faults_preemption_and_chunking(fault):
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
 
-    import paged_hf.scoring as scoring
+    import paged_hf.engine.scoring as scoring
     from tiny_models import N_SPECIAL
 
     model = _float64_llama()

@@ -9,7 +9,7 @@ import torch
 
 import paged_hf
 from paged_hf import SamplingParams
-from paged_hf.serve import EngineStopped, IncrementalDetokenizer
+from paged_hf.frontends.serve import EngineStopped, IncrementalDetokenizer
 from tiny_models import make_tiny_model
 from tiny_tokenizer import make_tiny_tokenizer
 

@@ -18,7 +18,7 @@ import torch
 
 import paged_hf
 from paged_hf import SamplingParams
-from paged_hf.detokenizer import IncrementalDetokenizer, StopStrings
+from paged_hf.requests.detokenizer import IncrementalDetokenizer, StopStrings
 from tiny_models import make_tiny_model
 from tiny_tokenizer import make_tiny_tokenizer
 
@@ -248,7 +248,7 @@ def test_stream_never_shows_a_stop_string(model64, tok):
 def test_generate_dataset_and_cli_take_stops(model64, tok, tmp_path):
     import datasets
 
-    from paged_hf import cli
+    from paged_hf.frontends import cli
 
     prompts = ["hello there", "the cat", "qz"]
     base = SamplingParams(max_new_tokens=20, ignore_eos=True)

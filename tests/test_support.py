@@ -1,12 +1,12 @@
-"""The support table's script (paged_hf/support.py) over a fixed subset of types: verdicts, the
-reasons it reports, and the README table it writes."""
+"""The support table's script (paged_hf/model/support.py) over a fixed subset of types: verdicts, the
+reasons it reports, and the table it writes on docs/support.md."""
 from __future__ import annotations
 
 import json
 
 import pytest
 
-from paged_hf import support
+from paged_hf.model import support
 
 EXPECTED = {  # type: (verdict, words its details must hold)
     "llama": ("pass", "GQA"),
@@ -37,24 +37,24 @@ def test_sweep_verdicts_on_a_fixed_subset(results):
     assert support.counts(results) == {"pass": 7, "refused": 3}
 
 
-def test_the_readme_table_is_written_between_its_markers(results, tmp_path):
+def test_the_support_table_is_written_between_its_markers(results, tmp_path):
     table = support.render_table(results, "9.9.9")
     assert "transformers 9.9.9, all 9 `model_type`s" in table and "**6 pass**, 3 refused, 0 wrong, 0 error" in table
     assert "| gpt_oss | GptOssForCausalLM | pass | " in table and "| qwen2_vl | Qwen2VLForConditionalGeneration | pass" in table
     readme = tmp_path / "README.md"
     readme.write_text(f"# x\n\nbefore\n\n{support.TABLE_START}\nold\n{support.TABLE_END}\n\nafter\n")
-    support.write_readme(readme, table)
+    support.write_page(readme, table)
     text = readme.read_text()
     assert text.startswith("# x\n\nbefore\n\n") and text.endswith("\n\nafter\n") and "old" not in text
     assert text.count(support.TABLE_START) == 1 and text.count(support.TABLE_END) == 1
     with pytest.raises(ValueError, match="no support-table markers"):
         (tmp_path / "plain.md").write_text("no markers")
-        support.write_readme(tmp_path / "plain.md", table)
+        support.write_page(tmp_path / "plain.md", table)
 
 
-def test_the_repository_readme_holds_a_generated_table():
+def test_the_support_page_holds_a_generated_table():
     from pathlib import Path
-    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    text = (Path(__file__).resolve().parents[1] / "docs" / "support.md").read_text()
     body = text.split(support.TABLE_START, 1)[1].split(support.TABLE_END, 1)[0]
     assert "0 wrong, 0 error" in body and "| llama | LlamaForCausalLM | pass |" in body
 

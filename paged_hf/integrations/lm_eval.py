@@ -63,9 +63,9 @@ except ImportError as _err:  # pragma: no cover - the message is the point
                       f"(lm-eval==0.4.13) ({_err})") from _err
 
 from ..config import EngineConfig
-from ..loading import load_model, load_tokenizer
-from ..sampling_params import SamplingParams
-from ..scoring import prefix_token_id, rolling_windows
+from ..engine.scoring import prefix_token_id, rolling_windows
+from ..frontends.loading import load_model, load_tokenizer
+from ..requests.sampling_params import SamplingParams
 
 logger = logging.getLogger("paged_hf")
 
@@ -83,7 +83,7 @@ class PagedHFLM(TemplateLM):
 
     >>> import lm_eval
     >>> from paged_hf.integrations.lm_eval import PagedHFLM
-    >>> from paged_hf.models import load_default_model
+    >>> from paged_hf.frontends.models import load_default_model
     >>> model, tok = load_default_model()
     >>> lm = PagedHFLM(pretrained=model, tokenizer=tok, max_num_seqs=64)
     >>> tasks = lm_eval.tasks.TaskManager(include_path="my_tasks/")   # YAML tasks on disk
@@ -104,8 +104,8 @@ class PagedHFLM(TemplateLM):
         if unknown:
             raise TypeError(f"paged_hf: unknown model_args {unknown}; known: the lm-eval options in "
                             f"paged_hf.integrations.lm_eval's docstring and the engine options {sorted(_ENGINE_OPTIONS)}")
-        from ..engine import Engine as EngineCore
-        from ..patching import Engine, engine_for, is_patched
+        from ..engine.engine import Engine as EngineCore
+        from ..model.patching import Engine, engine_for, is_patched
 
         explicit = dict(engine_options)
         seqs = _max_num_seqs(batch_size, max_batch_size)

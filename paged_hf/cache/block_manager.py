@@ -1,0 +1,149 @@
+"""Block tables of requests: prefix hits at admission, slots for new tokens, caching full
+blocks, copy-on-write for shared partial blocks, and release.
+
+The pool counts references; the prefix index knows which blocks hold which prefix; this
+file keeps each request's block table consistent with both. It never touches tensors: a
+copy-on-write returns the (src, dst) block pairs the backend must copy before the step.
+"""
+from __future__ import annotations
+
+from typing import Hashable
+
+from ..requests.request import Request
+from .block_pool import BlockPool
+from .prefix_index import RadixPrefixIndex
+
+
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 namespace: Hashable = "") -> None:
+        self.block_size = block_size
+        self.index = RadixPrefixIndex(block_size, namespace) if enable_prefix_caching else None
+        self.pool = BlockPool(num_blocks, block_size, self.index)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    # ---- admission -----------------------------------------------------------------------
+    def admit(self, req: Request) -> int:
+        """Take the cached prefix of a request that holds no blocks; return its token count.
+
+        At least one token is always left to compute: its logits give the next sample; and no
+        position whose logits are still to be scored is served (``Request.prefix_limit``).
+        """
+        assert not req.block_table and req.num_computed_tokens == 0, req.request_id
+        if self.index is None:
+            return 0
+        req.cache_namespace = self.index.namespace  # the KV it computes from now on belongs there
+        node, blocks = self.index.match_prefix(req.token_ids[: req.prefix_limit], req.cache_salt)
+        if blocks:
+            self.pool.incref(blocks)
+            self.index.lock(node)
+            req.prefix_node = node
+            req.block_table = list(blocks)
+            req.num_tree_blocks = len(blocks)
+            req.num_computed_tokens = len(blocks) * self.block_size
+        return req.num_computed_tokens
+
+    # ---- slots for the next step ---------------------------------------------------------
+    def blocks_needed(self, req: Request, n_new: int) -> int:
+        total = blocks_for(req.num_computed_tokens + n_new, self.block_size)
+        need = max(0, total - len(req.block_table))
+        if self._shared_tail(req) is not None and n_new > 0:
+            need += 1
+        return need
+
+    def allocate_slots(self, req: Request, n_new: int, copies: list[tuple[int, int]]) -> bool:
+        """Make room for ``n_new`` more tokens of KV; False (and no change) if the pool is short.
+
+        A partially filled block that others share is copied first (copy-on-write); the
+        (src, dst) pair is appended to ``copies``.
+        """
+        need = self.blocks_needed(req, n_new)
+        if need > self.pool.num_available:
+            return False
+        if need == 0:
+            return True
+        fresh = self.pool.allocate(need)
+        shared = self._shared_tail(req) if n_new > 0 else None
+        if shared is not None:
+            dst = fresh.pop()
+            copies.append((req.block_table[shared], dst))
+            self.pool.decref([req.block_table[shared]])
+            req.block_table[shared] = dst
+        req.block_table.extend(fresh)
+        return True
+
+    def _shared_tail(self, req: Request) -> int | None:
+        """Index of the partially filled block the next token is written to, if others hold it."""
+        idx = req.num_computed_tokens // self.block_size
+        if req.num_computed_tokens % self.block_size and idx < len(req.block_table) \
+                and self.pool.refcount[req.block_table[idx]] > 1:
+            return idx
+        return None
+
+    # ---- after a step ----------------------------------------------------------------------
+    def cache_full_blocks(self, req: Request) -> None:
+        """Offer the request's newly completed blocks to the prefix index.
+
+        Where another request cached the same chunk first, switch to the tree's block and let
+        ours go: the KV is the same.
+        """
+        if self.index is None:
+            return
+        n_full = req.num_computed_tokens // self.block_size
+        if n_full <= req.num_tree_blocks:
+            return
+        # under the namespace it was admitted with: KV computed before a weight update never
+        # joins the tree that requests admitted after it read
+        node, tree_blocks = self.index.insert(req.token_ids[: n_full * self.block_size],
+                                              req.block_table[:n_full], req.cache_salt, req.cache_namespace)
+        self.index.lock(node)
+        if req.prefix_node is not None:
+            self.index.unlock(req.prefix_node)
+        req.prefix_node = node
+        for j in range(req.num_tree_blocks, n_full):
+            mine, theirs = req.block_table[j], tree_blocks[j]
+            if mine != theirs:
+                self.pool.incref([theirs])
+                self.pool.decref([mine])
+                req.block_table[j] = theirs
+        req.num_tree_blocks = n_full
+
+    def free(self, req: Request) -> None:
+        """Release everything the request holds (finish, abort or preemption)."""
+        if req.prefix_node is not None:
+            self.index.unlock(req.prefix_node)
+            req.prefix_node = None
+        self.pool.decref(req.block_table)
+        req.block_table = []
+        req.num_tree_blocks = 0
+        req.num_computed_tokens = 0
+
+    def reset_prefix_cache(self, namespace: Hashable) -> int:
+        """Serve no cached block from now on: requests admitted later look up and insert under
+        ``namespace`` only; cached blocks nobody uses are freed now (how many is returned), the
+        ones running requests use are freed by eviction once those finish."""
+        if self.index is None:
+            return 0
+        self.index.namespace = namespace
+        dropped = self.pool.drop_cached()
+        self.index.forget_empty_roots()
+        return dropped
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """Let ``child`` share every block of ``parent`` (parallel sampling)."""
+        assert not child.block_table
+        child.cache_namespace = parent.cache_namespace
+        self.pool.incref(parent.block_table)
+        child.block_table = list(parent.block_table)
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.num_tree_blocks = parent.num_tree_blocks
+        if parent.prefix_node is not None:
+            self.index.lock(parent.prefix_node)
+            child.prefix_node = parent.prefix_node

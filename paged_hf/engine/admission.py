@@ -1,0 +1,177 @@
+"""Admission: a request is validated, given its id and tokenized before the scheduler sees it.
+
+What passes here cannot fail later for reasons of its own (the failure model): the prompt's ids
+are ints inside the vocabulary and no media placeholder, the sampling params are valid for this
+model, stop strings have a tokenizer to read them. Errors name the request.
+
+``Admission`` is a part of ``Engine`` (paged_hf/engine/engine.py); it reads the engine's
+``config``, ``tokenizer``, ``vocab_size``, ``max_model_len``, ``eos_token_ids``, ``scheduler``,
+``requests`` and ``runner.device``.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from ..config import EngineConfig
+from ..execution.runner import max_positions
+from ..requests.detokenizer import StopStrings
+from ..requests.request import AUTO_ID_PREFIX, Request
+from ..requests.sampling_params import SamplingParams
+from .binding import check_still_patched
+
+logger = logging.getLogger("paged_hf")
+
+
+class Admission:
+    def add_request(self, prompt: Any, params: SamplingParams | None = None,
+                    request_id: str | None = None, eos_token_ids: frozenset[int] | None = None) -> str:
+        """Queue one prompt (token ids, or a string with a tokenizer). Bad input raises
+        ValueError naming the request; nothing else is disturbed. ``eos_token_ids`` replaces the
+        model's EOS ids for this request (transformers' generate takes them from its config).
+        ``request_id``: a str of the caller's choosing, or None for one the engine makes
+        (``"paged_hf:<n>"``); returns the id."""
+        return self._add(self._new_id(request_id), prompt, params, eos_token_ids)
+
+    def _add(self, rid: str, prompt: Any, params: SamplingParams | None,
+             eos_token_ids: frozenset[int] | None = None, stop_strings: StopStrings | None = None) -> str:
+        """``stop_strings``: a matcher of the caller's making (``model.generate``'s, with
+        transformers' semantics) instead of one for ``params.stop``."""
+        check_still_patched(self.model, self._patch_state)
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"request {rid}: params must be SamplingParams, got {type(params).__name__}")
+        params.validate(f"request {rid}")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, name)
+            if k is not None and k > self.vocab_size:
+                raise ValueError(f"request {rid}: {name}={k} exceeds the vocabulary ({self.vocab_size})")
+        if params.stop and self.tokenizer is None:
+            raise ValueError(f"request {rid}: stop={list(params.stop)!r} needs a tokenizer to read the text "
+                             "(Engine(model, tokenizer)); stop_token_ids need none")
+        bad_stop = [t for t in params.stop_token_ids if t >= self.vocab_size]
+        if bad_stop:
+            raise ValueError(f"request {rid}: stop token id {bad_stop[0]} is outside the vocabulary "
+                             f"[0, {self.vocab_size})")
+        ids = self._prompt_ids(rid, prompt)
+        eos = self.eos_token_ids if eos_token_ids is None else frozenset(eos_token_ids)
+        req = Request(rid, ids, params, eos, self.max_model_len)
+        req.generator = self._generator(params, 0)
+        req.stop_strings = stop_strings if stop_strings is not None else self._stop_strings(params)
+        if params.prompt_logprobs is not None:
+            req.score_targets, req.score_start = ids[1:], 0
+        return self._queue(req)
+
+    def _queue(self, req: Request) -> str:
+        """Hand a built request to the scheduler (which refuses what could never fit the pool)."""
+        self.scheduler.add(req)
+        self.requests[req.request_id] = req
+        self._stats.prompt_tokens += req.num_prompt_tokens
+        return req.request_id
+
+    def _check_token_ids(self, rid: str, ids: list, what: str) -> None:
+        """Token ids a request carries (its prompt; a scoring pair's context or continuation):
+        ints, inside the vocabulary, none of them a media placeholder."""
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise ValueError(f"request {rid}: {what} must be token ids (int)")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"request {rid}: {what} token id {bad[0]} is outside the vocabulary "
+                             f"[0, {self.vocab_size})")
+        media = [t for t in ids if t in self._patch_state.media_token_ids]
+        if media:
+            raise ValueError(f"request {rid}: {what} token id {media[0]} is this model's image/video/audio "
+                             "placeholder; media inputs are not supported yet (paged_hf runs the text path of "
+                             "multimodal models)")
+
+    def _stop_strings(self, params: SamplingParams) -> StopStrings | None:
+        if not params.stop:
+            return None
+        return StopStrings(self.tokenizer, params.stop, params.include_stop_str_in_output)
+
+    def add_score_request(self, context: Any, continuation: Any, request_id: str | None = None, *,
+                          top_logprobs: int | None = None, cache_salt: str | None = None) -> str:
+        """Queue one scoring request (see ``score``); returns its id. ``run_until_done`` gives
+        its ``ScoreOutput``."""
+        from .scoring import add_score_request
+
+        return add_score_request(self, self._new_id(request_id), context, continuation, top_logprobs, cache_salt)
+
+    def _new_id(self, request_id: Any) -> str:
+        if request_id is None:
+            return f"{AUTO_ID_PREFIX}{next(self._ids)}"
+        if isinstance(request_id, bool) or not isinstance(request_id, (str, int)):
+            raise TypeError(f"request_id={request_id!r}: must be a str (or None for an id the engine makes)")
+        rid = str(request_id)
+        if rid.startswith(AUTO_ID_PREFIX):
+            raise ValueError(f"request {rid}: ids starting with {AUTO_ID_PREFIX!r} are the ones the engine makes; "
+                             "choose another, or pass none")
+        if rid in self.requests:
+            raise ValueError(f"request {rid}: id already in use")
+        return rid
+
+    def _prompt_ids(self, rid: str, prompt: Any) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"request {rid}: a text prompt needs a tokenizer (Engine(model, tokenizer))")
+            ids = self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+        elif isinstance(prompt, torch.Tensor):
+            ids = prompt.flatten().tolist()
+        elif isinstance(prompt, (list, tuple)):
+            ids = list(prompt)
+        else:
+            raise ValueError(f"request {rid}: a prompt is text or a list of token ids, got {type(prompt).__name__}")
+        if not ids:
+            raise ValueError(f"request {rid}: empty prompt")
+        self._check_token_ids(rid, ids, "prompt")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"request {rid}: prompt has {len(ids)} tokens, max_model_len is {self.max_model_len} "
+                             "(room for at least one new token is needed)")
+        return ids
+
+    def _generator(self, params: SamplingParams, sample_index: int) -> torch.Generator | None:
+        """A seeded request's own generator, on the logits' device (a CPU generator cannot draw
+        CUDA noise). Unseeded requests have none: they share torch's default generator, one draw
+        for the whole batch, so torch.manual_seed reproduces a run."""
+        if params.is_greedy or params.seed is None:
+            return None
+        return torch.Generator(device=self.runner.device).manual_seed(params.seed + sample_index)
+
+
+def max_model_len_for(model: torch.nn.Module, asked: int | None) -> int:
+    """``asked``, if the model can position that many tokens; by default what it was trained for."""
+    default, most = max_positions(model)
+    if asked is None:
+        return default or (1 << 31)
+    if most is not None and asked > most:
+        raise ValueError(f"max_model_len={asked} exceeds the {most} positions this {model.config.model_type} model "
+                         f"can encode (max_position_embeddings / n_positions{', with its RoPE scaling' if most != default else ''})")
+    return asked
+
+
+def within_limits(config: EngineConfig, max_model_len: int, limits: dict) -> int:
+    """``max_model_len``, lowered to what the model is exact up to (patch found the limits); an
+    option set above a limit is refused naming why."""
+    for option, (limit, why) in limits.items():
+        value = max_model_len if option == "max_model_len" else getattr(config, option)
+        if value <= limit:
+            continue
+        if option == "max_model_len" and config.max_model_len is None:  # the default: lower it, say so once
+            logger.info("paged_hf: max_model_len lowered to %d: %s", limit, why)
+            max_model_len = limit
+        else:
+            raise ValueError(f"{option}={value} exceeds {limit}, the most this model runs exactly with: {why}")
+    return max_model_len
+
+
+def eos_ids(model: torch.nn.Module, tokenizer: Any) -> frozenset[int]:
+    ids: set[int] = set()
+    gc = getattr(model, "generation_config", None)
+    for src in (getattr(gc, "eos_token_id", None), getattr(model.config, "eos_token_id", None),
+                getattr(tokenizer, "eos_token_id", None)):
+        if src is None:
+            continue
+        ids.update([src] if isinstance(src, int) else list(src))
+    return frozenset(ids)

@@ -1,0 +1,158 @@
+"""The blocking batch calls: ``generate``, ``score``, ``score_rolling``, ``run_until_done``.
+
+Each submits its requests, steps the engine until they finish and returns their outputs in
+input order; interrupted (any exception, ``KeyboardInterrupt`` included) it aborts what it
+submitted before raising. ``BatchCalls`` is a part of ``Engine`` (paged_hf/engine/engine.py).
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Sequence
+
+import torch
+
+from ..requests.request import Request
+from ..requests.sampling_params import SamplingParams
+from .outputs import RequestOutput
+from .scoring import ScoreOutput
+
+logger = logging.getLogger("paged_hf")
+
+
+class BatchCalls:
+    def generate(self, prompts: Sequence[Any], params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 *, on_token: Callable[[str, int], None] | None = None,
+                 progress: bool = False) -> list[RequestOutput]:
+        """Run prompts to completion with continuous batching; outputs come back in input order.
+
+        A prompt that is refused (empty, too long, bad ids, bad params, cannot fit the pool) or
+        fails while it runs gets an output with ``error`` set (``finish_reason`` "error"); every
+        other prompt still runs. Interrupted (KeyboardInterrupt, or any exception), it aborts
+        every prompt it submitted before raising.
+        """
+        if isinstance(prompts, (str, torch.Tensor)) or (prompts and isinstance(prompts[0], int)):
+            raise TypeError("generate takes a list of prompts; wrap a single prompt in a list")
+        if params is None or isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
+        ids: list[str | None] = []
+        errors: dict[int, RequestOutput] = {}
+        try:
+            for i, (prompt, p) in enumerate(zip(prompts, params)):
+                rid = self._new_id(None)
+                try:
+                    ids.append(self._add(rid, prompt, p))
+                except Exception as e:  # noqa: BLE001 - this prompt's problem alone (a tokenizer may raise anything)
+                    message = str(e) if isinstance(e, (ValueError, TypeError)) else \
+                        f"request {rid}: {type(e).__name__}: {e}"
+                    logger.warning("paged_hf: %s", message)
+                    ids.append(None)
+                    errors[i] = RequestOutput(rid, [], error=message)
+        except BaseException:
+            self.abort_all(rid for rid in ids if rid is not None)
+            raise
+        outputs = self.run_until_done([rid for rid in ids if rid is not None], on_token=on_token,
+                                      progress=progress)
+        it = iter(outputs)
+        return [errors[i] if rid is None else next(it) for i, rid in enumerate(ids)]
+
+    def score(self, pairs: Sequence[tuple[Any, Any]], *, top_logprobs: int | None = None,
+              cache_salt: str | None = None, progress: bool = False) -> list[ScoreOutput]:
+        """The loglikelihood of each continuation given its context, in input order.
+
+        ``pairs``: ``(context, continuation)`` as text (tokenized as lm-evaluation-harness does:
+        ``scoring.encode_pair``) or as token ids. Each pair is a prefill-only request through the
+        scheduler, batched with anything else running; pairs with the same context share its KV
+        (prefix cache), and each continuation token still gets its logprob. A refused or failed
+        pair gets a ``ScoreOutput`` with ``error`` set; the others run. ``top_logprobs=k`` adds the k
+        most likely tokens of every scored position.
+
+        >>> outs = engine.score([("Q: 2 + 2 =", " 4"), ("Q: 2 + 2 =", " 5")])
+        >>> [round(o.logprob, 2) for o in outs], outs[0].is_greedy
+        """
+        from .scoring import score
+
+        return score(self, pairs, top_logprobs, cache_salt, progress)
+
+    def score_rolling(self, texts: Sequence[Any], *, window: int | None = None, prefix_token: int | None = None,
+                      cache_salt: str | None = None, progress: bool = False) -> list[ScoreOutput]:
+        """The loglikelihood of each whole text (perplexity tasks): every token scored once, in
+        windows of at most ``window`` tokens (default ``max_model_len``), the first conditioned on
+        ``prefix_token`` (default the tokenizer's BOS, else EOS), each later one on as much of the
+        preceding text as fits (``scoring.rolling_windows``, lm-evaluation-harness's windows).
+        Texts are tokenized without special tokens; token ids are taken as they are.
+
+        >>> out = engine.score_rolling(["It was the best of times, it was the worst of times."], window=8)[0]
+        >>> math.exp(-out.logprob / len(out.token_ids))   # perplexity
+        """
+        from .scoring import score_rolling
+
+        return score_rolling(self, texts, window, prefix_token, cache_salt, progress)
+
+    def run_until_done(self, request_ids: Sequence[str], *, on_token: Callable[[str, int], None] | None = None,
+                       progress: bool = False) -> list[RequestOutput]:
+        """Step until the given (already added) requests finish; their outputs in the given order.
+
+        ``on_token(request_id, token)`` runs after each step for every token sampled; if it raises,
+        that request ends with ``finish_reason`` "error" and the others go on. It may abort
+        requests. On any exception from here (KeyboardInterrupt included) the given requests are
+        aborted, their blocks freed, and the exception raised.
+        """
+        roots = [self._root(rid) for rid in request_ids]
+        self.check_weights(rescan=True)
+        open_roots = {root for root in roots if not root.group_finished}
+        bar = _progress(len(roots)) if progress else None
+        if bar is not None:
+            bar.update(len(roots) - len(open_roots))
+        try:
+            while open_roots:
+                if not self.scheduler.has_unfinished:
+                    raise RuntimeError("engine went idle with requests unfinished (this is a bug)")
+                aborts = self._aborts
+                sampled, finished = self.step()
+                failed = self._run_callbacks(on_token, sampled)
+                # an abort from a callback can end any request: then look at all of them
+                touched = open_roots if self._aborts != aborts else \
+                    {(r.parent or r) for r in finished + failed} & open_roots
+                done = [root for root in touched if root.group_finished]
+                open_roots.difference_update(done)
+                if bar is not None and done:
+                    bar.update(len(done))
+        except BaseException:
+            self.abort_all(root.request_id for root in roots if self.requests.get(root.request_id) is root)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [self._collect_root(root) for root in roots]
+
+    def _run_callbacks(self, on_token: Callable[[str, int], None] | None, sampled: dict[Request, int]) -> list[Request]:
+        """Call ``on_token`` for each sampled token; a request whose callback raises ends with an error."""
+        failed: list[Request] = []
+        if on_token is None:
+            return failed
+        for req, tok in sampled.items():
+            try:
+                on_token(req.request_id, tok)
+            except Exception as e:  # noqa: BLE001 - the callback's failure is its request's alone
+                self.fail(req, f"request {req.request_id}: on_token callback raised {type(e).__name__}: {e}")
+                failed.append(req)
+        return failed
+
+    def _root(self, request_id: str) -> Request:
+        root = self.requests.get(request_id)
+        if root is None:
+            raise ValueError(f"request {request_id}: unknown or already collected")
+        return root
+
+    def abort_all(self, request_ids: Any) -> None:
+        """Abort those of ``request_ids`` still live (unknown or finished ones are skipped)."""
+        for rid in list(request_ids):
+            if rid in self.requests:
+                self.abort(rid)
+
+
+def _progress(total: int):
+    from tqdm.auto import tqdm
+    return tqdm(total=total, desc="paged_hf", unit="req")

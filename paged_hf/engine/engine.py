@@ -1,0 +1,209 @@
+"""The engine: requests in, tokens out, over a model whose attention is paged.
+
+    >>> engine = paged_hf.Engine(model, tokenizer)
+    >>> out = engine.generate(["Hello"], paged_hf.SamplingParams(max_new_tokens=8))
+    >>> out[0].text
+
+The class is assembled from its seams, each a file of its own:
+  admission.py  validate a request, make its id, tokenize it (``add_request``)
+  step.py       one step: schedule -> execute -> sample -> update, and failure handling (``step``)
+  outputs.py    completions, stop strings and logprobs of a finished request (``make_output``)
+  batch.py      the blocking calls: ``generate``, ``score``, ``score_rolling``, ``run_until_done``
+This file builds the engine (sizing the KV pool, the scheduler, the runner) and holds what spans
+them: weight coherence, abort / fail, warm-up and stats.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..cache.block_manager import BlockManager
+from ..cache.coherence import WeightsWatch
+from ..config import DEFAULT_CPU_KV_BYTES, EngineConfig
+from ..execution.runner import ModelRunner
+from ..requests.request import FinishReason, Request
+from ..requests.sampling_params import SamplingParams
+from .admission import Admission, eos_ids, max_model_len_for, within_limits
+from .batch import BatchCalls
+from .binding import patch_state
+from .outputs import OutputAssembly, RequestOutput
+from .scheduler import Scheduler
+from .step import StepLoop
+
+logger = logging.getLogger("paged_hf")
+
+
+@dataclass
+class EngineStats:
+    prompt_tokens: int = 0
+    prefill_tokens_computed: int = 0
+    generated_tokens: int = 0
+    steps: int = 0
+    peak_blocks_used: int = 0
+    kv_waste_sum: float = 0.0
+    # one row per step, for plots and tables; bounded so a long-lived server does not grow without end
+    step_log: deque = field(default_factory=lambda: deque(maxlen=100_000))
+
+
+class Engine(Admission, StepLoop, OutputAssembly, BatchCalls):
+    """The engine over a model whose attention is paged. ``paged_hf.Engine`` (paged_hf/model/patching.py)
+    checks and patches the model first when needed; this class reads what patching left on the
+    model (paged_hf/engine/binding.py) and never imports the model side."""
+
+    def __init__(self, model: torch.nn.Module, tokenizer: Any = None, **config: Any) -> None:
+        self.config = EngineConfig.from_kwargs(**config)
+        state = patch_state(model)
+        if state is None:
+            raise ValueError("this model's attention is not paged: build the engine with paged_hf.Engine(model), "
+                             "or call paged_hf.patch(model) first")
+        self.layout = state.layout
+        self.model = model
+        self.config.resolve_for(next(model.parameters()).device)
+        self.tokenizer = tokenizer
+        self.max_model_len = within_limits(self.config, max_model_len_for(model, self.config.max_model_len), state.limits)
+        self.vocab_size = model.config.get_text_config().vocab_size
+        self.eos_token_ids = eos_ids(model, tokenizer)
+        num_blocks = self._num_kv_blocks()
+        # the prefix cache's namespace carries a generation, bumped whenever the weights change
+        self._namespace = self.config.namespace or "default"
+        self._cache_generation = 0
+        self.kv = BlockManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching,
+                               (self._namespace, 0))
+        self.scheduler = Scheduler(self.kv, self.config.max_num_batched_tokens, self.config.max_num_seqs,
+                                   self.config.preemption_mode, self.config.max_prefill_tokens_while_decoding)
+        self.runner = ModelRunner(model, self.config, num_blocks, self.layout)
+        # requests by id until collected or aborted; samples 1..n-1 of n > 1 live on their root
+        self.requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+        self._stats = EngineStats()
+        self._aborts = 0  # counts aborts, so run_until_done notices ones made from its callbacks
+        self.serving = False  # a BackgroundEngine steps this engine
+        self._patch_state = state
+        state.engines.add(self)
+        self._weights = WeightsWatch(model)
+
+    # ---- sizing ------------------------------------------------------------------------------
+    def _num_kv_blocks(self) -> int:
+        cfg = self.config
+        if cfg.num_blocks is not None:
+            return cfg.num_blocks
+        dtype = next(self.model.parameters()).dtype
+        device = next(self.model.parameters()).device
+        per_block = self.layout.bytes_per_block(cfg.block_size, torch.empty((), dtype=dtype).element_size())
+        if device.type == "cuda":
+            if cfg.kv_cache_memory is not None:  # an explicit fraction of the free memory
+                budget = int(torch.cuda.mem_get_info(device)[0] * cfg.kv_cache_memory)
+            else:  # gpu_memory_utilization of the total, less what the largest step needs
+                from ..execution.cuda_memory import profile_kv_budget
+                budget = profile_kv_budget(self.model, cfg)
+        else:
+            budget = int(cfg.kv_cache_memory or DEFAULT_CPU_KV_BYTES)
+        # never more than every running sequence at full length could use
+        useful = cfg.max_num_seqs * -(-min(self.max_model_len, 1 << 20) // cfg.block_size)
+        num_blocks = min(budget // per_block, useful)
+        if num_blocks < 1:
+            raise ValueError(f"KV budget of {budget} bytes holds no block of {per_block} bytes")
+        return num_blocks
+
+    def warmup(self) -> float:
+        """Do now what the first steps would otherwise do on the first real requests: FlashInfer
+        JIT-compiles its kernels on a machine's first use, CUDA graphs are captured, a compiled
+        decode step is traced. Two throwaway requests run a prefill step and decode steps, then
+        the engine is left as it was: no requests, no cached blocks, stats at zero.
+
+        Returns the seconds it took; an engine that has already stepped is warm, and returns 0.
+        """
+        if self.requests:
+            raise RuntimeError("Engine.warmup() runs before requests are added, not while they run")
+        if self._stats.steps:
+            return 0.0
+        start = time.perf_counter()
+        vocab, bs = self.vocab_size, self.config.block_size
+        room = max(1, self.max_model_len - 4)
+        prompts = ([(7 * i + 3) % vocab for i in range(min(2 * bs + 1, room))], [3 % vocab, 5 % vocab][:room])
+        params = SamplingParams(max_new_tokens=3, ignore_eos=True)
+        rids = [self.add_request(p, params) for p in prompts]
+        self.run_until_done(rids)
+        self.kv.pool.drop_cached()
+        self._stats = EngineStats()
+        self.scheduler.num_preemptions = self.scheduler.prefix_hit_tokens = 0
+        seconds = time.perf_counter() - start
+        logger.info("paged_hf: warm-up took %.1f s", seconds)
+        return seconds
+
+    def abort(self, request_id: str) -> RequestOutput:
+        """Stop a request (all its samples) now and free its blocks; returns its output so far
+        (``finish_reason`` "abort"). Safe to call from an ``on_token`` callback."""
+        root = self.requests.pop(str(request_id), None)
+        if root is None:
+            raise ValueError(f"request {request_id}: unknown or already finished")
+        now = time.perf_counter()
+        for r in root.samples:
+            if not r.is_finished:
+                self.scheduler.finish(r, FinishReason.ABORT, now)
+        self._aborts += 1
+        return self.make_output(root)
+
+    def fail(self, req: Request, message: str) -> None:
+        """End one request (one sample) with ``finish_reason`` "error" and ``message``; the
+        others are not touched. A request already aborted stays aborted."""
+        if req.finish_reason is FinishReason.ABORT:
+            return
+        req.error = message
+        if req.is_finished:  # e.g. its last token's callback failed: the output says so
+            req.finish_reason = FinishReason.ERROR
+        else:
+            self.scheduler.finish(req, FinishReason.ERROR, time.perf_counter())
+
+    def reset_prefix_cache(self) -> None:
+        """Never serve a block cached so far: requests admitted from now on compute their KV
+        anew. Runs by itself when the weights change (checked before every step); call it for
+        changes no version counter records: writes through ``param.data`` (``p.data.copy_(w)``
+        bypasses autograd's counter, unlike ``p.copy_(w)`` under ``torch.no_grad()``)."""
+        self._cache_generation += 1
+        self.kv.reset_prefix_cache((self._namespace, self._cache_generation))
+        self.runner.weights_changed()
+
+    def check_weights(self, rescan: bool = False) -> bool:
+        """Reset the prefix cache if the model's weights changed since the last check; True if
+        they did. Every step checks (``rescan`` also looks for replaced tensors, which steps do
+        about once a second; every generate call does it at its start)."""
+        if not self._weights.changed(rescan):
+            return False
+        self.reset_prefix_cache()
+        logger.info("paged_hf: the model's weights changed; the prefix cache was reset")
+        return True
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    @property
+    def is_busy(self) -> bool:
+        """Requests are live, or a background engine is stepping this one."""
+        return self.serving or bool(self.requests) or self.scheduler.has_unfinished
+
+    def stats(self) -> dict[str, Any]:
+        s, pool = self._stats, self.kv.pool
+        return {
+            "prompt_tokens": s.prompt_tokens,
+            "prefill_tokens_computed": s.prefill_tokens_computed,
+            "prefix_hit_tokens": self.scheduler.prefix_hit_tokens,
+            "generated_tokens": s.generated_tokens,
+            "preemptions": self.scheduler.num_preemptions,
+            "steps": s.steps,
+            "num_blocks": pool.num_blocks,
+            "blocks_used": pool.num_used,
+            "blocks_cached": pool.num_cached,
+            "blocks_free": pool.num_free,
+            "peak_blocks_used": s.peak_blocks_used,
+            "kv_waste": s.kv_waste_sum / s.steps if s.steps else 0.0,
+            "block_size": self.kv.block_size,
+            "backend": self.runner.backend.name,
+        }

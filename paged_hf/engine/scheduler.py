@@ -1,0 +1,265 @@
+"""Who runs this step, and how many tokens each: decode first, then prefill chunks, within a
+token budget (optionally a smaller one for prefill while decodes run), a sequence cap and the
+free KV blocks; preempt (recompute or swap) when blocks run out.
+
+Every request is the same thing to the scheduler: tokens whose KV is not computed yet. A
+decode has one such token; a prompt has many and may take several steps (chunked prefill).
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from ..cache.block_manager import BlockManager, blocks_for
+from ..requests.request import FinishReason, Request, RequestStatus
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[tuple[Request, int]]  # in batch order: decodes, then prefill chunks
+    preempted: list[Request] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) before the step
+    # swap preemption, done by the backend before the step (swap-outs first: their blocks are free now)
+    swap_out: list[tuple[Request, list[int]]] = field(default_factory=list)
+    swap_in: list[tuple[Request, list[int]]] = field(default_factory=list)
+    finished: list[Request] = field(default_factory=list)  # filled in by ``update``
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, kv: BlockManager, max_num_batched_tokens: int, max_num_seqs: int,
+                 preemption_mode: str = "recompute", max_prefill_tokens_while_decoding: int | None = None) -> None:
+        if max_num_batched_tokens < 1 or max_num_seqs < 1:
+            raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens} and max_num_seqs={max_num_seqs} "
+                             "must both be >= 1")
+        if max_num_seqs > max_num_batched_tokens:
+            # every running decode needs one token of budget per step, or decodes could starve
+            raise ValueError(f"max_num_seqs={max_num_seqs} exceeds max_num_batched_tokens={max_num_batched_tokens}")
+        self.kv = kv
+        self.preemption_mode = preemption_mode
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        # prefill tokens a step may carry next to running decodes (None: whatever budget they leave);
+        # a long prompt's chunks then cost each decode a little latency per step, not a long stall
+        self.max_prefill_tokens_while_decoding = max_prefill_tokens_while_decoding
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order; the tail is preempted first
+        self.num_preemptions = 0
+        self.prefix_hit_tokens = 0
+
+    # ---- submission ----------------------------------------------------------------------
+    def check_fits(self, req: Request) -> None:
+        """A request that could never fit the whole pool alone is refused up front."""
+        if req.seqs_when_running > self.max_num_seqs:
+            # it would wait at the head of the queue forever, and block everything behind it
+            raise ValueError(f"request {req.request_id}: n={req.params.n} parallel samples exceed "
+                             f"max_num_seqs={self.max_num_seqs}")
+        longest = req.num_prompt_tokens if req.prefill_only else \
+            min(req.num_prompt_tokens + req.params.max_new_tokens, req.max_model_len)
+        need = blocks_for(longest, self.kv.block_size)
+        if need > self.kv.num_blocks:
+            what = f"prompt ({req.num_prompt_tokens})" + \
+                ("" if req.prefill_only else f" + max_new_tokens ({req.params.max_new_tokens})")
+            raise ValueError(f"request {req.request_id}: {what} needs {need} KV blocks, the pool has "
+                             f"{self.kv.num_blocks} of {self.kv.block_size} tokens")
+
+    def add(self, req: Request) -> None:
+        self.check_fits(req)
+        req.status = RequestStatus.WAITING
+        self.waiting.append(req)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def num_running_seqs(self) -> int:
+        return sum(r.seqs_when_running for r in self.running)
+
+    # ---- one step ------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(scheduled=[])
+        chosen: dict[Request, int] = {}
+        budget = self.max_num_batched_tokens
+
+        # 1. running requests: decodes first (one token each), then unfinished prefills
+        decodes = [r for r in self.running if r.num_pending_tokens == 1]
+        prefills = [r for r in self.running if r.num_pending_tokens > 1]
+        prefill_room: int | None = None  # set once the decodes are placed
+        for req in decodes + prefills:
+            if req.status is not RequestStatus.RUNNING or budget == 0:
+                continue
+            prefill = req.num_pending_tokens > 1
+            if prefill and prefill_room is None:
+                prefill_room = self._prefill_room(budget, decoding=bool(chosen))
+            n = min(req.num_pending_tokens, prefill_room if prefill else budget)
+            if n == 0:
+                continue
+            while not self.kv.allocate_slots(req, n, out.block_copies):
+                victim = self.running[-1]
+                budget += chosen.pop(victim, 0)
+                self._preempt(victim, out)
+                out.preempted.append(victim)
+                if victim is req:
+                    break
+            if req.status is RequestStatus.RUNNING:
+                chosen[req] = n
+                budget -= n
+                if prefill:
+                    prefill_room -= n
+
+        # 2. waiting requests, in order, while nothing had to be preempted
+        pending = self._blocks_in_flight(chosen)
+        skipped: list[Request] = []
+        if prefill_room is None:
+            prefill_room = self._prefill_room(budget, decoding=bool(chosen))
+        while self.waiting and min(budget, prefill_room) > 0 and not out.preempted:
+            req = self.waiting[0]
+            if self.num_running_seqs() + req.seqs_when_running > self.max_num_seqs:
+                break
+            swapped = req.swapped_tokens
+            if swapped:  # its KV comes back from host memory into fresh blocks
+                req.num_computed_tokens, cached = swapped, 0
+            else:
+                cached = self.kv.admit(req)
+            if not swapped and self._waits_for_sibling_prefill(req, pending):
+                # the next block of this prompt is being computed this step by another request:
+                # wait one step and take it from the prefix cache instead of computing it twice
+                self.kv.free(req)
+                skipped.append(self.waiting.popleft())
+                continue
+            n = min(req.num_pending_tokens, budget, prefill_room)
+            if not self.kv.allocate_slots(req, n, out.block_copies):
+                self.kv.free(req)
+                break
+            self.waiting.popleft()
+            if swapped:
+                out.swap_in.append((req, req.block_table[: blocks_for(swapped, self.kv.block_size)]))
+                req.swapped_tokens = 0
+            if not req.admitted_once:
+                req.num_cached_tokens = cached
+                req.admitted_once = True
+            self.prefix_hit_tokens += cached
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            chosen[req] = n
+            budget -= n
+            prefill_room -= n
+            pending |= self._blocks_in_flight({req: n})
+        self.waiting.extendleft(reversed(skipped))
+
+        out.scheduled = list(chosen.items())
+        return out
+
+    def _prefill_room(self, budget: int, decoding: bool) -> int:
+        cap = self.max_prefill_tokens_while_decoding
+        return budget if cap is None or not decoding else min(budget, cap)
+
+    def _blocks_in_flight(self, chosen: dict[Request, int]) -> set:
+        """Keys of the full blocks that this step's prefill chunks complete."""
+        if self.kv.index is None:
+            return set()
+        bs = self.kv.block_size
+        keys = set()
+        for req, n in chosen.items():
+            first, last = req.num_computed_tokens // bs + 1, (req.num_computed_tokens + n) // bs
+            if n >= 2 and last >= first:
+                keys.update(_block_keys(req, bs, last)[first - 1:])
+        return keys
+
+    def _waits_for_sibling_prefill(self, req: Request, pending: set) -> bool:
+        """Is the next block this request would compute being computed this step by another?"""
+        bs = self.kv.block_size
+        end = req.num_computed_tokens + bs
+        if not pending or end > req.prefix_limit:
+            return False
+        return _block_keys(req, bs, end // bs)[-1] in pending
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        """Free the request's blocks, keep its tokens, requeue it first. Its KV is recomputed on
+        readmission, or with ``preemption_mode="swap"`` copied to host memory and back."""
+        self.running.remove(req)
+        if self.preemption_mode == "swap" and req.num_computed_tokens:
+            n_blocks = blocks_for(req.num_computed_tokens, self.kv.block_size)
+            out.swap_out.append((req, req.block_table[:n_blocks]))
+            req.swapped_tokens = req.num_computed_tokens
+        self.kv.free(req)
+        req.status = RequestStatus.PREEMPTED
+        self.waiting.appendleft(req)
+        self.num_preemptions += 1
+
+    # ---- after the model ran ---------------------------------------------------------------
+    def mark_computed(self, out: SchedulerOutput) -> None:
+        for req, n in out.scheduled:
+            req.num_computed_tokens += n
+
+    def fork(self, parent: Request, children: list[Request]) -> None:
+        """Parallel sampling: children share every block of a parent whose prompt is done."""
+        pos = self.running.index(parent) + 1
+        for child in children:
+            self.kv.fork(parent, child)
+            child.status = RequestStatus.RUNNING
+            child.admitted_once = True
+        self.running[pos:pos] = children
+        parent.children = list(children)
+        parent.forked = True
+
+    def update(self, out: SchedulerOutput, sampled: dict[Request, int], now: float) -> list[Request]:
+        """Record this step's sampled tokens, cache newly full blocks, release finished requests."""
+        finished = [req for req, token in sampled.items() if req.append_token(token, now)]
+        for req in self.running:
+            self.kv.cache_full_blocks(req)
+        for req in finished:
+            self.finish(req, req.finish_reason, now)
+        out.finished = finished
+        return finished
+
+    def finish(self, req: Request, reason: FinishReason, now: float) -> None:
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.kv.free(req)
+        req.swapped_tokens, req.swap_handle = 0, None
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        req.finish_time = now
+
+    # ---- undoing a step that did not complete ----------------------------------------------
+    def requeue(self, reqs: list[Request]) -> None:
+        """Forget the KV of ``reqs`` (running requests) and queue them first, in their order:
+        they recompute it when readmitted, as after a recompute preemption, with their tokens as
+        they were. Undoes an interrupted step."""
+        for req in reversed(reqs):
+            if req.status is not RequestStatus.RUNNING:
+                continue
+            self.running.remove(req)
+            self.kv.free(req)
+            req.swapped_tokens, req.swap_handle = 0, None
+            req.status = RequestStatus.PREEMPTED
+            self.waiting.appendleft(req)
+
+    def unfork(self, parent: Request) -> None:
+        """Undo ``fork``: the samples disappear (they have no tokens yet) and fork again later."""
+        for child in parent.children:
+            if child.status is RequestStatus.RUNNING:
+                self.running.remove(child)
+            self.kv.free(child)
+        parent.children = []
+        parent.forked = False
+
+
+def _block_keys(req: Request, block_size: int, n_blocks: int) -> list[tuple]:
+    """(namespace, salt, chain hash) of the request's first ``n_blocks`` blocks: each key covers its
+    whole prefix."""
+    keys, h = [], None
+    for b in range(n_blocks):
+        h = hash((h, tuple(req.token_ids[b * block_size:(b + 1) * block_size])))
+        keys.append((req.cache_namespace, req.cache_salt, h))
+    return keys

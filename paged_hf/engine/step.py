@@ -1,0 +1,185 @@
+"""The core step: schedule -> execute -> sample -> update, and what a failure in it ends.
+
+A request that fails on its own (its sampling, its logits, its stop-string check) ends alone
+with ``finish_reason`` "error"; a step that fails as a whole ends exactly the requests it
+touched; an interrupted step is undone. ``StepLoop`` is a part of ``Engine``
+(paged_hf/engine/engine.py); it drives the engine's ``scheduler``, ``runner`` and ``kv``.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+
+from ..execution.sampler import sample
+from ..requests.request import FinishReason, Request, sample_request_id
+from .binding import check_still_patched
+from .scheduler import SchedulerOutput
+from .scoring import score_step_rows
+
+logger = logging.getLogger("paged_hf")
+
+
+class StepLoop:
+    def step(self) -> tuple[dict[Request, int], list[Request]]:
+        """One engine step; returns ({request: new token}, finished requests).
+
+        A request that fails on its own (its sampling, its logits) ends with ``finish_reason``
+        "error"; if the step fails as a whole (the forward raised), every request in it ends so,
+        and the engine goes on serving. Interrupted (KeyboardInterrupt), the step is undone: its
+        requests keep their tokens and recompute their KV when next scheduled.
+        """
+        check_still_patched(self.model, self._patch_state)
+        self.check_weights()
+        sched = self.scheduler
+        out = sched.schedule()
+        if out.is_empty:
+            if sched.has_unfinished:
+                raise RuntimeError("scheduler made no progress with requests pending (this is a bug)")
+            return {}, []
+        decode_tokens = sum(1 for req, n in out.scheduled
+                            if n == 1 and req.num_output_tokens > 0 and req.num_pending_tokens == 1)
+        forked: list[Request] = []
+        try:
+            self._swap_out(out)
+            for req, blocks in out.swap_in:
+                self.runner.backend.swap_in(req.swap_handle, blocks)
+                req.swap_handle = None
+            logits, meta = self.runner.execute(out.scheduled, out.block_copies)
+            sched.mark_computed(out)
+            # logits: the sampled rows, then the scored ones (prompt logprobs, scoring requests)
+            scores, score_errors = score_step_rows(logits[len(meta.sampled_requests):], meta.score_rows) \
+                if meta.score_rows else ({}, {})
+            logits = logits[:len(meta.sampled_requests)]
+            rows = list(meta.sampled_requests)
+            row_of = list(range(len(rows)))
+            for i, req in enumerate(meta.sampled_requests):
+                if req.params.n > 1 and not req.forked and req.parent is None:
+                    children = [self._fork_child(req, k) for k in range(1, req.params.n)]
+                    sched.fork(req, children)
+                    forked.append(req)
+                    rows += children
+                    row_of += [i] * len(children)
+            if len(rows) != len(meta.sampled_requests):
+                logits = logits[torch.tensor(row_of, device=logits.device)]
+            result = sample(logits, rows)
+        except Exception as e:  # noqa: BLE001 - ends the step's requests, not the engine
+            return {}, self._fail_step(out, forked, e)
+        except BaseException:
+            for victim, _ in out.swap_out:  # preempted, KV not (all) saved: recompute it
+                if victim.swap_handle is None:
+                    victim.swapped_tokens = 0
+            for parent in forked:
+                sched.unfork(parent)
+            sched.requeue([req for req, _ in out.scheduled])
+            raise
+
+        sampled: dict[Request, int] = {}
+        failed: list[Request] = []
+        for req, entries in scores.items():
+            req.scored.extend(entries)
+        for req, why in score_errors.items():
+            req.error = f"request {req.request_id}: {why}"
+            failed.append(req)
+        for i, (req, tok, lp) in enumerate(zip(rows, result.tokens, result.logprobs)):
+            if tok is None:
+                req.error = f"request {req.request_id}: {result.errors[i]}"
+                failed.append(req)
+                continue
+            sampled[req] = tok
+            if lp is not None:
+                req.logprobs.append(lp)
+        now = time.perf_counter()
+        finished = sched.update(out, sampled, now)
+        finished += self._finish_prefill_only(out, failed, now)
+        failed += self._check_stop_strings(sampled, finished, now)
+        for req in failed:
+            if not req.is_finished:
+                sched.finish(req, FinishReason.ERROR, now)
+            else:  # its last token's stop-string check failed: the output says so
+                req.finish_reason = FinishReason.ERROR
+            logger.warning("paged_hf: %s", req.error)
+        self._record_step(out, sampled, decode_tokens)
+        return sampled, finished + [req for req in failed if req not in finished]
+
+    def _finish_prefill_only(self, out: SchedulerOutput, failed: list[Request], now: float) -> list[Request]:
+        """Scoring requests whose last position was computed this step are done."""
+        done = [req for req, _ in out.scheduled
+                if req.prefill_only and req.num_computed_tokens == req.num_tokens and req not in failed]
+        for req in done:
+            self.scheduler.finish(req, FinishReason.STOP, now)
+        return done
+
+    def _check_stop_strings(self, sampled: dict[Request, int], finished: list[Request], now: float) -> list[Request]:
+        """Feed each sampled token to its request's stop strings; a request whose token completed
+        one stops there (even if the same token also ended it by length). Returns the requests
+        whose check raised (a tokenizer failing on their ids): they fail alone."""
+        failed = []
+        for req, tok in sampled.items():
+            stops = req.stop_strings
+            if stops is None:
+                continue
+            try:
+                hit = stops.push(tok)
+            except Exception as e:  # noqa: BLE001 - this request's detokenization, no one else's
+                req.error = f"request {req.request_id}: detokenizing its output for stop strings failed: " \
+                            f"{type(e).__name__}: {e}"
+                failed.append(req)
+                continue
+            if hit is None:
+                continue
+            req.stop_reason = hit
+            if req.is_finished:
+                req.finish_reason = FinishReason.STOP
+            else:
+                self.scheduler.finish(req, FinishReason.STOP, now)
+                finished.append(req)
+        return failed
+
+    def _swap_out(self, out: SchedulerOutput) -> None:
+        """Copy preempted requests' KV to host memory before anything reuses their blocks. A copy
+        that fails turns that request's preemption into a recompute one: same tokens, more work."""
+        for req, blocks in out.swap_out:
+            try:
+                req.swap_handle = self.runner.backend.swap_out(blocks)
+            except Exception as e:  # noqa: BLE001
+                req.swapped_tokens, req.swap_handle = 0, None
+                logger.warning("paged_hf: request %s: swapping its KV out failed (%s: %s); it will recompute it",
+                               req.request_id, type(e).__name__, e)
+
+    def _fail_step(self, out: SchedulerOutput, forked: list[Request], error: Exception) -> list[Request]:
+        """End every request the failed step touched with the error; free their blocks."""
+        logger.error("paged_hf: a step of %d request(s) failed; they end with finish_reason 'error'",
+                     len(out.scheduled), exc_info=error)
+        touched = [req for req, _ in out.scheduled] + [c for p in forked for c in p.children]
+        now = time.perf_counter()
+        for req in touched:
+            req.error = f"request {req.request_id}: the step it ran in failed: {type(error).__name__}: {error}"
+            self.scheduler.finish(req, FinishReason.ERROR, now)
+        return touched
+
+    def _fork_child(self, parent: Request, k: int) -> Request:
+        child = Request(sample_request_id(parent.request_id, k), parent.prompt_ids, parent.params, parent.eos_token_ids,
+                        parent.max_model_len, arrival_time=parent.arrival_time, sample_index=k, parent=parent)
+        child.num_cached_tokens = parent.num_cached_tokens
+        child.generator = self._generator(parent.params, k)
+        child.stop_strings = parent.stop_strings.fresh() if parent.stop_strings is not None else None
+        return child
+
+
+    def _record_step(self, out: Any, sampled: dict[Request, int], decode_tokens: int) -> None:
+        s, pool = self._stats, self.kv.pool
+        s.prefill_tokens_computed += out.num_tokens - decode_tokens
+        s.generated_tokens += len(sampled)
+        s.steps += 1
+        used = pool.num_used
+        s.peak_blocks_used = max(s.peak_blocks_used, used)
+        unfilled = sum(len(r.block_table) * self.kv.block_size - r.num_computed_tokens
+                       for r in self.scheduler.running)
+        waste = unfilled / (used * self.kv.block_size) if used else 0.0
+        s.kv_waste_sum += waste
+        s.step_log.append({"step": s.steps, "time": time.perf_counter(), "running": len(self.scheduler.running),
+                           "waiting": len(self.scheduler.waiting), "tokens": out.num_tokens,
+                           "blocks_used": used, "kv_waste": waste, "preempted": len(out.preempted)})

@@ -1,0 +1,95 @@
+"""The seam into transformers: one attention function and one mask function, registered as
+"paged_hf" in transformers' AttentionInterface / AttentionMaskInterface.
+
+During an engine step the runner makes a backend active (a context variable, set only for
+the duration of that forward): attention then writes and reads the paged KV, and the mask
+function returns None (a paged kernel needs no dense mask). Outside a step the model is a
+plain transformers model: both functions hand over to the attention implementation the model
+had before ``patch``, so training and scoring keep working exactly as before.
+
+In a step the backend gets the layer index, q/k/v, ``scaling``, ``softcap``, ``sliding_window``
+and ``s_aux`` (attention sinks); the layer's window and chunk come from the KV layout patch read
+(paged_hf/execution/kv_geometry.py). A mask that still reaches attention in a step was built by the module
+itself (the mask function returned None): it fails the step rather than being dropped.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import sys
+from typing import Any, Iterator
+
+import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+NAME = "paged_hf"
+
+_active_backend: contextvars.ContextVar[Any] = contextvars.ContextVar("paged_hf_backend", default=None)
+_fallback_impl: dict[int, str] = {}  # id(config) -> implementation the model had before patch
+# While a compiled decode step runs (compile_decode.py) its backend is also kept in this plain
+# global: dynamo cannot trace ContextVar.get and would otherwise break the graph at every layer.
+_compiled_backend: Any = None
+
+
+def _current_backend() -> Any:
+    return _compiled_backend if _compiled_backend is not None else _active_backend.get()
+
+
+@contextlib.contextmanager
+def active_backend(backend: Any) -> Iterator[None]:
+    token = _active_backend.set(backend)
+    try:
+        yield
+    finally:
+        _active_backend.reset(token)
+
+
+def set_fallback(config: Any, implementation: str | None) -> None:
+    if implementation is None:
+        _fallback_impl.pop(id(config), None)
+    else:
+        _fallback_impl[id(config)] = implementation
+
+
+def _fallback(config: Any) -> str:
+    try:
+        return _fallback_impl[id(config)]
+    except KeyError:
+        raise RuntimeError("paged_hf attention called outside an engine step on a model that paged_hf did not "
+                           "patch; use paged_hf.patch(model) rather than set_attn_implementation('paged_hf')") from None
+
+
+def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                            attention_mask: torch.Tensor | None, scaling: float | None = None,
+                            dropout: float = 0.0, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    backend = _current_backend()
+    if backend is None:
+        impl = _fallback(module.config)
+        if impl in ALL_ATTENTION_FUNCTIONS:
+            fn = ALL_ATTENTION_FUNCTIONS[impl]
+        else:  # "eager" lives in each modeling file, not in the registry
+            fn = sys.modules[type(module).__module__].eager_attention_forward
+        return fn(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    if attention_mask is not None:  # paged_mask returns None in a step: this one the module built itself
+        raise RuntimeError(f"paged_hf: {type(module).__name__} (layer {module.layer_idx}) passed an attention mask "
+                           "that paged attention would drop; paged_hf.patch should have refused this model")
+    out = backend.attend(module.layer_idx, query, key, value, scaling=scaling,
+                         sliding_window=kwargs.get("sliding_window"), softcap=kwargs.get("softcap"),
+                         sinks=kwargs.get("s_aux"))
+    return out, None
+
+
+def paged_mask(*args: Any, **kwargs: Any) -> Any:
+    if _current_backend() is not None:
+        return None
+    return ALL_MASK_ATTENTION_FUNCTIONS[_fallback(kwargs["config"])](*args, **kwargs)
+
+
+def register() -> None:
+    """Idempotent: make "paged_hf" a valid ``attn_implementation``."""
+    if NAME not in ALL_ATTENTION_FUNCTIONS:
+        AttentionInterface.register(NAME, paged_attention_forward)
+    if NAME not in ALL_MASK_ATTENTION_FUNCTIONS:
+        AttentionMaskInterface.register(NAME, paged_mask)

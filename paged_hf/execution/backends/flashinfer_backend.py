@@ -1,0 +1,264 @@
+"""FlashInfer paged attention (CUDA): the fast backend, same interface as ``TorchBackend``.
+
+Importing this module imports flashinfer, so only ``select_backend`` imports it, and a CPU
+install of paged_hf never does. Without flashinfer the import fails with an install hint.
+
+Per step, ``plan(meta)`` does FlashInfer's host-side scheduling once per attention *variant*
+(not per layer); per layer, ``attend`` writes the new K/V at the step's slots and runs the
+planned kernel:
+
+- a step with any prefill chunk uses ``BatchPrefillWithPagedKVCacheWrapper`` (``causal=True``;
+  decode rows in a mixed step are sequences of one query token);
+- a pure-decode step uses ``BatchDecodeWithPagedKVCacheWrapper`` (tensor cores when the GQA
+  group is larger than 4, as its own kernels support groups 1-4, 6, 8, 16 only).
+
+A variant is ``(window_left, logits_soft_cap, sm_scale, q_heads, kv_heads, head_dim)``: FlashInfer
+fixes all of them at ``plan`` and ``run`` takes no per-call scale, so each distinct combination
+gets its own planned wrapper (Gemma 2/3: a sliding and a full one; GPT-2 with
+``scale_attn_by_inverse_layer_idx``: one per layer; per-layer geometry, as in Gemma 4: one per
+shape). Variants are learnt from the first forward (``attend`` plans a new one on the spot,
+eagerly) and planned up front in every later ``plan``. Each layer's cache has its own heads and
+width (paged_hf/execution/kv_geometry.py). What these wrappers cannot do here (K and V of different widths,
+attention sinks, chunked attention) ``unsupported_reason`` names, and 'auto' then runs the torch
+backend on CUDA with one warning.
+
+transformers masks key k for query q when ``q - k >= sliding_window``; FlashInfer keeps key k
+when ``k >= q - window_left`` (variants.cuh: ``kv_idx + qo_len + window_left >= kv_len + qo_idx``),
+so ``window_left = sliding_window - 1``. Soft-capping matches Gemma 2:
+``cap * tanh(q.k * sm_scale / cap)``.
+
+Index tensors are int32; the small indptr / last-page arrays are built on the host from the
+metadata's host lists (FlashInfer's ``plan`` reads them on the host anyway, so passing device
+tensors would cost a device sync per plan), ``kv_indices`` stays on the device.
+
+CUDA graphs (paged_hf/execution/cuda_graphs.py): ``prepare_cuda_graphs`` allocates fixed buffers, and
+``plan(meta, graph_batch=b)`` plans the bucket's ``use_cuda_graph=True`` decode wrappers, whose
+indptr / indices / last_page_len live in those buffers, and copies the K/V write rows into a
+fixed buffer too, so a captured ``attend`` reads everything from fixed addresses.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..kv_geometry import KVLayout, as_layout
+from ..metadata import StepMetadata
+from .swap import SwapMixin
+
+try:
+    import flashinfer
+except ImportError as e:  # pragma: no cover - depends on the machine
+    raise ImportError(
+        f"paged_hf's FlashInfer backend could not import flashinfer ({e}). Install it with "
+        "`pip install paged_hf[cuda]` (flashinfer-python 0.7), or choose backend='torch'.") from e
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+SUPPORTED_HEAD_DIMS = (64, 128, 256, 512)  # FlashInfer's DISPATCH_HEAD_DIM
+WORKSPACE_BYTES = 128 << 20  # FlashInfer's recommended float workspace, shared by all wrappers
+# Kernel choice. "auto" lets FlashInfer pick (FA3 prefill on Hopper); None: tensor-core decode when
+# the GQA group is larger than 4. PREFILL_BACKEND="fa2" with DECODE_TENSOR_CORES=True makes prefill
+# and decode share one JIT-compiled module per variant (fewer, shorter compiles on a fresh machine).
+PREFILL_BACKEND = "auto"
+DECODE_TENSOR_CORES: bool | None = None
+
+# (window_left, logits_soft_cap (0: none), sm_scale, q_heads, kv_heads, head_dim)
+Variant = tuple[int, float, float, int, int, int]
+
+
+def unsupported_reason(dtype: torch.dtype, layout: KVLayout | int) -> str | None:
+    """Why FlashInfer cannot run this model (``layout``: its per-layer KV geometry, or one
+    head_dim for every layer), or None when it can."""
+    if dtype not in SUPPORTED_DTYPES:
+        return (f"FlashInfer kernels take float16 or bfloat16, the model is {dtype}: load it with "
+                "dtype=torch.bfloat16, or use backend='torch'")
+    layers = layout.layers if isinstance(layout, KVLayout) else None
+    dims = sorted({s.k_dim for s in layers} | {s.v_dim for s in layers}) if layers else [int(layout)]
+    for layer_idx, spec in enumerate(layers or ()):
+        if spec.k_dim != spec.v_dim:
+            return (f"layer {layer_idx} has K and V of different widths ({spec.k_dim} / {spec.v_dim}, MLA); the paged "
+                    "FlashInfer wrappers used here take one head_dim: use backend='torch'")
+        if spec.sinks:
+            return f"layer {layer_idx} has attention sinks (s_aux), not wired to FlashInfer here: use backend='torch'"
+        if spec.chunk is not None:
+            return (f"layer {layer_idx} uses chunked attention (chunks of {spec.chunk}), which FlashInfer's paged "
+                    "wrappers do not do: use backend='torch'")
+    bad = [d for d in dims if d not in SUPPORTED_HEAD_DIMS]
+    if bad:
+        return f"FlashInfer kernels support head_dim {SUPPORTED_HEAD_DIMS}, the model has {bad[0]}: use backend='torch'"
+    return None
+
+
+@dataclass
+class _HostCSR:
+    """The step's CSR arrays that FlashInfer's plan reads on the host (int32, CPU)."""
+    qo_indptr: torch.Tensor
+    kv_indptr: torch.Tensor
+    last_page_len: torch.Tensor
+
+
+def host_csr(meta: StepMetadata) -> _HostCSR:
+    """Rebuild qo_indptr / kv_indptr / last_page_len on the host from ``q_lens`` / ``kv_lens``."""
+    bs = meta.block_size
+    qo, kv, last = [0], [0], []
+    for q, L in zip(meta.q_lens, meta.kv_lens):
+        pages = -(-L // bs)
+        qo.append(qo[-1] + q)
+        kv.append(kv[-1] + pages)
+        last.append(L - (pages - 1) * bs)
+    i32 = torch.int32
+    return _HostCSR(torch.tensor(qo, dtype=i32), torch.tensor(kv, dtype=i32), torch.tensor(last, dtype=i32))
+
+
+@dataclass
+class _GraphBuffers:
+    """Fixed-address buffers shared by every bucket's CUDA-graph decode wrappers."""
+    kv_indptr: torch.Tensor     # [max_batch + 1] int32; a bucket of b uses [:b + 1]
+    kv_indices: torch.Tensor    # [max_indices] int32
+    last_page_len: torch.Tensor  # [max_batch] int32; a bucket of b uses [:b]
+    k_rows: torch.Tensor        # [max_batch] int64: flat K rows of the new tokens
+    v_rows: torch.Tensor
+
+
+class FlashInferBackend(SwapMixin):
+    name = "flashinfer"
+    supports_cuda_graphs = True
+
+    def __init__(self, layout: KVLayout | int, num_blocks: int, block_size: int, kv_heads: int | None = None,
+                 head_dim: int | None = None, dtype: torch.dtype = torch.bfloat16,
+                 device: torch.device | str = "cuda") -> None:
+        """``layout``: the model's per-layer geometry, or a number of layers all of ``kv_heads`` x
+        ``head_dim``."""
+        self.layout = as_layout(layout, kv_heads, head_dim)
+        reason = unsupported_reason(dtype, self.layout)
+        if reason is not None:
+            raise ValueError(f"backend='flashinfer': {reason}")
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.kv = [torch.zeros(num_blocks, 2, block_size, s.kv_heads, s.k_dim, dtype=dtype, device=self.device)
+                   for s in self.layout.layers]
+        self._flat = [c.view(num_blocks * 2 * block_size, c.shape[-2], c.shape[-1]) for c in self.kv]
+        self._workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
+        self.variants: list[Variant] = []      # every variant seen, in first-use order
+        self._eager: dict[tuple[str, Variant], object] = {}
+        self._graph: dict[tuple[int, Variant], object] = {}
+        self._graph_bufs: _GraphBuffers | None = None
+        # the current step
+        self._meta: StepMetadata | None = None
+        self._csr: _HostCSR | None = None
+        self._graph_batch: int | None = None
+        self._planned: dict[Variant, object] = {}
+        self._k_rows = self._v_rows = None
+
+    # ---- CUDA graphs ---------------------------------------------------------------------------
+    def prepare_cuda_graphs(self, max_batch: int, max_indices: int) -> None:
+        """Allocate the fixed buffers that captured decode steps read (once, before capture)."""
+        i32, dev = torch.int32, self.device
+        self._graph_bufs = _GraphBuffers(
+            kv_indptr=torch.zeros(max_batch + 1, dtype=i32, device=dev),
+            kv_indices=torch.zeros(max_indices, dtype=i32, device=dev),
+            last_page_len=torch.ones(max_batch, dtype=i32, device=dev),
+            k_rows=torch.zeros(max_batch, dtype=torch.long, device=dev),
+            v_rows=torch.zeros(max_batch, dtype=torch.long, device=dev))
+
+    def graph_fits(self, batch: int, num_pages: int) -> bool:
+        """Whether a padded decode step of ``batch`` rows reading ``num_pages`` pages fits the buffers."""
+        g = self._graph_bufs
+        return g is not None and batch < g.kv_indptr.numel() and num_pages <= g.kv_indices.numel()
+
+    # ---- once per step -------------------------------------------------------------------------
+    def plan(self, meta: StepMetadata, graph_batch: int | None = None) -> None:
+        """Plan every known variant for this step; ``graph_batch``: a padded decode step of that
+        bucket, to be run by (or captured into) a CUDA graph."""
+        bs = self.block_size
+        slots = meta.slot_mapping.to(torch.long)
+        k_rows = slots + (slots // bs) * bs  # block b, offset o -> flat K row b*2*bs + o; V is bs rows later
+        if graph_batch is not None:
+            g = self._graph_bufs
+            assert g is not None, "prepare_cuda_graphs() must run before a graph step"
+            assert meta.num_seqs == meta.num_tokens == graph_batch, "a graph step is a padded pure-decode step"
+            g.k_rows[:graph_batch].copy_(k_rows)
+            g.v_rows[:graph_batch].copy_(k_rows + bs)
+            self._k_rows, self._v_rows = g.k_rows[:graph_batch], g.v_rows[:graph_batch]
+        else:
+            self._k_rows, self._v_rows = k_rows, k_rows + bs
+        self._meta = meta
+        self._csr = host_csr(meta)
+        self._graph_batch = graph_batch
+        self._planned = {}
+        for variant in self.variants:
+            self._plan(variant)
+
+    def _wrapper(self, variant: Variant) -> object:
+        meta = self._meta
+        group = variant[3] // variant[4]
+        use_tc = group > 4 if DECODE_TENSOR_CORES is None else DECODE_TENSOR_CORES
+        if self._graph_batch is not None:
+            key = (self._graph_batch, variant)
+            w = self._graph.get(key)
+            if w is None:
+                g, b = self._graph_bufs, self._graph_batch
+                w = self._graph[key] = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                    self._workspace, "NHD", use_cuda_graph=True, use_tensor_cores=use_tc,
+                    paged_kv_indptr_buffer=g.kv_indptr[: b + 1], paged_kv_indices_buffer=g.kv_indices,
+                    paged_kv_last_page_len_buffer=g.last_page_len[:b])
+            return w
+        kind = "decode" if meta.is_pure_decode else "prefill"
+        w = self._eager.get((kind, variant))
+        if w is None:
+            if kind == "decode":
+                w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self._workspace, "NHD", use_tensor_cores=use_tc)
+            else:
+                w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD", backend=PREFILL_BACKEND)
+            self._eager[(kind, variant)] = w
+        return w
+
+    def _plan(self, variant: Variant) -> object:
+        window_left, softcap, sm_scale, q_heads, kv_heads, head_dim = variant
+        w = self._wrapper(variant)
+        csr, meta = self._csr, self._meta
+        common = dict(window_left=window_left, logits_soft_cap=softcap or None, sm_scale=sm_scale,
+                      q_data_type=self.dtype, kv_data_type=self.dtype)
+        if isinstance(w, flashinfer.BatchPrefillWithPagedKVCacheWrapper):
+            w.plan(csr.qo_indptr, csr.kv_indptr, meta.kv_indices, csr.last_page_len, q_heads,
+                   kv_heads, head_dim, self.block_size, causal=True, **common)
+        else:
+            w.plan(csr.kv_indptr, meta.kv_indices, csr.last_page_len, q_heads, kv_heads,
+                   head_dim, self.block_size, **common)
+        self._planned[variant] = w
+        return w
+
+    # ---- once per layer ------------------------------------------------------------------------
+    def attend(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               scaling: float | None, sliding_window: int | None = None,
+               softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """q/k/v: [1, heads, T, head_dim] -> attention output [1, T, q_heads, head_dim]. The window
+        is the layer's own (the layout); one the model passes must agree with it."""
+        spec = self.layout.layers[layer_idx]
+        if sinks is not None:  # unsupported_reason refuses such layouts; a model that grew sinks since
+            raise ValueError(f"flashinfer backend: layer {layer_idx} passed attention sinks, which it does not apply")
+        if sliding_window is not None and spec.window is not None and int(sliding_window) != spec.window:
+            raise ValueError(f"layer {layer_idx}: the model passed sliding_window={sliding_window}, but the window found "
+                             f"when it was patched is {spec.window}")
+        flat = self._flat[layer_idx]
+        flat.index_copy_(0, self._k_rows, key[0].transpose(0, 1).to(flat.dtype))
+        flat.index_copy_(0, self._v_rows, value[0].transpose(0, 1).to(flat.dtype))
+        if scaling is None:
+            scaling = query.shape[-1] ** -0.5
+        variant: Variant = (-1 if spec.window is None else spec.window - 1, float(softcap) if softcap else 0.0,
+                            float(scaling), int(query.shape[1]), spec.kv_heads, spec.k_dim)
+        wrapper = self._planned.get(variant)
+        if wrapper is None:  # first forward only: learn the variant and plan it now (never under capture)
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(f"flashinfer backend: attention variant {variant} of layer {layer_idx} was not "
+                                   "planned before CUDA-graph capture (run one eager step of this bucket first)")
+            if variant not in self.variants:
+                self.variants.append(variant)
+            wrapper = self._plan(variant)
+        q = query[0].transpose(0, 1)  # [T, Hq, D]
+        if q.dtype != self.dtype:
+            q = q.to(self.dtype)
+        out = wrapper.run(q.contiguous(), self.kv[layer_idx])
+        return out.unsqueeze(0)

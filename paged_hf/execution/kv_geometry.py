@@ -1,0 +1,107 @@
+"""Per-layer KV geometry: what each attention layer writes into the paged cache, and how it reads it.
+
+The capability check (paged_hf/model/capability.py) reads it from the model (one probe forward: the
+shapes each attention layer's K and V really have, the masks transformers builds for it, the
+keywords it passes) and the engine sizes and runs the KV cache from it. Nothing here knows about
+models; it is plain data, so the engine side depends on it and never on the model side.
+
+    layer = LayerSpec(q_heads=32, kv_heads=8, k_dim=128, v_dim=128, window=4096)
+    layout = KVLayout((layer,) * 32)
+    layout.bytes_per_block(block_size=16, element_size=2)   # K and V of one block, all layers
+
+- ``window``: the layer attends to the last ``window`` positions, itself included (transformers'
+  ``sliding_window``: key k is masked for query q when ``q - k >= window``);
+- ``chunk``: the layer attends only within its own chunk of ``chunk`` positions counted from the
+  sequence start (Llama 4's chunked attention: key k is seen by query q iff ``k // chunk ==
+  q // chunk`` and ``k <= q``);
+- ``sinks``: the layer passes per-head sink logits (``s_aux``, GPT-OSS), a softmax column that
+  takes probability mass and is then dropped;
+- ``k_dim`` and ``v_dim`` differ for MLA (DeepSeek V2/V3, MiniCPM3, ...): K and V are stored per
+  head at their own widths, as the attention function receives them (not padded to one width).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    q_heads: int
+    kv_heads: int
+    k_dim: int
+    v_dim: int
+    window: int | None = None
+    chunk: int | None = None
+    sinks: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("q_heads", "kv_heads", "k_dim", "v_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"LayerSpec.{name}={value!r}, must be an integer >= 1")
+        if self.q_heads % self.kv_heads:
+            raise ValueError(f"LayerSpec: {self.q_heads} query heads are not a multiple of {self.kv_heads} KV heads")
+        for name in ("window", "chunk"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"LayerSpec.{name}={value!r}, must be None or an integer >= 1")
+        if self.window is not None and self.chunk is not None:
+            raise ValueError("LayerSpec: a layer has a sliding window or a chunk, not both")
+
+    def kv_elements(self, block_size: int) -> int:
+        """K and V elements one block of this layer holds."""
+        return block_size * self.kv_heads * (self.k_dim + self.v_dim)
+
+    def describe(self) -> str:
+        dims = f"{self.k_dim}" if self.k_dim == self.v_dim else f"K {self.k_dim} / V {self.v_dim}"
+        extra = [f"window {self.window}"] if self.window else []
+        extra += [f"chunk {self.chunk}"] if self.chunk else []
+        extra += ["sinks"] if self.sinks else []
+        return f"{self.q_heads}q/{self.kv_heads}kv heads x {dims}" + (f" ({', '.join(extra)})" if extra else "")
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """One ``LayerSpec`` per attention layer, indexed by the modules' ``layer_idx``."""
+    layers: tuple[LayerSpec, ...]
+
+    def __post_init__(self) -> None:
+        if not self.layers:
+            raise ValueError("KVLayout needs at least one attention layer")
+
+    @classmethod
+    def uniform(cls, num_layers: int, kv_heads: int, head_dim: int, q_heads: int | None = None) -> "KVLayout":
+        """Every layer alike, full causal attention (what a plain llama has)."""
+        return cls((LayerSpec(q_heads or kv_heads, kv_heads, head_dim, head_dim),) * num_layers)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def bytes_per_block(self, block_size: int, element_size: int) -> int:
+        return sum(layer.kv_elements(block_size) for layer in self.layers) * element_size
+
+    @property
+    def is_uniform(self) -> bool:
+        first = self.layers[0]
+        return all((s.kv_heads, s.k_dim, s.v_dim) == (first.kv_heads, first.k_dim, first.v_dim) for s in self.layers)
+
+    def describe(self) -> str:
+        """``"2 x 4q/2kv heads x 16 (window 8), 2 x 4q/2kv heads x 16"`` (runs of equal layers)."""
+        runs: list[list] = []
+        for layer in self.layers:
+            if runs and runs[-1][1] == layer:
+                runs[-1][0] += 1
+            else:
+                runs.append([1, layer])
+        return ", ".join(f"{n} x {layer.describe()}" for n, layer in runs)
+
+
+def as_layout(layout: KVLayout | int, kv_heads: int | None = None, head_dim: int | None = None) -> KVLayout:
+    """``layout`` itself, or (a number of layers, ``kv_heads``, ``head_dim``) as a uniform layout:
+    backends take either, so code that only knows the three numbers keeps working."""
+    if isinstance(layout, KVLayout):
+        return layout
+    if kv_heads is None or head_dim is None:
+        raise TypeError("a backend built from a number of layers needs kv_heads and head_dim too")
+    return KVLayout.uniform(int(layout), kv_heads, head_dim)

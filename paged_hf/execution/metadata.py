@@ -1,0 +1,106 @@
+"""Step metadata: the packed batch in FlashInfer's own CSR format, used by every backend.
+
+For B sequences and T new tokens:
+  input_ids[T], positions[T]   the new tokens, sequence after sequence
+  slot_mapping[T]              where each new token's K/V goes: block * block_size + offset
+  qo_indptr[B+1]               sequence i's new tokens are rows qo_indptr[i]:qo_indptr[i+1]
+  kv_indptr[B+1], kv_indices   sequence i's KV blocks (cached and new) are
+                               kv_indices[kv_indptr[i]:kv_indptr[i+1]]
+  kv_last_page_len[B]          tokens used in each sequence's last block (1..block_size)
+  logits_indices[B' + R]       rows whose logits are needed: first the B' sampled rows (last
+                               token of each sequence whose chunk reaches the end of its known
+                               tokens), then the R rows scored (prompt logprobs, scoring requests)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..requests.request import Request
+
+
+@dataclass
+class StepMetadata:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    qo_indptr: torch.Tensor
+    kv_indptr: torch.Tensor
+    kv_indices: torch.Tensor
+    kv_last_page_len: torch.Tensor
+    logits_indices: torch.Tensor
+    block_size: int
+    # host copies the backends plan from without a device sync
+    q_lens: list[int]
+    kv_lens: list[int]
+    kv_blocks: list[list[int]]  # per sequence, the blocks its KV spans (kv_indices, unflattened)
+    sampled_requests: list[Request]  # one per logits row, in row order
+    # after the sampled rows, in row order: (request, first target, count) of its scored rows
+    score_rows: list[tuple[Request, int, int]] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.q_lens)
+
+    @property
+    def is_pure_decode(self) -> bool:
+        return all(q == 1 for q in self.q_lens)
+
+
+def build_step_metadata(scheduled: list[tuple[Request, int]], block_size: int,
+                        device: torch.device | str = "cpu") -> StepMetadata:
+    """Metadata for requests that will compute ``n`` more tokens each (before ``mark_computed``)."""
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    qo_indptr, kv_indptr = [0], [0]
+    kv_indices: list[int] = []
+    last_page_len: list[int] = []
+    logits_indices: list[int] = []
+    sampled: list[Request] = []
+    score_indices: list[int] = []
+    score_rows: list[tuple[Request, int, int]] = []
+    q_lens, kv_lens = [], []
+    kv_blocks: list[list[int]] = []
+    bs = block_size
+    for req, n in scheduled:
+        start = req.num_computed_tokens
+        end = start + n
+        table = req.block_table
+        assert len(table) * bs >= end, f"request {req.request_id}: {len(table)} blocks cannot hold {end} tokens"
+        input_ids.extend(req.token_ids[start:end])
+        positions.extend(range(start, end))
+        slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+        n_blocks = -(-end // bs)
+        kv_blocks.append(table[:n_blocks])
+        kv_indices.extend(kv_blocks[-1])
+        qo_indptr.append(qo_indptr[-1] + n)
+        kv_indptr.append(kv_indptr[-1] + n_blocks)
+        last_page_len.append(end - (n_blocks - 1) * bs)
+        q_lens.append(n)
+        kv_lens.append(end)
+        if end == req.num_tokens and not req.prefill_only:
+            logits_indices.append(len(input_ids) - 1)
+            sampled.append(req)
+        first, count = req.score_rows(start, end)
+        if count:
+            row0 = len(input_ids) - n + (req.score_start + first - start)
+            score_indices.extend(range(row0, row0 + count))
+            score_rows.append((req, first, count))
+
+    def i32(x: list[int]) -> torch.Tensor:
+        return torch.tensor(x, dtype=torch.int32, device=device)
+
+    return StepMetadata(
+        input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),
+        positions=torch.tensor(positions, dtype=torch.long, device=device),
+        slot_mapping=i32(slots), qo_indptr=i32(qo_indptr), kv_indptr=i32(kv_indptr),
+        kv_indices=i32(kv_indices), kv_last_page_len=i32(last_page_len),
+        logits_indices=torch.tensor(logits_indices + score_indices, dtype=torch.long, device=device),
+        block_size=bs, q_lens=q_lens, kv_lens=kv_lens, kv_blocks=kv_blocks, sampled_requests=sampled,
+        score_rows=score_rows)

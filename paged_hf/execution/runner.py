@@ -1,0 +1,90 @@
+"""Execution: owns the KV tensors (through a backend) and runs one packed forward per step.
+
+The model is driven unmodified: ``input_ids[1, T]`` and ``position_ids[1, T]`` hold every
+scheduled token of every request, ``use_cache=False`` keeps transformers' own cache out of
+the way, and ``logits_to_keep`` selects just the rows that will be sampled.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import torch
+
+from ..config import EngineConfig
+from ..requests.request import Request
+from . import cpu_linear
+from .attention import active_backend
+from .backends import select_backend
+from .cuda_graphs import DecodeAccelerator, wants_decode_accelerator
+from .kv_geometry import KVLayout
+from .metadata import StepMetadata, build_step_metadata
+
+logger = logging.getLogger("paged_hf")
+
+
+# RoPE scalings that stretch positions past max_position_embeddings by their factor (vLLM's rule;
+# llama3 and longrope configs already state the stretched length)
+_STRETCHING_ROPE = ("linear", "dynamic", "yarn")
+
+
+def max_positions(model: torch.nn.Module) -> tuple[int | None, int | None]:
+    """(default, most) positions the model can encode: max_position_embeddings (n_positions for
+    GPT-2), and, where a RoPE scaling stretches it, that length times its factor."""
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    base = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
+    if base is None:
+        return None, None
+    most = base
+    rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    for params in (rope.values() if all(isinstance(v, dict) for v in rope.values()) and rope else [rope]):
+        kind = params.get("rope_type") or params.get("type")
+        factor = params.get("factor")
+        if kind in _STRETCHING_ROPE and isinstance(factor, (int, float)) and factor > 1:
+            most = max(most, int((params.get("original_max_position_embeddings") or base) * factor))
+    return base, most
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, config: EngineConfig, num_blocks: int, layout: KVLayout) -> None:
+        """``layout``: the model's per-layer KV geometry (paged_hf/execution/kv_geometry.py), found when it was patched."""
+        self.model = model
+        self.config = config
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        # padded decode steps (CUDA graphs / compile) need one extra KV block for their padding rows
+        accelerate = wants_decode_accelerator(config, self.device)
+        self.backend = select_backend(config.backend, self.device, self.dtype, layout)(
+            layout, num_blocks + int(accelerate), config.block_size, dtype=self.dtype, device=self.device)
+        self.decode = DecodeAccelerator.build(model, self.backend, config, pad_block=num_blocks) if accelerate else None
+        # bf16 on a CPU: the linear layers use weights packed once for oneDNN (paged_hf/execution/cpu_linear.py)
+        self.packed = cpu_linear.PackedLinears(model) if (config.cpu_packed_weights and self.decode is None and
+                                                          cpu_linear.supported(self.dtype, self.device)) else None
+        if self.packed is not None:
+            ok, why = cpu_linear.affordable(self.packed.nbytes)
+            if not ok:  # the same results either way; only speed is lost, so say so once
+                logger.warning("paged_hf: linear weights are not packed for oneDNN (%s); steps run ~10-20%% "
+                               "slower. cpu_packed_weights=False silences this.", why)
+                self.packed = None
+
+    def weights_changed(self) -> None:
+        """The model's weights changed: what was derived from them is made again."""
+        if self.packed is not None:
+            self.packed.reset()
+
+    @torch.inference_mode()
+    def execute(self, scheduled: list[tuple[Request, int]], block_copies: list[tuple[int, int]]
+                ) -> tuple[torch.Tensor, StepMetadata]:
+        """Run the step; return logits [B', V] for ``meta.sampled_requests`` and the metadata."""
+        meta = build_step_metadata(scheduled, self.config.block_size, self.device)
+        self.backend.copy_blocks(block_copies)
+        if self.decode is not None and self.decode.can_run(meta):
+            return self.decode.run(meta), meta
+        self.backend.plan(meta)
+        with active_backend(self.backend), (self.packed.active() if self.packed else contextlib.nullcontext()):
+            out = self.model(input_ids=meta.input_ids[None], position_ids=meta.positions[None],
+                             use_cache=False, logits_to_keep=meta.logits_indices)
+        logits = out.logits[0]
+        if logits.shape[0] != meta.logits_indices.numel():  # a forward without logits_to_keep (Whisper's): every row
+            logits = logits.index_select(0, meta.logits_indices)
+        return logits, meta

@@ -1,0 +1,155 @@
+"""Next-token choice for a batch of logits rows, each with its own SamplingParams.
+
+Order follows transformers' logits processors: repetition penalty, min-new-tokens EOS ban,
+temperature, top-k, top-p, min-p; then inverse-CDF sampling. A seeded request draws from its own
+torch.Generator, so it picks the same tokens alone or in any batch; unseeded ones share one draw
+per step from torch's default generator.
+
+A row that cannot be sampled (its processing raised, or its logits are NaN / infinite, or every
+token is banned) fails alone: it gets no token and an entry in ``errors``, and the other rows'
+tokens are what they would have been without it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..requests.request import Request
+
+
+@dataclass
+class SampleResult:
+    tokens: list[int | None]  # None where the row failed
+    logprobs: list[tuple[float, dict[int, float]] | None]  # (chosen, top-k) per row, when asked
+    errors: dict[int, str] = field(default_factory=dict)  # row -> why it has no token
+
+
+def sample(logits: torch.Tensor, requests: list[Request]) -> SampleResult:
+    """logits: [B, V] (one row per request, any dtype) -> one token per request."""
+    logits = logits.float()
+    raw = logits
+    logits = logits.clone()
+    errors: dict[int, str] = {}
+    for row, req in enumerate(requests):
+        try:
+            _prepare_row(logits, row, req)
+        except Exception as e:  # noqa: BLE001 - whatever it was, it is this row's alone
+            errors[row] = f"sampling failed: {type(e).__name__}: {e}"
+
+    # max gives the greedy choice and, in the same pass, rows with NaN / +inf (max propagates them)
+    # or nothing left to pick (all -inf)
+    best, tokens = logits.max(dim=-1)
+    sampling_rows = [i for i, r in enumerate(requests) if not r.params.is_greedy and i not in errors]
+    if sampling_rows:
+        drawn = _draw_rows(logits, requests, sampling_rows, errors)
+        if drawn is not None:
+            rows, picks = drawn
+            tokens[torch.tensor(rows, device=logits.device)] = picks
+    tokens = torch.where(torch.isfinite(best), tokens, -1)
+    token_list: list[int | None] = tokens.tolist()
+    for row, tok in enumerate(token_list):
+        if row in errors:
+            token_list[row] = None
+        elif tok < 0:
+            errors[row] = "its logits are not finite (NaN or inf), or every token was excluded"
+            token_list[row] = None
+
+    logprobs: list = [None] * len(requests)
+    if any(r.params.logprobs is not None for r in requests):
+        lp = torch.log_softmax(raw, dim=-1)
+        for i, r in enumerate(requests):
+            k = r.params.logprobs
+            if k is None or token_list[i] is None:
+                continue
+            try:
+                top = torch.topk(lp[i], k) if k > 0 else None
+                logprobs[i] = (float(lp[i, token_list[i]]),
+                               {} if top is None else dict(zip(top.indices.tolist(), top.values.tolist())))
+            except Exception as e:  # noqa: BLE001
+                errors[i] = f"logprobs failed: {type(e).__name__}: {e}"
+                token_list[i] = None
+    return SampleResult(token_list, logprobs, errors)
+
+
+def _prepare_row(logits: torch.Tensor, row: int, req: Request) -> None:
+    """The per-request processors, in place on ``logits[row]``: repetition penalty, EOS ban."""
+    p = req.params
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(req.token_ids)), device=logits.device)
+        vals = logits[row, seen]
+        logits[row, seen] = torch.where(vals < 0, vals * p.repetition_penalty, vals / p.repetition_penalty)
+    if req.num_output_tokens < p.min_new_tokens:
+        banned = [t for t in set(p.stop_token_ids) | (set() if p.ignore_eos else set(req.eos_token_ids))
+                  if t < logits.shape[1]]
+        if banned:
+            logits[row, banned] = float("-inf")
+
+
+def _draw_rows(logits: torch.Tensor, requests: list[Request], rows: list[int],
+               errors: dict[int, str]) -> tuple[list[int], torch.Tensor] | None:
+    """Sampled tokens of ``rows`` (those still drawn, and their picks). Filtering runs batched; if
+    that raises, row by row, so only the row at fault fails. Generators advance only in the
+    draw itself, after filtering, so a failed row never shifts another row's seeded draw."""
+    def probs_of(idx: list[int]) -> torch.Tensor:
+        sel = torch.tensor(idx, device=logits.device)
+        temps = torch.tensor([requests[i].params.temperature for i in idx], device=logits.device)
+        return _filtered_probs(logits[sel] / temps[:, None], [requests[i] for i in idx])
+
+    try:
+        probs = probs_of(rows)
+    except Exception:  # noqa: BLE001 - find the row(s) at fault
+        parts, kept = [], []
+        for i in rows:
+            try:
+                parts.append(probs_of([i]))
+                kept.append(i)
+            except Exception as e:  # noqa: BLE001
+                errors[i] = f"sampling failed: {type(e).__name__}: {e}"
+        if not kept:
+            return None
+        rows, probs = kept, torch.cat(parts)
+    return rows, _inverse_cdf_draw(probs, [requests[i].generator for i in rows])
+
+
+def _inverse_cdf_draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One token per row of ``probs`` from one uniform draw per row: rows without a generator share
+    one draw from torch's default generator, a seeded row draws from its own. (A Gumbel/exponential
+    race needs a random number per vocabulary entry: 63 ms for 64 x 49k rows on this CPU, against
+    ~3 ms for the cumulative sum.)"""
+    u = torch.empty(probs.shape[0], dtype=probs.dtype, device=probs.device)
+    if any(g is None for g in generators):
+        u.uniform_()
+    for row, g in enumerate(generators):
+        if g is not None:
+            u[row: row + 1].uniform_(generator=g)
+    cdf = probs.cumsum(dim=-1)
+    # first index whose cumulative sum exceeds u * total: a zero-probability token never qualifies,
+    # as its cumulative sum equals its predecessor's
+    picks = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0].clamp_(max=probs.shape[1] - 1)
+    # u * total can round up to total itself (p ~ 2**-24); never let that pick a filtered token
+    zero = probs.gather(1, picks[:, None])[:, 0] == 0
+    return torch.where(zero, probs.argmax(dim=-1), picks)
+
+
+def _filtered_probs(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    for row, req in enumerate(requests):
+        k = req.params.top_k
+        if 0 < k < logits.shape[1]:
+            kth = torch.topk(logits[row], k).values[-1]
+            logits[row] = logits[row].masked_fill(logits[row] < kth, float("-inf"))
+    top_p = torch.tensor([r.params.top_p for r in requests], device=logits.device)
+    if (top_p < 1).any():
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=False)
+        cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        remove_sorted = cum <= (1 - top_p)[:, None]
+        remove_sorted[:, -1] = False  # always keep the most likely token
+        remove = remove_sorted.scatter(1, order, remove_sorted)
+        logits = logits.masked_fill(remove, float("-inf"))
+    probs = logits.softmax(dim=-1)
+    min_p = torch.tensor([r.params.min_p for r in requests], device=logits.device)
+    if (min_p > 0).any():
+        threshold = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
+        probs = probs.masked_fill(probs < threshold, 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs

@@ -1,0 +1,330 @@
+"""The ``paged-hf`` command (also ``python -m paged_hf``).
+
+    paged-hf generate --model default --input prompts.jsonl --output out.jsonl --max-new-tokens 64
+    paged-hf generate --model ./my-model --input ./saved_dataset --split test --messages-column messages \\
+        --output out.jsonl --checkpoint-dir runs/eval1 --temperature 0.7 --top-p 0.9 --seed 1
+    paged-hf bench --quick          # the benchmark harness, benchmarks/bench.py (source checkout)
+    paged-hf lm-eval --model paged_hf --model_args pretrained=default,dtype=bfloat16 --tasks ...
+                                    # lm-evaluation-harness's CLI with the paged_hf backend registered
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import runpy
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "bench":  # everything after "bench" belongs to the harness
+        return bench(argv[1:])
+    if argv and argv[0] == "lm-eval":  # everything after "lm-eval" belongs to lm-evaluation-harness
+        return lm_eval(argv[1:])
+    args = _parser().parse_args(argv)
+    return args.func(args)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="paged-hf", description="paged KV + continuous batching for HF causal LMs")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate a completion for every row of a dataset (ordered, resumable)",
+                       description="Generate one completion per row; writes the input columns plus the output "
+                                   "column and its _num_tokens, _finish_reason, _ttft and _error. A row that "
+                                   "fails gets finish_reason 'error' and its message in _error; the others run.")
+    g.add_argument("--model", required=True, help="a transformers model id or directory, or 'default' for the "
+                   "embedded SmolLM2-135M-Instruct")
+    g.add_argument("--gguf-file", help="load the model from this GGUF file inside --model's directory or repo")
+    g.add_argument("--tokenizer", help="tokenizer id or directory (default: the model's)")
+    g.add_argument("--dtype", choices=_DTYPES, default="auto", help="model dtype (default: bfloat16 for the "
+                   "default model, the checkpoint's own otherwise)")
+    g.add_argument("--device", default="cpu", help="torch device (default: cpu)")
+    g.add_argument("--input", required=True, help="a .jsonl/.json/.csv/.parquet file or a datasets.save_to_disk "
+                   "directory")
+    g.add_argument("--split", help="the split to use when --input holds a DatasetDict")
+    g.add_argument("--limit", type=int, help="only the first N rows (N >= 0)")
+    g.add_argument("--prompt-column", default="prompt")
+    g.add_argument("--messages-column", help="a column of chat messages, run through the chat template")
+    g.add_argument("--params-column", help="a column of per-row SamplingParams fields (dicts)")
+    g.add_argument("--output-column", default="generation")
+    g.add_argument("--output", required=True, help="output file: .jsonl, .json, .csv or .parquet (checked before "
+                   "anything runs)")
+    g.add_argument("--checkpoint-dir", help="append finished rows here; rerun the same command to resume")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    s = g.add_argument_group("sampling")
+    s.add_argument("--max-new-tokens", type=int, default=128)
+    s.add_argument("--min-new-tokens", type=int, default=0)
+    s.add_argument("--temperature", type=float, default=0.0, help="0 (the default) is greedy")
+    s.add_argument("--top-p", type=float, default=1.0)
+    s.add_argument("--top-k", type=int, default=0)
+    s.add_argument("--min-p", type=float, default=0.0)
+    s.add_argument("--repetition-penalty", type=float, default=1.0)
+    s.add_argument("--seed", type=int, help="row i samples with seed + i")
+    s.add_argument("--ignore-eos", action="store_true")
+    s.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="end a row when its text contains TEXT (repeatable; escapes like \\n are read)")
+    s.add_argument("--include-stop-str", action="store_true", help="keep the stop string at the end of the text")
+    e = g.add_argument_group("engine")
+    e.add_argument("--max-num-seqs", type=int)
+    e.add_argument("--max-num-batched-tokens", type=int)
+    e.add_argument("--block-size", type=int)
+    e.add_argument("--num-blocks", type=int)
+    e.add_argument("--kv-cache-memory", type=float, help="bytes on CPU, a fraction of free memory on CUDA")
+    e.add_argument("--max-model-len", type=int)
+    e.add_argument("--backend", choices=("auto", "torch", "flashinfer"))
+    e.add_argument("--no-prefix-caching", action="store_true")
+    g.set_defaults(func=generate)
+
+    b = sub.add_parser("bench", help="run the benchmark harness (benchmarks/bench.py); arguments pass through")
+    b.set_defaults(func=lambda a: bench([]))
+    e = sub.add_parser("lm-eval", help="lm-evaluation-harness's CLI with --model paged_hf available; arguments "
+                       "pass through (needs the eval extra: pip install 'paged_hf[eval]')")
+    e.set_defaults(func=lambda a: lm_eval([]))
+    return parser
+
+
+def generate(args: argparse.Namespace) -> int:
+    from ..config import EngineConfig
+    from ..requests.sampling_params import SamplingParams
+    from .datasets_eval import generate_dataset
+
+    # every check that needs no data or model comes first: a mistake costs nothing
+    if args.limit is not None and args.limit < 0:
+        return _fail(f"--limit {args.limit}: must be >= 0")
+    try:
+        params = SamplingParams(max_new_tokens=args.max_new_tokens, min_new_tokens=args.min_new_tokens,
+                                temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                                repetition_penalty=args.repetition_penalty, seed=args.seed,
+                                ignore_eos=args.ignore_eos, stop=[_unescape(s) for s in args.stop],
+                                include_stop_str_in_output=args.include_stop_str)
+    except ValueError as err:
+        return _fail(str(err))
+    engine_config = {k: v for k, v in {
+        "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
+        "block_size": args.block_size, "num_blocks": args.num_blocks, "max_model_len": args.max_model_len,
+        "kv_cache_memory": int(args.kv_cache_memory) if args.kv_cache_memory and args.kv_cache_memory > 1
+        else args.kv_cache_memory, "backend": args.backend,
+    }.items() if v is not None}
+    if args.no_prefix_caching:
+        engine_config["enable_prefix_caching"] = False
+    try:
+        EngineConfig.from_kwargs(**engine_config)  # the engine checks them again; here it costs nothing
+    except (ValueError, TypeError) as err:
+        return _fail(str(err))
+    if _is_main_process():  # under accelerate launch only rank 0 writes the result
+        problem = check_output(args.output)
+        if problem is not None:
+            return _fail(problem)
+    if args.checkpoint_dir is not None:
+        problem = _check_directory("--checkpoint-dir", Path(args.checkpoint_dir))
+        if problem is not None:
+            return _fail(problem)
+    try:
+        dataset = load_input(args.input, args.split)
+    except (FileNotFoundError, ValueError) as err:
+        return _fail(str(err))
+    if args.limit is not None:
+        dataset = dataset.select(range(min(args.limit, len(dataset))))
+    try:
+        model, tokenizer = load_model(args.model, args.gguf_file, args.tokenizer, args.dtype, args.device)
+    except ValueError as err:
+        return _fail(str(err))
+    try:
+        result = generate_dataset(model, tokenizer, dataset, prompt_column=args.prompt_column,
+                                  output_column=args.output_column, sampling_params=params,
+                                  checkpoint_dir=args.checkpoint_dir, messages_column=args.messages_column,
+                                  params_column=args.params_column, progress=not args.no_progress, **engine_config)
+    except (ValueError, TypeError, OSError) as err:
+        return _fail(str(err))
+    if result is None or not _is_main_process():
+        return 0
+    try:
+        write_output(result, args.output)
+    except OSError as err:  # checked at the start, but disks fill up and permissions change
+        kept = f"; the rows are kept in --checkpoint-dir {args.checkpoint_dir}" if args.checkpoint_dir else ""
+        return _fail(f"--output {args.output}: {err}{kept}")
+    errors = sum(1 for r in result[f"{args.output_column}_finish_reason"] if r == "error")
+    print(f"paged-hf: wrote {len(result)} rows to {args.output}"
+          + (f" ({errors} failed, finish_reason 'error': see {args.output_column}_error)" if errors else ""),
+          file=sys.stderr)
+    return 0
+
+
+def load_model(name: str, gguf_file: str | None, tokenizer_name: str | None, dtype: str,
+               device: str) -> tuple[Any, Any]:
+    """(model, tokenizer). Raises ValueError naming the option (--model, --tokenizer, --device)
+    whose value cannot be loaded (paged_hf/frontends/loading.py)."""
+    from .loading import load_model as load
+
+    return load(name, tokenizer=tokenizer_name, dtype=dtype, device=device, gguf_file=gguf_file,
+                labels={"model": "--model", "tokenizer": "--tokenizer", "device": "--device"})
+
+
+def load_input(path: str, split: str | None) -> Any:
+    """The dataset in ``path``; ValueError or FileNotFoundError naming --input and the reason."""
+    import datasets
+
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"--input {path}: no such file or directory")
+    kind = None
+    if not p.is_dir():
+        kind = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}.get(p.suffix.lower())
+        if kind is None:
+            raise ValueError(f"--input {path}: unknown file type {p.suffix!r}; use .jsonl, .json, .csv, .parquet "
+                             "or a datasets.save_to_disk directory")
+        if _is_blank(p):
+            raise ValueError(f"--input {path}: no rows (the file is empty)")
+    try:
+        ds = (datasets.load_from_disk(str(p)) if kind is None
+              else datasets.load_dataset(kind, data_files=str(p), split="train"))
+    except Exception as err:  # the parser's reason, not datasets' "An error occurred while generating"
+        if "corresponds to no data" in str(err):  # datasets' words for a file with no rows (a CSV header only)
+            raise ValueError(f"--input {path}: no rows") from None
+        raise ValueError(f"--input {path}: cannot read it as {kind or 'a saved dataset'} ({_reason(err)})") from None
+    if isinstance(ds, datasets.DatasetDict):
+        if split is None:
+            if len(ds) != 1:
+                raise ValueError(f"--input {path} holds splits {list(ds)}; choose one with --split")
+            split = next(iter(ds))
+        if split not in ds:
+            raise ValueError(f"--split {split}: not in {list(ds)}")
+        ds = ds[split]
+    if len(ds) == 0:
+        raise ValueError(f"--input {path}: no rows" + (f" in split {split!r}" if split else ""))
+    return ds
+
+
+def _is_blank(path: Path) -> bool:
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 16):
+            if chunk.strip():
+                return False
+    return True
+
+
+def _reason(err: BaseException) -> str:
+    from datasets.exceptions import DatasetGenerationError
+
+    while isinstance(err, DatasetGenerationError) and (err.__cause__ or err.__context__) is not None:
+        err = err.__cause__ or err.__context__
+    return f"{type(err).__name__}: {err}"
+
+
+_OUTPUT_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
+
+
+def check_output(path: str) -> str | None:
+    """Why ``--output path`` cannot be written, or None. Found by doing it: missing directories are
+    made and the file opened for appending (an existing file is not truncated), then whatever this
+    made is removed again."""
+    p = Path(path)
+    if p.suffix.lower() not in _OUTPUT_SUFFIXES:
+        return (f"--output {path}: unknown file type {p.suffix or '(none)'!r}; use "
+                f"{', '.join(_OUTPUT_SUFFIXES)}")
+    if p.is_dir():
+        return f"--output {path}: is a directory"
+    return _check_directory("--output", p.parent, p)
+
+
+def _check_directory(option: str, directory: Path, file: Path | None = None) -> str | None:
+    """Why ``directory`` (and ``file`` in it) cannot be written, or None; leaves no trace."""
+    existing = next((d for d in [directory, *directory.parents] if d.exists()), None)
+    if existing is not None and not existing.is_dir():
+        return f"{option} {file or directory}: cannot write there ({existing} is not a directory)"
+    made = [d for d in [directory, *directory.parents] if not d.exists()]  # the deepest first
+    made_file = False
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        if file is not None:
+            made_file = not file.exists()
+            with open(file, "a"):  # "a": an existing file keeps its contents
+                pass
+        elif not os.access(directory, os.W_OK | os.X_OK):
+            raise PermissionError(f"cannot create files in {directory}")
+    except OSError as err:
+        made_file = False
+        return f"{option} {file or directory}: cannot write there ({err})"
+    finally:
+        if made_file:
+            file.unlink(missing_ok=True)
+        for d in made:
+            try:
+                d.rmdir()
+            except OSError:
+                pass
+    return None
+
+
+def write_output(result: Any, path: str) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    suffix = Path(path).suffix.lower()
+    if suffix == ".csv":
+        result.to_csv(path, index=False)
+    elif suffix == ".parquet":
+        result.to_parquet(path)
+    elif suffix == ".json":
+        result.to_json(path, lines=False, force_ascii=False)
+    elif suffix == ".jsonl":
+        result.to_json(path, lines=True, force_ascii=False)
+    else:
+        raise ValueError(f"--output {path}: unknown file type {suffix!r}; use {', '.join(_OUTPUT_SUFFIXES)}")
+
+
+def bench_script() -> Path:
+    """Where the benchmark harness lives: benchmarks/bench.py beside the package's source."""
+    return Path(__file__).resolve().parent.parent / "benchmarks" / "bench.py"
+
+
+def bench(argv: Sequence[str]) -> int:
+    """Run benchmarks/bench.py (in a source checkout) with ``argv``."""
+    script = bench_script()
+    if not script.is_file():
+        return _fail(f"the benchmark harness {script} is not there: `paged-hf bench` runs from a source "
+                     "checkout of paged_hf (the wheel does not ship benchmarks/)")
+    old_argv = sys.argv
+    sys.argv = [str(script), *argv]
+    try:
+        runpy.run_path(str(script), run_name="__main__")
+    except SystemExit as exit_:
+        code = exit_.code
+        return code if isinstance(code, int) else (0 if code is None else 1)
+    finally:
+        sys.argv = old_argv
+    return 0
+
+
+def lm_eval(argv: Sequence[str]) -> int:
+    """lm-evaluation-harness's own command line (``lm-eval ...``) with the ``paged_hf`` backend
+    registered: ``paged-hf lm-eval --model paged_hf --model_args pretrained=PATH ...``."""
+    try:
+        from ..integrations.lm_eval import run_cli
+    except ImportError as err:
+        return _fail(f"lm-eval: {err}")
+    return run_cli(list(argv))
+
+
+def _unescape(text: str) -> str:
+    """``--stop '\\n\\n'`` as two newlines: a shell passes the backslashes through."""
+    try:
+        return text.encode("latin-1", "backslashreplace").decode("unicode_escape")
+    except UnicodeDecodeError:
+        return text
+
+
+def _is_main_process() -> bool:
+    return os.environ.get("RANK", "0") == "0"
+
+
+def _fail(message: str) -> int:
+    print(f"paged-hf: error: {message}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

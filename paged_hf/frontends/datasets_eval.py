@@ -1,0 +1,401 @@
+"""Offline evaluation over a ``datasets.Dataset``: one engine, continuous batching across the
+whole dataset, original order, a progress bar, a resumable checkpoint, and sharding under
+``accelerate launch``.
+
+    >>> ds = datasets.Dataset.from_dict({"prompt": ["The capital of France is", "1, 2, 3,"]})
+    >>> out = paged_hf.generate_dataset(model, tokenizer, ds, sampling_params=SamplingParams(max_new_tokens=16),
+    ...                                 checkpoint_dir="runs/eval1")
+    >>> out.column_names
+    ['prompt', 'generation', 'generation_num_tokens', 'generation_finish_reason', 'generation_ttft',
+     'generation_error']
+
+A row that fails (refused at admission, raising while it is tokenized or chat-templated, or
+failing inside the engine) does not stop the run: it gets finish_reason "error" and its message
+in ``{output_column}_error``. Checkpoint layout and resume rules: ``paged_hf.frontends.checkpoint``
+(finished rows are appended as they complete, written and flushed every step, fsynced about once
+a second; errored rows run again on a rerun).
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import re
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from ..requests.sampling_params import SamplingParams
+from .checkpoint import Checkpoint, fingerprint, make_record
+
+logger = logging.getLogger("paged_hf")
+
+# record field -> Arrow type of its output column: ``output_column`` holds the text, and
+# ``{output_column}_{field}`` the others, in this order
+_FEATURES = {"text": "string", "num_tokens": "int64", "finish_reason": "string", "ttft": "float64",
+             "error": "string"}
+_SUFFIXES = tuple(_FEATURES)[1:]
+_READ_BATCH = 256
+
+
+def generate_dataset(model: torch.nn.Module, tokenizer: Any, dataset: Any, prompt_column: str = "prompt",
+                     output_column: str = "generation", sampling_params: SamplingParams | None = None,
+                     checkpoint_dir: str | os.PathLike | None = None, messages_column: str | None = None,
+                     params_column: str | None = None, progress: bool = True, **engine_config: Any) -> Any:
+    """Generate one completion per row of ``dataset``; return the dataset with the results added.
+
+    The returned ``datasets.Dataset`` has the original columns in the original order plus
+    ``output_column`` (the generated text) and ``{output_column}_num_tokens``,
+    ``{output_column}_finish_reason`` ("stop", "length", or "error"), ``{output_column}_ttft``
+    (seconds from the row entering the engine to its first token) and ``{output_column}_error``
+    (None, or for a row with finish_reason "error" the message naming the row and what went
+    wrong; its text is "", its num_tokens 0 and its ttft None). A row fails alone, whatever it
+    raises while it is prepared (an empty prompt, a chat template's ``raise_exception``, a
+    tokenizer error), when the engine refuses it, or when it fails inside an engine step; the
+    other rows run. ``KeyboardInterrupt`` stops the run (submitted rows are aborted).
+
+    - ``prompt_column`` holds text (tokenized with special tokens) or token ids; with
+      ``messages_column`` set, that column's chat messages go through
+      ``tokenizer.apply_chat_template(..., add_generation_prompt=True)`` instead.
+    - ``params_column`` holds per-row dicts of ``SamplingParams`` fields, applied over
+      ``sampling_params``. When sampling (temperature > 0), row ``i`` without its own seed uses
+      seed ``(sampling_params.seed or 0) + i``, so results do not depend on batching, resuming
+      or sharding. One completion per row: ``n > 1`` is refused (repeat the rows instead).
+      Stop strings (``SamplingParams(stop=[...])``, or a row's own ``stop``) end a row on the
+      token that completes one; its text ends before the stop string.
+    - One engine serves the whole dataset; rows are tokenized and queued as the engine drains
+      (about ``2 * max_num_seqs`` waiting at a time), so a 100k-row dataset is never all queued.
+      A model patched with ``paged_hf.patch`` uses its engine (``engine_for``) unless
+      ``engine_config`` is given; otherwise ``Engine(model, tokenizer, **engine_config)``.
+    - ``checkpoint_dir``: finished rows are appended to disk as they complete; a rerun with the
+      same arguments skips them and returns the same dataset as an uninterrupted run (the ttft
+      of restored rows is the one measured when they ran). Rows that ended in "error" run again.
+      Different arguments (model, tokenizer, sampling params, columns, dataset, or the engine's
+      effective max_model_len and EOS ids) raise ValueError. See ``paged_hf.frontends.checkpoint``.
+    - Under ``accelerate launch --num_processes K`` (or ``torchrun --nproc_per_node K``) each
+      process runs its shard (``datasets.distributed.split_dataset_by_node``) on its own engine;
+      rank 0 gathers (``torch.distributed.gather_object``) and returns the whole dataset in the
+      original order, the other ranks return their own shard with its results (contiguous rows,
+      in order). Put each process's model on its device first (``PartialState().device``).
+      Without CUDA the processes join over gloo; note that ``accelerate launch --cpu`` starts
+      one process unless MPI is set up, while ``--multi_gpu`` on a machine without GPUs starts K
+      CPU processes through torchrun. Checkpoints are shared: each rank appends to
+      ``results-<rank>.jsonl`` and reads them all, so a rerun may use a different K.
+    """
+    import datasets
+
+    if isinstance(dataset, datasets.DatasetDict):
+        raise TypeError(f"generate_dataset takes one split, got a DatasetDict with splits {list(dataset)}; "
+                        "pass e.g. dataset['test']")
+    if not isinstance(dataset, datasets.Dataset):
+        raise TypeError(f"generate_dataset takes a datasets.Dataset, got {type(dataset).__name__}")
+    base = SamplingParams() if sampling_params is None else sampling_params
+    if not isinstance(base, SamplingParams):
+        raise TypeError(f"sampling_params must be SamplingParams, got {type(base).__name__}")
+    if base.n != 1:
+        raise ValueError(f"sampling_params: n={base.n}; generate_dataset makes one completion per row "
+                         "(repeat the rows for several samples)")
+    _check_columns(dataset, prompt_column, output_column, messages_column, params_column)
+    if messages_column is not None and tokenizer is None:
+        raise ValueError("messages_column needs a tokenizer with a chat template")
+
+    rank, world, state = _distributed()
+    if world > 1:
+        from datasets.distributed import split_dataset_by_node
+
+        # the same split applied to a column of row numbers gives each shard row's global index
+        numbers = datasets.Dataset.from_dict({"i": list(range(len(dataset)))})
+        shard_rows = list(split_dataset_by_node(numbers, rank=rank, world_size=world)["i"])
+        shard = split_dataset_by_node(dataset, rank=rank, world_size=world)
+        assert len(shard) == len(shard_rows)
+    else:
+        shard_rows, shard = list(range(len(dataset))), dataset
+
+    # the engine first: its effective max_model_len and EOS ids belong to the checkpoint's fingerprint
+    engine = _engine(model, tokenizer, engine_config)
+    checkpoint = None
+    if checkpoint_dir is not None:
+        columns = {"prompt": prompt_column, "output": output_column, "messages": messages_column,
+                   "params": params_column}
+        checkpoint = Checkpoint(Path(checkpoint_dir), fingerprint(model, tokenizer, engine, dataset, base, columns),
+                                rank, state, len(dataset))
+
+    records = _run_shard(engine, tokenizer, shard, shard_rows, base, prompt_column, messages_column,
+                         params_column, checkpoint, progress and rank == 0,
+                         desc="paged_hf" if world == 1 else f"paged_hf [rank 0 of {world}]")
+
+    if world > 1:
+        import torch.distributed as dist
+
+        gathered: list[Any] | None = [None] * world if rank == 0 else None
+        dist.gather_object(records, gathered, dst=0)
+        if rank != 0:
+            return _assemble(shard, records, output_column)
+        records = [rec for part in gathered for rec in part]
+        assert [r["row_index"] for r in records] == list(range(len(dataset))), "shards lost or reordered rows"
+    return _assemble(dataset, records, output_column)
+
+
+# ---- the loop ------------------------------------------------------------------------------------
+
+def _run_shard(engine: Any, tokenizer: Any, shard: Any, shard_rows: list[int], base: SamplingParams,
+               prompt_column: str, messages_column: str | None, params_column: str | None,
+               checkpoint: Checkpoint | None, progress: bool, desc: str) -> list[dict]:
+    """Run one shard to completion; its records in shard order (restored rows included)."""
+    done: dict[int, dict] = {}
+    if checkpoint is not None:
+        restored = checkpoint.load()  # every record is checked here, before any row runs
+        done = {i: restored[i] for i in shard_rows if i in restored}
+        checkpoint.open()
+    sched = engine.scheduler
+    engine.check_weights(rescan=True)  # this loop steps the engine itself: look for replaced tensors now
+    target_waiting = 2 * engine.config.max_num_seqs
+
+    rows = _rows(shard, shard_rows, done, prompt_column, messages_column, params_column)
+    live: dict[str, int] = {}  # engine request id -> row index
+    bar = _Progress(len(shard_rows), len(done), engine, desc) if progress else None
+    exhausted = False
+    try:
+        while True:
+            new: list[dict] = []
+            while not exhausted and len(sched.waiting) < target_waiting:
+                item = next(rows, None)
+                if item is None:
+                    exhausted = True
+                    break
+                row, prompt, row_params = item
+                rid = _submit(engine, tokenizer, base, row, prompt, row_params, messages_column is not None, new)
+                if rid is not None:
+                    live[rid] = row
+            if not new and not live and exhausted:
+                break
+            sampled: dict = {}
+            if live:
+                sampled, finished = engine.step()
+                for req in finished:
+                    row = live.pop(req.request_id, None)
+                    if row is not None:  # else someone else's request on a shared engine
+                        new.append(_finished_record(engine, tokenizer, row, req))
+            for rec in new:
+                done[rec["row_index"]] = rec
+            if checkpoint is not None and new:
+                checkpoint.write(new)
+            if bar is not None:
+                bar.update(len(new), len(sampled))
+    finally:
+        for rid in list(live):  # interrupted: leave a shared engine clean
+            try:
+                engine.abort(rid)
+            except ValueError:
+                pass
+        if checkpoint is not None:
+            checkpoint.close()
+        if bar is not None:
+            bar.close()
+    return [done[i] for i in shard_rows]
+
+
+def _submit(engine: Any, tokenizer: Any, base: SamplingParams, row: int, prompt: Any, row_params: Any,
+            is_messages: bool, errors: list[dict]) -> str | None:
+    """Queue one row; its engine request id, or None when it failed (its record added to ``errors``)."""
+    try:
+        ids = _prompt_ids(tokenizer, prompt, is_messages)
+        params = _row_params(base, row_params, row)
+    except Exception as e:  # whatever the row's template or tokenizer raise, the row fails alone
+        errors.append(_error_record(row, _describe(e)))
+        return None
+    try:
+        return engine.add_request(ids, params)  # an auto id: never collides with a shared engine's others
+    except (ValueError, TypeError) as e:  # refused at admission; anything else is a bug and propagates
+        errors.append(_error_record(row, f"{type(e).__name__}: {_without_request_id(str(e))}"))
+        return None
+
+
+def _finished_record(engine: Any, tokenizer: Any, row: int, req: Any) -> dict:
+    out = engine.collect([req])
+    if out.error is not None or out.finish_reason == "error":  # it failed inside a step, alone
+        return _error_record(row, _without_request_id(out.error or "failed in the engine"))
+    try:
+        if isinstance(out.completions[0].stop_reason, str):  # ended by a stop string: the engine's cut text
+            text = out.text
+        else:
+            text = _decode(tokenizer, out.token_ids) if tokenizer is not None else (out.text or "")
+    except Exception as e:  # the tokenizer cannot decode what this row generated: the row fails alone
+        return _error_record(row, _describe(e))
+    return make_record(row, text, len(out.token_ids), out.finish_reason, out.ttft, None)
+
+
+def _error_record(row: int, message: str) -> dict:
+    error = f"row {row}: {message}"
+    logger.warning("paged_hf.generate_dataset: %s", error)
+    return make_record(row, "", 0, "error", None, error)
+
+
+def _describe(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+
+
+def _without_request_id(message: str) -> str:
+    """An engine message without its "request <id>: " prefix: the row number replaces the
+    auto id, which means nothing to the caller."""
+    return re.sub(r"^request [^ ]+: ", "", message)
+
+
+def _engine(model: Any, tokenizer: Any, engine_config: dict) -> Any:
+    from ..model.patching import Engine, engine_for, is_patched  # Engine patches the model if needed
+
+    if is_patched(model) and not engine_config:
+        engine = engine_for(model)
+        if tokenizer is not None and engine.tokenizer is None:  # stop strings are read with it
+            engine.tokenizer = tokenizer
+        if engine.requests:
+            logger.warning("paged_hf.generate_dataset: the patched model's engine has %d live requests; "
+                           "they are stepped along", len(engine.requests))
+        return engine
+    return Engine(model, tokenizer, **engine_config)
+
+
+def _rows(shard: Any, shard_rows: list[int], done: dict, prompt_column: str, messages_column: str | None,
+          params_column: str | None) -> Iterator[tuple[int, Any, Any]]:
+    """(row index, prompt or messages, row params) of the rows still to run, read in batches."""
+    source = messages_column or prompt_column
+    columns = [source] + ([params_column] if params_column else [])
+    todo = [k for k, i in enumerate(shard_rows) if i not in done]
+    view = shard.select_columns(columns)
+    if len(todo) < len(shard_rows):
+        view = view.select(todo)
+
+    def gen() -> Iterator[tuple[int, Any, Any]]:
+        k = 0
+        for batch in view.iter(batch_size=_READ_BATCH):
+            for j, prompt in enumerate(batch[source]):
+                yield shard_rows[todo[k]], prompt, batch[params_column][j] if params_column else None
+                k += 1
+    return gen()
+
+
+def _prompt_ids(tokenizer: Any, prompt: Any, is_messages: bool) -> list[int]:
+    if is_messages:
+        if not prompt:
+            raise ValueError("no chat messages")
+        text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])  # the template adds its own
+    if prompt is None or (isinstance(prompt, str) and not prompt):
+        raise ValueError("empty prompt")
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise ValueError("a text prompt needs a tokenizer")
+        return list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
+    if isinstance(prompt, (list, tuple)):
+        return list(prompt)
+    raise ValueError(f"prompt must be text or token ids, got {type(prompt).__name__}")
+
+
+def _row_params(base: SamplingParams, row_params: Any, row: int) -> SamplingParams:
+    changes: dict[str, Any] = {}
+    if row_params is not None:
+        if not isinstance(row_params, dict):
+            raise ValueError(f"params must be a dict of SamplingParams fields, got {type(row_params).__name__}")
+        # Arrow fills the keys other rows have with None: those mean "not set"
+        changes = {k: v for k, v in row_params.items() if v is not None}
+        known = {f.name for f in dataclasses.fields(SamplingParams)}
+        unknown = sorted(set(changes) - known)
+        if unknown:
+            raise ValueError(f"unknown SamplingParams field(s) {unknown}")
+    params = base.with_(**changes)
+    if params.n != 1:
+        raise ValueError(f"n={params.n}; generate_dataset makes one completion per row")
+    if not params.is_greedy and "seed" not in changes:
+        params = params.with_(seed=(base.seed or 0) + row)  # independent of batching, resume, shards
+    return params
+
+
+def _decode(tokenizer: Any, ids: list[int]) -> str:
+    return tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def _assemble(dataset: Any, records: list[dict], output_column: str) -> Any:
+    import datasets
+
+    names = _output_columns(output_column)
+    features = datasets.Features({names[key]: datasets.Value(kind) for key, kind in _FEATURES.items()})
+    extra = datasets.Dataset.from_dict({names[key]: [r[key] for r in records] for key in _FEATURES},
+                                       features=features)
+    if dataset._indices is not None:
+        dataset = dataset.flatten_indices()
+    if len(dataset) == 0:  # concatenate_datasets(axis=1) drops the new columns of 0-row datasets
+        return datasets.Dataset.from_dict({name: [] for name in [*dataset.column_names, *features]},
+                                          features=datasets.Features({**dataset.features, **features}))
+    return datasets.concatenate_datasets([dataset, extra], axis=1)
+
+
+def _output_columns(output_column: str) -> dict[str, str]:
+    """record field -> its output column"""
+    return {"text": output_column, **{s: f"{output_column}_{s}" for s in _SUFFIXES}}
+
+
+def _check_columns(dataset: Any, prompt_column: str, output_column: str, messages_column: str | None,
+                   params_column: str | None) -> None:
+    names = dataset.column_names
+    source = messages_column or prompt_column
+    if source not in names:
+        what = "messages_column" if messages_column else "prompt_column"
+        raise ValueError(f"{what}={source!r} is not a column of the dataset; columns: {names}")
+    if params_column is not None and params_column not in names:
+        raise ValueError(f"params_column={params_column!r} is not a column of the dataset; columns: {names}")
+    clash = [c for c in _output_columns(output_column).values() if c in names]
+    if clash:
+        raise ValueError(f"output_column={output_column!r}: the dataset already has column(s) {clash}; "
+                         "choose another output_column")
+
+
+def _distributed() -> tuple[int, int, Any]:
+    """(rank, world size, accelerate PartialState) of this process.
+
+    Without CUDA, PartialState must be told ``cpu=True`` to see a multi-process CPU launch
+    (torchrun, or ``accelerate launch --multi_gpu`` on a CPU machine); it then uses gloo.
+    """
+    from accelerate import PartialState
+    from accelerate.utils import parse_flag_from_env
+
+    state = PartialState(cpu=not torch.cuda.is_available() or parse_flag_from_env("ACCELERATE_USE_CPU"))
+    return state.process_index, state.num_processes, state
+
+
+# ---- progress ------------------------------------------------------------------------------------
+
+class _Progress:
+    """tqdm bar over rows, with output tok/s, running/waiting, KV use and prefix-hit rate."""
+
+    def __init__(self, total: int, initial: int, engine: Any, desc: str) -> None:
+        from tqdm.auto import tqdm
+
+        self.bar = tqdm(total=total, initial=initial, desc=desc, unit="row", dynamic_ncols=True)
+        self.engine = engine
+        s = engine.stats()
+        self.hit0, self.prompt0 = s["prefix_hit_tokens"], s["prompt_tokens"]
+        self.start = self.last = time.perf_counter()
+        self.tokens = 0
+
+    def update(self, rows: int, tokens: int) -> None:
+        self.tokens += tokens
+        if rows:
+            self.bar.update(rows)
+        now = time.perf_counter()
+        if now - self.last < 0.5:
+            return
+        self.last = now
+        s, sched = self.engine.stats(), self.engine.scheduler
+        prompt = s["prompt_tokens"] - self.prompt0
+        hit = (s["prefix_hit_tokens"] - self.hit0) / prompt if prompt else 0.0
+        self.bar.set_postfix({"tok/s": f"{self.tokens / (now - self.start):.0f}",
+                              "run": len(sched.running), "wait": len(sched.waiting),
+                              "kv": f"{s['blocks_used'] / s['num_blocks']:.0%}", "prefix_hit": f"{hit:.0%}"},
+                             refresh=False)
+
+    def close(self) -> None:
+        self.last = 0.0
+        self.update(0, 0)  # the final numbers, not the last half-second's
+        self.bar.close()

@@ -1,0 +1,502 @@
+"""Can paged_hf run this model? Decided from the model itself, not from its name.
+
+``check(model)`` returns a ``Capability`` (the per-layer KV layout the engine sizes its cache
+from, the configs whose attention implementation must stay "paged_hf", the placeholder token ids
+of media inputs) or raises ``UnsupportedModelError`` naming the module and the reason.
+
+What the paged engine relies on, and how each is checked:
+
+1. Only attention mixes tokens, and it keeps no state but K and V. Refused: ``config.layer_types``
+   naming anything but full / sliding / chunked attention (mamba, linear attention, convolution,
+   sparse indexers), and modules that ran in the text forward and keep recurrent or convolution
+   state (``nn.Conv1d`` / RNN modules, Mamba / SSM / RWKV / linear-attention classes).
+2. Every attention layer goes through transformers' ``AttentionInterface``, once per forward, with
+   its own ``layer_idx``. Checked by one probe forward of a few tokens with a recording attention
+   function: modules named ``*Attention`` that ran without calling it compute attention themselves
+   (bloom, falcon, mpt, ...); a module called twice attends twice (differential attention, looped
+   blocks); a call without ``layer_idx`` is no per-layer KV attention.
+3. Each layer's geometry and variant are known: the probe reads the K / V shapes each layer really
+   writes (per-layer heads and widths, MLA's different K and V widths), the keywords it passes
+   (``s_aux`` sinks, ``softcap``, ``scaling``, ``sliding_window``; any other keyword is refused,
+   as it may carry meaning the paged kernels would drop), and the mask transformers builds for it,
+   which is evaluated far past the probe's length to find a sliding window or a chunk (so the
+   verdict follows config values: qwen2_moe slides only with ``use_sliding_window``). A mask that
+   is not causal (bidirectional prefixes, encoder models), or one the module builds itself, is
+   refused.
+4. Positions come from ``position_ids``: a second probe forward with shifted ``position_ids`` must
+   change some layer's queries or keys (models that compute positions from the cache position,
+   like BART's decoder, would put every packed sequence after the one before it).
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import re
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface, sdpa_mask
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from ..execution.kv_geometry import KVLayout, LayerSpec
+from ..execution.runner import max_positions
+from ..patches import family_for
+
+PROBE = "paged_hf_probe"
+PROBE_TOKENS = 6
+POSITION_SHIFT = 3
+
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+# keywords an attention layer may pass: honoured by the paged kernels, or inert at inference
+HONOURED_KWARGS = ("scaling", "sliding_window", "softcap", "s_aux", "dropout")
+INERT_KWARGS = ("position_ids", "use_cache", "output_attentions", "output_router_logits", "output_hidden_states",
+                "return_dict", "cache_position", "is_causal", "layer_idx", "logits_to_keep")
+# modules that keep state across tokens outside the KV cache, matched on the words of their class
+# names (GptOssModel is not an "ssm"): single words, and pairs of consecutive words
+RECURRENT_WORDS = ("mamba", "ssm", "rwkv", "recurrent", "rglru", "lstm", "xlstm", "mlstm", "slstm", "retention",
+                   "hyena", "lightning")
+RECURRENT_PAIRS = (("linear", "attention"), ("gated", "delta"), ("delta", "net"), ("short", "conv"),
+                   ("short", "convolution"), ("linear", "attn"), ("delta", "attention"))
+RECURRENT_MODULES = (torch.nn.Conv1d, torch.nn.RNNBase)
+MEDIA_PLACEHOLDERS = ("image_token_id", "image_token_index", "video_token_id", "video_token_index",
+                      "audio_token_id", "audio_token_index")
+
+
+class UnsupportedModelError(ValueError):
+    """``paged_hf.patch`` cannot run this model correctly; the message says which module and why."""
+
+
+@dataclass(frozen=True)
+class Capability:
+    layout: KVLayout
+    # configs the attention modules read their implementation from (all must say "paged_hf")
+    attention_configs: tuple = ()
+    # token ids that stand for image / video / audio inputs (refused in text prompts)
+    media_token_ids: frozenset[int] = frozenset()
+    # engine options the paged path is exact only up to: {EngineConfig field: (largest value, why)}
+    limits: dict = field(default_factory=dict)
+
+
+def check(model: torch.nn.Module) -> Capability:
+    """The model's ``Capability``, or ``UnsupportedModelError`` naming the module and the reason."""
+    if not isinstance(model, torch.nn.Module) or not hasattr(model, "config") \
+            or not hasattr(model.config, "model_type"):
+        raise TypeError(f"paged_hf.patch expects a transformers PreTrainedModel, got {type(model).__name__}")
+    if model.training:
+        raise ValueError("paged_hf.patch: the model is in training mode; call model.eval() first "
+                         "(the engine runs inference only; plain forward/training still work after patch)")
+    what = f"{model.config.model_type} ({type(model).__name__})"
+    _check_config(model, what)
+    first, shifted, unpositioned = _probe(model, what)
+    _check_ran_modules(model, first, what)
+    layout, configs = _layout(model, first, what)
+    _check_positions(first, shifted, unpositioned, what)
+    family = family_for(model.config.model_type)  # per-family quirks the probes cannot see
+    reason = family.check(model) if family is not None and hasattr(family, "check") else None
+    if reason:
+        raise refuse(what, f"patches/{family.__name__.rsplit('.', 1)[-1]}.py", reason)
+    limits = _rope_limits(model)
+    if family is not None and hasattr(family, "limits"):
+        for option, (value, why) in family.limits(model).items():
+            if option not in limits or value < limits[option][0]:
+                limits[option] = (value, why)
+    return Capability(layout, tuple(configs), _media_token_ids(model), limits)
+
+
+def refuse(what: str, where: str, reason: str) -> UnsupportedModelError:
+    return UnsupportedModelError(f"paged_hf cannot run {what}: {where}: {reason}")
+
+
+# ---- 1. the config -------------------------------------------------------------------------------
+def text_config(model: torch.nn.Module) -> Any:
+    cfg = model.config
+    return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+
+
+def _check_config(model: torch.nn.Module, what: str) -> None:
+    cfg, text = model.config, text_config(model)
+    if getattr(cfg, "is_encoder_decoder", False):
+        raise refuse(what, "config.is_encoder_decoder", "an encoder-decoder model; paged_hf runs decoder-only "
+                     "causal LMs")
+    for c in {id(cfg): cfg, id(text): text}.values():
+        if getattr(c, "is_causal", True) is False:
+            raise refuse(what, "config.is_causal=False", "its attention is bidirectional; paged attention is causal")
+    layer_types = getattr(text, "layer_types", None) or []
+    for kind in dict.fromkeys(layer_types):
+        if kind in ATTENTION_LAYER_TYPES:
+            continue
+        layers = [i for i, k in enumerate(layer_types) if k == kind]
+        where = f"config.layer_types ({len(layers)} {kind!r} layer(s), e.g. layer {layers[0]})"
+        low = kind.lower()
+        if "index" in low or "sparse" in low or "compress" in low:
+            reason = ("sparse attention: an indexer chooses the keys each query reads (from the attention mask "
+                      "or its own scores), which paged attention does not do")
+        elif low in ("mlp", "moe"):
+            continue  # layers without attention (nemotron_h); whatever else they hold is checked below
+        else:
+            reason = ("recurrent / linear-attention / convolution layers keep state that paged_hf does not page "
+                      "(hybrid models are a later step)")
+        raise refuse(what, where, reason)
+
+
+# ---- 2. the probe forward ------------------------------------------------------------------------
+@dataclass
+class _Call:
+    module: torch.nn.Module
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    mask: Any
+    kwargs: dict
+
+
+@dataclass
+class _Probe:
+    calls: list[_Call] = field(default_factory=list)
+    masks: dict[int, tuple[torch.Tensor, Any, bool]] = field(default_factory=dict)  # id(mask) -> (mask, fn, vmap)
+    ran: list[torch.nn.Module] = field(default_factory=list)
+
+
+_recorder: contextvars.ContextVar[_Probe | None] = contextvars.ContextVar("paged_hf_probe", default=None)
+
+
+def _probe_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: Any, scaling: float | None = None, dropout: float = 0.0,
+                     **kwargs: Any) -> tuple[torch.Tensor, None]:
+    probe = _recorder.get()
+    if probe is None:
+        raise RuntimeError("paged_hf's probe attention ran outside a capability check")
+    probe.calls.append(_Call(module, query.detach().clone(), key.detach().clone(), value.detach().clone(),
+                             attention_mask, dict(kwargs, scaling=scaling, dropout=dropout)))
+    # a plausible output of the right shape, so the forward goes on (its numbers are not checked)
+    mask = attention_mask if isinstance(attention_mask, torch.Tensor) and attention_mask.dtype == torch.bool else None
+    hq, hkv = query.shape[1], key.shape[1]
+    if hkv == 0 or hq % hkv:
+        out = query.new_zeros(query.shape[0], hq, query.shape[2], value.shape[-1])
+    else:
+        if mask is not None and mask.shape[-1] != key.shape[2]:
+            mask = None
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query, key.to(query.dtype), value.to(query.dtype), attn_mask=mask, is_causal=False,
+            scale=scaling, enable_gqa=hq != hkv)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _probe_mask(*args: Any, **kwargs: Any) -> torch.Tensor:
+    probe = _recorder.get()
+    kw = dict(kwargs, allow_is_causal_skip=False, allow_is_bidirectional_skip=False)
+    mask = sdpa_mask(*args, **kw)
+    if probe is not None:
+        probe.masks[id(mask)] = (mask, kwargs.get("mask_function"), bool(kwargs.get("use_vmap", False)))
+    return mask
+
+
+def _register_probe() -> None:
+    if PROBE not in ALL_ATTENTION_FUNCTIONS:
+        AttentionInterface.register(PROBE, _probe_attention)
+    if PROBE not in ALL_MASK_ATTENTION_FUNCTIONS:
+        AttentionMaskInterface.register(PROBE, _probe_mask)
+
+
+def configs_of(model: torch.nn.Module) -> list[Any]:
+    """The model's config and every sub-config any module carries (each once)."""
+    seen, out = set(), []
+    for cfg in [model.config] + [m.config for m in model.modules() if hasattr(m, "config")]:
+        if id(cfg) not in seen:
+            seen.add(id(cfg))
+            out.append(cfg)
+    return out
+
+
+@contextlib.contextmanager
+def _implementation(model: torch.nn.Module, name: str) -> Iterator[None]:
+    """Select ``name`` for the model, then put back every config's implementation exactly as it was."""
+    from transformers.utils import logging as hf_logging
+
+    saved = [(cfg, cfg.__dict__.get("_attn_implementation_internal")) for cfg in configs_of(model)]
+    verbosity = hf_logging.get_verbosity()
+    try:
+        hf_logging.set_verbosity_error()  # a model that cannot switch says so; the probe finds out and says why
+        try:
+            model.set_attn_implementation(name)
+        finally:
+            hf_logging.set_verbosity(verbosity)
+        yield
+    finally:
+        for cfg, impl in saved:
+            cfg._attn_implementation_internal = impl
+
+
+def probe_token_ids(model: torch.nn.Module, n: int) -> list[int]:
+    """``n`` ordinary token ids: mid-vocabulary, away from special and media placeholder ids."""
+    text = text_config(model)
+    vocab = int(getattr(text, "vocab_size", None) or getattr(model.config, "vocab_size", 0) or 0)
+    avoid = set(_media_token_ids(model))
+    for c in (model.config, text):
+        for k, v in c.to_dict().items():
+            if k.endswith(("_token_id", "_token_index")) and isinstance(v, int):
+                avoid.add(v)
+    ids, t = [], max(vocab // 2, 1)
+    while len(ids) < n and t < vocab + n:
+        if t not in avoid and t < vocab:
+            ids.append(t)
+        t += 7 if vocab > 64 else 1
+    return (ids + list(range(1, n + 1)))[:n] if vocab else list(range(1, n + 1))
+
+
+def _probe(model: torch.nn.Module, what: str) -> tuple[_Probe, _Probe, _Probe]:
+    """Three forwards of the same tokens through the recording attention function: position_ids
+    0..n-1 (as the engine passes them), shifted by POSITION_SHIFT, and none (the model's own)."""
+    _register_probe()
+    device = next(model.parameters()).device
+    ids = torch.tensor([probe_token_ids(model, PROBE_TOKENS)], device=device)
+    runs = []
+    with _implementation(model, PROBE), torch.inference_mode():
+        for shift in (0, POSITION_SHIFT, None):
+            probe = _Probe()
+            hooks = [m.register_forward_pre_hook(lambda mod, _args, p=probe: p.ran.append(mod))
+                     for m in model.modules()]
+            token = _recorder.set(probe)
+            try:
+                pos = None if shift is None else torch.arange(shift, shift + ids.shape[1], device=device)[None]
+                model(input_ids=ids, position_ids=pos, use_cache=False)
+            except Exception as e:  # noqa: BLE001 - the model cannot run the way the engine runs it
+                raise refuse(what, "its forward", f"a forward of {ids.shape[1]} tokens with position_ids [1, T] and "
+                             f"use_cache=False (how the engine calls it) failed: {type(e).__name__}: {e}") from e
+            finally:
+                _recorder.reset(token)
+                for h in hooks:
+                    h.remove()
+            runs.append(probe)
+    return runs[0], runs[1], runs[2]
+
+
+# ---- 3. modules that ran -------------------------------------------------------------------------
+def _names(model: torch.nn.Module) -> dict[int, str]:
+    return {id(m): (name or "<model>") for name, m in model.named_modules()}
+
+
+def _check_ran_modules(model: torch.nn.Module, probe: _Probe, what: str) -> None:
+    names = _names(model)
+    ran = list({id(m): m for m in probe.ran}.values())
+    stateful = [m for m in ran if isinstance(m, RECURRENT_MODULES) or _recurrent_name(type(m).__name__)]
+    if stateful:  # name the innermost such module: the mixer, not the model around it
+        m = max(stateful, key=lambda mod: names.get(id(mod), "").count(".") + (names.get(id(mod)) != "<model>"))
+        raise refuse(what, f"{names.get(id(m), '?')} ({type(m).__name__})",
+                     "keeps recurrent / convolution state across tokens that paged_hf does not page "
+                     "(hybrid models are a later step)")
+    if not probe.calls:
+        attn = [m for m in ran if "attention" in type(m).__name__.lower()]
+        where = f"{names.get(id(attn[0]), '?')} ({type(attn[0]).__name__})" if attn else "its attention"
+        raise refuse(what, where, "computes attention itself and never calls transformers' AttentionInterface "
+                     "(ALL_ATTENTION_FUNCTIONS), so paged_hf cannot page its KV")
+    callers = {id(c.module) for c in probe.calls}
+    parents = _parents(model)
+    for m in ran:
+        if "attention" not in type(m).__name__.lower() or id(m) in callers:
+            continue
+        if any(id(d) in callers for d in m.modules()):
+            continue  # a wrapper whose child attends (BertAttention around BertSelfAttention)
+        if any(id(p) in callers for p in parents.get(id(m), [])):
+            continue  # a helper inside an attending module
+        raise refuse(what, f"{names.get(id(m), '?')} ({type(m).__name__})",
+                     "computes attention itself instead of calling transformers' AttentionInterface, so paged_hf "
+                     "cannot page its KV")
+
+
+def _recurrent_name(class_name: str) -> bool:
+    words = [w.lower() for w in re.findall(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|\d+", class_name)]
+    return any(w in RECURRENT_WORDS for w in words) or any(pair in RECURRENT_PAIRS for pair in zip(words, words[1:]))
+
+
+def _parents(model: torch.nn.Module) -> dict[int, list[torch.nn.Module]]:
+    out: dict[int, list[torch.nn.Module]] = {}
+
+    def walk(m: torch.nn.Module, chain: list[torch.nn.Module]) -> None:
+        for child in m.children():
+            out.setdefault(id(child), []).extend(chain + [m])
+            walk(child, chain + [m])
+
+    walk(model, [])
+    return out
+
+
+# ---- 4. per-layer geometry -----------------------------------------------------------------------
+def _layout(model: torch.nn.Module, probe: _Probe, what: str) -> tuple[KVLayout, list[Any]]:
+    names = _names(model)
+    n = PROBE_TOKENS
+    max_pos = max_positions(model)[1] or (1 << 17)
+    by_layer: dict[int, LayerSpec] = {}
+    seen_modules: dict[int, int] = {}
+    configs: dict[int, Any] = {}
+    windows_cache: dict[int, tuple[int | None, int | None]] = {}
+    for call in probe.calls:
+        m = call.module
+        where = f"{names.get(id(m), '?')} ({type(m).__name__})"
+        layer_idx = getattr(m, "layer_idx", None)
+        if not isinstance(layer_idx, int) or isinstance(layer_idx, bool):
+            raise refuse(what, where, "calls attention without a layer_idx: it is not a per-layer attention over "
+                         "the sequence's tokens (e.g. attention over earlier layers' outputs)")
+        if id(m) in seen_modules:
+            raise refuse(what, where, "attends more than once per forward (a second attention map, or a block "
+                         "reused across layers); each call would need its own KV")
+        seen_modules[id(m)] = layer_idx
+        if layer_idx in by_layer:
+            raise refuse(what, where, f"has the layer_idx ({layer_idx}) of another attention module (a block shared "
+                         "across layers, or stacks that number their layers alike); their KV would overwrite each other")
+        unknown = sorted(k for k, v in call.kwargs.items()
+                         if k not in HONOURED_KWARGS + INERT_KWARGS and v is not None)
+        if unknown:
+            raise refuse(what, where, f"passes {unknown} to its attention function, which paged attention does not "
+                         "apply (e.g. a position bias)")
+        if call.kwargs.get("is_causal") is False or getattr(m, "is_causal", True) is False:
+            raise refuse(what, where, "is not causal (is_causal=False): bidirectional attention cannot be paged")
+        q, k, v = call.query, call.key, call.value
+        if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or q.shape[0] != 1:
+            raise refuse(what, where, f"passes query/key/value of shapes {tuple(q.shape)}, {tuple(k.shape)}, "
+                         f"{tuple(v.shape)}; paged attention takes [1, heads, tokens, head_dim]")
+        if q.shape[2] != n or k.shape[2] != n or v.shape[2] != n:
+            raise refuse(what, where, f"attends {k.shape[2]} keys for {q.shape[2]} queries of a {n}-token input "
+                         "(cross-attention or extra memory tokens)")
+        hq, hkv, dq, dk, dv = q.shape[1], k.shape[1], q.shape[3], k.shape[3], v.shape[3]
+        if v.shape[1] != hkv or dq != dk or hkv < 1 or hq % hkv:
+            raise refuse(what, where, f"query/key/value heads {hq}/{hkv}/{v.shape[1]} and widths {dq}/{dk}/{dv} "
+                         "do not form (grouped-query) attention")
+        sinks = call.kwargs.get("s_aux")
+        if sinks is not None and (not isinstance(sinks, torch.Tensor) or sinks.numel() != hq):
+            raise refuse(what, where, f"passes attention sinks (s_aux) of shape {getattr(sinks, 'shape', None)}; "
+                         f"paged attention takes one sink logit per query head ({hq})")
+        window, chunk = _mask_pattern(probe, call, where, what, max_pos, windows_cache)
+        kw_window = call.kwargs.get("sliding_window")
+        if kw_window is not None and window is not None and int(kw_window) != window:
+            raise refuse(what, where, f"passes sliding_window={kw_window} but transformers masks it with a window of "
+                         f"{window}; the two disagree")
+        if kw_window is not None and window is None and chunk is None and 0 < int(kw_window) < max_pos:
+            raise refuse(what, where, f"passes sliding_window={kw_window} but its mask has no window; the two "
+                         "disagree")
+        by_layer[layer_idx] = LayerSpec(q_heads=hq, kv_heads=hkv, k_dim=dk, v_dim=dv, window=window, chunk=chunk,
+                                        sinks=sinks is not None)
+        cfg = getattr(m, "config", None)
+        if cfg is not None:
+            configs[id(cfg)] = cfg
+    if sorted(by_layer) != list(range(len(by_layer))):
+        raise refuse(what, "its attention layers", f"layer_idx values {sorted(by_layer)} are not 0..{len(by_layer) - 1}")
+    return KVLayout(tuple(by_layer[i] for i in range(len(by_layer)))), list(configs.values())
+
+
+def _mask_pattern(probe: _Probe, call: _Call, where: str, what: str, max_pos: int,
+                  cache: dict[int, tuple[int | None, int | None]]) -> tuple[int | None, int | None]:
+    """(window, chunk) of the mask transformers built for this call, evaluated up to ``max_pos``."""
+    mask = call.mask
+    if mask is None:
+        return None, None  # no mask: the attention function's own causal masking (module.is_causal is True)
+    entry = probe.masks.get(id(mask)) if isinstance(mask, torch.Tensor) else None
+    if entry is None:
+        raise refuse(what, where, "passes an attention mask or bias it builds itself (not one of transformers' mask "
+                     "functions), which paged attention would drop")
+    if id(mask) not in cache:
+        cache[id(mask)] = _classify(entry[1], entry[2], max_pos, what, where)
+    return cache[id(mask)]
+
+
+def _query_positions(max_pos: int) -> list[int]:
+    qs = set(range(0, 18))
+    p = 16
+    while p < max_pos:
+        qs.update((p - 1, p, p + 1, p + p // 2))
+        p *= 2
+    qs.add(max_pos - 1)
+    return sorted(q for q in qs if 0 <= q < max_pos)
+
+
+def _classify(mask_function: Any, use_vmap: bool, max_pos: int, what: str, where: str
+              ) -> tuple[int | None, int | None]:
+    """Read a mask function's pattern: full causal, a sliding window, or chunks; refuse anything else."""
+    lows: dict[int, int] = {}
+    for q in _query_positions(max_pos):
+        try:
+            row = sdpa_mask(batch_size=1, q_length=1, kv_length=q + 3, q_offset=q, kv_offset=0,
+                            mask_function=mask_function, attention_mask=None, allow_is_causal_skip=False,
+                            use_vmap=use_vmap)
+        except Exception as e:  # noqa: BLE001
+            raise refuse(what, where, "its attention mask depends on per-token inputs (a multimodal overlay of token "
+                         "types or blocks), so its window cannot be read past the probe "
+                         f"({type(e).__name__}: {e})") from e
+        seen = row.reshape(-1).nonzero().flatten().tolist()
+        if not seen or seen[-1] != q:
+            raise refuse(what, where, f"its mask {'lets query ' + str(q) + ' see later keys' if seen and seen[-1] > q else 'hides a query from itself'}"
+                         ": not causal attention (a bidirectional prefix or an encoder)")
+        if seen != list(range(seen[0], q + 1)):
+            raise refuse(what, where, f"its mask for query {q} is not a contiguous run of keys (a custom pattern)")
+        lows[q] = seen[0]
+    if all(lo == 0 for lo in lows.values()):
+        return None, None
+    widths = {q - lo + 1 for q, lo in lows.items() if lo > 0}
+    if len(widths) == 1:
+        w = widths.pop()
+        if all(lo == max(0, q - w + 1) for q, lo in lows.items()):
+            return w, None
+    c = min(lo for lo in lows.values() if lo > 0)
+    if all(lo == (q // c) * c for q, lo in lows.items()):
+        return None, c
+    raise refuse(what, where, "its mask is causal but neither full, a sliding window nor chunked")
+
+
+# ---- 5. positions --------------------------------------------------------------------------------
+def _check_positions(first: _Probe, shifted: _Probe, unpositioned: _Probe, what: str) -> None:
+    """The engine gives each packed sequence position_ids 0..n-1: they must reach the attention
+    inputs, and mean what the model's own positions mean."""
+    if not len(first.calls) == len(shifted.calls) == len(unpositioned.calls):
+        raise refuse(what, "its forward", "runs a different number of attention calls when position_ids change")
+    if all(torch.equal(a.query, b.query) and torch.equal(a.key, b.key) for a, b in zip(first.calls, shifted.calls)):
+        raise refuse(what, "its positions", "no layer's queries or keys change with position_ids: it computes "
+                     "positions itself (e.g. from the cache position), which would place each packed sequence after "
+                     "the previous")
+    for a, b in zip(first.calls, unpositioned.calls):
+        if not (_close(a.query, b.query) and _close(a.key, b.key)):
+            raise refuse(what, "its positions", "position_ids 0..n-1 give other queries / keys than the model's own "
+                         "positions (e.g. RoBERTa's start after the padding index), so the engine cannot name them")
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.shape != b.shape:
+        return False
+    if torch.equal(a, b):
+        return True
+    tol = 1e-5 if a.dtype == torch.float32 else 1e-2
+    return torch.allclose(a.float(), b.float(), rtol=tol, atol=tol * float(a.float().abs().max().clamp(min=1)))
+
+
+# RoPE scalings whose frequencies follow the longest sequence in the forward (torch.max(position_ids)):
+# in a packed step one long sequence would switch every other sequence's frequencies too
+BATCH_WIDE_ROPE = ("dynamic", "longrope")
+
+
+def _rope_limits(model: torch.nn.Module) -> dict[str, tuple[int, str]]:
+    text = text_config(model)
+    rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
+    params = list(rope.values()) if rope and all(isinstance(v, dict) for v in rope.values()) else [rope]
+    limits: dict[str, tuple[int, str]] = {}
+    for p in params:
+        kind = (p or {}).get("rope_type") or (p or {}).get("type")
+        if kind not in BATCH_WIDE_ROPE:
+            continue
+        original = (p.get("original_max_position_embeddings") or getattr(text, "original_max_position_embeddings", None)
+                    or getattr(text, "max_position_embeddings", None))
+        if original:
+            limits["max_model_len"] = (int(original), f"its {kind!r} RoPE scaling switches the frequencies of every "
+                                       "sequence in a forward once the longest passes original_max_position_embeddings "
+                                       f"({original}); a packed step mixes sequences, so paged_hf stays below it")
+    return limits
+
+
+def _media_token_ids(model: torch.nn.Module) -> frozenset[int]:
+    ids = set()
+    for c in (model.config, text_config(model)):
+        for name in MEDIA_PLACEHOLDERS:
+            v = getattr(c, name, None)
+            if isinstance(v, int) and not isinstance(v, bool):
+                ids.add(v)
+    return frozenset(ids)

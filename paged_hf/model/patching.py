@@ -1,0 +1,122 @@
+"""patch / unpatch: switch a loaded transformers model to paged attention and the engine's
+``generate``, and back.
+
+    >>> model = paged_hf.patch(model, max_num_seqs=64)
+    >>> model.generate(input_ids, attention_mask=mask, max_new_tokens=32)  # same API, continuous batching
+    >>> paged_hf.unpatch(model)                                            # exactly as before
+
+This is the model side: it decides whether the model can run (paged_hf/model/capability.py, with the
+per-family quirks in patches/), selects the paged attention implementation and leaves a
+``PatchState`` (paged_hf/engine/binding.py) for the engine to read. It builds engines; engines never
+import it.
+"""
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import torch
+
+from ..config import EngineConfig
+from ..engine.binding import STATE_ATTR, PatchState, patch_state
+from ..engine.engine import Engine as _EngineCore
+from ..execution import attention
+from . import capability
+from .hf_generate import paged_generate
+
+UnsupportedModelError = capability.UnsupportedModelError
+
+
+def ensure_attention_patched(model: torch.nn.Module) -> PatchState:
+    """Check the model and select the paged attention implementation (idempotent); ``generate``
+    is left alone. Raises ``UnsupportedModelError`` naming the module and the reason."""
+    state = patch_state(model)
+    if state is not None:
+        return state
+    cap = capability.check(model)
+    attention.register()
+    original = model.config._attn_implementation
+    configs = capability.configs_of(model)
+    saved = [(cfg, cfg.__dict__.get("_attn_implementation_internal")) for cfg in configs]
+    for cfg in configs:
+        attention.set_fallback(cfg, cfg._attn_implementation or original)
+    model.set_attn_implementation(attention.NAME)
+    stuck = [cfg for cfg in cap.attention_configs if cfg._attn_implementation != attention.NAME]
+    if stuck:  # a sub-model that refused the switch: put everything back and say so
+        _restore(model, original, saved)
+        raise capability.UnsupportedModelError(
+            f"paged_hf cannot run {model.config.model_type}: the attention implementation of its "
+            f"{type(stuck[0]).__name__} could not be switched to {attention.NAME!r}")
+    state = PatchState(original_attn=original, layout=cap.layout, saved_implementations=saved,
+                       attention_configs=cap.attention_configs, media_token_ids=cap.media_token_ids,
+                       limits=dict(cap.limits))
+    # engine_for / the patched generate build their engine from the options patch() stores
+    state.engine_factory = lambda: Engine(model, state.tokenizer, **state.config)
+    setattr(model, STATE_ATTR, state)
+    return state
+
+
+def patch(model: torch.nn.Module, tokenizer: Any = None, **config: Any) -> torch.nn.Module:
+    """Turn a transformers causal LM into a continuous-batching generator; returns the model.
+
+    ``config`` takes the fields of ``paged_hf.EngineConfig`` (block_size, num_blocks or
+    kv_cache_memory, max_num_seqs, max_num_batched_tokens, enable_prefix_caching, backend, ...).
+    The KV cache is allocated on the first ``generate``. A model paged_hf cannot run correctly
+    is refused here with ``UnsupportedModelError`` (a ValueError) naming the module and why.
+    """
+    EngineConfig.from_kwargs(**config)  # fail now on a bad option, not at first generate
+    state = ensure_attention_patched(model)
+    state.config = dict(config)
+    state.engine = None
+    state.tokenizer = tokenizer
+    model.generate = types.MethodType(paged_generate, model)
+    return model
+
+
+def unpatch(model: torch.nn.Module) -> torch.nn.Module:
+    """Restore the original attention implementation and ``generate``; frees the KV cache."""
+    state = patch_state(model)
+    if state is None:
+        raise ValueError("unpatch: this model was not patched by paged_hf")
+    busy = [e for e in list(state.engines) if e.is_busy]
+    if busy:
+        raise RuntimeError(f"unpatch: {len(busy)} paged_hf engine(s) still run on this model (unfinished requests, "
+                           "or a background engine from paged_hf.frontends.serve); let them finish or shut the background "
+                           "engine down first")
+    _restore(model, state.original_attn, state.saved_implementations)
+    model.__dict__.pop("generate", None)
+    delattr(model, STATE_ATTR)
+    return model
+
+
+def _restore(model: torch.nn.Module, original: str, saved: list) -> None:
+    """Every config's attention implementation exactly as it was before patch; no fallbacks left."""
+    model.set_attn_implementation(original)
+    for cfg, impl in saved:
+        cfg._attn_implementation_internal = impl
+    for cfg in capability.configs_of(model):
+        attention.set_fallback(cfg, None)
+    for cfg, _ in saved:
+        attention.set_fallback(cfg, None)
+
+
+def is_patched(model: torch.nn.Module) -> bool:
+    return patch_state(model) is not None
+
+
+class Engine(_EngineCore):
+    """``paged_hf.Engine(model, tokenizer, **options)``: the engine (paged_hf/engine/engine.py) over a
+    model, which is checked and switched to paged attention first if it was not patched yet."""
+
+    def __init__(self, model: torch.nn.Module, tokenizer: Any = None, **config: Any) -> None:
+        EngineConfig.from_kwargs(**config)  # a bad option fails before the model is touched
+        ensure_attention_patched(model)
+        super().__init__(model, tokenizer, **config)
+
+
+def engine_for(model: torch.nn.Module) -> Engine:
+    """The engine behind a patched model's ``generate`` (created on first use)."""
+    state = patch_state(model)
+    if state is None:
+        raise ValueError("this model is not patched; call paged_hf.patch(model) first")
+    return state.get_engine()

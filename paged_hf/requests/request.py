@@ -1,0 +1,170 @@
+"""One request's state: its tokens, sampling params, progress, blocks and timestamps.
+
+The request never decides what runs; the scheduler reads and updates it.
+"""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from .sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
+
+    from .detokenizer import StopStrings
+
+
+# Ids the engine makes start with this; a caller's id may not, so the two never collide: the
+# engine's own ids ("paged_hf:<n>") and the ids of samples 1..n-1 of an n > 1 request
+# ("paged_hf:<root id>#<k>") are unlike any id a caller can choose.
+AUTO_ID_PREFIX = "paged_hf:"
+
+
+def sample_request_id(root_id: str, k: int) -> str:
+    """The id of sample ``k`` (1..n-1) of request ``root_id`` (sample 0 is the root itself)."""
+    return f"{AUTO_ID_PREFIX}{root_id}#{k}"
+
+
+def root_request_id(request_id: str) -> str:
+    """The id of the request a sample's id belongs to (``request_id`` itself for a root)."""
+    if request_id.startswith(AUTO_ID_PREFIX) and "#" in request_id:
+        return request_id[len(AUTO_ID_PREFIX):].rsplit("#", 1)[0]
+    return request_id
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"      # EOS or a stop token
+    LENGTH = "length"  # max_new_tokens or max_model_len
+    ABORT = "abort"    # cancelled by the caller
+    ERROR = "error"    # failed inside a step (its sampling, callback, or the step's forward); see Request.error
+
+
+@dataclass(eq=False)  # identity semantics: requests are dict keys and list members
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: frozenset[int] = frozenset()
+    max_model_len: int = 1 << 62
+    arrival_time: float = field(default_factory=time.perf_counter)
+    sample_index: int = 0            # which of the parent's n samples this is
+    parent: "Request | None" = None  # set on forked samples 1..n-1
+    children: "list[Request]" = field(default_factory=list)  # on the root: samples 1..n-1, once forked
+
+    token_ids: list[int] = field(init=False)  # prompt followed by outputs
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    num_computed_tokens: int = 0  # tokens whose KV is in the cache
+    num_cached_tokens: int = 0    # of the prompt, served from the prefix cache at first admission
+    block_table: list[int] = field(default_factory=list)
+    prefix_node: Any = None  # deepest locked prefix-index node (the block manager's handle; opaque here)
+    num_tree_blocks: int = 0           # leading blocks of block_table that the prefix index holds
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    admitted_once: bool = False
+    forked: bool = False  # for n > 1: the siblings have been created
+    swapped_tokens: int = 0  # KV tokens waiting in host memory (swap preemption)
+    swap_handle: Any = None  # the backend's host copy of that KV
+    logprobs: list = field(default_factory=list)
+    generator: "torch.Generator | None" = None
+    error: str | None = None  # why it finished with FinishReason.ERROR
+    cache_namespace: Any = None  # prefix-cache namespace it was admitted under (the weights' generation)
+    stop_strings: "StopStrings | None" = None  # matches params.stop in the output as it grows
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+    # Scoring: the logprob of token score_targets[i] comes from the logits of position
+    # score_start + i (prompt_logprobs: the prompt's own tokens 1.. from positions 0..; a scoring
+    # request: its continuation). Positions served from the prefix cache have no logits, so the
+    # cache may serve only positions before the next one still to score (prefix_limit).
+    score_targets: list[int] | None = None
+    score_start: int = 0
+    scored: list = field(default_factory=list)  # per target so far: (logprob, is greedy, top-k dict or None)
+    prefill_only: bool = False  # a scoring request: computes its prompt's logits and finishes, samples nothing
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_ids):]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_ids)
+
+    @property
+    def num_pending_tokens(self) -> int:
+        """Tokens whose KV still has to be computed before the next sample."""
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    @property
+    def samples(self) -> "list[Request]":
+        """The root and its forked samples, in sample order."""
+        return [self] + self.children
+
+    @property
+    def group_finished(self) -> bool:
+        """Every sample of this root is finished (a root that ended before forking has only itself)."""
+        return all(r.is_finished for r in self.samples)
+
+    @property
+    def prefix_limit(self) -> int:
+        """How many leading tokens the prefix cache may serve at admission: all but the last (its
+        logits give the next sample), and none from the next position still to be scored."""
+        limit = self.num_tokens - 1
+        if self.score_targets is not None and len(self.scored) < len(self.score_targets):
+            limit = min(limit, self.score_start + len(self.scored))
+        return limit
+
+    def score_rows(self, start: int, end: int) -> tuple[int, int]:
+        """(first target, count) of the targets whose logits are at positions [start, end)."""
+        if self.score_targets is None:
+            return 0, 0
+        first = max(start, self.score_start + len(self.scored))
+        last = min(end, self.score_start + len(self.score_targets))
+        return first - self.score_start, max(0, last - first)
+
+    @property
+    def cache_salt(self) -> str | None:
+        return self.params.cache_salt
+
+    @property
+    def seqs_when_running(self) -> int:
+        """Sequences this request will occupy once it samples (n > 1 forks into n)."""
+        return 1 if self.forked or self.parent is not None or self.prefill_only else self.params.n
+
+    def append_token(self, token: int, now: float) -> bool:
+        """Record a sampled token; return True when that finishes the request."""
+        self.token_ids.append(token)
+        if self.first_token_time is None:
+            self.first_token_time = now
+        p = self.params
+        n_out = self.num_output_tokens
+        if n_out >= p.min_new_tokens and (token in p.stop_token_ids
+                                          or (not p.ignore_eos and token in self.eos_token_ids)):
+            self.finish_reason = FinishReason.STOP
+            self.stop_reason = token if token in p.stop_token_ids else None
+        elif n_out >= p.max_new_tokens or self.num_tokens >= self.max_model_len:
+            self.finish_reason = FinishReason.LENGTH
+        return self.finish_reason is not None

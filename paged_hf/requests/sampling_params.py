@@ -1,0 +1,163 @@
+"""Per-request sampling parameters (what to generate and how), validated at construction.
+
+Validation is the admission contract: whatever a request carries that passes here cannot make
+its step fail later (the engine adds the checks that need the model, e.g. the vocabulary size).
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+# vLLM's default cap: more costs a top-k over the vocabulary per token and says nothing new.
+MAX_LOGPROBS = 20
+# Below this a temperature is greedy decoding: logits / T overflow fp32 long before T reaches 0,
+# and the distribution is already one-hot to fp32 precision (vLLM uses the same threshold).
+GREEDY_TEMPERATURE = 1e-5
+# Dividing fp32 logits by a penalty outside this range overflows them (or zeroes them): every
+# token ties, and the argmax is the last vocabulary id.
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 1e-6, 1e6
+# Sample k of a seeded request draws with seed + k; every one must be a valid generator seed.
+MAX_SEED = 2**63 - 1
+# Every token searches the last characters for each stop string: O(count x length) per token.
+MAX_STOP_STRINGS, MAX_STOP_STRING_LEN = 64, 1024
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request samples. ``temperature=0`` (the default) is greedy decoding, and so is
+    any temperature below 1e-5 (``GREEDY_TEMPERATURE``).
+
+    >>> SamplingParams(max_new_tokens=32, temperature=0.7, top_p=0.9, seed=1).is_greedy
+    False
+    >>> SamplingParams(stop="Question:").stop      # one string or several
+    ('Question:',)
+    """
+
+    max_new_tokens: int = 16
+    min_new_tokens: int = 0
+    temperature: float = 0.0
+    top_k: int = 0  # 0 disables
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    n: int = 1
+    logprobs: int | None = None  # None: none; 0 <= k <= 20: the chosen token's logprob plus the top k
+    cache_salt: str | None = None  # requests with different salts never share cached KV
+    # text that ends the request on the token completing it (needs the engine's tokenizer); the
+    # text returned ends before it (include_stop_str_in_output: after it)
+    stop: tuple[str, ...] = ()
+    include_stop_str_in_output: bool = False
+    # None: none; 0 <= k <= 20: each prompt token's logprob plus the top k (vLLM's meaning; the
+    # first token has none). Positions need logits, so the prefix cache serves none of the prompt.
+    prompt_logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        ids = self.stop_token_ids
+        if isinstance(ids, (str, bytes)) or not isinstance(ids, (list, tuple, set, frozenset)) \
+                or not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in ids):
+            raise ValueError(f"sampling params: stop_token_ids={ids!r}, must be a list of token ids (int)")
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in ids))
+        stop = self.stop
+        if isinstance(stop, str):
+            stop = (stop,)
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
+            raise ValueError(f"sampling params: stop={self.stop!r}, must be a string or a list of strings")
+        object.__setattr__(self, "stop", tuple(stop))
+        self.validate()
+
+    def validate(self, who: str = "sampling params") -> None:
+        def bad(name: str, value: Any, limit: str) -> ValueError:
+            return ValueError(f"{who}: {name}={value!r}, must be {limit}")
+
+        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
+            raise bad("max_new_tokens", self.max_new_tokens, "an integer >= 1")
+        if not _is_int(self.min_new_tokens) or not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            raise bad("min_new_tokens", self.min_new_tokens, f"an integer in [0, max_new_tokens={self.max_new_tokens}]")
+        if not _finite(self.temperature) or self.temperature < 0:
+            raise bad("temperature", self.temperature, "a finite number >= 0")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            raise bad("top_k", self.top_k, "an integer >= 0 (0 disables)")
+        if not _finite(self.top_p) or not 0 < self.top_p <= 1:
+            raise bad("top_p", self.top_p, "in (0, 1]")
+        if not _finite(self.min_p) or not 0 <= self.min_p <= 1:
+            raise bad("min_p", self.min_p, "in [0, 1]")
+        if not _finite(self.repetition_penalty) or \
+                not MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise bad("repetition_penalty", self.repetition_penalty,
+                      f"in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}] (1 disables)")
+        if not _is_int(self.n) or self.n < 1:
+            raise bad("n", self.n, "an integer >= 1")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise bad("logprobs", self.logprobs, f"None or an integer in [0, {MAX_LOGPROBS}]")
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed <= MAX_SEED - (self.n - 1)):
+            raise bad("seed", self.seed, f"None or an integer in [0, {MAX_SEED} - (n - 1)] "
+                      "(sample k of n draws with seed + k)")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", self.stop_token_ids, "non-negative token ids")
+        if not isinstance(self.ignore_eos, bool):
+            raise bad("ignore_eos", self.ignore_eos, "True or False")
+        if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs)
+                                                 or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            raise bad("prompt_logprobs", self.prompt_logprobs, f"None or an integer in [0, {MAX_LOGPROBS}]")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise bad("stop", self.stop, "non-empty strings")
+        if len(self.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_STRING_LEN for s in self.stop):
+            raise bad("stop", self.stop, f"at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_STRING_LEN} "
+                      "characters each")
+        if not isinstance(self.include_stop_str_in_output, bool):
+            raise bad("include_stop_str_in_output", self.include_stop_str_in_output, "True or False")
+        if self.cache_salt is not None and not isinstance(self.cache_salt, str):
+            # 1, True and 1.0 are equal as dict keys: they would share one cache
+            raise bad("cache_salt", self.cache_salt, "None or a str")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < GREEDY_TEMPERATURE
+
+    def with_(self, **changes: Any) -> "SamplingParams":
+        return replace(self, **changes)
+
+    @classmethod
+    def from_generation_config(cls, generation_config: Any, **overrides: Any) -> "SamplingParams":
+        """Translate a transformers ``GenerationConfig`` (sampling fields only) into SamplingParams.
+
+        Options with no equivalent here (beam search, assisted decoding, ...) are the caller's to reject;
+        see ``paged_hf.model.hf_generate``.
+        """
+        gc = generation_config
+        do_sample = bool(getattr(gc, "do_sample", False))
+        if do_sample and gc.temperature is not None and not gc.temperature > 0:
+            # transformers' TemperatureLogitsWarper raises too; greedy is do_sample=False
+            raise ValueError(f"temperature={gc.temperature!r} with do_sample=True: the temperature must be > 0 "
+                             "(for greedy decoding set do_sample=False)")
+        kw: dict[str, Any] = {}
+        if getattr(gc, "max_new_tokens", None) is not None:
+            kw["max_new_tokens"] = gc.max_new_tokens
+        if getattr(gc, "min_new_tokens", None):
+            kw["min_new_tokens"] = gc.min_new_tokens
+        if do_sample:
+            kw["temperature"] = 1.0 if gc.temperature is None else float(gc.temperature)
+            kw["top_k"] = int(gc.top_k or 0)
+            kw["top_p"] = 1.0 if gc.top_p is None else float(gc.top_p)
+            kw["min_p"] = float(getattr(gc, "min_p", None) or 0.0)
+        if getattr(gc, "repetition_penalty", None) is not None:
+            kw["repetition_penalty"] = float(gc.repetition_penalty)
+        kw.update(overrides)
+        names = {f.name for f in fields(cls)}
+        unknown = set(kw) - names
+        if unknown:
+            raise TypeError(f"unknown SamplingParams fields: {sorted(unknown)}")
+        return cls(**kw)
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _finite(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
