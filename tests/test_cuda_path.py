@@ -27,6 +27,7 @@ from paged_hf.execution.cuda_graphs import (DecodeAccelerator, _EagerGraph, buck
                                   padding_metadata)
 from paged_hf.execution.cuda_memory import kv_budget_from_profile
 from paged_hf.execution.metadata import build_step_metadata
+from oracle import assert_teacher_forced
 from tiny_models import FAMILIES, make_tiny_model, tiny_prompts
 
 REPO = Path(__file__).resolve().parents[1]
@@ -510,3 +511,31 @@ def test_gpu_check_dry_run(tmp_path):
     assert {"transformers generate", "transformers generate_batch", "paged_hf eager"} <= names
     assert "| paged_hf eager" in result.stdout
     assert f"paged_hf {tmp_path / 'site'}" in result.stdout  # the check ran the installed copy
+
+
+# ---- coherence: graphs hold weights' addresses -------------------------------------------------
+GRAPH_GREEDY = SamplingParams(max_new_tokens=6, ignore_eos=True)
+
+
+def test_captured_decode_graphs_follow_replaced_weights(fake_flashinfer, monkeypatch):
+    model = make_tiny_model("llama")
+    prompts = tiny_prompts(model.config.vocab_size, 3, [5, 9, 14], seed=11)
+    _use_backend(monkeypatch, fake_flashinfer.FlashInferBackend, graphs=True)
+    engine = paged_hf.Engine(model, block_size=4, num_blocks=96, max_num_seqs=4, max_num_batched_tokens=24)
+    engine.generate(prompts, GRAPH_GREEDY)
+    accel = engine.runner.decode
+    assert accel._captured
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(0.9)  # in place: the graphs read the live tensors
+    for prompt, out in zip(prompts, engine.generate(prompts, GRAPH_GREEDY)):
+        assert_teacher_forced(model, prompt, out.token_ids, what="after an update in place under CUDA graphs")
+    assert accel._captured, "an update in place needs no new capture"
+    proj = model.model.layers[0].self_attn.q_proj
+    proj.weight = torch.nn.Parameter(proj.weight.detach() * -2)  # new storage: the old address is dead
+    engine.check_weights(rescan=True)
+    assert not accel._captured and not accel._graphs, "graphs holding the old address are dropped"
+    replaced = engine.generate(prompts, GRAPH_GREEDY)
+    assert accel._captured
+    for prompt, out in zip(prompts, replaced):
+        assert_teacher_forced(model, prompt, out.token_ids, what="after replacing a weight under CUDA graphs")

@@ -136,6 +136,12 @@ class BlockManager:
         self.index.forget_empty_roots()
         return dropped
 
+    def switch_namespace(self, namespace: Hashable) -> None:
+        """Requests admitted from now on look up and insert under ``namespace``; blocks cached
+        under others stay (a switch back finds them) until eviction needs their room."""
+        if self.index is not None:
+            self.index.namespace = namespace
+
     def fork(self, parent: Request, child: Request) -> None:
         """Let ``child`` share every block of ``parent`` (parallel sampling)."""
         assert not child.block_table

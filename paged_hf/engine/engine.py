@@ -73,8 +73,10 @@ class Engine(Admission, StepLoop, OutputAssembly, BatchCalls):
         # the prefix cache's namespace carries a generation, bumped whenever the weights change
         self._namespace = self.config.namespace or "default"
         self._cache_generation = 0
+        self._weights = WeightsWatch(model)
+        self._adapters = self._weights.adapter_state()
         self.kv = BlockManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching,
-                               (self._namespace, 0))
+                               self._cache_key())
         self.scheduler = Scheduler(self.kv, self.config.max_num_batched_tokens, self.config.max_num_seqs,
                                    self.config.preemption_mode, self.config.max_prefill_tokens_while_decoding)
         self.runner = ModelRunner(model, self.config, num_blocks, self.layout)
@@ -86,7 +88,6 @@ class Engine(Admission, StepLoop, OutputAssembly, BatchCalls):
         self.serving = False  # a BackgroundEngine steps this engine
         self._patch_state = state
         state.engines.add(self)
-        self._weights = WeightsWatch(model)
 
     # ---- sizing ------------------------------------------------------------------------------
     def _num_kv_blocks(self) -> int:
@@ -163,22 +164,37 @@ class Engine(Admission, StepLoop, OutputAssembly, BatchCalls):
 
     def reset_prefix_cache(self) -> None:
         """Never serve a block cached so far: requests admitted from now on compute their KV
-        anew. Runs by itself when the weights change (checked before every step); call it for
-        changes no version counter records: writes through ``param.data`` (``p.data.copy_(w)``
-        bypasses autograd's counter, unlike ``p.copy_(w)`` under ``torch.no_grad()``)."""
+        anew, and what was derived from the weights (packed CPU weights, captured CUDA graphs) is
+        made again. Runs by itself when the weights change (checked before every step); call it
+        after a write the checks cannot see (``paged_hf/cache/coherence.py``: a write through
+        ``.data`` to a few rows of a tensor, say)."""
+        self._weights_changed(moved=True)
+
+    def _weights_changed(self, moved: bool) -> None:
         self._cache_generation += 1
-        self.kv.reset_prefix_cache((self._namespace, self._cache_generation))
-        self.runner.weights_changed()
+        self.kv.reset_prefix_cache(self._cache_key())
+        self.runner.weights_changed(moved)
+
+    def _cache_key(self) -> tuple:
+        """The prefix-cache namespace requests are admitted under now: the engine's namespace, the
+        weights' generation and the adapter state, so KV computed under one never serves another."""
+        return self._namespace, self._cache_generation, self._adapters
 
     def check_weights(self, rescan: bool = False) -> bool:
-        """Reset the prefix cache if the model's weights changed since the last check; True if
-        they did. Every step checks (``rescan`` also looks for replaced tensors, which steps do
-        about once a second; every generate call does it at its start)."""
-        if not self._weights.changed(rescan):
-            return False
-        self.reset_prefix_cache()
-        logger.info("paged_hf: the model's weights changed; the prefix cache was reset")
-        return True
+        """Reset the prefix cache if the model's weights changed since the last check (True if
+        they did), and follow an adapter switch to its own namespace. Every step checks
+        (``rescan`` also looks for replaced tensors and compares the content sample, which steps
+        do about once a second; every generate call does it at its start)."""
+        change = self._weights.changed(rescan)
+        if change is not None:
+            self._weights_changed(change.moved)
+            logger.info("paged_hf: the model's weights changed (%s); the prefix cache was reset", change.why)
+        adapters = self._weights.adapter_state()
+        if adapters != self._adapters:  # blocks cached under the previous state stay, under its key
+            self._adapters = adapters
+            self.kv.switch_namespace(self._cache_key())
+            logger.info("paged_hf: the model's adapter state changed; the prefix cache serves that state's blocks")
+        return change is not None
 
     @property
     def has_unfinished(self) -> bool:

@@ -197,6 +197,18 @@ class DecodeAccelerator:
         with active_backend(self.backend):
             return self.model(input_ids=input_ids, position_ids=positions, use_cache=False).logits[0]
 
+    def weights_changed(self, moved: bool) -> None:
+        """A captured graph reads each weight at the address it had at capture, so an update in
+        place is seen; new storage (``moved``) is not, so the graphs are captured again on next
+        use. A compiled forward may have folded the weights into constants (inductor's
+        freezing): it is compiled again on any change."""
+        if moved or self.compile_backend is not None:
+            self._graphs.clear()
+            self._captured = False
+        if self.compile_backend is not None:
+            from .compile_decode import compile_forward
+            self._forward = compile_forward(self.model, self.compile_backend)
+
     # ---- capture -------------------------------------------------------------------------------
     def capture(self) -> None:
         """Capture every bucket, largest first, into one memory pool."""

@@ -67,10 +67,13 @@ class ModelRunner:
                                "slower. cpu_packed_weights=False silences this.", why)
                 self.packed = None
 
-    def weights_changed(self) -> None:
-        """The model's weights changed: what was derived from them is made again."""
+    def weights_changed(self, moved: bool = True) -> None:
+        """The model's weights changed (``moved``: some tensor has new storage): what was derived
+        from them is made again."""
         if self.packed is not None:
             self.packed.reset()
+        if self.decode is not None:
+            self.decode.weights_changed(moved)
 
     @torch.inference_mode()
     def execute(self, scheduled: list[tuple[Request, int]], block_copies: list[tuple[int, int]]
