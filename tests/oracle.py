@@ -6,6 +6,8 @@ tiny random models are full of; a wrong cache or mask moves logits far more than
 """
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 FP32_TOL = 1e-3
@@ -52,3 +54,31 @@ def assert_logprobs_close(reference: torch.nn.Module, prompt: list[int], generat
         worst.append((max(errors), i))
     bad = [(i, err) for err, i in worst if err > tol]
     assert not bad, f"{what}: logprobs off the reference's by more than {tol} (step, error): {bad[:5]}"
+
+
+@torch.no_grad()
+def assert_logprobs_close_incremental(reference: torch.nn.Module, prompt: list[int], generated: list[int],
+                                      logprobs: list, tol: float = LOGPROB_TOL, what: str = "") -> None:
+    """As ``assert_logprobs_close``, against transformers' own incremental path (its ``generate``'s: the
+    prompt with a cache, then one token at a time), teacher-forced with ``generated``. For stateful
+    models the two paths are different algorithms (Mamba2's chunked scan over a whole sequence, its
+    recurrent update per token), whose fp32 results part by up to ~5e-4 on tiny models; the engine
+    decodes as transformers' generate does, so this is the oracle its logprobs answer to."""
+    from transformers import DynamicCache
+
+    assert len(logprobs) == len(generated), f"{what}: {len(logprobs)} logprob entries for {len(generated)} tokens"
+    cache = DynamicCache(config=reference.config)
+    name = "cache" if "cache" in inspect.signature(reference.forward).parameters else "past_key_values"
+    # positions given, as generate gives them: a hybrid's cache may not know its length (layer 0 keeps a state)
+    rows = [reference(input_ids=torch.tensor([prompt]), position_ids=torch.arange(len(prompt))[None],
+                      **{name: cache}, use_cache=True).logits[0, -1]]
+    for i, tok in enumerate(generated[:-1]):
+        rows.append(reference(input_ids=torch.tensor([[tok]]), position_ids=torch.tensor([[len(prompt) + i]]),
+                              **{name: cache}, use_cache=True).logits[0, -1])
+    expected = torch.log_softmax(torch.stack(rows).float(), dim=-1)
+    bad = []
+    for i, (tok, (chosen, top)) in enumerate(zip(generated, logprobs)):
+        errors = [abs(chosen - float(expected[i, tok]))] + [abs(v - float(expected[i, t])) for t, v in top.items()]
+        if max(errors) > tol:
+            bad.append((i, max(errors)))
+    assert not bad, f"{what}: logprobs off transformers' incremental ones by more than {tol} (step, error): {bad[:5]}"

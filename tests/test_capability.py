@@ -27,9 +27,10 @@ def refusal(model: torch.nn.Module) -> str:
 @pytest.mark.parametrize("model_type, where, why", [
     # attention never reaches the registered function
     ("bloom", r"transformer\.h\.0\.self_attention \(BloomAttention\)", "never calls transformers' AttentionInterface"),
-    # recurrent / SSM / convolution state, from the config's layer types or from the modules that ran
-    ("jamba", r"config\.layer_types \(4 'linear_attention' layer\(s\)", "recurrent / linear-attention / convolution"),
-    ("lfm2", r"config\.layer_types \(2 'conv' layer\(s\)", "keep state that paged_hf does not page"),
+    # recurrent / SSM / convolution state kept outside transformers' cache API, from the config's layer
+    # types or from the modules that ran (hybrids that keep it through the API run: test_hybrid_models.py)
+    ("recurrent_gemma", r"config\.layer_types \(3 'linear_attention' layer\(s\)", "found no mixer for"),
+    ("rwkv", r"rwkv\.blocks\.0\.attention \(RwkvSelfAttention\)", "outside transformers' cache API"),
     # a layer that attends more than once per forward, or layers sharing KV slots
     ("diffllama", r"model\.layers\.0\.self_attn \(DiffLlamaAttention\)", "attends more than once per forward"),
     ("hrm_text", r"\(HrmTextAttention\)", "attends more than once per forward"),

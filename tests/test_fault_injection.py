@@ -11,7 +11,8 @@ after parallel samples were forked), swap-out raises, a callback raises Keyboard
 aborts a request, a poison request joins the batch.
 
 A tiny llama in float64 makes greedy tokens independent of how requests are batched, so "the
-same tokens" is exact equality.
+same tokens" is exact equality; a tiny Qwen3.5 (gated DeltaNet layers beside attention) in float64
+runs the same faults over state slots, which must all be given back too.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from paged_hf import SamplingParams
 from paged_hf.engine import step as engine_module
 from paged_hf.execution import sampler
 from paged_hf.requests.request import root_request_id, sample_request_id
+from paged_hf.model.support import build_tiny_model
 from tiny_models import N_SPECIAL, make_tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -35,14 +37,14 @@ FAULTS = ("none", "forward_error", "forward_interrupt", "sampling_error", "sampl
 STEP_INTERRUPTS = ("forward_interrupt", "sampler_interrupt")  # KeyboardInterrupt inside step()
 
 
-@functools.lru_cache(maxsize=1)
-def tiny_model():
-    return make_tiny_model("llama").double()
+@functools.lru_cache(maxsize=2)
+def tiny_model(kind: str = "llama"):
+    return (make_tiny_model("llama") if kind == "llama" else build_tiny_model(kind)).double()
 
 
 @st.composite
-def workloads(draw, fault: str):
-    vocab = tiny_model().config.vocab_size
+def workloads(draw, fault: str, kind: str = "llama"):
+    vocab = tiny_model(kind).config.get_text_config().vocab_size
     token = st.integers(N_SPECIAL, vocab - 1)
     prefixes = draw(st.lists(st.lists(token, min_size=0, max_size=10), min_size=1, max_size=3))
     requests = []
@@ -84,14 +86,26 @@ def assert_clean(engine):
     assert engine.kv.pool.num_free + engine.kv.pool.num_cached == engine.kv.num_blocks
     index = engine.kv.index
     assert index is None or all(node.lock_ref == 0 for node in index.iter_nodes())
+    assert engine.kv.state is None or engine.kv.state.num_used == 0, "a state slot is still held"
 
 
 @pytest.mark.parametrize("fault", FAULTS)
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(data=st.data())
 def test_a_single_fault_harms_only_what_it_touches(fault, data):
-    requests, config, where, victim = data.draw(workloads(fault))
-    model = tiny_model()
+    single_fault(fault, data, "llama")
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(data=st.data())
+def test_a_single_fault_harms_only_what_it_touches_on_a_hybrid(fault, data):
+    single_fault(fault, data, "qwen3_5_text")
+
+
+def single_fault(fault: str, data, kind: str) -> None:
+    requests, config, where, victim = data.draw(workloads(fault, kind))
+    model = tiny_model(kind)
     reference = tokens(run(paged_hf.Engine(model, **config), requests))
     engine = paged_hf.Engine(model, **config)
     touched: set[str] = set()   # sample ids the fault may end with an error

@@ -12,6 +12,7 @@ from typing import Hashable
 from ..requests.request import Request
 from .block_pool import BlockPool
 from .prefix_index import RadixPrefixIndex
+from .state_slots import StateSlots
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -20,10 +21,14 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 namespace: Hashable = "") -> None:
+                 namespace: Hashable = "", state_slots: StateSlots | None = None) -> None:
+        """``state_slots``: a hybrid model's state slots; a request takes one with its first blocks
+        and gives it back with them."""
         self.block_size = block_size
         self.index = RadixPrefixIndex(block_size, namespace) if enable_prefix_caching else None
         self.pool = BlockPool(num_blocks, block_size, self.index)
+        self.state = state_slots
+        self.state_copies: list[tuple[int, int]] = []  # (src, dst) slots to copy before the next step
 
     @property
     def num_blocks(self) -> int:
@@ -67,6 +72,8 @@ class BlockManager:
         need = self.blocks_needed(req, n_new)
         if need > self.pool.num_available:
             return False
+        if self.state is not None:
+            self.state.take(req)
         if need == 0:
             return True
         fresh = self.pool.allocate(need)
@@ -124,6 +131,8 @@ class BlockManager:
         req.block_table = []
         req.num_tree_blocks = 0
         req.num_computed_tokens = 0
+        if self.state is not None:
+            self.state.give_back(req)
 
     def reset_prefix_cache(self, namespace: Hashable) -> int:
         """Serve no cached block from now on: requests admitted later look up and insert under
@@ -153,3 +162,9 @@ class BlockManager:
         if parent.prefix_node is not None:
             self.index.lock(parent.prefix_node)
             child.prefix_node = parent.prefix_node
+        if self.state is not None:  # the sample continues from its parent's state
+            self.state_copies.append((parent.state_slot, self.state.take(child)))
+
+    def take_state_copies(self) -> list[tuple[int, int]]:
+        copies, self.state_copies = self.state_copies, []
+        return copies

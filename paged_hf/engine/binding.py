@@ -16,6 +16,7 @@ import torch
 
 from ..execution import attention
 from ..execution.kv_geometry import KVLayout
+from ..execution.state_geometry import StateLayout
 
 STATE_ATTR = "_paged_hf_state"
 
@@ -32,6 +33,7 @@ class PatchState:
     media_token_ids: frozenset[int] = frozenset()
     # engine options this model is exact only up to: {EngineConfig field: (largest value, why)}
     limits: dict = field(default_factory=dict)
+    state: StateLayout | None = None  # a hybrid model's stateful layers (None: attention only)
     config: dict[str, Any] = field(default_factory=dict)  # engine options given to patch()
     engine: Any = None       # created on first generate, kept so the prefix cache survives calls
     tokenizer: Any = None

@@ -25,6 +25,7 @@ import torch
 
 from ..cache.block_manager import BlockManager
 from ..cache.coherence import WeightsWatch
+from ..cache.state_slots import StateSlots
 from ..config import DEFAULT_CPU_KV_BYTES, EngineConfig
 from ..execution.runner import ModelRunner
 from ..requests.request import FinishReason, Request
@@ -69,17 +70,25 @@ class Engine(Admission, StepLoop, OutputAssembly, BatchCalls):
         self.max_model_len = within_limits(self.config, max_model_len_for(model, self.config.max_model_len), state.limits)
         self.vocab_size = model.config.get_text_config().vocab_size
         self.eos_token_ids = eos_ids(model, tokenizer)
-        num_blocks = self._num_kv_blocks()
+        self.state_layout = state.state
+        num_blocks = self._num_kv_blocks(explicit_max_num_seqs="max_num_seqs" in config)
+        caching = self.config.enable_prefix_caching
+        if caching and self.state_layout is not None:
+            # KV without the recurrent state at the hit point would resume a recurrence mid-stream
+            logger.info("paged_hf: prefix caching is off for this hybrid model (%s) until state checkpoints land; "
+                        "results are the same, shared prompts are computed again", self.state_layout.describe())
+            caching = False
         # the prefix cache's namespace carries a generation, bumped whenever the weights change
         self._namespace = self.config.namespace or "default"
         self._cache_generation = 0
         self._weights = WeightsWatch(model)
         self._adapters = self._weights.adapter_state()
-        self.kv = BlockManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching,
-                               self._cache_key())
+        slots = StateSlots(self.config.max_num_seqs) if self.state_layout is not None else None
+        self.kv = BlockManager(num_blocks, self.config.block_size, caching, self._cache_key(), slots)
         self.scheduler = Scheduler(self.kv, self.config.max_num_batched_tokens, self.config.max_num_seqs,
-                                   self.config.preemption_mode, self.config.max_prefill_tokens_while_decoding)
-        self.runner = ModelRunner(model, self.config, num_blocks, self.layout)
+                                   self.config.preemption_mode, self.config.max_prefill_tokens_while_decoding,
+                                   continues_chunks=self.state_layout is None or self.state_layout.continues_chunks)
+        self.runner = ModelRunner(model, self.config, num_blocks, self.layout, self.state_layout)
         # requests by id until collected or aborted; samples 1..n-1 of n > 1 live on their root
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
@@ -90,9 +99,11 @@ class Engine(Admission, StepLoop, OutputAssembly, BatchCalls):
         state.engines.add(self)
 
     # ---- sizing ------------------------------------------------------------------------------
-    def _num_kv_blocks(self) -> int:
+    def _num_kv_blocks(self, explicit_max_num_seqs: bool) -> int:
+        """KV blocks the budget holds, after a hybrid model's state slots (one per sequence that
+        may run) took their share; ``max_num_seqs``' default yields to what the state memory allows."""
         cfg = self.config
-        if cfg.num_blocks is not None:
+        if cfg.num_blocks is not None and self.state_layout is None:
             return cfg.num_blocks
         dtype = next(self.model.parameters()).dtype
         device = next(self.model.parameters()).device
@@ -105,12 +116,34 @@ class Engine(Admission, StepLoop, OutputAssembly, BatchCalls):
                 budget = profile_kv_budget(self.model, cfg)
         else:
             budget = int(cfg.kv_cache_memory or DEFAULT_CPU_KV_BYTES)
+        if self.state_layout is not None:
+            budget -= self._reserve_state_slots(budget, explicit_max_num_seqs)
+            if cfg.num_blocks is not None:
+                return cfg.num_blocks
         # never more than every running sequence at full length could use
         useful = cfg.max_num_seqs * -(-min(self.max_model_len, 1 << 20) // cfg.block_size)
+        if per_block == 0:  # stateful layers only: blocks hold no KV, they only count tokens
+            return cfg.max_num_seqs * -(-min(self.max_model_len, 1 << 16) // cfg.block_size)
         num_blocks = min(budget // per_block, useful)
         if num_blocks < 1:
             raise ValueError(f"KV budget of {budget} bytes holds no block of {per_block} bytes")
         return num_blocks
+
+    def _reserve_state_slots(self, budget: int, explicit_max_num_seqs: bool) -> int:
+        """Bytes of the state slots: ``max_num_seqs`` of them, by default no more than half the budget holds."""
+        cfg, per_slot = self.config, self.state_layout.bytes_per_slot()
+        fit = max(1, budget // 2 // per_slot)
+        if not explicit_max_num_seqs and fit < cfg.max_num_seqs:
+            logger.info("paged_hf: max_num_seqs lowered to %d: a sequence's state takes %s bytes (%s), and the "
+                        "states may take half of the %s-byte KV budget (kv_cache_memory)", fit, f"{per_slot:,}",
+                        self.state_layout.describe(), f"{budget:,}")
+            cfg.max_num_seqs = fit
+        need = cfg.max_num_seqs * per_slot
+        if need >= budget and cfg.num_blocks is None:
+            raise ValueError(f"max_num_seqs={cfg.max_num_seqs} sequences' state takes {need:,} bytes "
+                             f"({per_slot:,} each: {self.state_layout.describe()}), not less than the KV budget of "
+                             f"{budget:,} bytes; lower max_num_seqs or raise kv_cache_memory")
+        return need
 
     def warmup(self) -> float:
         """Do now what the first steps would otherwise do on the first real requests: FlashInfer
@@ -207,7 +240,10 @@ class Engine(Admission, StepLoop, OutputAssembly, BatchCalls):
 
     def stats(self) -> dict[str, Any]:
         s, pool = self._stats, self.kv.pool
-        return {
+        state = {} if self.kv.state is None else {
+            "state_slots": self.kv.state.num_slots, "state_slots_used": self.kv.state.num_used,
+            "state_bytes": self.runner.states.nbytes}
+        return state | {
             "prompt_tokens": s.prompt_tokens,
             "prefill_tokens_computed": s.prefill_tokens_computed,
             "prefix_hit_tokens": self.scheduler.prefix_hit_tokens,

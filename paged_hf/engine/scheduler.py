@@ -22,6 +22,7 @@ class SchedulerOutput:
     # swap preemption, done by the backend before the step (swap-outs first: their blocks are free now)
     swap_out: list[tuple[Request, list[int]]] = field(default_factory=list)
     swap_in: list[tuple[Request, list[int]]] = field(default_factory=list)
+    state_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) state slots before the step
     finished: list[Request] = field(default_factory=list)  # filled in by ``update``
 
     @property
@@ -35,7 +36,11 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, kv: BlockManager, max_num_batched_tokens: int, max_num_seqs: int,
-                 preemption_mode: str = "recompute", max_prefill_tokens_while_decoding: int | None = None) -> None:
+                 preemption_mode: str = "recompute", max_prefill_tokens_while_decoding: int | None = None,
+                 continues_chunks: bool = True) -> None:
+        """``continues_chunks=False``: the model's stateful layers cannot carry their state into a
+        chunk of several tokens (Mamba1-style mixers), so after a request's first chunk its prompt
+        goes on one token at a time."""
         if max_num_batched_tokens < 1 or max_num_seqs < 1:
             raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens} and max_num_seqs={max_num_seqs} "
                              "must both be >= 1")
@@ -49,6 +54,7 @@ class Scheduler:
         # prefill tokens a step may carry next to running decodes (None: whatever budget they leave);
         # a long prompt's chunks then cost each decode a little latency per step, not a long stall
         self.max_prefill_tokens_while_decoding = max_prefill_tokens_while_decoding
+        self.continues_chunks = continues_chunks
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order; the tail is preempted first
         self.num_preemptions = 0
@@ -99,6 +105,8 @@ class Scheduler:
             if prefill and prefill_room is None:
                 prefill_room = self._prefill_room(budget, decoding=bool(chosen))
             n = min(req.num_pending_tokens, prefill_room if prefill else budget)
+            if not self.continues_chunks and req.num_computed_tokens:
+                n = min(n, 1)
             if n == 0:
                 continue
             while not self.kv.allocate_slots(req, n, out.block_copies):
@@ -135,6 +143,8 @@ class Scheduler:
                 skipped.append(self.waiting.popleft())
                 continue
             n = min(req.num_pending_tokens, budget, prefill_room)
+            if not self.continues_chunks and req.num_computed_tokens:  # swapped in: it has a state
+                n = min(n, 1)
             if not self.kv.allocate_slots(req, n, out.block_copies):
                 self.kv.free(req)
                 break
@@ -155,6 +165,7 @@ class Scheduler:
         self.waiting.extendleft(reversed(skipped))
 
         out.scheduled = list(chosen.items())
+        out.state_copies = self.kv.take_state_copies()
         return out
 
     def _prefill_room(self, budget: int, decoding: bool) -> int:
@@ -189,6 +200,7 @@ class Scheduler:
             n_blocks = blocks_for(req.num_computed_tokens, self.kv.block_size)
             out.swap_out.append((req, req.block_table[:n_blocks]))
             req.swapped_tokens = req.num_computed_tokens
+            req.swap_state_slot = req.state_slot  # its state goes to host memory with its KV
         self.kv.free(req)
         req.status = RequestStatus.PREEMPTED
         self.waiting.appendleft(req)
@@ -226,7 +238,7 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         self.kv.free(req)
-        req.swapped_tokens, req.swap_handle = 0, None
+        req.swapped_tokens, req.swap_handle, req.swapped_state = 0, None, None
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         req.finish_time = now
@@ -241,7 +253,7 @@ class Scheduler:
                 continue
             self.running.remove(req)
             self.kv.free(req)
-            req.swapped_tokens, req.swap_handle = 0, None
+            req.swapped_tokens, req.swap_handle, req.swapped_state = 0, None, None
             req.status = RequestStatus.PREEMPTED
             self.waiting.appendleft(req)
 

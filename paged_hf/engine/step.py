@@ -43,10 +43,15 @@ class StepLoop:
                             if n == 1 and req.num_output_tokens > 0 and req.num_pending_tokens == 1)
         forked: list[Request] = []
         try:
+            # forked samples' states first: a sample preempted before its first step swaps out its copy
+            self.runner.copy_states(out.state_copies)
             self._swap_out(out)
             for req, blocks in out.swap_in:
                 self.runner.backend.swap_in(req.swap_handle, blocks)
                 req.swap_handle = None
+                if req.swapped_state is not None:
+                    self.runner.states.restore(req.state_slot, req.swapped_state)
+                    req.swapped_state = None
             logits, meta = self.runner.execute(out.scheduled, out.block_copies)
             sched.mark_computed(out)
             # logits: the sampled rows, then the scored ones (prompt logprobs, scoring requests)
@@ -142,10 +147,13 @@ class StepLoop:
         """Copy preempted requests' KV to host memory before anything reuses their blocks. A copy
         that fails turns that request's preemption into a recompute one: same tokens, more work."""
         for req, blocks in out.swap_out:
+            slot, req.swap_state_slot = req.swap_state_slot, None
             try:
                 req.swap_handle = self.runner.backend.swap_out(blocks)
+                if slot is not None:  # a hybrid's state goes with its KV
+                    req.swapped_state = self.runner.states.save(slot)
             except Exception as e:  # noqa: BLE001
-                req.swapped_tokens, req.swap_handle = 0, None
+                req.swapped_tokens, req.swap_handle, req.swapped_state = 0, None, None
                 logger.warning("paged_hf: request %s: swapping its KV out failed (%s: %s); it will recompute it",
                                req.request_id, type(e).__name__, e)
 

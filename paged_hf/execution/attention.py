@@ -75,7 +75,7 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     if attention_mask is not None:  # paged_mask returns None in a step: this one the module built itself
         raise RuntimeError(f"paged_hf: {type(module).__name__} (layer {module.layer_idx}) passed an attention mask "
                            "that paged attention would drop; paged_hf.patch should have refused this model")
-    out = backend.attend(module.layer_idx, query, key, value, scaling=scaling,
+    out = backend.attend(backend.layout.kv_index(module.layer_idx), query, key, value, scaling=scaling,
                          sliding_window=kwargs.get("sliding_window"), softcap=kwargs.get("softcap"),
                          sinks=kwargs.get("s_aux"))
     return out, None

@@ -50,6 +50,9 @@ class OpBackend:
     """What the attention function sees in a compiled step: every layer is one ``paged_hf::attend``."""
     name = "op"
 
+    def __init__(self, layout: Any) -> None:
+        self.layout = layout  # the real backend's KV layout: the attention seam numbers layers by it
+
     def attend(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                scaling: float | None, sliding_window: int | None = None,
                softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:

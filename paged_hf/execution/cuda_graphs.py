@@ -134,7 +134,7 @@ class DecodeAccelerator:
         if compile_backend is not None:
             from .compile_decode import OpBackend, compile_forward
             self._forward = compile_forward(model, compile_backend)
-            self._op_backend = OpBackend()
+            self._op_backend = OpBackend(backend.layout)
         self._graph_factory = graph_factory or _CudaGraph
         self._graphs: dict[int, Any] = {}
         self._captured = False

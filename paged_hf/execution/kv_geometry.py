@@ -62,12 +62,34 @@ class LayerSpec:
 
 @dataclass(frozen=True)
 class KVLayout:
-    """One ``LayerSpec`` per attention layer, indexed by the modules' ``layer_idx``."""
+    """One ``LayerSpec`` per attention layer. Backends number the layers 0..n-1; ``layer_ids``
+    gives each one's ``layer_idx`` in the model where those differ (a hybrid's attention layers sit
+    between its stateful ones: Qwen3.5's are 3, 7, 11, ...). ``stateless_ok``: a model of stateful
+    layers only (Mamba2) has no attention layer, and no KV."""
     layers: tuple[LayerSpec, ...]
+    layer_ids: tuple[int, ...] | None = None
+    stateless_ok: bool = False
 
     def __post_init__(self) -> None:
-        if not self.layers:
+        if not self.layers and not self.stateless_ok:
             raise ValueError("KVLayout needs at least one attention layer")
+        if self.layer_ids is not None and (len(self.layer_ids) != len(self.layers)
+                                           or list(self.layer_ids) != sorted(set(self.layer_ids))):
+            raise ValueError(f"KVLayout.layer_ids={self.layer_ids}: one increasing layer_idx per layer")
+
+    def kv_index(self, layer_idx: int) -> int:
+        """The backends' number for the model's attention layer ``layer_idx``."""
+        if self.layer_ids is None:
+            return layer_idx
+        return self._index[layer_idx]
+
+    @property
+    def _index(self) -> dict[int, int]:
+        index = self.__dict__.get("_index_cache")
+        if index is None:
+            index = {lid: i for i, lid in enumerate(self.layer_ids or ())}
+            object.__setattr__(self, "_index_cache", index)
+        return index
 
     @classmethod
     def uniform(cls, num_layers: int, kv_heads: int, head_dim: int, q_heads: int | None = None) -> "KVLayout":
@@ -83,6 +105,8 @@ class KVLayout:
 
     @property
     def is_uniform(self) -> bool:
+        if not self.layers:
+            return True
         first = self.layers[0]
         return all((s.kv_heads, s.k_dim, s.v_dim) == (first.kv_heads, first.k_dim, first.v_dim) for s in self.layers)
 

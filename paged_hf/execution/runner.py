@@ -19,6 +19,9 @@ from .backends import select_backend
 from .cuda_graphs import DecodeAccelerator, wants_decode_accelerator
 from .kv_geometry import KVLayout
 from .metadata import StepMetadata, build_step_metadata
+from .state_geometry import StateLayout
+from .state_store import StateStore
+from .stateful_mixers import MixerRunner, StatePlan
 
 logger = logging.getLogger("paged_hf")
 
@@ -46,14 +49,20 @@ def max_positions(model: torch.nn.Module) -> tuple[int | None, int | None]:
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, config: EngineConfig, num_blocks: int, layout: KVLayout) -> None:
-        """``layout``: the model's per-layer KV geometry (paged_hf/execution/kv_geometry.py), found when it was patched."""
+    def __init__(self, model: torch.nn.Module, config: EngineConfig, num_blocks: int, layout: KVLayout,
+                 state_layout: StateLayout | None = None) -> None:
+        """``layout``: the model's per-layer KV geometry (paged_hf/execution/kv_geometry.py), found when it was
+        patched; ``state_layout``: a hybrid model's stateful layers (paged_hf/execution/state_geometry.py), whose
+        states live in ``max_num_seqs`` slots."""
         self.model = model
         self.config = config
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
-        # padded decode steps (CUDA graphs / compile) need one extra KV block for their padding rows
-        accelerate = wants_decode_accelerator(config, self.device)
+        self.states = StateStore(state_layout, config.max_num_seqs, self.device) if state_layout is not None else None
+        self.mixers = MixerRunner(model, state_layout, self.states) if state_layout is not None else None
+        # padded decode steps (CUDA graphs / compile) need one extra KV block for their padding rows;
+        # a hybrid's state gather is not captured (never run on a GPU), so its decode steps run eagerly
+        accelerate = wants_decode_accelerator(config, self.device) and state_layout is None
         self.backend = select_backend(config.backend, self.device, self.dtype, layout)(
             layout, num_blocks + int(accelerate), config.block_size, dtype=self.dtype, device=self.device)
         self.decode = DecodeAccelerator.build(model, self.backend, config, pad_block=num_blocks) if accelerate else None
@@ -75,6 +84,11 @@ class ModelRunner:
         if self.decode is not None:
             self.decode.weights_changed(moved)
 
+    def copy_states(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy (src, dst) state slots: forked samples start from their parent's state."""
+        if pairs:
+            self.states.copy_slots(pairs)
+
     @torch.inference_mode()
     def execute(self, scheduled: list[tuple[Request, int]], block_copies: list[tuple[int, int]]
                 ) -> tuple[torch.Tensor, StepMetadata]:
@@ -84,7 +98,12 @@ class ModelRunner:
         if self.decode is not None and self.decode.can_run(meta):
             return self.decode.run(meta), meta
         self.backend.plan(meta)
-        with active_backend(self.backend), (self.packed.active() if self.packed else contextlib.nullcontext()):
+        mixers = contextlib.nullcontext()
+        if self.mixers is not None:
+            plan = StatePlan.build(meta.q_lens, [req.num_computed_tokens for req, _ in scheduled],
+                                   [req.state_slot for req, _ in scheduled], self.device)
+            mixers = self.mixers.active(plan)
+        with active_backend(self.backend), (self.packed.active() if self.packed else contextlib.nullcontext()), mixers:
             out = self.model(input_ids=meta.input_ids[None], position_ids=meta.positions[None],
                              use_cache=False, logits_to_keep=meta.logits_indices)
         logits = out.logits[0]

@@ -42,7 +42,9 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ..execution.kv_geometry import KVLayout, LayerSpec
 from ..execution.runner import max_positions
+from ..execution.state_geometry import StateLayout
 from ..patches import family_for
+from .state_probe import StateProbeError, probe_state_layout
 
 PROBE = "paged_hf_probe"
 PROBE_TOKENS = 6
@@ -60,6 +62,7 @@ RECURRENT_WORDS = ("mamba", "ssm", "rwkv", "recurrent", "rglru", "lstm", "xlstm"
 RECURRENT_PAIRS = (("linear", "attention"), ("gated", "delta"), ("delta", "net"), ("short", "conv"),
                    ("short", "convolution"), ("linear", "attn"), ("delta", "attention"))
 RECURRENT_MODULES = (torch.nn.Conv1d, torch.nn.RNNBase)
+NOT_MIXERS = ("Norm", "Embedding", "Embeddings", "MLP", "Experts", "Gate", "Router")  # class-name endings
 MEDIA_PLACEHOLDERS = ("image_token_id", "image_token_index", "video_token_id", "video_token_index",
                       "audio_token_id", "audio_token_index")
 
@@ -77,6 +80,8 @@ class Capability:
     media_token_ids: frozenset[int] = frozenset()
     # engine options the paged path is exact only up to: {EngineConfig field: (largest value, why)}
     limits: dict = field(default_factory=dict)
+    # hybrid models: the stateful layers (linear attention, SSM, short conv) and what each keeps
+    state: StateLayout | None = None
 
 
 def check(model: torch.nn.Module) -> Capability:
@@ -88,11 +93,12 @@ def check(model: torch.nn.Module) -> Capability:
         raise ValueError("paged_hf.patch: the model is in training mode; call model.eval() first "
                          "(the engine runs inference only; plain forward/training still work after patch)")
     what = f"{model.config.model_type} ({type(model).__name__})"
-    _check_config(model, what)
+    state = _state_layout(model, what)
+    _check_config(model, what, state)
     first, shifted, unpositioned = _probe(model, what)
-    _check_ran_modules(model, first, what)
-    layout, configs = _layout(model, first, what)
-    _check_positions(first, shifted, unpositioned, what)
+    _check_ran_modules(model, first, what, state)
+    layout, configs = _layout(model, first, what, sparse=state is not None)
+    _check_positions(first, shifted, unpositioned, what, stateful=state is not None)
     family = family_for(model.config.model_type)  # per-family quirks the probes cannot see
     reason = family.check(model) if family is not None and hasattr(family, "check") else None
     if reason:
@@ -102,7 +108,7 @@ def check(model: torch.nn.Module) -> Capability:
         for option, (value, why) in family.limits(model).items():
             if option not in limits or value < limits[option][0]:
                 limits[option] = (value, why)
-    return Capability(layout, tuple(configs), _media_token_ids(model), limits)
+    return Capability(layout, tuple(configs), _media_token_ids(model), limits, state)
 
 
 def refuse(what: str, where: str, reason: str) -> UnsupportedModelError:
@@ -115,7 +121,24 @@ def text_config(model: torch.nn.Module) -> Any:
     return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
 
 
-def _check_config(model: torch.nn.Module, what: str) -> None:
+def _state_layout(model: torch.nn.Module, what: str) -> StateLayout | None:
+    """The stateful mixers of a hybrid model (None for a model without any), read by one forward
+    through transformers' own cache (paged_hf/model/state_probe.py)."""
+    layer_types = getattr(text_config(model), "layer_types", None) or []
+    if all(kind in ATTENTION_LAYER_TYPES + ("mlp", "moe") or any(w in kind.lower() for w in ("index", "sparse", "compress"))
+           for kind in layer_types):
+        return None  # nothing that could keep state (sparse indexers are refused by _check_config)
+    ids = torch.tensor([probe_token_ids(model, PROBE_TOKENS)], device=next(model.parameters()).device)
+    try:
+        return probe_state_layout(model, ids)
+    except StateProbeError as e:
+        raise refuse(what, e.where, e.reason) from e
+    except Exception as e:  # noqa: BLE001 - transformers' own cache cannot run this model's stateful layers
+        raise refuse(what, "its stateful layers", f"a forward through transformers' own cache (DynamicCache) failed: "
+                     f"{type(e).__name__}: {e}") from e
+
+
+def _check_config(model: torch.nn.Module, what: str, state: StateLayout | None = None) -> None:
     cfg, text = model.config, text_config(model)
     if getattr(cfg, "is_encoder_decoder", False):
         raise refuse(what, "config.is_encoder_decoder", "an encoder-decoder model; paged_hf runs decoder-only "
@@ -124,6 +147,7 @@ def _check_config(model: torch.nn.Module, what: str) -> None:
         if getattr(c, "is_causal", True) is False:
             raise refuse(what, "config.is_causal=False", "its attention is bidirectional; paged attention is causal")
     layer_types = getattr(text, "layer_types", None) or []
+    stateful = {m.layer_idx for m in state.mixers} if state is not None else set()
     for kind in dict.fromkeys(layer_types):
         if kind in ATTENTION_LAYER_TYPES:
             continue
@@ -135,9 +159,12 @@ def _check_config(model: torch.nn.Module, what: str) -> None:
                       "or its own scores), which paged attention does not do")
         elif low in ("mlp", "moe"):
             continue  # layers without attention (nemotron_h); whatever else they hold is checked below
+        elif set(layers) <= stateful:
+            continue  # each has a mixer that keeps its state through transformers' cache API
         else:
-            reason = ("recurrent / linear-attention / convolution layers keep state that paged_hf does not page "
-                      "(hybrid models are a later step)")
+            missing = sorted(set(layers) - stateful)
+            reason = ("recurrent / linear-attention / convolution layers keep state that paged_hf found no mixer for "
+                      f"(layers {missing[:4]}: no module read or wrote their state through transformers' cache API)")
         raise refuse(what, where, reason)
 
 
@@ -278,24 +305,37 @@ def _names(model: torch.nn.Module) -> dict[int, str]:
     return {id(m): (name or "<model>") for name, m in model.named_modules()}
 
 
-def _check_ran_modules(model: torch.nn.Module, probe: _Probe, what: str) -> None:
+def _check_ran_modules(model: torch.nn.Module, probe: _Probe, what: str, state: StateLayout | None = None) -> None:
     names = _names(model)
     ran = list({id(m): m for m in probe.ran}.values())
-    stateful = [m for m in ran if isinstance(m, RECURRENT_MODULES) or _recurrent_name(type(m).__name__)]
+    # a hybrid's mixers keep their state in the engine's state slots: neither they, what runs inside
+    # them, the blocks around them nor modules that attend through the AttentionInterface (Kimi's
+    # "KimiLinearAttention" is MLA) are state paged_hf misses. Of the rest, only modules named like a
+    # mixer count (a "Mamba2RMSNorm" beside the mixer is a norm)
+    mixed: set[int] = set()
+    parents = _parents(model)
+    for spec in (state.mixers if state is not None else ()):
+        mixer = model.get_submodule(spec.path)
+        mixed.update(id(d) for d in mixer.modules())
+        mixed.update(id(a) for a in parents.get(id(mixer), []))
+    callers = {id(c.module) for c in probe.calls}
+    stateful = [m for m in ran if (isinstance(m, RECURRENT_MODULES) or _recurrent_name(type(m).__name__))
+                and id(m) not in mixed and id(m) not in callers
+                and not (state is not None and type(m).__name__.endswith(NOT_MIXERS))]
     if stateful:  # name the innermost such module: the mixer, not the model around it
         m = max(stateful, key=lambda mod: names.get(id(mod), "").count(".") + (names.get(id(mod)) != "<model>"))
         raise refuse(what, f"{names.get(id(m), '?')} ({type(m).__name__})",
-                     "keeps recurrent / convolution state across tokens that paged_hf does not page "
-                     "(hybrid models are a later step)")
+                     "keeps recurrent / convolution state across tokens outside transformers' cache API "
+                     "(in module attributes or explicit state arguments), which paged_hf does not page")
     if not probe.calls:
+        if state is not None:
+            return  # stateful layers only (Mamba2): no KV to page, only state slots
         attn = [m for m in ran if "attention" in type(m).__name__.lower()]
         where = f"{names.get(id(attn[0]), '?')} ({type(attn[0]).__name__})" if attn else "its attention"
         raise refuse(what, where, "computes attention itself and never calls transformers' AttentionInterface "
                      "(ALL_ATTENTION_FUNCTIONS), so paged_hf cannot page its KV")
-    callers = {id(c.module) for c in probe.calls}
-    parents = _parents(model)
     for m in ran:
-        if "attention" not in type(m).__name__.lower() or id(m) in callers:
+        if "attention" not in type(m).__name__.lower() or id(m) in callers or id(m) in mixed:
             continue
         if any(id(d) in callers for d in m.modules()):
             continue  # a wrapper whose child attends (BertAttention around BertSelfAttention)
@@ -324,7 +364,8 @@ def _parents(model: torch.nn.Module) -> dict[int, list[torch.nn.Module]]:
 
 
 # ---- 4. per-layer geometry -----------------------------------------------------------------------
-def _layout(model: torch.nn.Module, probe: _Probe, what: str) -> tuple[KVLayout, list[Any]]:
+def _layout(model: torch.nn.Module, probe: _Probe, what: str, sparse: bool = False) -> tuple[KVLayout, list[Any]]:
+    """``sparse``: a hybrid's attention layers need not be numbered 0..n-1 (stateful layers sit between)."""
     names = _names(model)
     n = PROBE_TOKENS
     max_pos = max_positions(model)[1] or (1 << 17)
@@ -381,9 +422,11 @@ def _layout(model: torch.nn.Module, probe: _Probe, what: str) -> tuple[KVLayout,
         cfg = getattr(m, "config", None)
         if cfg is not None:
             configs[id(cfg)] = cfg
-    if sorted(by_layer) != list(range(len(by_layer))):
-        raise refuse(what, "its attention layers", f"layer_idx values {sorted(by_layer)} are not 0..{len(by_layer) - 1}")
-    return KVLayout(tuple(by_layer[i] for i in range(len(by_layer)))), list(configs.values())
+    ids = sorted(by_layer)
+    if ids != list(range(len(by_layer))) and not sparse:
+        raise refuse(what, "its attention layers", f"layer_idx values {ids} are not 0..{len(by_layer) - 1}")
+    layer_ids = None if ids == list(range(len(ids))) else tuple(ids)
+    return KVLayout(tuple(by_layer[i] for i in ids), layer_ids, stateless_ok=sparse), list(configs.values())
 
 
 def _mask_pattern(probe: _Probe, call: _Call, where: str, what: str, max_pos: int,
@@ -445,11 +488,21 @@ def _classify(mask_function: Any, use_vmap: bool, max_pos: int, what: str, where
 
 
 # ---- 5. positions --------------------------------------------------------------------------------
-def _check_positions(first: _Probe, shifted: _Probe, unpositioned: _Probe, what: str) -> None:
+def _check_positions(first: _Probe, shifted: _Probe, unpositioned: _Probe, what: str,
+                     stateful: bool = False) -> None:
     """The engine gives each packed sequence position_ids 0..n-1: they must reach the attention
-    inputs, and mean what the model's own positions mean."""
+    inputs, and mean what the model's own positions mean. A hybrid whose attention has no positional
+    encoding at all (Nemotron-H, Kimi Linear: order comes from the recurrent layers) needs none."""
     if not len(first.calls) == len(shifted.calls) == len(unpositioned.calls):
         raise refuse(what, "its forward", "runs a different number of attention calls when position_ids change")
+    if stateful and not first.calls:
+        return  # no attention at all: nothing reads positions but the recurrence
+    # anything that could encode positions: a rotary / positional module, an embedding table besides the tokens'
+    positional = [m for m in first.ran if any(w in type(m).__name__.lower() for w in ("rotary", "rope", "position"))]
+    positional += list({id(m): m for m in first.ran if isinstance(m, torch.nn.Embedding)}.values())[1:]
+    if stateful and not positional and all(torch.equal(a.query, b.query) and torch.equal(a.key, b.key)
+                                           for a, b in zip(first.calls, unpositioned.calls)):
+        return
     if all(torch.equal(a.query, b.query) and torch.equal(a.key, b.key) for a, b in zip(first.calls, shifted.calls)):
         raise refuse(what, "its positions", "no layer's queries or keys change with position_ids: it computes "
                      "positions itself (e.g. from the cache position), which would place each packed sequence after "

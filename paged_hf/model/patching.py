@@ -49,7 +49,7 @@ def ensure_attention_patched(model: torch.nn.Module) -> PatchState:
             f"{type(stuck[0]).__name__} could not be switched to {attention.NAME!r}")
     state = PatchState(original_attn=original, layout=cap.layout, saved_implementations=saved,
                        attention_configs=cap.attention_configs, media_token_ids=cap.media_token_ids,
-                       limits=dict(cap.limits))
+                       limits=dict(cap.limits), state=cap.state)
     # engine_for / the patched generate build their engine from the options patch() stores
     state.engine_factory = lambda: Engine(model, state.tokenizer, **state.config)
     setattr(model, STATE_ATTR, state)

@@ -45,6 +45,7 @@ MAX_NEW_TOKENS = 12
 TOP_LOGPROBS = 5
 TOKEN_TOL = 1e-3      # a generated token's logit may trail the reference's best by this much
 LOGPROB_TOL = 1e-4    # |engine logprob - reference log-softmax| (fp32)
+STATEFUL_LOGPROB_TOL = 5e-4  # stateful layers, against transformers' incremental path: see compare()
 MAX_PARAMS = 20_000_000
 SETTINGS = {"defaults": {}, "small blocks and budget": dict(block_size=4, max_num_batched_tokens=16, max_num_seqs=4)}
 # image-text models whose text path is checked too (their causal-LM entry, if any, is checked as well)
@@ -76,7 +77,11 @@ TINY_SIZES: dict[str, Any] = dict(
 )
 # what a type's own validators need beyond the sizes above (one line per type, each for a rule of its config)
 TINY_EXTRA: dict[str, dict[str, Any]] = {
-    "bamba": dict(mamba_d_head=32), "granitemoehybrid": dict(mamba_d_head=32),
+    # hybrids: the released checkpoints interleave attention with their stateful layers; the default
+    # configs of bamba and granitemoehybrid have none, and jamba's first comes after layer 4
+    "bamba": dict(mamba_d_head=32, attn_layer_indices=[1, 3]),
+    "granitemoehybrid": dict(mamba_d_head=32, layer_types=["mamba", "attention"] * 2),
+    "jamba": dict(attn_layer_period=2, attn_layer_offset=1),
     "falcon_h1": dict(mamba_d_head=32, mamba_d_ssm=None), "mamba2": dict(head_dim=32),
     "zaya": dict(num_experts_per_tok=1), "gpt_neo": dict(attention_types=[[["global", "local"], 2]]),
     "gemma3n_text": dict(num_kv_shared_layers=2), "reformer": dict(is_decoder=True),
@@ -215,8 +220,12 @@ def _special_ids(model: torch.nn.Module) -> set[int]:
 
 
 @torch.no_grad()
-def compare(reference: torch.nn.Module, prompts: list[list[int]], outputs: list[Any]) -> list[str]:
-    """What differs from the reference, teacher-forced (empty when nothing does)."""
+def compare(reference: torch.nn.Module, prompts: list[list[int]], outputs: list[Any], stateful: bool = False) -> list[str]:
+    """What differs from the reference, teacher-forced (empty when nothing does). ``stateful``: the
+    logprobs answer to transformers' incremental path (its generate's: the prompt, then a token at a
+    time), as the engine decodes; for stateful layers that is another algorithm than the whole
+    sequence's forward (Mamba2's recurrent update against its chunked scan), and chunk boundaries
+    move fp32 rounding, so they are held to STATEFUL_LOGPROB_TOL."""
     problems = []
     for i, (prompt, out) in enumerate(zip(prompts, outputs)):
         if out.error:
@@ -224,16 +233,32 @@ def compare(reference: torch.nn.Module, prompts: list[list[int]], outputs: list[
         gen = out.token_ids
         logits = reference(input_ids=torch.tensor([prompt + gen]), use_cache=False).logits[0].float()
         logits = logits[len(prompt) - 1: len(prompt) - 1 + len(gen)]
-        logprobs = torch.log_softmax(logits, dim=-1)
+        logprobs = torch.log_softmax(_incremental_logits(reference, prompt, gen) if stateful else logits, dim=-1)
+        tol = STATEFUL_LOGPROB_TOL if stateful else LOGPROB_TOL
         for step, tok in enumerate(gen):
             gap = float(logits[step].max() - logits[step, tok])
             if gap > TOKEN_TOL:
                 problems.append(f"prompt {i} step {step}: token {tok} trails the reference's best by {gap:.2e}")
             chosen, top = out.completions[0].logprobs[step]
             errs = [abs(chosen - float(logprobs[step, tok]))] + [abs(v - float(logprobs[step, t])) for t, v in top.items()]
-            if max(errs) > LOGPROB_TOL:
+            if max(errs) > tol:
                 problems.append(f"prompt {i} step {step}: logprob off by {max(errs):.2e}")
     return problems
+
+
+def _incremental_logits(reference: torch.nn.Module, prompt: list[int], gen: list[int]) -> torch.Tensor:
+    """The logits transformers' generate computes for ``gen``, teacher-forced: the prompt with its own
+    cache, then one token at a time (positions given, as generate gives them)."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=reference.config)
+    name = "cache" if "cache" in inspect.signature(reference.forward).parameters else "past_key_values"
+    rows = [reference(input_ids=torch.tensor([prompt]), position_ids=torch.arange(len(prompt))[None],
+                      **{name: cache}, use_cache=True).logits[0, -1]]
+    for i, tok in enumerate(gen[:-1]):
+        rows.append(reference(input_ids=torch.tensor([[tok]]), position_ids=torch.tensor([[len(prompt) + i]]),
+                              **{name: cache}, use_cache=True).logits[0, -1])
+    return torch.stack(rows).float()
 
 
 def check_type(model_type: str, multimodal: bool = False) -> Result:
@@ -267,11 +292,11 @@ def check_type(model_type: str, multimodal: bool = False) -> Result:
         result.reason = _one_line(f"transformers' own forward fails: {type(e).__name__}: {e}")
         return result
     try:
-        layout = patch_state(model).layout
+        layout, state = patch_state(model).layout, patch_state(model).state
         for name, settings in SETTINGS.items():
             engine = Engine(model, **settings)
             params = SamplingParams(max_new_tokens=MAX_NEW_TOKENS, ignore_eos=True, logprobs=TOP_LOGPROBS)
-            problems = compare(reference, prompts, engine.generate(prompts, params))
+            problems = compare(reference, prompts, engine.generate(prompts, params), stateful=state is not None)
             if problems:
                 result.verdict = "wrong"
                 result.reason = _one_line(f"{name}: {len(problems)} mismatch(es): " + "; ".join(problems[:2]))
@@ -282,16 +307,19 @@ def check_type(model_type: str, multimodal: bool = False) -> Result:
             if not torch.equal(model(input_ids=x, use_cache=False).logits, reference(input_ids=x, use_cache=False).logits):
                 result.verdict, result.reason = "wrong", "after unpatch the logits differ from the never-patched model's"
                 return result
-        result.verdict, result.reason = "pass", _features(layout)
+        result.verdict, result.reason = "pass", _features(layout, state)
     except Exception as e:  # noqa: BLE001
         result.verdict, result.reason = "error", _one_line(f"{type(e).__name__}: {e}")
     return result
 
 
-def _features(layout: Any) -> str:
+def _features(layout: Any, state: Any = None) -> str:
     """What the paged path had to honour for this model (the notable parts of its layout)."""
     specs = layout.layers
     notes = []
+    if state is not None:
+        chunks = "" if state.continues_chunks else ", prompts continued token by token"
+        notes.append(f"state: {', '.join(state.kinds)} on {len(state.mixers)} layers{chunks}")
     if any(s.k_dim != s.v_dim for s in specs):
         s = next(s for s in specs if s.k_dim != s.v_dim)
         notes.append(f"K/V widths {s.k_dim}/{s.v_dim} (MLA)")

@@ -75,6 +75,9 @@ class Request:
     forked: bool = False  # for n > 1: the siblings have been created
     swapped_tokens: int = 0  # KV tokens waiting in host memory (swap preemption)
     swap_handle: Any = None  # the backend's host copy of that KV
+    state_slot: int | None = None  # hybrid models: the slot holding its stateful layers' state
+    swap_state_slot: int | None = None  # swap preemption: the slot whose state is to be copied out
+    swapped_state: Any = None  # the host copy of that state
     logprobs: list = field(default_factory=list)
     generator: "torch.Generator | None" = None
     error: str | None = None  # why it finished with FinishReason.ERROR

@@ -30,6 +30,8 @@ def select_backend(name: str, device: torch.device, dtype: torch.dtype | None = 
         return FlashInferBackend
     if name != "auto":
         raise ValueError(f"unknown backend {name!r}; choose 'auto', 'torch' or 'flashinfer'")
+    if isinstance(layout, KVLayout) and not layout.layers:
+        return TorchBackend  # a model of stateful layers only: no attention for a kernel to run
     if device.type == "cuda":
         try:
             from .flashinfer_backend import FlashInferBackend, unsupported_reason

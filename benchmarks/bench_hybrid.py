@@ -1,0 +1,112 @@
+"""A hybrid model through paged_hf against transformers' best static batch, in one run.
+
+    python benchmarks/bench_hybrid.py --threads 2                 # W-mixed and W-prefix, 64 requests each
+    python benchmarks/bench_hybrid.py --quick                     # 16 requests, shorter outputs
+
+The model is a Qwen3.5-style config of realistic proportions scaled to run here (gated DeltaNet
+and attention layers 3:1, random weights, bf16; ``--layers``/``--hidden`` resize it). Same
+weights, same token ids, greedy, outputs forced to their length; systems interleaved round by
+round, medians of ``--repeat`` rounds. Prints a table (output tokens per second) and writes JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import omp_env  # noqa: E402  (before torch: OpenMP reads its wait policy when libgomp loads)
+
+OMP_WAIT_POLICY = omp_env.setup()
+
+import torch  # noqa: E402
+
+import bench_systems as S  # noqa: E402
+import bench_workloads as W  # noqa: E402
+
+
+def qwen3_5_like(layers: int, hidden: int, dtype: torch.dtype) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM, Qwen3_5TextConfig
+
+    heads = hidden // 128
+    cfg = Qwen3_5TextConfig(
+        vocab_size=49152, hidden_size=hidden, intermediate_size=hidden * 3, num_hidden_layers=layers,
+        num_attention_heads=heads * 2, num_key_value_heads=max(1, heads // 2), head_dim=128,
+        linear_num_key_heads=heads, linear_num_value_heads=heads * 2, linear_key_head_dim=128,
+        linear_value_head_dim=128, linear_conv_kernel_dim=4, max_position_embeddings=4096,
+        layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"] * (layers // 4),
+        tie_word_embeddings=True, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    return model.eval()
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--layers", type=int, default=12)
+    p.add_argument("--hidden", type=int, default=768)
+    p.add_argument("--batch-sizes", default="8,32")
+    p.add_argument("--repeat", type=int, default=1)
+    p.add_argument("--n", type=int, default=None)
+    p.add_argument("--json", default="benchmarks/results/bench_hybrid.json")
+    p.add_argument("--omp-wait-policy", choices=omp_env.CHOICES, default="auto", help="see omp_env.py")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    n = args.n or (16 if args.quick else 64)
+    base = qwen3_5_like(args.layers, args.hidden, torch.bfloat16)
+    eng_model = copy.deepcopy(base)
+    S.prepare_baseline(base)
+    params = sum(t.numel() for t in base.parameters())
+    pool = W.allowed_ids(base.config.vocab_size, {0, 1, 2})
+    out_len = (8, 32) if args.quick else (16, 128)
+    workloads = [W.w_mixed(pool, n=n, out_len=out_len),
+                 W.w_prefix(pool, n=n, prefix_len=256 if args.quick else 512, n_out=16 if args.quick else 32)]
+    warm = W.w_mixed(pool, n=2, seed=12345, prompt_len=(16, 24), out_len=(3, 3), name="warm-up")
+    from paged_hf import Engine
+    engine = Engine(eng_model)
+    S.run_paged(engine, warm, tag="warm")
+    batches = [int(b) for b in args.batch_sizes.split(",")]
+    rows = []
+    for w in workloads:
+        rates: dict[str, list[float]] = {}
+        hits = []
+        for r in range(args.repeat):
+            for b in batches:
+                S.run_hf_static(base, warm, b, 0)
+                res = S.run_hf_static(base, w, b, 0)
+                rates.setdefault(f"static B={b}", []).append(sum(map(len, res.tokens)) / (res.t_end - res.t_start))
+            engine.reset_prefix_cache()
+            before = engine.stats()
+            res = S.run_paged(engine, w, tag=f"r{r}")
+            rates.setdefault("paged_hf", []).append(sum(map(len, res.tokens)) / (res.t_end - res.t_start))
+            hits.append(engine.stats()["prefix_hit_tokens"] - before["prefix_hit_tokens"])
+        med = {k: statistics.median(v) for k, v in rates.items()}
+        best = max(v for k, v in med.items() if k.startswith("static"))
+        rows.append({"workload": w.name, **{k: round(v, 1) for k, v in med.items()},
+                     "paged_hf vs best static": round(med["paged_hf"] / best, 2), "prefix hit tokens": hits[-1]})
+        print(f"[{w.name}] done", file=sys.stderr, flush=True)
+    keys = list(rows[0])
+    print(f"Qwen3.5-style hybrid, {args.layers} layers ({args.layers * 3 // 4} gated DeltaNet, {args.layers // 4} "
+          f"attention), hidden {args.hidden}, {params / 1e6:.0f}M parameters, bf16, {args.threads} threads, "
+          f"{time.strftime('%Y-%m-%d')}, OpenMP wait policy {OMP_WAIT_POLICY}; output tokens per second, median of "
+          f"{args.repeat}")
+    print("| " + " | ".join(keys) + " |")
+    print("| " + " | ".join("---" for _ in keys) + " |")
+    for row in rows:
+        print("| " + " | ".join(str(v) for v in row.values()) + " |")
+    out = Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"params": params, "layers": args.layers, "hidden": args.hidden, "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

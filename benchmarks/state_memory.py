@@ -1,0 +1,75 @@
+"""How much a hybrid model's recurrent state costs per sequence, at the shapes of transformers' own
+default configs (the released models' shapes), against its attention layers' KV.
+
+    python benchmarks/state_memory.py                    # table + benchmarks/results/state_memory.json
+    python benchmarks/state_memory.py --types qwen3_5_text lfm2
+
+Each model is built on the meta device (no memory, no weights) and the state shapes are read the
+way ``paged_hf.patch`` reads them: one forward through transformers' own cache
+(paged_hf/model/state_probe.py). The engine keeps one state slot per sequence that may run, and
+by default lets the slots take at most half of ``kv_cache_memory``; the last columns say how many
+sequences' states half of 24 and of 80 GiB hold.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from paged_hf.model.state_probe import probe_state_layout  # noqa: E402
+
+TYPES = ["qwen3_5_text", "qwen3_next", "kimi_linear", "falcon_h1", "lfm2"]
+# where transformers' default config is not a released model's layer pattern
+OVERRIDES = {"lfm2": dict(full_attn_idxs=[2, 5, 8, 10, 12, 14])}  # six attention layers, as released LFM2 has; the default none
+GIB = 1 << 30
+
+
+def measure(model_type: str, dtype: torch.dtype) -> dict:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        config = AutoConfig.for_model(model_type, **OVERRIDES.get(model_type, {}))
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    layout = probe_state_layout(model, torch.tensor([[5, 6, 7, 8, 9, 10]], device="meta"), check_chunks=False)
+    text = config.get_text_config()
+    kinds = list(getattr(text, "layer_types", []) or [])
+    attention = sum(1 for k in kinds if "attention" in k and k != "linear_attention") or \
+        sum(1 for k in kinds if k in ("hybrid",))
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    kv_per_token = attention * kv_heads * head_dim * 2 * torch.empty((), dtype=dtype).element_size()
+    state = layout.bytes_per_slot()
+    return {"type": model_type, "layers": len(kinds), "stateful layers": len(layout.mixers),
+            "state kind": ", ".join(layout.kinds), "state MiB / sequence": state / (1 << 20),
+            "attention layers": attention, "KV KiB / token": kv_per_token / 1024,
+            "state = KV of tokens": state / kv_per_token if kv_per_token else None,
+            "states in 12 GiB (half of 24)": int(12 * GIB // state), "states in 40 GiB (half of 80)": int(40 * GIB // state)}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--types", nargs="*", default=TYPES)
+    parser.add_argument("--json", default="benchmarks/results/state_memory.json")
+    args = parser.parse_args()
+    rows = [measure(t, torch.bfloat16) for t in args.types]
+    keys = list(rows[0])
+    print("| " + " | ".join(keys) + " |")
+    print("| " + " | ".join("---" for _ in keys) + " |")
+    for row in rows:
+        cells = [f"{v:,.1f}" if isinstance(v, float) else (f"{v:,}" if isinstance(v, int) else str(v)) for v in row.values()]
+        print("| " + " | ".join(cells) + " |")
+    out = Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"dtype": "bfloat16", "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

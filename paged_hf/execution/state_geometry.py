@@ -1,0 +1,74 @@
+"""What each stateful layer of a hybrid model keeps per sequence: its conv and recurrent states.
+
+Linear-attention, SSM and short-convolution layers (gated DeltaNet, Kimi delta attention, Mamba2,
+LFM2's short conv) keep a fixed-size state per sequence instead of K and V. The capability check
+(paged_hf/model/capability.py) reads it from the model itself: one forward through transformers'
+own cache records, per mixer module, the states it writes (``update_conv_state`` /
+``update_recurrent_state``, per ``state_idx``) with their shapes and dtypes. The engine sizes its
+state slots from it (paged_hf/execution/state_store.py) and runs the mixers through a per-step
+cache view (paged_hf/execution/stateful_mixers.py). Plain data, like the KV geometry.
+
+    mixer = MixerSpec(layer_idx=0, path="model.layers.0.linear_attn", kind="gated delta net",
+                      cache_arg="cache", conv=((48, 4),), conv_dtypes=("float32",), recurrent=((4, 8, 8),),
+                      recurrent_dtypes=("float32",))
+    StateLayout((mixer,)).bytes_per_slot()
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+def _dtype(name: str) -> torch.dtype:
+    return getattr(torch, name)
+
+
+@dataclass(frozen=True)
+class MixerSpec:
+    layer_idx: int
+    path: str                  # the module's name in the model (``model.layers.0.linear_attn``)
+    kind: str                  # what it is, for messages and the support table ("gated delta net")
+    cache_arg: str             # the keyword its forward takes the cache by ("cache")
+    # per state_idx: the state's shape without the batch dimension (None: the mixer keeps no such state)
+    conv: tuple[tuple[int, ...] | None, ...]
+    conv_dtypes: tuple[str | None, ...]
+    recurrent: tuple[tuple[int, ...] | None, ...]
+    recurrent_dtypes: tuple[str | None, ...]
+
+    @property
+    def num_states(self) -> int:
+        return len(self.conv)
+
+    def conv_kernel_size(self, state_idx: int) -> int | None:
+        shape = self.conv[state_idx]
+        return None if shape is None else shape[-1]
+
+    def bytes_per_slot(self) -> int:
+        total = 0
+        for shapes, dtypes in ((self.conv, self.conv_dtypes), (self.recurrent, self.recurrent_dtypes)):
+            for shape, dtype in zip(shapes, dtypes):
+                if shape is not None:
+                    total += torch.Size(shape).numel() * torch.empty((), dtype=_dtype(dtype)).element_size()
+        return total
+
+
+@dataclass(frozen=True)
+class StateLayout:
+    """One ``MixerSpec`` per stateful layer, in layer order. ``continues_chunks``: the mixers carry
+    their state into a chunk of several tokens (False for Mamba1-style mixers, which drop it: after
+    a request's first chunk, its prompt goes on one token at a time, through their decode path)."""
+    mixers: tuple[MixerSpec, ...]
+    continues_chunks: bool = True
+
+    def bytes_per_slot(self) -> int:
+        """Bytes of one sequence's state across every stateful layer."""
+        return sum(m.bytes_per_slot() for m in self.mixers)
+
+    @property
+    def kinds(self) -> list[str]:
+        return list(dict.fromkeys(m.kind for m in self.mixers))
+
+    def describe(self) -> str:
+        chunks = "" if self.continues_chunks else "; prompts continue token by token after their first chunk"
+        return f"{len(self.mixers)} x {', '.join(self.kinds)} ({self.bytes_per_slot():,} state bytes per sequence{chunks})"

@@ -1,0 +1,168 @@
+"""Stateful layers of hybrid models, run through their own transformers modules during engine steps.
+
+The engine's packed forward puts every scheduled sequence's tokens side by side in one
+``[1, T]`` batch, and a linear-attention / SSM / short-conv mixer would scan straight across the
+sequence boundaries. So, for the duration of an engine forward only, each stateful module's
+``forward`` is wrapped: its input rows are split by sequence and the module's own forward runs
+on
+  - the step's decode rows (one token each, with a previous state) as one batch ``[N, 1, H]``;
+  - each other sequence's chunk as ``[1, L, H]``, continuing its state (none before its first token),
+with a cache view over those sequences' state slots as its ``cache`` argument. The view is
+transformers' own ``Cache`` with one ``LinearAttentionLayer`` holding the slots' states, so the
+module's reads and writes (``get/update_conv_state``, ``get/update_recurrent_state``,
+``has_previous_state``) follow transformers' bookkeeping exactly; decode kernels that update a
+state in place write into it, and whatever the layer holds afterwards goes back to the slots. No
+model math is copied. Outside a step the modules are untouched.
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+from transformers.cache_utils import Cache, LinearAttentionLayer
+
+from .state_geometry import MixerSpec, StateLayout
+from .state_store import StateStore
+
+CACHE_ARGS = ("cache", "cache_params", "past_key_values")
+
+
+@dataclass
+class StatePlan:
+    """Which rows of a step's packed batch go to the mixers together, and with which slots."""
+    decode_rows: torch.Tensor | None   # [N] rows of single-token sequences that have a state
+    decode_slots: torch.Tensor | None  # [N] their slots
+    segments: list[tuple[int, int, int, bool]]  # (first row, end row, slot, has a previous state)
+
+    @classmethod
+    def build(cls, q_lens: list[int], computed: list[int], slots: list[int], device: torch.device) -> "StatePlan":
+        """``computed``: tokens each sequence had computed before this step."""
+        rows, dslots, segments, start = [], [], [], 0
+        for q, done, slot in zip(q_lens, computed, slots):
+            if q == 1 and done > 0:
+                rows.append(start)
+                dslots.append(slot)
+            else:
+                segments.append((start, start + q, slot, done > 0))
+            start += q
+        if not rows:
+            return cls(None, None, segments)
+        return cls(torch.tensor(rows, device=device), torch.tensor(dslots, device=device), segments)
+
+
+class _OneLayer:
+    """``Cache.layers`` for a view that holds only ``layer_idx`` (the mixer being called)."""
+
+    def __init__(self, layer_idx: int, layer: LinearAttentionLayer) -> None:
+        self.layer_idx, self.layer = layer_idx, layer
+
+    def __getitem__(self, idx: int) -> LinearAttentionLayer:
+        if idx != self.layer_idx:
+            raise IndexError(f"paged_hf: the step's cache view holds layer {self.layer_idx}, not {idx}")
+        return self.layer
+
+    def __len__(self) -> int:
+        return self.layer_idx + 1
+
+
+class SlotView(Cache):
+    """transformers' ``Cache``, holding one stateful layer's states for some sequences (their slots)."""
+
+    def __init__(self, spec: MixerSpec, conv: list[torch.Tensor | None], recurrent: list[torch.Tensor | None],
+                 has_previous: bool) -> None:  # noqa: D107 - Cache.__init__ builds layers this view does not have
+        layer = LinearAttentionLayer(number_of_states=spec.num_states)
+        for i in range(spec.num_states):
+            if conv[i] is not None:
+                layer.conv_states[i] = conv[i]
+                layer.is_conv_states_initialized[i] = True
+                layer.conv_kernel_size[i] = spec.conv_kernel_size(i)
+                layer.dtype, layer.device = conv[i].dtype, conv[i].device
+            if recurrent[i] is not None:
+                layer.recurrent_states[i] = recurrent[i]
+                layer.is_recurrent_states_initialized[i] = True
+            layer.has_previous_state[i] = has_previous
+        self.layers = _OneLayer(spec.layer_idx, layer)
+        self.offloading = False
+        self.layer = layer
+
+
+class MixerRunner:
+    """Wraps the model's stateful modules for the duration of a step (``active``)."""
+
+    def __init__(self, model: torch.nn.Module, layout: StateLayout, store: StateStore) -> None:
+        self.store = store
+        self.mixers = [(model.get_submodule(spec.path), spec) for spec in layout.mixers]
+
+    @contextlib.contextmanager
+    def active(self, plan: StatePlan) -> Iterator[None]:
+        installed = []
+        try:
+            for module, spec in self.mixers:
+                module.forward = stepped_forward(module.forward, spec, self.store, plan)
+                installed.append(module)
+            yield
+        finally:
+            for module in installed:
+                del module.forward
+
+
+def stepped_forward(original: Any, spec: MixerSpec, store: StateStore, plan: StatePlan) -> Any:
+    params = list(inspect.signature(original).parameters)
+
+    def forward(*args: Any, **kwargs: Any) -> torch.Tensor:
+        kwargs.update(zip(params, args))  # every argument by name
+        hidden = kwargs.pop(params[0])
+        for name in CACHE_ARGS:
+            kwargs.pop(name, None)
+        if "attention_mask" in kwargs:
+            kwargs["attention_mask"] = None  # a packed step has no padding
+        out: torch.Tensor | None = None
+
+        def run(x: torch.Tensor, view: SlotView) -> torch.Tensor:
+            y = original(x, **{spec.cache_arg: view}, **kwargs)
+            if not isinstance(y, torch.Tensor):
+                raise RuntimeError(f"paged_hf: {spec.path} returned {type(y).__name__}, not a tensor; "
+                                   "paged_hf.patch should have refused this model")
+            return y
+
+        if plan.decode_rows is not None:
+            slots = plan.decode_slots
+            conv = [None if t is None else t.index_select(0, slots) for t in store.conv[spec.layer_idx]]
+            rec = [None if t is None else t.index_select(0, slots) for t in store.recurrent[spec.layer_idx]]
+            view = SlotView(spec, conv, rec, has_previous=True)
+            y = run(hidden[0].index_select(0, plan.decode_rows)[:, None], view)
+            out = hidden.new_empty(1, hidden.shape[1], y.shape[-1], dtype=y.dtype)
+            out[0].index_copy_(0, plan.decode_rows, y[:, 0])
+            _put_back(view, store, spec, slots=slots)
+        for first, end, slot, has_previous in plan.segments:
+            conv = [None if t is None else t[slot:slot + 1] for t in store.conv[spec.layer_idx]]
+            rec = [None if t is None else t[slot:slot + 1] for t in store.recurrent[spec.layer_idx]]
+            view = SlotView(spec, conv, rec, has_previous=has_previous)
+            y = run(hidden[:, first:end], view)
+            if out is None:
+                out = hidden.new_empty(1, hidden.shape[1], y.shape[-1], dtype=y.dtype)
+            out[:, first:end] = y
+            _put_back(view, store, spec, slot=slot, given=(conv, rec))
+        assert out is not None, "a step with no rows"
+        return out
+
+    return forward
+
+
+def _put_back(view: SlotView, store: StateStore, spec: MixerSpec, slots: torch.Tensor | None = None,
+              slot: int | None = None, given: tuple | None = None) -> None:
+    """Whatever the view's layer holds now goes to the slots (a view the layer wrote in place needs nothing)."""
+    layer = view.layer
+    for kind, held, pool in (("conv", layer.conv_states, store.conv[spec.layer_idx]),
+                             ("recurrent", layer.recurrent_states, store.recurrent[spec.layer_idx])):
+        for i, target in enumerate(pool):
+            state = held.get(i)
+            if target is None or state is None:
+                continue
+            if slots is not None:
+                target.index_copy_(0, slots, state.to(target.dtype))
+            elif given is None or state is not (given[0] if kind == "conv" else given[1])[i]:
+                target[slot:slot + 1].copy_(state)

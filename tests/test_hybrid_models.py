@@ -1,0 +1,153 @@
+"""Hybrid models (linear attention / SSM / short conv beside attention) against transformers itself.
+
+Tiny random models from each type's own config class (paged_hf.model.support.build_tiny_model, with
+attention layers interleaved as the released checkpoints have them). The engine's generations are
+teacher-forced against the unpatched model (every token within 1e-3 of the reference's best logit;
+logprobs within 1e-4 of the log-softmax of transformers' own incremental path, its generate's: the
+prompt, then one token at a time; fp32), with default settings and with 4-token blocks and a
+16-token budget (prompts chunked, so each chunk continues its sequence's state), under
+preemption by recompute and by swap, with seeded n > 1, and scoring; no state slot is left held.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import paged_hf
+from oracle import assert_logprobs_close_incremental, assert_teacher_forced
+from paged_hf.engine.binding import patch_state
+from paged_hf.model.support import build_tiny_model
+from tiny_models import tiny_prompts
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+HYBRIDS = {  # type: the state kind patch must find
+    "qwen3_5_text": "gated delta net", "qwen3_5_moe_text": "gated delta net", "qwen3_next": "gated delta net",
+    "olmo_hybrid": "gated delta net", "kimi_linear": "delta attention", "lfm2": "short conv",
+    "lfm2_moe": "short conv", "granitemoehybrid": "mamba", "nemotron_h": "mamba2 mixer", "falcon_h1": "mixer",
+    "bamba": "mixer", "jamba": "mamba mixer",
+    # stateful layers only: no attention, no KV
+    "mamba2": "mixer", "mamba": "mixer", "falcon_mamba": "mixer",
+}
+PROMPT_LENGTHS = [1, 6, 19, 33]
+MAX_NEW = 10
+SMALL = {"block_size": 4, "max_num_batched_tokens": 16, "max_num_seqs": 8}
+GREEDY = paged_hf.SamplingParams(max_new_tokens=MAX_NEW, logprobs=3, ignore_eos=True)
+
+
+def _pair(model_type: str) -> tuple[torch.nn.Module, torch.nn.Module]:
+    return build_tiny_model(model_type), build_tiny_model(model_type)
+
+
+def _prompts(model: torch.nn.Module, lengths: list[int] = PROMPT_LENGTHS, seed: int = 1) -> list[list[int]]:
+    return tiny_prompts(model.config.get_text_config().vocab_size, len(lengths), lengths, seed=seed, eos_token_id=None)
+
+
+def _check(reference: torch.nn.Module, prompts: list[list[int]], outs: list, what: str,
+           logprob_tol: float = 1e-4) -> None:
+    for prompt, out in zip(prompts, outs):
+        assert out.error is None and len(out.token_ids) == MAX_NEW, (what, out.error)
+        assert_teacher_forced(reference, prompt, out.token_ids, what=f"{what}, prompt of {len(prompt)}")
+        assert_logprobs_close_incremental(reference, prompt, out.token_ids, out.completions[0].logprobs,
+                                          tol=logprob_tol, what=f"{what}, prompt of {len(prompt)}")
+
+
+def _assert_clean(engine: paged_hf.Engine) -> None:
+    assert engine.kv.pool.num_used == 0 and not engine.requests
+    assert engine.kv.state.num_used == 0, "a state slot is still held"
+
+
+@pytest.mark.parametrize("settings", ["defaults", "small"])
+@pytest.mark.parametrize("model_type", list(HYBRIDS))
+def test_generations_match_transformers(model_type, settings):
+    reference, model = _pair(model_type)
+    paged_hf.patch(model)
+    state = patch_state(model).state
+    assert state is not None and HYBRIDS[model_type] in ", ".join(state.kinds), state.kinds
+    prompts = _prompts(model)
+    engine = paged_hf.Engine(model, **({} if settings == "defaults" else SMALL))
+    _check(reference, prompts, engine.generate(prompts, GREEDY), f"{model_type}/{settings}")
+    if settings == "small":
+        assert engine.stats()["steps"] > MAX_NEW + 2, "the 33-token prompt was prefilled in chunks"
+    _assert_clean(engine)
+    paged_hf.unpatch(model)
+    x = torch.tensor([prompts[3]])
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=x).logits, reference(input_ids=x).logits), "unpatch is not exact"
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+@pytest.mark.parametrize("model_type", ["qwen3_5_text", "lfm2", "nemotron_h", "jamba"])
+def test_preemption_keeps_each_requests_tokens(model_type, mode):
+    reference, model = _pair(model_type)
+    prompts = _prompts(model, [7, 15, 22, 30, 11, 26], seed=2)
+    # 14 blocks of 4 tokens cannot hold six sequences of up to 40 tokens: running ones are preempted
+    engine = paged_hf.Engine(model, block_size=4, num_blocks=14, max_num_batched_tokens=16, max_num_seqs=6,
+                             preemption_mode=mode)
+    outs = engine.generate(prompts, GREEDY)
+    assert engine.stats()["preemptions"] > 0, "the pool was meant to be too small"
+    # a recompute prefills the tokens generated so far as a prompt, through the chunked scan transformers
+    # uses for prompts, and decodes on from that state: from there the logprobs part from its generate's
+    # (one token at a time) by as much as its own two paths part (Mamba2: ~5e-4 on these fp32 models)
+    _check(reference, prompts, outs, f"{model_type}, preempted by {mode}", 1e-4 if mode == "swap" else 1e-3)
+    _assert_clean(engine)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_5_text", "falcon_h1", "jamba"])
+def test_seeded_samples_equal_the_same_seeds_alone(model_type):
+    model = build_tiny_model(model_type)
+    prompts = _prompts(model, [9, 21], seed=3)
+    engine = paged_hf.Engine(model, **SMALL)
+    together = engine.generate(prompts, paged_hf.SamplingParams(max_new_tokens=8, temperature=1.0, seed=11, n=3,
+                                                                ignore_eos=True))
+    for prompt, out in zip(prompts, together):
+        assert len(out.completions) == 3
+        for k, completion in enumerate(out.completions):
+            alone = engine.generate([prompt], paged_hf.SamplingParams(max_new_tokens=8, temperature=1.0, seed=11 + k,
+                                                                      ignore_eos=True))[0]
+            assert completion.token_ids == alone.token_ids, f"sample {k} of a prompt of {len(prompt)}"
+    assert len({tuple(c.token_ids) for out in together for c in out.completions}) > 2, "samples should differ"
+    _assert_clean(engine)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_5_text", "olmo_hybrid", "bamba"])
+def test_scores_equal_a_plain_forward(model_type):
+    reference, model = _pair(model_type)
+    contexts = _prompts(model, [5, 18, 27], seed=4)
+    continuations = _prompts(model, [3, 6, 9], seed=5)
+    engine = paged_hf.Engine(model, **SMALL)
+    outs = engine.score(list(zip(contexts, continuations)))
+    for ctx, cont, out in zip(contexts, continuations, outs):
+        with torch.no_grad():
+            logits = reference(input_ids=torch.tensor([ctx + cont])).logits[0].float()
+        expected = torch.log_softmax(logits, -1)[torch.arange(len(ctx) - 1, len(ctx) + len(cont) - 1),
+                                                 torch.tensor(cont)]
+        assert out.error is None
+        assert torch.allclose(torch.tensor(out.token_logprobs), expected, atol=1e-4), (model_type, len(ctx))
+    _assert_clean(engine)
+
+
+def test_state_slots_cap_the_sequences_that_run_and_share_the_budget():
+    model = build_tiny_model("qwen3_5_text")
+    paged_hf.patch(model)
+    per_slot = patch_state(model).state.bytes_per_slot()
+    # a budget whose half holds 3 states: the default max_num_seqs (128) yields to it
+    budget = 6 * per_slot + (1 << 16)
+    engine = paged_hf.Engine(model, kv_cache_memory=budget)
+    assert engine.config.max_num_seqs == budget // 2 // per_slot == engine.kv.state.num_slots
+    assert engine.stats()["state_bytes"] == engine.config.max_num_seqs * per_slot
+    prompts = _prompts(model, [4, 9, 13, 6, 11], seed=6)
+    outs = engine.generate(prompts, GREEDY)
+    assert all(o.error is None for o in outs)
+    _assert_clean(engine)
+    with pytest.raises(ValueError, match="max_num_seqs=64 sequences' state takes"):
+        paged_hf.Engine(model, kv_cache_memory=6 * per_slot, max_num_seqs=64)
+
+
+def test_a_mixer_that_cannot_continue_a_chunk_goes_on_token_by_token():
+    model = build_tiny_model("jamba")  # Mamba1: a multi-token chunk over a populated cache drops the state
+    paged_hf.patch(model)
+    assert not patch_state(model).state.continues_chunks
+    qwen = build_tiny_model("qwen3_5_text")
+    paged_hf.patch(qwen)
+    assert patch_state(qwen).state.continues_chunks
