@@ -87,6 +87,9 @@ def assert_clean(engine):
     index = engine.kv.index
     assert index is None or all(node.lock_ref == 0 for node in index.iter_nodes())
     assert engine.kv.state is None or engine.kv.state.num_used == 0, "a state slot is still held"
+    assert engine.kv.state is None or engine.kv.state.num_pending == 0, "a state snapshot was never attached or released"
+    if engine.kv.state is not None and index is not None:  # every checkpoint sits on a node of the tree
+        assert engine.kv.state.num_checkpoints_held == sum(1 for n in index.iter_nodes() if n.state is not None)
 
 
 @pytest.mark.parametrize("fault", FAULTS)

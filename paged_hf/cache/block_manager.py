@@ -21,14 +21,21 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 namespace: Hashable = "", state_slots: StateSlots | None = None) -> None:
+                 namespace: Hashable = "", state_slots: StateSlots | None = None,
+                 checkpoint_interval: int | None = None) -> None:
         """``state_slots``: a hybrid model's state slots; a request takes one with its first blocks
-        and gives it back with them."""
+        and gives it back with them. With prefix caching, a prompt's state is checkpointed every
+        ``checkpoint_interval`` tokens (a block multiple) and at its last full block, and a prefix
+        hit is served only up to the deepest checkpoint on its path."""
         self.block_size = block_size
-        self.index = RadixPrefixIndex(block_size, namespace) if enable_prefix_caching else None
-        self.pool = BlockPool(num_blocks, block_size, self.index)
         self.state = state_slots
+        on_drop = state_slots.dropped if state_slots is not None else None
+        self.index = RadixPrefixIndex(block_size, namespace, on_drop) if enable_prefix_caching else None
+        self.pool = BlockPool(num_blocks, block_size, self.index)
         self.state_copies: list[tuple[int, int]] = []  # (src, dst) slots to copy before the next step
+        self.checkpoints = self.index is not None and state_slots is not None and state_slots.num_checkpoints > 0
+        interval = checkpoint_interval or block_size
+        self.checkpoint_interval = max(block_size, interval // block_size * block_size)
 
     @property
     def num_blocks(self) -> int:
@@ -46,6 +53,13 @@ class BlockManager:
             return 0
         req.cache_namespace = self.index.namespace  # the KV it computes from now on belongs there
         node, blocks = self.index.match_prefix(req.token_ids[: req.prefix_limit], req.cache_salt)
+        if blocks and self.state is not None:  # hybrids: only as far as a checkpointed state reaches
+            while not node.is_root and node.state is None:
+                node = node.parent
+            blocks = [] if node.is_root else blocks[: node.num_blocks_from_root]
+            if blocks:
+                self.state.hit(node.state)
+                self.state_copies.append((node.state, self.state.take(req)))
         if blocks:
             self.pool.incref(blocks)
             self.index.lock(node)
@@ -94,9 +108,31 @@ class BlockManager:
             return idx
         return None
 
+    def plan_checkpoints(self, req: Request, n_new: int, whole_chunks_only: bool) -> None:
+        """The state snapshots the step computing ``n_new`` tokens of ``req`` takes: at multiples of
+        ``checkpoint_interval`` and at the last full block the prefix cache could ever serve it
+        (``prefix_limit``: a repeat of this prompt, the choices of one scoring context), where no
+        checkpoint is yet. ``whole_chunks_only``: only at the chunk's end (mixers that drop their
+        state in a chunk cannot be split inside one)."""
+        if not self.checkpoints or req.parent is not None:
+            return
+        bs, start = self.block_size, req.num_computed_tokens
+        last = req.prefix_limit // bs * bs
+        end = min(start + n_new, last)
+        points = [p for p in range(start // bs * bs + bs, end + 1, bs)
+                  if p > start and (p % self.checkpoint_interval == 0 or p == last)]
+        if whole_chunks_only:
+            points = [p for p in points if p == start + n_new]
+        for p in points:
+            slot = self.state.take_checkpoint()
+            if slot is None:
+                break
+            req.pending_checkpoints.append((p, slot))
+
     # ---- after a step ----------------------------------------------------------------------
     def cache_full_blocks(self, req: Request) -> None:
-        """Offer the request's newly completed blocks to the prefix index.
+        """Offer the request's newly completed blocks to the prefix index, and attach the state
+        snapshots its step took to the nodes that end where they were taken.
 
         Where another request cached the same chunk first, switch to the tree's block and let
         ours go: the KV is the same.
@@ -104,23 +140,37 @@ class BlockManager:
         if self.index is None:
             return
         n_full = req.num_computed_tokens // self.block_size
-        if n_full <= req.num_tree_blocks:
+        if n_full > req.num_tree_blocks:
+            # under the namespace it was admitted with: KV computed before a weight update never
+            # joins the tree that requests admitted after it read
+            node, tree_blocks = self.index.insert(req.token_ids[: n_full * self.block_size],
+                                                  req.block_table[:n_full], req.cache_salt, req.cache_namespace)
+            self.index.lock(node)
+            if req.prefix_node is not None:
+                self.index.unlock(req.prefix_node)
+            req.prefix_node = node
+            for j in range(req.num_tree_blocks, n_full):
+                mine, theirs = req.block_table[j], tree_blocks[j]
+                if mine != theirs:
+                    self.pool.incref([theirs])
+                    self.pool.decref([mine])
+                    req.block_table[j] = theirs
+            req.num_tree_blocks = n_full
+        if req.pending_checkpoints:
+            self._attach_checkpoints(req)
+
+    def _attach_checkpoints(self, req: Request) -> None:
+        """Each snapshot the step took goes to the node ending at its position (the walk splits an
+        edge there if need be; the blocks are in the tree already)."""
+        done = [(p, s) for p, s in req.pending_checkpoints if p <= req.num_computed_tokens]
+        if not done:
             return
-        # under the namespace it was admitted with: KV computed before a weight update never
-        # joins the tree that requests admitted after it read
-        node, tree_blocks = self.index.insert(req.token_ids[: n_full * self.block_size],
-                                              req.block_table[:n_full], req.cache_salt, req.cache_namespace)
-        self.index.lock(node)
-        if req.prefix_node is not None:
-            self.index.unlock(req.prefix_node)
-        req.prefix_node = node
-        for j in range(req.num_tree_blocks, n_full):
-            mine, theirs = req.block_table[j], tree_blocks[j]
-            if mine != theirs:
-                self.pool.incref([theirs])
-                self.pool.decref([mine])
-                req.block_table[j] = theirs
-        req.num_tree_blocks = n_full
+        req.pending_checkpoints = [(p, s) for p, s in req.pending_checkpoints if p > req.num_computed_tokens]
+        bs = self.block_size
+        for p, slot in done:
+            node, _ = self.index.insert(req.token_ids[:p], req.block_table[: p // bs], req.cache_salt,
+                                        req.cache_namespace)
+            self.state.attach(slot, node)
 
     def free(self, req: Request) -> None:
         """Release everything the request holds (finish, abort or preemption)."""

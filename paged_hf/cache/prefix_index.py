@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from typing import Hashable, Sequence
+from typing import Callable, Hashable, Sequence
 
 
 class Node:
-    __slots__ = ("key", "blocks", "children", "parent", "lock_ref", "last_access")
+    __slots__ = ("key", "blocks", "children", "parent", "lock_ref", "last_access", "state")
 
     def __init__(self, key: tuple[int, ...], blocks: list[int], parent: "Node | None") -> None:
         self.key = key  # tokens; len(key) == len(blocks) * block_size
@@ -26,6 +26,15 @@ class Node:
         self.parent = parent
         self.lock_ref = 0
         self.last_access = 0
+        self.state: int | None = None  # hybrids: a state checkpoint slot at this node's end
+
+    @property
+    def num_blocks_from_root(self) -> int:
+        n, node = 0, self
+        while node is not None and not node.is_root:
+            n += len(node.blocks)
+            node = node.parent
+        return n
 
     @property
     def is_root(self) -> bool:
@@ -36,11 +45,15 @@ class Node:
 
 
 class RadixPrefixIndex:
-    def __init__(self, block_size: int, namespace: Hashable = "") -> None:
+    def __init__(self, block_size: int, namespace: Hashable = "", on_drop_state: Callable[[int], None] | None = None
+                 ) -> None:
+        """``on_drop_state``: called with a node's state checkpoint when the node's end goes (evicted,
+        or trimmed): a checkpoint is only good at exactly the position it was taken."""
         if block_size < 1:
             raise ValueError(f"block_size={block_size}, must be >= 1")
         self.block_size = block_size
         self.namespace = namespace
+        self.on_drop_state = on_drop_state
         self._roots: dict[tuple[Hashable, Hashable], Node] = {}
         self._clock = itertools.count(1)
         self._held: set[int] = set()  # every block id the tree holds
@@ -123,6 +136,7 @@ class RadixPrefixIndex:
         while heap and len(freed) < n_blocks:
             _, _, leaf = heapq.heappop(heap)
             take = min(n_blocks - len(freed), len(leaf.blocks))
+            self._drop_state(leaf)  # its end goes, trimmed or removed
             if take < len(leaf.blocks):  # trim the tail, keep the rest of the leaf cached
                 keep = len(leaf.blocks) - take
                 freed.extend(leaf.blocks[keep:])
@@ -137,6 +151,12 @@ class RadixPrefixIndex:
         self._held.difference_update(freed)
         self.evictable_blocks -= len(freed)
         return freed
+
+    def _drop_state(self, node: Node) -> None:
+        if node.state is not None:
+            slot, node.state = node.state, None
+            if self.on_drop_state is not None:
+                self.on_drop_state(slot)
 
     def forget_empty_roots(self) -> None:
         """Drop the roots of other namespaces that hold nothing (left behind by namespace changes)."""

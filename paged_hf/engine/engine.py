@@ -71,24 +71,22 @@ class Engine(Admission, StepLoop, OutputAssembly, BatchCalls):
         self.vocab_size = model.config.get_text_config().vocab_size
         self.eos_token_ids = eos_ids(model, tokenizer)
         self.state_layout = state.state
+        self._num_checkpoints = 0
         num_blocks = self._num_kv_blocks(explicit_max_num_seqs="max_num_seqs" in config)
-        caching = self.config.enable_prefix_caching
-        if caching and self.state_layout is not None:
-            # KV without the recurrent state at the hit point would resume a recurrence mid-stream
-            logger.info("paged_hf: prefix caching is off for this hybrid model (%s) until state checkpoints land; "
-                        "results are the same, shared prompts are computed again", self.state_layout.describe())
-            caching = False
         # the prefix cache's namespace carries a generation, bumped whenever the weights change
         self._namespace = self.config.namespace or "default"
         self._cache_generation = 0
         self._weights = WeightsWatch(model)
         self._adapters = self._weights.adapter_state()
-        slots = StateSlots(self.config.max_num_seqs) if self.state_layout is not None else None
-        self.kv = BlockManager(num_blocks, self.config.block_size, caching, self._cache_key(), slots)
+        slots = StateSlots(self.config.max_num_seqs, self._num_checkpoints) if self.state_layout is not None else None
+        # a hybrid's prompts are checkpointed every step budget's worth of tokens (and at their last full block)
+        self.kv = BlockManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching, self._cache_key(),
+                               slots, checkpoint_interval=self.config.max_num_batched_tokens)
         self.scheduler = Scheduler(self.kv, self.config.max_num_batched_tokens, self.config.max_num_seqs,
                                    self.config.preemption_mode, self.config.max_prefill_tokens_while_decoding,
                                    continues_chunks=self.state_layout is None or self.state_layout.continues_chunks)
-        self.runner = ModelRunner(model, self.config, num_blocks, self.layout, self.state_layout)
+        self.runner = ModelRunner(model, self.config, num_blocks, self.layout, self.state_layout,
+                                  slots.total if slots is not None else 0)
         # requests by id until collected or aborted; samples 1..n-1 of n > 1 live on their root
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
@@ -130,19 +128,23 @@ class Engine(Admission, StepLoop, OutputAssembly, BatchCalls):
         return num_blocks
 
     def _reserve_state_slots(self, budget: int, explicit_max_num_seqs: bool) -> int:
-        """Bytes of the state slots: ``max_num_seqs`` of them, by default no more than half the budget holds."""
+        """Bytes of the state slots: ``max_num_seqs`` running ones and, with prefix caching, half as
+        many prefix checkpoints; by default no more than half the budget holds."""
         cfg, per_slot = self.config, self.state_layout.bytes_per_slot()
-        fit = max(1, budget // 2 // per_slot)
+        share = 1.5 if cfg.enable_prefix_caching else 1.0  # checkpoints: half a slot per running sequence
+        fit = max(1, int(budget // 2 // per_slot / share))
         if not explicit_max_num_seqs and fit < cfg.max_num_seqs:
             logger.info("paged_hf: max_num_seqs lowered to %d: a sequence's state takes %s bytes (%s), and the "
-                        "states may take half of the %s-byte KV budget (kv_cache_memory)", fit, f"{per_slot:,}",
-                        self.state_layout.describe(), f"{budget:,}")
+                        "states%s may take half of the %s-byte KV budget (kv_cache_memory)", fit, f"{per_slot:,}",
+                        self.state_layout.describe(), " and their prefix checkpoints" if share > 1 else "",
+                        f"{budget:,}")
             cfg.max_num_seqs = fit
-        need = cfg.max_num_seqs * per_slot
+        self._num_checkpoints = max(1, cfg.max_num_seqs // 2) if cfg.enable_prefix_caching else 0
+        need = (cfg.max_num_seqs + self._num_checkpoints) * per_slot
         if need >= budget and cfg.num_blocks is None:
-            raise ValueError(f"max_num_seqs={cfg.max_num_seqs} sequences' state takes {need:,} bytes "
-                             f"({per_slot:,} each: {self.state_layout.describe()}), not less than the KV budget of "
-                             f"{budget:,} bytes; lower max_num_seqs or raise kv_cache_memory")
+            raise ValueError(f"max_num_seqs={cfg.max_num_seqs} sequences' state and {self._num_checkpoints} prefix "
+                             f"checkpoints take {need:,} bytes ({per_slot:,} each: {self.state_layout.describe()}), not "
+                             f"less than the KV budget of {budget:,} bytes; lower max_num_seqs or raise kv_cache_memory")
         return need
 
     def warmup(self) -> float:
@@ -242,6 +244,7 @@ class Engine(Admission, StepLoop, OutputAssembly, BatchCalls):
         s, pool = self._stats, self.kv.pool
         state = {} if self.kv.state is None else {
             "state_slots": self.kv.state.num_slots, "state_slots_used": self.kv.state.num_used,
+            "state_checkpoints": self.kv.state.num_checkpoints_held, "state_checkpoint_hits": self.kv.state.checkpoint_hits,
             "state_bytes": self.runner.states.nbytes}
         return state | {
             "prompt_tokens": s.prompt_tokens,

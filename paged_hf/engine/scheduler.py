@@ -165,6 +165,9 @@ class Scheduler:
         self.waiting.extendleft(reversed(skipped))
 
         out.scheduled = list(chosen.items())
+        if self.kv.checkpoints:
+            for req, n in out.scheduled:
+                self.kv.plan_checkpoints(req, n, whole_chunks_only=not self.continues_chunks)
         out.state_copies = self.kv.take_state_copies()
         return out
 

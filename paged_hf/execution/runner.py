@@ -50,15 +50,15 @@ def max_positions(model: torch.nn.Module) -> tuple[int | None, int | None]:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, config: EngineConfig, num_blocks: int, layout: KVLayout,
-                 state_layout: StateLayout | None = None) -> None:
+                 state_layout: StateLayout | None = None, num_state_slots: int = 0) -> None:
         """``layout``: the model's per-layer KV geometry (paged_hf/execution/kv_geometry.py), found when it was
         patched; ``state_layout``: a hybrid model's stateful layers (paged_hf/execution/state_geometry.py), whose
-        states live in ``max_num_seqs`` slots."""
+        states live in ``num_state_slots`` slots (running sequences', then prefix checkpoints)."""
         self.model = model
         self.config = config
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
-        self.states = StateStore(state_layout, config.max_num_seqs, self.device) if state_layout is not None else None
+        self.states = StateStore(state_layout, num_state_slots, self.device) if state_layout is not None else None
         self.mixers = MixerRunner(model, state_layout, self.states) if state_layout is not None else None
         # padded decode steps (CUDA graphs / compile) need one extra KV block for their padding rows;
         # a hybrid's state gather is not captured (never run on a GPU), so its decode steps run eagerly
@@ -101,7 +101,8 @@ class ModelRunner:
         mixers = contextlib.nullcontext()
         if self.mixers is not None:
             plan = StatePlan.build(meta.q_lens, [req.num_computed_tokens for req, _ in scheduled],
-                                   [req.state_slot for req, _ in scheduled], self.device)
+                                   [req.state_slot for req, _ in scheduled], self.device,
+                                   [req.pending_checkpoints for req, _ in scheduled])
             mixers = self.mixers.active(plan)
         with active_backend(self.backend), (self.packed.active() if self.packed else contextlib.nullcontext()), mixers:
             out = self.model(input_ids=meta.input_ids[None], position_ids=meta.positions[None],

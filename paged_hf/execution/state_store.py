@@ -43,6 +43,12 @@ class StateStore:
         for t in self._tensors():
             t.index_copy_(0, dst, t.index_select(0, src))
 
+    def copy_layer(self, layer_idx: int, src: int, dst: int) -> None:
+        """One stateful layer's state from slot ``src`` to ``dst`` (a prefix checkpoint, mid-step)."""
+        for t in (*self.conv[layer_idx], *self.recurrent[layer_idx]):
+            if t is not None:
+                t[dst].copy_(t[src])
+
     def save(self, slot: int) -> list[torch.Tensor]:
         """A host copy of one slot's state (swap preemption)."""
         return [t[slot].to("cpu", copy=True) for t in self._tensors()]

@@ -31,22 +31,36 @@ CACHE_ARGS = ("cache", "cache_params", "past_key_values")
 
 
 @dataclass
+class Segment:
+    """One sequence's rows, run through the mixer on their own."""
+    first: int                 # its first row in the packed batch
+    end: int
+    slot: int
+    has_previous: bool         # it continues a state (not its first token)
+    # (offset, checkpoint slot): after row first + offset, copy the state there (a prefix checkpoint)
+    snapshots: list[tuple[int, int]]
+
+
+@dataclass
 class StatePlan:
     """Which rows of a step's packed batch go to the mixers together, and with which slots."""
     decode_rows: torch.Tensor | None   # [N] rows of single-token sequences that have a state
     decode_slots: torch.Tensor | None  # [N] their slots
-    segments: list[tuple[int, int, int, bool]]  # (first row, end row, slot, has a previous state)
+    segments: list[Segment]
 
     @classmethod
-    def build(cls, q_lens: list[int], computed: list[int], slots: list[int], device: torch.device) -> "StatePlan":
-        """``computed``: tokens each sequence had computed before this step."""
+    def build(cls, q_lens: list[int], computed: list[int], slots: list[int], device: torch.device,
+              snapshots: list[list[tuple[int, int]]] | None = None) -> "StatePlan":
+        """``computed``: tokens each sequence had computed before this step; ``snapshots``: per
+        sequence, (position, checkpoint slot) of the state snapshots to take."""
         rows, dslots, segments, start = [], [], [], 0
-        for q, done, slot in zip(q_lens, computed, slots):
-            if q == 1 and done > 0:
+        for i, (q, done, slot) in enumerate(zip(q_lens, computed, slots)):
+            cuts = sorted((p - done, ckpt) for p, ckpt in (snapshots[i] if snapshots else ()))
+            if q == 1 and done > 0 and not cuts:
                 rows.append(start)
                 dslots.append(slot)
             else:
-                segments.append((start, start + q, slot, done > 0))
+                segments.append(Segment(start, start + q, slot, done > 0, cuts))
             start += q
         if not rows:
             return cls(None, None, segments)
@@ -137,19 +151,34 @@ def stepped_forward(original: Any, spec: MixerSpec, store: StateStore, plan: Sta
             out = hidden.new_empty(1, hidden.shape[1], y.shape[-1], dtype=y.dtype)
             out[0].index_copy_(0, plan.decode_rows, y[:, 0])
             _put_back(view, store, spec, slots=slots)
-        for first, end, slot, has_previous in plan.segments:
-            conv = [None if t is None else t[slot:slot + 1] for t in store.conv[spec.layer_idx]]
-            rec = [None if t is None else t[slot:slot + 1] for t in store.recurrent[spec.layer_idx]]
-            view = SlotView(spec, conv, rec, has_previous=has_previous)
-            y = run(hidden[:, first:end], view)
-            if out is None:
-                out = hidden.new_empty(1, hidden.shape[1], y.shape[-1], dtype=y.dtype)
-            out[:, first:end] = y
-            _put_back(view, store, spec, slot=slot, given=(conv, rec))
+        for seg in plan.segments:
+            slot, pieces = seg.slot, _pieces(seg)
+            for k, (a, b, ckpt) in enumerate(pieces):
+                conv = [None if t is None else t[slot:slot + 1] for t in store.conv[spec.layer_idx]]
+                rec = [None if t is None else t[slot:slot + 1] for t in store.recurrent[spec.layer_idx]]
+                view = SlotView(spec, conv, rec, has_previous=seg.has_previous or k > 0)
+                y = run(hidden[:, a:b], view)
+                if out is None:
+                    out = hidden.new_empty(1, hidden.shape[1], y.shape[-1], dtype=y.dtype)
+                out[:, a:b] = y
+                _put_back(view, store, spec, slot=slot, given=(conv, rec))
+                if ckpt is not None:
+                    store.copy_layer(spec.layer_idx, slot, ckpt)
         assert out is not None, "a step with no rows"
         return out
 
     return forward
+
+
+def _pieces(seg: Segment) -> list[tuple[int, int, int | None]]:
+    """The segment's rows cut at its snapshots: (first row, end row, checkpoint slot after it)."""
+    pieces, start = [], seg.first
+    for offset, ckpt in seg.snapshots:
+        pieces.append((start, seg.first + offset, ckpt))
+        start = seg.first + offset
+    if start < seg.end:
+        pieces.append((start, seg.end, None))
+    return pieces
 
 
 def _put_back(view: SlotView, store: StateStore, spec: MixerSpec, slots: torch.Tensor | None = None,

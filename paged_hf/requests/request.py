@@ -78,6 +78,8 @@ class Request:
     state_slot: int | None = None  # hybrid models: the slot holding its stateful layers' state
     swap_state_slot: int | None = None  # swap preemption: the slot whose state is to be copied out
     swapped_state: Any = None  # the host copy of that state
+    # hybrids: (position, checkpoint slot) of the state snapshots this step takes, attached after it
+    pending_checkpoints: list = field(default_factory=list)
     logprobs: list = field(default_factory=list)
     generator: "torch.Generator | None" = None
     error: str | None = None  # why it finished with FinishReason.ERROR
