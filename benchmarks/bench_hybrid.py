@@ -85,7 +85,7 @@ def main() -> int:
                 rates.setdefault(f"static B={b}", []).append(sum(map(len, res.tokens)) / (res.t_end - res.t_start))
             engine.reset_prefix_cache()
             before = engine.stats()
-            res = S.run_paged(engine, w, tag=f"r{r}")
+            res = S.run_paged(engine, w, tag=f"{w.name}-{r}-")
             rates.setdefault("paged_hf", []).append(sum(map(len, res.tokens)) / (res.t_end - res.t_start))
             hits.append(engine.stats()["prefix_hit_tokens"] - before["prefix_hit_tokens"])
         med = {k: statistics.median(v) for k, v in rates.items()}
