@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_attention  # noqa: E402
 from paged_hf.cache.coherence import WeightsWatch  # noqa: E402
 
 
@@ -50,13 +50,8 @@ def smollm2() -> torch.nn.Module:
 
 
 def timed(fn, repeat: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e6
+    """Median microseconds of ``fn`` (bench_attention's timer, in seconds there)."""
+    return bench_attention.timed(fn, repeat) * 1e6
 
 
 def measure(name: str, model: torch.nn.Module, repeat: int) -> dict:
