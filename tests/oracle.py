@@ -6,8 +6,6 @@ tiny random models are full of; a wrong cache or mask moves logits far more than
 """
 from __future__ import annotations
 
-import inspect
-
 import torch
 
 FP32_TOL = 1e-3
@@ -83,14 +81,6 @@ def assert_logprobs_close_incremental(reference: torch.nn.Module, prompt: list[i
 @torch.no_grad()
 def incremental_logprobs(reference: torch.nn.Module, prompt: list[int], generated: list[int]) -> torch.Tensor:
     """[len(generated), vocab] log-softmax of transformers' incremental path, teacher-forced."""
-    from transformers import DynamicCache
+    from paged_hf.model.support import incremental_logits
 
-    cache = DynamicCache(config=reference.config)
-    name = "cache" if "cache" in inspect.signature(reference.forward).parameters else "past_key_values"
-    # positions given, as generate gives them: a hybrid's cache may not know its length (layer 0 keeps a state)
-    rows = [reference(input_ids=torch.tensor([prompt]), position_ids=torch.arange(len(prompt))[None],
-                      **{name: cache}, use_cache=True).logits[0, -1]]
-    for i, tok in enumerate(generated[:-1]):
-        rows.append(reference(input_ids=torch.tensor([[tok]]), position_ids=torch.tensor([[len(prompt) + i]]),
-                              **{name: cache}, use_cache=True).logits[0, -1])
-    return torch.log_softmax(torch.stack(rows).float(), dim=-1)
+    return torch.log_softmax(incremental_logits(reference, prompt, generated), dim=-1)

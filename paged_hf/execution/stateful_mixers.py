@@ -123,14 +123,21 @@ class MixerRunner:
                 del module.forward
 
 
+def mixer_arguments(params: list[str], args: tuple, kwargs: dict) -> tuple[torch.Tensor, dict]:
+    """A mixer call's hidden states, and its other arguments by name less any cache (the view is
+    passed instead). ``params``: the names of the mixer forward's parameters."""
+    kwargs = dict(kwargs) | dict(zip(params, args))
+    hidden = kwargs.pop(params[0])
+    for name in CACHE_ARGS:
+        kwargs.pop(name, None)
+    return hidden, kwargs
+
+
 def stepped_forward(original: Any, spec: MixerSpec, store: StateStore, plan: StatePlan) -> Any:
     params = list(inspect.signature(original).parameters)
 
     def forward(*args: Any, **kwargs: Any) -> torch.Tensor:
-        kwargs.update(zip(params, args))  # every argument by name
-        hidden = kwargs.pop(params[0])
-        for name in CACHE_ARGS:
-            kwargs.pop(name, None)
+        hidden, kwargs = mixer_arguments(params, args, kwargs)
         if "attention_mask" in kwargs:
             kwargs["attention_mask"] = None  # a packed step has no padding
         out: torch.Tensor | None = None

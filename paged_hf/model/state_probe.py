@@ -102,12 +102,8 @@ def probe_state_layout(model: torch.nn.Module, input_ids: torch.Tensor, check_ch
     continues = True
     for spec in layout.mixers:
         module = model.get_submodule(spec.path)
-        continues &= _continues_chunks(module, spec, *inputs[id(module)], names_of(model)[id(module)])
+        continues &= _continues_chunks(module, spec, *inputs[id(module)], spec.path)
     return dataclasses.replace(layout, continues_chunks=continues)
-
-
-def names_of(model: torch.nn.Module) -> dict[int, str]:
-    return {id(m): name for name, m in model.named_modules()}
 
 
 def _continues_chunks(module: torch.nn.Module, spec: MixerSpec, args: tuple, kwargs: dict, where: str) -> bool:
@@ -117,13 +113,9 @@ def _continues_chunks(module: torch.nn.Module, spec: MixerSpec, args: tuple, kwa
     model is refused; the second half as one chunk tells whether it carries its state into a
     chunk (Mamba1-style mixers drop it)."""
     from ..execution.state_store import StateStore
-    from ..execution.stateful_mixers import CACHE_ARGS, StatePlan, stepped_forward
+    from ..execution.stateful_mixers import StatePlan, mixer_arguments, stepped_forward
 
-    params = list(inspect.signature(module.forward).parameters)
-    kwargs = dict(kwargs) | dict(zip(params, args))
-    hidden = kwargs.pop(params[0])
-    for name in CACHE_ARGS:
-        kwargs.pop(name, None)
+    hidden, kwargs = mixer_arguments(list(inspect.signature(module.forward).parameters), args, kwargs)
     n, half = hidden.shape[1], hidden.shape[1] // 2
     tol = 1e-3 if hidden.dtype == torch.float32 else 5e-2
 

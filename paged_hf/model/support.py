@@ -233,7 +233,7 @@ def compare(reference: torch.nn.Module, prompts: list[list[int]], outputs: list[
         gen = out.token_ids
         logits = reference(input_ids=torch.tensor([prompt + gen]), use_cache=False).logits[0].float()
         logits = logits[len(prompt) - 1: len(prompt) - 1 + len(gen)]
-        logprobs = torch.log_softmax(_incremental_logits(reference, prompt, gen) if stateful else logits, dim=-1)
+        logprobs = torch.log_softmax(incremental_logits(reference, prompt, gen) if stateful else logits, dim=-1)
         tol = STATEFUL_LOGPROB_TOL if stateful else LOGPROB_TOL
         for step, tok in enumerate(gen):
             gap = float(logits[step].max() - logits[step, tok])
@@ -246,7 +246,7 @@ def compare(reference: torch.nn.Module, prompts: list[list[int]], outputs: list[
     return problems
 
 
-def _incremental_logits(reference: torch.nn.Module, prompt: list[int], gen: list[int]) -> torch.Tensor:
+def incremental_logits(reference: torch.nn.Module, prompt: list[int], gen: list[int]) -> torch.Tensor:
     """The logits transformers' generate computes for ``gen``, teacher-forced: the prompt with its own
     cache, then one token at a time (positions given, as generate gives them)."""
     from transformers import DynamicCache
