@@ -17,6 +17,7 @@ from . import cpu_linear
 from .attention import active_backend
 from .backends import select_backend
 from .cuda_graphs import DecodeAccelerator, wants_decode_accelerator
+from ..cache.kv_groups import CacheGroup
 from .kv_geometry import KVLayout
 from .metadata import StepMetadata, build_step_metadata
 from .state_geometry import StateLayout
@@ -48,12 +49,27 @@ def max_positions(model: torch.nn.Module) -> tuple[int | None, int | None]:
     return base, most
 
 
+def cache_groups(model: torch.nn.Module, config: EngineConfig, layout: KVLayout,
+                 state_layout: StateLayout | None = None) -> tuple[CacheGroup, ...]:
+    """The cache groups the engine runs the model's layers in: sliding and chunked layers apart from
+    full ones (paged_hf/cache/kv_groups.py), unless ``keep_every_kv_block``, or the step runs where
+    groups are not served yet (FlashInfer, CUDA graphs and compiled decode steps read group 0's
+    tables only): there every block is kept, as it always was, with the same results."""
+    param = next(model.parameters())
+    backend = select_backend(config.backend, param.device, param.dtype, layout, quiet=True)
+    keep = (config.keep_every_kv_block or not getattr(backend, "serves_cache_groups", False)
+            or (wants_decode_accelerator(config, param.device) and state_layout is None))
+    return layout.cache_groups(keep_every_block=keep)
+
+
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, config: EngineConfig, num_blocks: int, layout: KVLayout,
-                 state_layout: StateLayout | None = None, num_state_slots: int = 0) -> None:
+                 state_layout: StateLayout | None = None, num_state_slots: int = 0,
+                 groups: tuple[CacheGroup, ...] | None = None) -> None:
         """``layout``: the model's per-layer KV geometry (paged_hf/execution/kv_geometry.py), found when it was
         patched; ``state_layout``: a hybrid model's stateful layers (paged_hf/execution/state_geometry.py), whose
-        states live in ``num_state_slots`` slots (running sequences', then prefix checkpoints)."""
+        states live in ``num_state_slots`` slots (running sequences', then prefix checkpoints);
+        ``groups``: the cache groups (``cache_groups``), ``num_blocks`` pages of which the backend holds."""
         self.model = model
         self.config = config
         self.device = next(model.parameters()).device
@@ -63,8 +79,10 @@ class ModelRunner:
         # padded decode steps (CUDA graphs / compile) need one extra KV block for their padding rows;
         # a hybrid's state gather is not captured (never run on a GPU), so its decode steps run eagerly
         accelerate = wants_decode_accelerator(config, self.device) and state_layout is None
+        self.groups = groups or cache_groups(model, config, layout, state_layout)
+        kwargs = {"groups": self.groups} if len(self.groups) > 1 else {}
         self.backend = select_backend(config.backend, self.device, self.dtype, layout)(
-            layout, num_blocks + int(accelerate), config.block_size, dtype=self.dtype, device=self.device)
+            layout, num_blocks + int(accelerate), config.block_size, dtype=self.dtype, device=self.device, **kwargs)
         self.decode = DecodeAccelerator.build(model, self.backend, config, pad_block=num_blocks) if accelerate else None
         # bf16 on a CPU: the linear layers use weights packed once for oneDNN (paged_hf/execution/cpu_linear.py)
         self.packed = cpu_linear.PackedLinears(model) if (config.cpu_packed_weights and self.decode is None and
@@ -93,7 +111,7 @@ class ModelRunner:
     def execute(self, scheduled: list[tuple[Request, int]], block_copies: list[tuple[int, int]]
                 ) -> tuple[torch.Tensor, StepMetadata]:
         """Run the step; return logits [B', V] for ``meta.sampled_requests`` and the metadata."""
-        meta = build_step_metadata(scheduled, self.config.block_size, self.device)
+        meta = build_step_metadata(scheduled, self.config.block_size, self.device, self.groups)
         self.backend.copy_blocks(block_copies)
         if self.decode is not None and self.decode.can_run(meta):
             return self.decode.run(meta), meta
