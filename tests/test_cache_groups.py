@@ -63,9 +63,10 @@ def check_tables(engine: paged_hf.Engine) -> None:
     for page, n in holders.items():
         assert kv.pool.refcount[page] == n, (page, kv.pool.refcount[page], n)
     assert kv.pool.num_used == len(holders)
-    if kv.index is not None:
+    if kv.index is not None:  # what the index may evict is exactly what it holds and nobody uses
         assert all(kv.pool.refcount[p] == 0 for p in kv.index._loose)
-        assert kv.index.evictable_blocks == kv.pool.num_cached
+        assert kv.index.evictable_blocks == sum(kv.pool.refcount[p] == 0 for p in kv.index._held)
+        assert not any(kv.pool.is_free(p) for p in kv.index._held)
 
 
 def checked(engine: paged_hf.Engine) -> paged_hf.Engine:
