@@ -204,6 +204,25 @@ class Engine(Admission, StepLoop, OutputAssembly, BatchCalls):
         else:
             self.scheduler.finish(req, FinishReason.ERROR, time.perf_counter())
 
+    def sleep(self) -> None:
+        """Let go of the KV cache's memory (and a hybrid's state slots, captured CUDA graphs, packed
+        CPU weights) between generations, as vLLM's sleep mode does next to a training step; the
+        prefix cache is emptied. The next step wakes the engine (``wake_up``): the memory is
+        allocated again, empty. Only an idle engine sleeps."""
+        if self.is_busy:
+            raise RuntimeError("Engine.sleep(): requests are still live; let them finish or abort them first")
+        self.kv.pool.drop_cached()
+        self.runner.sleep()
+        logger.info("paged_hf: the engine sleeps; its KV cache is released")
+
+    def wake_up(self) -> None:
+        """Allocate the memory ``sleep`` let go of (the first step after a sleep does it by itself)."""
+        self.runner.wake_up()
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self.runner.asleep
+
     def reset_prefix_cache(self) -> None:
         """Never serve a block cached so far: requests admitted from now on compute their KV
         anew, and what was derived from the weights (packed CPU weights, captured CUDA graphs) is
@@ -261,7 +280,7 @@ class Engine(Admission, StepLoop, OutputAssembly, BatchCalls):
         state = {} if self.kv.state is None else {
             "state_slots": self.kv.state.num_slots, "state_slots_used": self.kv.state.num_used,
             "state_checkpoints": self.kv.state.num_checkpoints_held, "state_checkpoint_hits": self.kv.state.checkpoint_hits,
-            "state_bytes": self.runner.states.nbytes}
+            "state_bytes": 0 if self.runner.asleep else self.runner.states.nbytes}
         return state | {
             "prompt_tokens": s.prompt_tokens,
             "prefill_tokens_computed": s.prefill_tokens_computed,
@@ -280,5 +299,6 @@ class Engine(Admission, StepLoop, OutputAssembly, BatchCalls):
             "cache_groups": self.group_stats(),
             "kv_waste": s.kv_waste_sum / s.steps if s.steps else 0.0,
             "block_size": self.kv.block_size,
-            "backend": self.runner.backend.name,
+            "backend": self.runner.backend_name,
+            "asleep": self.runner.asleep,
         }

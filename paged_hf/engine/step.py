@@ -33,6 +33,8 @@ class StepLoop:
         """
         check_still_patched(self.model, self._patch_state)
         self.check_weights()
+        if self.runner.asleep:
+            self.wake_up()
         sched = self.scheduler
         out = sched.schedule()
         if out.is_empty:

@@ -49,6 +49,20 @@ def max_positions(model: torch.nn.Module) -> tuple[int | None, int | None]:
     return base, most
 
 
+@contextlib.contextmanager
+def eval_modes(model: torch.nn.Module):
+    """The engine's forwards run with dropout off whatever mode the model is in (a trainer keeps it
+    in train mode between generations); every module's mode is put back after."""
+    training = [m for m in model.modules() if m.training]
+    for m in training:
+        m.training = False
+    try:
+        yield
+    finally:
+        for m in training:
+            m.training = True
+
+
 def cache_groups(model: torch.nn.Module, config: EngineConfig, layout: KVLayout,
                  state_layout: StateLayout | None = None) -> tuple[CacheGroup, ...]:
     """The cache groups the engine runs the model's layers in: sliding and chunked layers apart from
@@ -74,16 +88,10 @@ class ModelRunner:
         self.config = config
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
-        self.states = StateStore(state_layout, num_state_slots, self.device) if state_layout is not None else None
-        self.mixers = MixerRunner(model, state_layout, self.states) if state_layout is not None else None
-        # padded decode steps (CUDA graphs / compile) need one extra KV block for their padding rows;
-        # a hybrid's state gather is not captured (never run on a GPU), so its decode steps run eagerly
-        accelerate = wants_decode_accelerator(config, self.device) and state_layout is None
         self.groups = groups or cache_groups(model, config, layout, state_layout)
-        kwargs = {"groups": self.groups} if len(self.groups) > 1 else {}
-        self.backend = select_backend(config.backend, self.device, self.dtype, layout)(
-            layout, num_blocks + int(accelerate), config.block_size, dtype=self.dtype, device=self.device, **kwargs)
-        self.decode = DecodeAccelerator.build(model, self.backend, config, pad_block=num_blocks) if accelerate else None
+        self._sizes = (num_blocks, layout, state_layout, num_state_slots)
+        self.asleep = False
+        self._allocate()
         # bf16 on a CPU: the linear layers use weights packed once for oneDNN (paged_hf/execution/cpu_linear.py)
         self.packed = cpu_linear.PackedLinears(model) if (config.cpu_packed_weights and self.decode is None and
                                                           cpu_linear.supported(self.dtype, self.device)) else None
@@ -93,6 +101,37 @@ class ModelRunner:
                 logger.warning("paged_hf: linear weights are not packed for oneDNN (%s); steps run ~10-20%% "
                                "slower. cpu_packed_weights=False silences this.", why)
                 self.packed = None
+
+    def _allocate(self) -> None:
+        """The KV tensors (through the backend), the state slots and the decode accelerator."""
+        num_blocks, layout, state_layout, num_state_slots = self._sizes
+        config = self.config
+        self.states = StateStore(state_layout, num_state_slots, self.device) if state_layout is not None else None
+        self.mixers = MixerRunner(self.model, state_layout, self.states) if state_layout is not None else None
+        # padded decode steps (CUDA graphs / compile) need one extra KV block for their padding rows;
+        # a hybrid's state gather is not captured (never run on a GPU), so its decode steps run eagerly
+        accelerate = wants_decode_accelerator(config, self.device) and state_layout is None
+        kwargs = {"groups": self.groups} if len(self.groups) > 1 else {}
+        self.backend = select_backend(config.backend, self.device, self.dtype, layout)(
+            layout, num_blocks + int(accelerate), config.block_size, dtype=self.dtype, device=self.device, **kwargs)
+        self.decode = DecodeAccelerator.build(self.model, self.backend, config, pad_block=num_blocks) \
+            if accelerate else None
+        self.backend_name = self.backend.name
+
+    def sleep(self) -> None:
+        """Let go of the KV cache, the state slots, captured graphs and packed weights (their contents
+        are lost); ``wake_up`` makes them again, empty."""
+        self.backend = self.states = self.mixers = self.decode = None
+        if self.packed is not None:
+            self.packed.reset()
+        self.asleep = True
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def wake_up(self) -> None:
+        if self.asleep:
+            self._allocate()
+            self.asleep = False
 
     def weights_changed(self, moved: bool = True) -> None:
         """The model's weights changed (``moved``: some tensor has new storage): what was derived
@@ -113,6 +152,10 @@ class ModelRunner:
         """Run the step; return logits [B', V] for ``meta.sampled_requests`` and the metadata."""
         meta = build_step_metadata(scheduled, self.config.block_size, self.device, self.groups)
         self.backend.copy_blocks(block_copies)
+        with eval_modes(self.model):
+            return self._forward(meta, scheduled)
+
+    def _forward(self, meta: StepMetadata, scheduled: list[tuple[Request, int]]) -> tuple[torch.Tensor, StepMetadata]:
         if self.decode is not None and self.decode.can_run(meta):
             return self.decode.run(meta), meta
         self.backend.plan(meta)
