@@ -23,6 +23,7 @@ Where things live: folders are roles, and imports run one way, top to bottom
   config.py                  EngineConfig, read by every layer
 """
 from .config import EngineConfig
+from .execution import attention as _attention
 from .engine.outputs import Completion, RequestOutput
 from .engine.scoring import ScoreOutput
 from .frontends.datasets_eval import generate_dataset
@@ -33,3 +34,7 @@ from .requests.sampling_params import SamplingParams
 __all__ = ["Completion", "Engine", "EngineConfig", "RequestOutput", "SamplingParams", "ScoreOutput",
            "UnsupportedModelError", "engine_for", "generate_dataset", "is_patched", "patch", "serve", "unpatch"]
 __version__ = "0.1.0"
+
+# "paged_hf" is a valid attn_implementation from import on: a model loaded with it (TRL's reference
+# model copies its policy's) runs plain forwards through sdpa, or what patched models of its class had
+_attention.register()

@@ -40,6 +40,9 @@ class EngineConfig:
     # "auto": DEFAULT_CPU_MAX_PREFILL_TOKENS_WHILE_DECODING on a CPU, no cap on CUDA
     max_prefill_tokens_while_decoding: int | str | None = "auto"
     enable_prefix_caching: bool = True
+    # sliding-window and chunked layers keep every block, as full ones do (for comparisons): by
+    # default a block goes back to the pool once no query can read it (paged_hf/cache/kv_groups.py)
+    keep_every_kv_block: bool = False
     backend: str = "auto"  # "auto", "torch" or "flashinfer"
     namespace: str | None = None  # prefix-cache namespace (model / adapter id); None: derived from the model
     # CUDA path (issue 5): see paged_hf/execution/cuda_graphs.py, paged_hf/execution/compile_decode.py, paged_hf/execution/backends/swap.py
@@ -77,7 +80,7 @@ class EngineConfig:
         if self.max_num_seqs > self.max_num_batched_tokens:
             raise ValueError(f"max_num_seqs={self.max_num_seqs} exceeds max_num_batched_tokens="
                              f"{self.max_num_batched_tokens}: decodes need one token of budget each")
-        for name in ("enable_prefix_caching", "use_cuda_graphs", "cpu_packed_weights"):
+        for name in ("enable_prefix_caching", "use_cuda_graphs", "cpu_packed_weights", "keep_every_kv_block"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r}, must be True or False")
         if self.backend not in ("auto", "torch", "flashinfer"):

@@ -184,7 +184,7 @@ def test_kernel_backend_agrees_with_the_torch_backend(dtype, window, softcap):
                                                                                  ref.kv[2 * layer + 1])
         tol = 2e-5 if dtype == torch.float32 else 3e-2  # the torch path rounds scores and probs to bf16
         torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
-        assert ker._torch_plan == "long" and len(ker._args[0]) == sum(takes), "the kernel served what it takes"
+        assert ker._groups[0].torch_kind == "long" and len(ker._groups[0].args[0]) == sum(takes), "the kernel served what it takes"
 
 
 def test_on_the_bf16_path_the_kernel_attends_every_sequence():
@@ -212,7 +212,7 @@ def test_on_the_bf16_path_the_kernel_attends_every_sequence():
     ker.plan(meta)
     want = ref.attend(0, q, k, v, d ** -0.5)
     got = ker.attend(0, q, k, v, d ** -0.5)
-    assert ker._torch_plan is None and len(ker._args[0]) == len(specs), "the kernel attended every sequence"
+    assert ker._groups[0].torch_kind is None and len(ker._groups[0].args[0]) == len(specs), "the kernel attended every sequence"
     torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=3e-2)
 
 
@@ -227,14 +227,14 @@ def test_a_layer_with_a_feature_the_kernel_lacks_takes_the_torch_path(monkeypatc
     ker.plan(meta)
     q, k, v = torch.randn(1, 4, 6, 16), torch.randn(1, 2, 6, 16), torch.randn(1, 2, 6, 16)
     assert ker.attend(0, q, k, v, 0.25, sinks=torch.zeros(4)) == "torch path"
-    assert ker._torch_plan == "full" and calls and "sinks" in calls[0]
+    assert ker._groups[0].torch_kind == "full" and calls and "sinks" in calls[0]
     assert ker.attend(0, q, k, v, 0.25, sinks=None).shape == (1, 6, 4, 16)  # an absent feature: the kernel
     assert len(calls) == 1
 
     from paged_hf.execution.kv_geometry import KVLayout, LayerSpec
     chunked = cpa.CpuPagedBackend(KVLayout((LayerSpec(4, 2, 16, 16, chunk=8),)), n_blocks, bs, dtype=torch.float32)
     chunked.plan(meta)
-    assert chunked.attend(0, q, k, v, 0.25) == "torch path" and chunked._torch_plan == "full"  # a chunked layer
+    assert chunked.attend(0, q, k, v, 0.25) == "torch path" and chunked._groups[0].torch_kind == "full"  # a chunked layer
 
 
 # ---- generation through the kernel against transformers ----------------------------------------

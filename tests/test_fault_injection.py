@@ -12,7 +12,9 @@ aborts a request, a poison request joins the batch.
 
 A tiny llama in float64 makes greedy tokens independent of how requests are batched, so "the
 same tokens" is exact equality; a tiny Qwen3.5 (gated DeltaNet layers beside attention) in float64
-runs the same faults over state slots, which must all be given back too.
+runs the same faults over state slots, which must all be given back too; a tiny Gemma 3 (sliding
+layers beside full ones: two cache groups, the sliding one freeing blocks as they slide out) runs
+them over every group's tables, checked after every step.
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ from paged_hf.engine import step as engine_module
 from paged_hf.execution import sampler
 from paged_hf.requests.request import root_request_id, sample_request_id
 from paged_hf.model.support import build_tiny_model
+from test_cache_groups import check_tables
 from tiny_models import N_SPECIAL, make_tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -58,10 +61,12 @@ def workloads(draw, fault: str, kind: str = "llama"):
         requests.append((prompt, params))
     block_size = draw(st.sampled_from([2, 4]))
     longest = max(len(p) + sp.max_new_tokens for p, sp in requests)
+    groups = 2 if kind == "gemma3_text" else 1  # its pool's pages are one group's; a request holds some in each
     swap_fault = fault == "swap_out_error"  # needs swap preemption, so a tight pool
     config = dict(block_size=block_size,
                   # from just enough for the longest request (preemption certain) to roomy
-                  num_blocks=-(-longest // block_size) + draw(st.sampled_from([0, 1, 2] if swap_fault else [0, 1, 2, 4, 12])),
+                  num_blocks=groups * -(-longest // block_size)
+                  + draw(st.sampled_from([0, 1, 2] if swap_fault else [0, 1, 2, 4, 12])),
                   max_num_batched_tokens=draw(st.sampled_from([8, 16, 64])),
                   max_num_seqs=draw(st.sampled_from([3, 4, 8])),
                   enable_prefix_caching=draw(st.booleans()),
@@ -106,11 +111,19 @@ def test_a_single_fault_harms_only_what_it_touches_on_a_hybrid(fault, data):
     single_fault(fault, data, "qwen3_5_text")
 
 
+@pytest.mark.parametrize("fault", FAULTS)
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(data=st.data())
+def test_a_single_fault_harms_only_what_it_touches_with_cache_groups(fault, data):
+    single_fault(fault, data, "gemma3_text")
+
+
 def single_fault(fault: str, data, kind: str) -> None:
     requests, config, where, victim = data.draw(workloads(fault, kind))
     model = tiny_model(kind)
     reference = tokens(run(paged_hf.Engine(model, **config), requests))
     engine = paged_hf.Engine(model, **config)
+    assert len(engine.groups) == (2 if kind == "gemma3_text" else 1)
     touched: set[str] = set()   # sample ids the fault may end with an error
     aborted: set[str] = set()   # root ids a callback aborted
     victim_id: list[str] = []   # the victim's request id, once submitted
@@ -125,6 +138,7 @@ def single_fault(fault: str, data, kind: str) -> None:
         if fault.startswith("forward") and len(calls) == where + 1:
             touched.update(in_step)
             raise RuntimeError("device error") if fault == "forward_error" else KeyboardInterrupt
+        check_tables(engine)  # every group's tables, as the step found them
         return execute(scheduled, copies)
 
     def faulty_prepare(logits, row, req):
@@ -187,7 +201,7 @@ def single_fault(fault: str, data, kind: str) -> None:
                     if r is None:  # a sample forked in the undone step is gone; it forks again
                         assert root_request_id(rid) != rid and rid not in running, rid
                     else:
-                        assert not r.block_table and r.num_computed_tokens == 0, rid
+                        assert not r.block_tables and r.num_computed_tokens == 0, rid
                 touched.clear()
         outputs = engine.run_until_done(rids, on_token=on_token if fault.startswith("callback") else None)
     except KeyboardInterrupt:
@@ -199,6 +213,7 @@ def single_fault(fault: str, data, kind: str) -> None:
         engine.runner.backend.__dict__.pop("swap_out", None)
 
     assert_clean(engine)
+    check_tables(engine)
     event(f"{'interrupted' if interrupted else f'{len(touched)} touched, {len(aborted)} aborted'}")
     event(f"samples of n > 1 touched: {any(root_request_id(rid) != rid for rid in touched)}")
     event(f"preemptions: {'some' if engine.stats()['preemptions'] else 'none'} ({config['preemption_mode']})")

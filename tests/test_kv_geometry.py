@@ -81,8 +81,10 @@ def test_swap_preemption_gives_the_same_tokens(name):
     model = make_arch_model(name)
     prompts, params = _workload(model.config.vocab_size)
     big = paged_hf.Engine(model, num_blocks=128, block_size=4, max_num_seqs=8)
-    small = paged_hf.Engine(model, num_blocks=14, block_size=4, max_num_seqs=6, max_num_batched_tokens=32,
-                            preemption_mode="swap")
+    # pages of one cache group each: gpt_oss's sliding and full layers are two groups, its sliding
+    # pages freed as they slide out; both pools are small enough to preempt
+    small = paged_hf.Engine(model, num_blocks={"deepseek_v3": 14, "gpt_oss": 24}[name], block_size=4, max_num_seqs=6,
+                            max_num_batched_tokens=32, preemption_mode="swap")
     assert [o.token_ids for o in small.generate(prompts, params)] == [o.token_ids for o in big.generate(prompts, params)]
     assert small.stats()["preemptions"] > 0
 

@@ -7,11 +7,12 @@ copy-on-write returns the (src, dst) block pairs the backend must copy before th
 """
 from __future__ import annotations
 
-from typing import Hashable
+from typing import Hashable, Sequence
 
 from ..requests.request import Request
 from .block_pool import BlockPool
-from .prefix_index import RadixPrefixIndex
+from .kv_groups import FULL, CacheGroup
+from .prefix_index import Node, RadixPrefixIndex
 from .state_slots import StateSlots
 
 
@@ -22,15 +23,23 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  namespace: Hashable = "", state_slots: StateSlots | None = None,
-                 checkpoint_interval: int | None = None) -> None:
+                 checkpoint_interval: int | None = None, groups: Sequence[CacheGroup] = (FULL,),
+                 step_tokens: int | None = None) -> None:
         """``state_slots``: a hybrid model's state slots; a request takes one with its first blocks
         and gives it back with them. With prefix caching, a prompt's state is checkpointed every
         ``checkpoint_interval`` tokens (a block multiple) and at its last full block, and a prefix
-        hit is served only up to the deepest checkpoint on its path."""
+        hit is served only up to the deepest checkpoint on its path.
+
+        ``groups``: the cache groups (paged_hf/cache/kv_groups.py); each request holds a table per
+        group over the one pool of pages, and a sliding or chunked group's pages go back to the pool
+        as they fall out of reach. ``step_tokens``: the most tokens a step computes for a request
+        (what a sliding group holds at most while a chunk is written)."""
         self.block_size = block_size
+        self.groups = tuple(groups)
+        self.step_tokens = step_tokens or block_size
         self.state = state_slots
         on_drop = state_slots.dropped if state_slots is not None else None
-        self.index = RadixPrefixIndex(block_size, namespace, on_drop) if enable_prefix_caching else None
+        self.index = RadixPrefixIndex(block_size, namespace, on_drop, self.groups) if enable_prefix_caching else None
         self.pool = BlockPool(num_blocks, block_size, self.index)
         self.state_copies: list[tuple[int, int]] = []  # (src, dst) slots to copy before the next step
         self.checkpoints = self.index is not None and state_slots is not None and state_slots.num_checkpoints > 0
@@ -41,72 +50,155 @@ class BlockManager:
     def num_blocks(self) -> int:
         return self.pool.num_blocks
 
+    def most_blocks(self, num_tokens: int) -> int:
+        """The most pages a request of ``num_tokens`` holds at once, over every group."""
+        return sum(g.most_blocks(num_tokens, self.step_tokens, self.block_size) for g in self.groups)
+
     # ---- admission -----------------------------------------------------------------------
     def admit(self, req: Request) -> int:
         """Take the cached prefix of a request that holds no blocks; return its token count.
 
         At least one token is always left to compute: its logits give the next sample; and no
-        position whose logits are still to be scored is served (``Request.prefix_limit``).
+        position whose logits are still to be scored is served (``Request.prefix_limit``). A
+        sliding group needs only the pages of the last window before the hit point (a chunked one,
+        those of its chunk), and a hybrid a state checkpoint at exactly that point.
         """
-        assert not req.block_table and req.num_computed_tokens == 0, req.request_id
+        assert not req.block_tables and req.num_computed_tokens == 0, req.request_id
         if self.index is None:
             return 0
         req.cache_namespace = self.index.namespace  # the KV it computes from now on belongs there
-        node, blocks = self.index.match_prefix(req.token_ids[: req.prefix_limit], req.cache_salt)
-        if blocks and self.state is not None:  # hybrids: only as far as a checkpointed state reaches
-            while not node.is_root and node.state is None:
-                node = node.parent
-            blocks = [] if node.is_root else blocks[: node.num_blocks_from_root]
-            if blocks:
-                self.state.hit(node.state)
-                self.state_copies.append((node.state, self.state.take(req)))
-        if blocks:
-            self.pool.incref(blocks)
-            self.index.lock(node)
-            req.prefix_node = node
-            req.block_table = list(blocks)
-            req.num_tree_blocks = len(blocks)
-            req.num_computed_tokens = len(blocks) * self.block_size
+        tokens = req.token_ids[: req.prefix_limit]
+        node, blocks = self.index.match_prefix(tokens, req.cache_salt)
+        if not blocks:
+            return 0
+        tables = self.index.path_tables(node) if len(self.groups) > 1 else [blocks]
+        n = self._servable(node, tables)
+        if n == 0:
+            return 0
+        if n < len(blocks):  # the node ending at the hit point (the walk splits an edge there)
+            node, blocks = self.index.match_prefix(tokens[: n * self.block_size], req.cache_salt)
+        tables = [self._reach(g, t[:n], n * self.block_size) for g, t in zip(self.groups, tables)]
+        if self.state is not None:
+            self.state.hit(node.state)
+            self.state_copies.append((node.state, self.state.take(req)))
+        self.pool.incref([b for t in tables for b in t if b >= 0])
+        self.index.lock(node)
+        req.prefix_node = node
+        req.block_tables = tables
+        req.kv_released = [g.first_needed_block(n * self.block_size, self.block_size) for g in self.groups]
+        req.num_tree_blocks = n
+        req.num_computed_tokens = n * self.block_size
         return req.num_computed_tokens
+
+    def _servable(self, node: Node, tables: list[list[int]]) -> int:
+        """The most blocks of the matched path a hit may resume after: every group holds what the
+        next query reads there, and (hybrids) a state checkpoint ends there."""
+        bs = self.block_size
+        if self.state is not None:
+            ends = []
+            while not node.is_root:
+                if node.state is not None:
+                    ends.append(node.num_blocks_from_root)
+                node = node.parent
+        else:
+            ends = range(len(tables[0]), 0, -1)
+        for n in ends:
+            if all(g.is_full or all(b >= 0 for b in t[g.first_needed_block(n * bs, bs): n])
+                   for g, t in zip(self.groups, tables)):
+                return n
+        return 0
+
+    def _reach(self, group: CacheGroup, table: list[int], num_tokens: int) -> list[int]:
+        """``table`` with -1 for the blocks no query from ``num_tokens`` on reads."""
+        first = group.first_needed_block(num_tokens, self.block_size)
+        return [-1] * first + table[first:] if first else list(table)
 
     # ---- slots for the next step ---------------------------------------------------------
     def blocks_needed(self, req: Request, n_new: int) -> int:
-        total = blocks_for(req.num_computed_tokens + n_new, self.block_size)
-        need = max(0, total - len(req.block_table))
-        if self._shared_tail(req) is not None and n_new > 0:
-            need += 1
+        bs, nc = self.block_size, req.num_computed_tokens
+        total = blocks_for(nc + n_new, bs)
+        need = 0
+        for g, group in enumerate(self.groups):
+            have = len(req.block_tables[g]) if req.block_tables else 0
+            need += max(0, total - max(have, group.first_needed_block(nc, bs)))
+            if n_new > 0 and self._shared_tail(req, g) is not None:
+                need += 1
         return need
 
     def allocate_slots(self, req: Request, n_new: int, copies: list[tuple[int, int]]) -> bool:
         """Make room for ``n_new`` more tokens of KV; False (and no change) if the pool is short.
 
         A partially filled block that others share is copied first (copy-on-write); the
-        (src, dst) pair is appended to ``copies``.
+        (src, dst) pair is appended to ``copies``. A sliding group's blocks that no query from
+        here on reads are not allocated (-1).
         """
         need = self.blocks_needed(req, n_new)
         if need > self.pool.num_available:
             return False
         if self.state is not None:
             self.state.take(req)
-        if need == 0:
-            return True
-        fresh = self.pool.allocate(need)
-        shared = self._shared_tail(req) if n_new > 0 else None
-        if shared is not None:
-            dst = fresh.pop()
-            copies.append((req.block_table[shared], dst))
-            self.pool.decref([req.block_table[shared]])
-            req.block_table[shared] = dst
-        req.block_table.extend(fresh)
+        if not req.block_tables:
+            req.block_tables = [[] for _ in self.groups]
+            req.kv_released = [0] * len(self.groups)
+        fresh = iter(self.pool.allocate(need))
+        bs, nc = self.block_size, req.num_computed_tokens
+        total = blocks_for(nc + n_new, bs)
+        for g, (group, table) in enumerate(zip(self.groups, req.block_tables)):
+            shared = self._shared_tail(req, g) if n_new > 0 else None
+            if shared is not None:
+                dst = next(fresh)
+                copies.append((table[shared], dst))
+                self.pool.decref([table[shared]])
+                table[shared] = dst
+            first = group.first_needed_block(nc, bs)
+            if len(table) < first:
+                table.extend([-1] * (first - len(table)))
+                req.kv_released[g] = max(req.kv_released[g], first)
+            table.extend(next(fresh) for _ in range(total - len(table)))
         return True
 
-    def _shared_tail(self, req: Request) -> int | None:
-        """Index of the partially filled block the next token is written to, if others hold it."""
-        idx = req.num_computed_tokens // self.block_size
-        if req.num_computed_tokens % self.block_size and idx < len(req.block_table) \
-                and self.pool.refcount[req.block_table[idx]] > 1:
+    def _shared_tail(self, req: Request, g: int = 0) -> int | None:
+        """Index of the partially filled block of group ``g`` the next token is written to, if others
+        hold it."""
+        if not req.block_tables:
+            return None
+        table, idx = req.block_tables[g], req.num_computed_tokens // self.block_size
+        if req.num_computed_tokens % self.block_size and idx < len(table) and table[idx] >= 0 \
+                and self.pool.refcount[table[idx]] > 1:
             return idx
         return None
+
+    def release_out_of_reach(self, req: Request) -> int:
+        """Give back the sliding and chunked groups' blocks no later query of ``req`` reads (a block
+        the prefix index holds stays cached, evictable by itself); returns how many."""
+        n = 0
+        for g, group in enumerate(self.groups):
+            if group.is_full or not req.block_tables:
+                continue
+            table = req.block_tables[g]
+            first = min(group.first_needed_block(req.num_computed_tokens, self.block_size), len(table))
+            gone = [table[i] for i in range(req.kv_released[g], first) if table[i] >= 0]
+            for i in range(req.kv_released[g], first):
+                table[i] = -1
+            req.kv_released[g] = max(req.kv_released[g], first)
+            self.pool.decref(gone)
+            n += len(gone)
+        return n
+
+    def held_pages(self, req: Request, num_tokens: int) -> list[int]:
+        """Every group's pages of the first ``num_tokens`` tokens that some later query reads, group
+        after group (what swap preemption copies out, and back in, in the same order)."""
+        bs, out = self.block_size, []
+        for group, table in zip(self.groups, req.block_tables):
+            part = table[group.first_needed_block(num_tokens, bs): blocks_for(num_tokens, bs)]
+            assert all(b >= 0 for b in part), f"request {req.request_id}: a needed block was freed"
+            out.extend(part)
+        return out
+
+    def unfilled_slots(self, req: Request) -> int:
+        """Token slots ``req`` holds beyond what some later query reads, over every group."""
+        held = sum(b >= 0 for t in req.block_tables for b in t) * self.block_size
+        return held - sum(g.tokens_needed(req.num_computed_tokens) for g in self.groups) if req.block_tables else 0
 
     def plan_checkpoints(self, req: Request, n_new: int, whole_chunks_only: bool) -> None:
         """The state snapshots the step computing ``n_new`` tokens of ``req`` takes: at multiples of
@@ -132,32 +224,39 @@ class BlockManager:
     # ---- after a step ----------------------------------------------------------------------
     def cache_full_blocks(self, req: Request) -> None:
         """Offer the request's newly completed blocks to the prefix index, and attach the state
-        snapshots its step took to the nodes that end where they were taken.
+        snapshots its step took to the nodes that end where they were taken; then give back what
+        slid out of reach.
 
         Where another request cached the same chunk first, switch to the tree's block and let
         ours go: the KV is the same.
         """
         if self.index is None:
+            self.release_out_of_reach(req)
             return
         n_full = req.num_computed_tokens // self.block_size
         if n_full > req.num_tree_blocks:
             # under the namespace it was admitted with: KV computed before a weight update never
             # joins the tree that requests admitted after it read
-            node, tree_blocks = self.index.insert(req.token_ids[: n_full * self.block_size],
-                                                  req.block_table[:n_full], req.cache_salt, req.cache_namespace)
+            tables = req.block_tables
+            node, tree_blocks = self.index.insert(req.token_ids[: n_full * self.block_size], tables[0][:n_full],
+                                                  req.cache_salt, req.cache_namespace,
+                                                  [t[:n_full] for t in tables[1:]])
             self.index.lock(node)
             if req.prefix_node is not None:
                 self.index.unlock(req.prefix_node)
             req.prefix_node = node
-            for j in range(req.num_tree_blocks, n_full):
-                mine, theirs = req.block_table[j], tree_blocks[j]
-                if mine != theirs:
-                    self.pool.incref([theirs])
-                    self.pool.decref([mine])
-                    req.block_table[j] = theirs
+            tree = self.index.path_tables(node) if len(self.groups) > 1 else [tree_blocks]
+            for table, theirs in zip(tables, tree):
+                for j in range(req.num_tree_blocks, n_full):
+                    mine = table[j]
+                    if mine >= 0 and theirs[j] >= 0 and mine != theirs[j]:
+                        self.pool.incref([theirs[j]])
+                        self.pool.decref([mine])
+                        table[j] = theirs[j]
             req.num_tree_blocks = n_full
         if req.pending_checkpoints:
             self._attach_checkpoints(req)
+        self.release_out_of_reach(req)
 
     def _attach_checkpoints(self, req: Request) -> None:
         """Each snapshot the step took goes to the node ending at its position (the walk splits an
@@ -168,17 +267,21 @@ class BlockManager:
         req.pending_checkpoints = [(p, s) for p, s in req.pending_checkpoints if p > req.num_computed_tokens]
         bs = self.block_size
         for p, slot in done:
-            node, _ = self.index.insert(req.token_ids[:p], req.block_table[: p // bs], req.cache_salt,
-                                        req.cache_namespace)
+            tables = [t[: p // bs] for t in req.block_tables]
+            node, _ = self.index.insert(req.token_ids[:p], tables[0], req.cache_salt, req.cache_namespace, tables[1:])
             self.state.attach(slot, node)
 
     def free(self, req: Request) -> None:
-        """Release everything the request holds (finish, abort or preemption)."""
+        """Release everything the request holds (finish, abort or preemption), the tail first: the
+        prefix cache then evicts a chain from its end."""
         if req.prefix_node is not None:
             self.index.unlock(req.prefix_node)
             req.prefix_node = None
-        self.pool.decref(req.block_table)
-        req.block_table = []
+        tables = req.block_tables
+        longest = max((len(t) for t in tables), default=0)
+        self.pool.decref([t[i] for i in range(longest - 1, -1, -1) for t in tables if i < len(t) and t[i] >= 0])
+        req.block_tables = []
+        req.kv_released = []
         req.num_tree_blocks = 0
         req.num_computed_tokens = 0
         if self.state is not None:
@@ -203,10 +306,11 @@ class BlockManager:
 
     def fork(self, parent: Request, child: Request) -> None:
         """Let ``child`` share every block of ``parent`` (parallel sampling)."""
-        assert not child.block_table
+        assert not child.block_tables
         child.cache_namespace = parent.cache_namespace
-        self.pool.incref(parent.block_table)
-        child.block_table = list(parent.block_table)
+        self.pool.incref([b for t in parent.block_tables for b in t if b >= 0])
+        child.block_tables = [list(t) for t in parent.block_tables]
+        child.kv_released = list(parent.kv_released)
         child.num_computed_tokens = parent.num_computed_tokens
         child.num_tree_blocks = parent.num_tree_blocks
         if parent.prefix_node is not None:

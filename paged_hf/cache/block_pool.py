@@ -1,6 +1,7 @@
 """Physical KV blocks: ids, refcounts, the free list, and eviction of cached-but-unused blocks.
 
-A block's refcount is the number of request block tables holding it. At refcount 0 a block
+A block's refcount is the number of request block tables holding it. With cache groups a block
+is a page: one group's layers' KV of ``block_size`` tokens (paged_hf/cache/kv_groups.py). At refcount 0 a block
 is either truly free or, when the prefix index holds it, cached: kept for reuse until an
 allocation needs the room, which takes free blocks first, then evicts least recently used
 cached ones.
@@ -65,6 +66,8 @@ class BlockPool:
         for b in blocks:
             if self._is_free[b]:
                 raise RuntimeError(f"incref of free block {b}")
+            if self.refcount[b] == 0 and self.index is not None:
+                self.index.used(b)
             self.refcount[b] += 1
 
     def decref(self, blocks: Iterable[int]) -> None:
@@ -74,8 +77,11 @@ class BlockPool:
             if self.refcount[b] <= 0:
                 raise RuntimeError(f"block {b}: refcount underflow (double free)")
             self.refcount[b] -= 1
-            if self.refcount[b] == 0 and not (self.index is not None and self.index.holds(b)):
-                self._release(b)
+            if self.refcount[b] == 0:
+                if self.index is not None and self.index.holds(b):
+                    self.index.unused(b)  # cached: a sliding group's page may now be evicted by itself
+                else:
+                    self._release(b)
 
     def drop_cached(self) -> int:
         """Evict every cached block nobody uses back to the free list; returns how many."""

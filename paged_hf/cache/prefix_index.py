@@ -8,20 +8,31 @@ models/adapters with different namespaces, can never share a block.
 The tree holds no references. A node's ``lock_ref`` counts the requests whose block tables
 use it (lock/unlock go along the whole path); an unlocked node's blocks are therefore
 unused and may be evicted, least recently used leaf first.
+
+With cache groups (paged_hf/cache/kv_groups.py) a node also holds, per further group, the pages of
+its positions there (``extra``; -1 where none). The tree is keyed on group 0's blocks (full
+attention); a sliding or chunked group's page is "loose": once nobody uses it (it slid out of a
+running request's window, or its request ended) it may be evicted by itself, least recently
+released first, its node staying. Eviction takes loose pages and leaves by one clock.
 """
 from __future__ import annotations
 
 import heapq
 import itertools
+from collections import OrderedDict
 from typing import Callable, Hashable, Sequence
+
+from .kv_groups import FULL, CacheGroup
 
 
 class Node:
-    __slots__ = ("key", "blocks", "children", "parent", "lock_ref", "last_access", "state")
+    __slots__ = ("key", "blocks", "extra", "children", "parent", "lock_ref", "last_access", "state")
 
-    def __init__(self, key: tuple[int, ...], blocks: list[int], parent: "Node | None") -> None:
+    def __init__(self, key: tuple[int, ...], blocks: list[int], parent: "Node | None",
+                 extra: list[list[int]] | None = None) -> None:
         self.key = key  # tokens; len(key) == len(blocks) * block_size
         self.blocks = blocks
+        self.extra = extra or []  # groups 1..: a page per position of this node, -1 where none
         self.children: dict[tuple[int, ...], Node] = {}  # first block's tokens -> child
         self.parent = parent
         self.lock_ref = 0
@@ -45,10 +56,11 @@ class Node:
 
 
 class RadixPrefixIndex:
-    def __init__(self, block_size: int, namespace: Hashable = "", on_drop_state: Callable[[int], None] | None = None
-                 ) -> None:
+    def __init__(self, block_size: int, namespace: Hashable = "", on_drop_state: Callable[[int], None] | None = None,
+                 groups: Sequence[CacheGroup] = (FULL,)) -> None:
         """``on_drop_state``: called with a node's state checkpoint when the node's end goes (evicted,
-        or trimmed): a checkpoint is only good at exactly the position it was taken."""
+        or trimmed): a checkpoint is only good at exactly the position it was taken. ``groups``: the
+        cache groups, group 0 a full one."""
         if block_size < 1:
             raise ValueError(f"block_size={block_size}, must be >= 1")
         self.block_size = block_size
@@ -57,7 +69,14 @@ class RadixPrefixIndex:
         self._roots: dict[tuple[Hashable, Hashable], Node] = {}
         self._clock = itertools.count(1)
         self._held: set[int] = set()  # every block id the tree holds
-        self.evictable_blocks = 0  # blocks in unlocked nodes
+        self.evictable_blocks = 0  # blocks in unlocked nodes, and loose pages nobody uses
+        self.groups = tuple(groups)
+        assert self.groups[0].is_full, "group 0 keys the tree: it must be a full-attention group"
+        self._num_extra = len(self.groups) - 1
+        self._loose_kind = [not g.is_full for g in self.groups[1:]]
+        self._bound = 1 + sum(not loose for loose in self._loose_kind)  # pages per position counted by locks
+        self._where: dict[int, tuple[Node, int]] = {}  # loose-kind page -> (its node, its extra group)
+        self._loose: OrderedDict[int, int] = OrderedDict()  # unused loose pages -> when released
 
     # ---- queries -------------------------------------------------------------------------
     def root(self, cache_salt: Hashable = None, namespace: Hashable = None) -> Node:
@@ -83,36 +102,99 @@ class RadixPrefixIndex:
         node, blocks, _ = self._walk(tokens, self.root(cache_salt, namespace), next(self._clock))
         return node, blocks
 
+    def path_tables(self, node: Node) -> list[list[int]]:
+        """Per group, the pages of every position from the root to ``node``'s end (-1 where none)."""
+        nodes = []
+        while not node.is_root:
+            nodes.append(node)
+            node = node.parent
+        nodes.reverse()
+        tables = [[b for n in nodes for b in n.blocks]]
+        for g in range(self._num_extra):
+            tables.append([b for n in nodes for b in n.extra[g]])
+        return tables
+
+    # ---- the pool's view: loose pages become evictable when nobody uses them ------------------
+    def unused(self, page: int) -> None:
+        """The pool: a page the tree holds has no user any more."""
+        if page in self._where and page not in self._loose:
+            self._loose[page] = next(self._clock)
+            self.evictable_blocks += 1
+
+    def used(self, page: int) -> None:
+        """The pool: a page the tree holds has a user again."""
+        if self._loose.pop(page, None) is not None:
+            self.evictable_blocks -= 1
+
     # ---- updates -------------------------------------------------------------------------
     def insert(self, tokens: Sequence[int], blocks: Sequence[int], cache_salt: Hashable = None,
-               namespace: Hashable = None) -> tuple[Node, list[int]]:
-        """Record that ``blocks`` hold the KV of ``tokens`` (whole blocks only).
+               namespace: Hashable = None, extra: Sequence[Sequence[int]] = ()) -> tuple[Node, list[int]]:
+        """Record that ``blocks`` hold the KV of ``tokens`` (whole blocks only); ``extra``: per
+        further group, the caller's pages of those positions (-1 where it holds none).
 
         Returns the node for the whole sequence and the tree's blocks along it: where a chunk
-        was already cached, the tree keeps its own block and the caller's copy is a duplicate.
+        was already cached, the tree keeps its own block and the caller's copy is a duplicate
+        (``path_tables`` gives every group's). A position the tree holds no page of in a group
+        takes the caller's.
         """
         bs = self.block_size
         if len(tokens) != len(blocks) * bs:
             raise ValueError(f"insert: {len(tokens)} tokens do not fill {len(blocks)} blocks of {bs}")
+        if len(extra) != self._num_extra or any(len(t) != len(blocks) for t in extra):
+            raise ValueError(f"insert: {len(extra)} extra tables for {self._num_extra} further groups, "
+                             f"each of {len(blocks)} pages")
         now = next(self._clock)
         node, path_blocks, n = self._walk(tokens, self.root(cache_salt, namespace), now)
+        if self._num_extra and n:
+            self._adopt(node, n, extra)
         if n < len(blocks):
             new_blocks = list(blocks[n:])
-            if any(b in self._held for b in new_blocks):
-                raise ValueError(f"insert: a block in {new_blocks} is already cached under another prefix")
-            child = Node(tuple(tokens[n * bs:]), new_blocks, node)
+            new_extra = [list(t[n:]) for t in extra]
+            pages = new_blocks + [b for t in new_extra for b in t if b >= 0]
+            if any(b in self._held for b in pages):
+                raise ValueError(f"insert: a block in {pages} is already cached under another prefix")
+            child = Node(tuple(tokens[n * bs:]), new_blocks, node, new_extra)
             child.last_access = now
             node.children[child.key[:bs]] = child
-            self._held.update(new_blocks)
-            self.evictable_blocks += len(new_blocks)
+            self._held.update(pages)
+            self._track(child)
+            self.evictable_blocks += len(new_blocks) * self._bound
             node = child
             path_blocks = path_blocks + new_blocks
         return node, path_blocks
 
+    def _adopt(self, node: Node, n: int, extra: Sequence[Sequence[int]]) -> None:
+        """Positions 0..n-1 end at ``node``: where the tree holds no page of a group, take the caller's."""
+        end = n
+        while not node.is_root:
+            start = end - len(node.blocks)
+            for g, table in enumerate(extra):
+                mine = node.extra[g]
+                for i in range(len(node.blocks)):
+                    page = table[start + i]
+                    if mine[i] < 0 and page >= 0:
+                        if page in self._held:
+                            raise ValueError(f"insert: page {page} is already cached under another prefix")
+                        mine[i] = page
+                        self._held.add(page)
+                        if self._loose_kind[g]:
+                            self._where[page] = (node, g)
+                        elif node.lock_ref == 0:
+                            self.evictable_blocks += 1
+            end = start
+            node = node.parent
+
+    def _track(self, node: Node) -> None:
+        for g, table in enumerate(node.extra):
+            if self._loose_kind[g]:
+                for page in table:
+                    if page >= 0:
+                        self._where[page] = (node, g)
+
     def lock(self, node: Node) -> None:
         while node is not None and not node.is_root:
             if node.lock_ref == 0:
-                self.evictable_blocks -= len(node.blocks)
+                self.evictable_blocks -= len(node.blocks) * self._bound
             node.lock_ref += 1
             node = node.parent
 
@@ -122,35 +204,71 @@ class RadixPrefixIndex:
                 raise RuntimeError(f"unlock of an unlocked node {node}")
             node.lock_ref -= 1
             if node.lock_ref == 0:
-                self.evictable_blocks += len(node.blocks)
+                self.evictable_blocks += len(node.blocks) * self._bound
             node = node.parent
 
     def evict(self, n_blocks: int) -> list[int]:
-        """Free up to ``n_blocks`` blocks from unlocked leaves, least recently used first.
+        """Free at least ``n_blocks`` blocks (fewer if the tree has fewer to give): unused loose
+        pages and unlocked leaves, least recently used first.
 
         A leaf larger than what is still needed loses only its tail blocks.
         """
         freed: list[int] = []
         heap = [(leaf.last_access, id(leaf), leaf) for leaf in self._evictable_leaves()]
         heapq.heapify(heap)
-        while heap and len(freed) < n_blocks:
-            _, _, leaf = heapq.heappop(heap)
-            take = min(n_blocks - len(freed), len(leaf.blocks))
-            self._drop_state(leaf)  # its end goes, trimmed or removed
-            if take < len(leaf.blocks):  # trim the tail, keep the rest of the leaf cached
-                keep = len(leaf.blocks) - take
-                freed.extend(leaf.blocks[keep:])
-                leaf.blocks = leaf.blocks[:keep]
-                leaf.key = leaf.key[: keep * self.block_size]
+        while len(freed) < n_blocks:
+            if self._loose and (not heap or next(iter(self._loose.values())) <= heap[0][0]):
+                freed.append(self._forget_loose(next(iter(self._loose))))
+                continue
+            if not heap:
                 break
-            freed.extend(leaf.blocks)
+            _, _, leaf = heapq.heappop(heap)
+            if leaf.lock_ref or leaf.children or leaf.parent is None:
+                continue  # changed since it was pushed
+            per_position = self._bound + sum(b >= 0 for t in leaf.extra for b in t) / len(leaf.blocks)
+            take = min(len(leaf.blocks), max(1, int(-(-(n_blocks - len(freed)) // per_position))))
+            self._drop_state(leaf)  # its end goes, trimmed or removed
+            keep = len(leaf.blocks) - take
+            freed.extend(self._drop_positions(leaf, keep))
+            if keep:  # trim the tail, keep the rest of the leaf cached
+                leaf.blocks = leaf.blocks[:keep]
+                leaf.extra = [t[:keep] for t in leaf.extra]
+                leaf.key = leaf.key[: keep * self.block_size]
+                if len(freed) >= n_blocks:
+                    break
+                heapq.heappush(heap, (leaf.last_access, id(leaf), leaf))
+                continue
             parent = leaf.parent
             del parent.children[leaf.key[: self.block_size]]
+            leaf.parent = None
             if not parent.is_root and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(heap, (parent.last_access, id(parent), parent))
-        self._held.difference_update(freed)
-        self.evictable_blocks -= len(freed)
         return freed
+
+    def _drop_positions(self, leaf: Node, keep: int) -> list[int]:
+        """Forget every page of the leaf's positions from ``keep`` on (the leaf is unlocked)."""
+        out = list(leaf.blocks[keep:])
+        self.evictable_blocks -= len(out) * self._bound
+        for g, table in enumerate(leaf.extra):
+            for page in table[keep:]:
+                if page < 0:
+                    continue
+                if self._loose_kind[g]:
+                    assert page in self._loose, f"page {page} of an unlocked node is in use"
+                    del self._loose[page]
+                    del self._where[page]
+                    self.evictable_blocks -= 1
+                out.append(page)
+        self._held.difference_update(out)
+        return out
+
+    def _forget_loose(self, page: int) -> int:
+        node, g = self._where.pop(page)
+        del self._loose[page]
+        node.extra[g][node.extra[g].index(page)] = -1
+        self._held.discard(page)
+        self.evictable_blocks -= 1
+        return page
 
     def _drop_state(self, node: Node) -> None:
         if node.state is not None:
@@ -188,7 +306,9 @@ class RadixPrefixIndex:
     def _split(self, node: Node, k: int) -> Node:
         """Cut ``node`` after its first k blocks; return the new upper part."""
         bs = self.block_size
-        upper = Node(node.key[: k * bs], node.blocks[:k], node.parent)
+        upper = Node(node.key[: k * bs], node.blocks[:k], node.parent, [t[:k] for t in node.extra])
+        node.extra = [t[k:] for t in node.extra]
+        self._track(upper)
         upper.lock_ref = node.lock_ref
         upper.last_access = node.last_access
         node.parent.children[upper.key[:bs]] = upper

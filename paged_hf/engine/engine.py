@@ -27,7 +27,7 @@ from ..cache.block_manager import BlockManager
 from ..cache.coherence import WeightsWatch
 from ..cache.state_slots import StateSlots
 from ..config import DEFAULT_CPU_KV_BYTES, EngineConfig
-from ..execution.runner import ModelRunner
+from ..execution.runner import ModelRunner, cache_groups
 from ..requests.request import FinishReason, Request
 from ..requests.sampling_params import SamplingParams
 from .admission import Admission, eos_ids, max_model_len_for, within_limits
@@ -47,6 +47,8 @@ class EngineStats:
     generated_tokens: int = 0
     steps: int = 0
     peak_blocks_used: int = 0
+    peak_bytes: int = 0  # KV pages and state slots held, at the step that held the most
+    peak_running: int = 0  # sequences running in one step, at most
     kv_waste_sum: float = 0.0
     # one row per step, for plots and tables; bounded so a long-lived server does not grow without end
     step_log: deque = field(default_factory=lambda: deque(maxlen=100_000))
@@ -72,6 +74,9 @@ class Engine(Admission, StepLoop, OutputAssembly, BatchCalls):
         self.eos_token_ids = eos_ids(model, tokenizer)
         self.state_layout = state.state
         self._num_checkpoints = 0
+        self.groups = cache_groups(model, self.config, self.layout, self.state_layout)
+        element = torch.empty((), dtype=next(model.parameters()).dtype).element_size()
+        self.page_bytes = self.layout.bytes_per_page(self.groups, self.config.block_size, element)
         num_blocks = self._num_kv_blocks(explicit_max_num_seqs="max_num_seqs" in config)
         # the prefix cache's namespace carries a generation, bumped whenever the weights change
         self._namespace = self.config.namespace or "default"
@@ -81,12 +86,13 @@ class Engine(Admission, StepLoop, OutputAssembly, BatchCalls):
         slots = StateSlots(self.config.max_num_seqs, self._num_checkpoints) if self.state_layout is not None else None
         # a hybrid's prompts are checkpointed every step budget's worth of tokens (and at their last full block)
         self.kv = BlockManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching, self._cache_key(),
-                               slots, checkpoint_interval=self.config.max_num_batched_tokens)
+                               slots, checkpoint_interval=self.config.max_num_batched_tokens, groups=self.groups,
+                               step_tokens=self.config.max_num_batched_tokens)
         self.scheduler = Scheduler(self.kv, self.config.max_num_batched_tokens, self.config.max_num_seqs,
                                    self.config.preemption_mode, self.config.max_prefill_tokens_while_decoding,
                                    continues_chunks=self.state_layout is None or self.state_layout.continues_chunks)
         self.runner = ModelRunner(model, self.config, num_blocks, self.layout, self.state_layout,
-                                  slots.total if slots is not None else 0)
+                                  slots.total if slots is not None else 0, groups=self.groups)
         # requests by id until collected or aborted; samples 1..n-1 of n > 1 live on their root
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
@@ -98,14 +104,14 @@ class Engine(Admission, StepLoop, OutputAssembly, BatchCalls):
 
     # ---- sizing ------------------------------------------------------------------------------
     def _num_kv_blocks(self, explicit_max_num_seqs: bool) -> int:
-        """KV blocks the budget holds, after a hybrid model's state slots (one per sequence that
-        may run) took their share; ``max_num_seqs``' default yields to what the state memory allows."""
+        """KV pages the budget holds (a page: one cache group's layers' KV of a block), after a
+        hybrid model's state slots (one per sequence that may run) took their share; ``max_num_seqs``'
+        default yields to what the state memory allows."""
         cfg = self.config
         if cfg.num_blocks is not None and self.state_layout is None:
             return cfg.num_blocks
-        dtype = next(self.model.parameters()).dtype
         device = next(self.model.parameters()).device
-        per_block = self.layout.bytes_per_block(cfg.block_size, torch.empty((), dtype=dtype).element_size())
+        per_block = self.page_bytes
         if device.type == "cuda":
             if cfg.kv_cache_memory is not None:  # an explicit fraction of the free memory
                 budget = int(torch.cuda.mem_get_info(device)[0] * cfg.kv_cache_memory)
@@ -119,7 +125,8 @@ class Engine(Admission, StepLoop, OutputAssembly, BatchCalls):
             if cfg.num_blocks is not None:
                 return cfg.num_blocks
         # never more than every running sequence at full length could use
-        useful = cfg.max_num_seqs * -(-min(self.max_model_len, 1 << 20) // cfg.block_size)
+        useful = cfg.max_num_seqs * sum(g.most_blocks(min(self.max_model_len, 1 << 20), cfg.max_num_batched_tokens,
+                                                      cfg.block_size) for g in self.groups)
         if per_block == 0:  # stateful layers only: blocks hold no KV, they only count tokens
             return cfg.max_num_seqs * -(-min(self.max_model_len, 1 << 16) // cfg.block_size)
         num_blocks = min(budget // per_block, useful)
@@ -197,6 +204,25 @@ class Engine(Admission, StepLoop, OutputAssembly, BatchCalls):
         else:
             self.scheduler.finish(req, FinishReason.ERROR, time.perf_counter())
 
+    def sleep(self) -> None:
+        """Let go of the KV cache's memory (and a hybrid's state slots, captured CUDA graphs, packed
+        CPU weights) between generations, as vLLM's sleep mode does next to a training step; the
+        prefix cache is emptied. The next step wakes the engine (``wake_up``): the memory is
+        allocated again, empty. Only an idle engine sleeps."""
+        if self.is_busy:
+            raise RuntimeError("Engine.sleep(): requests are still live; let them finish or abort them first")
+        self.kv.pool.drop_cached()
+        self.runner.sleep()
+        logger.info("paged_hf: the engine sleeps; its KV cache is released")
+
+    def wake_up(self) -> None:
+        """Allocate the memory ``sleep`` let go of (the first step after a sleep does it by itself)."""
+        self.runner.wake_up()
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self.runner.asleep
+
     def reset_prefix_cache(self) -> None:
         """Never serve a block cached so far: requests admitted from now on compute their KV
         anew, and what was derived from the weights (packed CPU weights, captured CUDA graphs) is
@@ -240,12 +266,21 @@ class Engine(Admission, StepLoop, OutputAssembly, BatchCalls):
         """Requests are live, or a background engine is stepping this one."""
         return self.serving or bool(self.requests) or self.scheduler.has_unfinished
 
+    def group_stats(self) -> list[dict[str, Any]]:
+        """Per cache group: its kind, layers, and the pages running requests hold in it now."""
+        held: list[set[int]] = [set() for _ in self.groups]
+        for req in self.scheduler.running:
+            for pages, table in zip(held, req.block_tables):
+                pages.update(b for b in table if b >= 0)
+        return [{"kind": g.kind, "layers": len(g.layers), "blocks_used": len(pages)}
+                for g, pages in zip(self.groups, held)]
+
     def stats(self) -> dict[str, Any]:
         s, pool = self._stats, self.kv.pool
         state = {} if self.kv.state is None else {
             "state_slots": self.kv.state.num_slots, "state_slots_used": self.kv.state.num_used,
             "state_checkpoints": self.kv.state.num_checkpoints_held, "state_checkpoint_hits": self.kv.state.checkpoint_hits,
-            "state_bytes": self.runner.states.nbytes}
+            "state_bytes": 0 if self.runner.asleep else self.runner.states.nbytes}
         return state | {
             "prompt_tokens": s.prompt_tokens,
             "prefill_tokens_computed": s.prefill_tokens_computed,
@@ -258,7 +293,12 @@ class Engine(Admission, StepLoop, OutputAssembly, BatchCalls):
             "blocks_cached": pool.num_cached,
             "blocks_free": pool.num_free,
             "peak_blocks_used": s.peak_blocks_used,
+            "kv_bytes_peak": s.peak_bytes,
+            "peak_running": s.peak_running,
+            "page_bytes": self.page_bytes,
+            "cache_groups": self.group_stats(),
             "kv_waste": s.kv_waste_sum / s.steps if s.steps else 0.0,
             "block_size": self.kv.block_size,
-            "backend": self.runner.backend.name,
+            "backend": self.runner.backend_name,
+            "asleep": self.runner.asleep,
         }

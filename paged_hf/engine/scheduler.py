@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from ..cache.block_manager import BlockManager, blocks_for
+from ..cache.block_manager import BlockManager
 from ..requests.request import FinishReason, Request, RequestStatus
 
 
@@ -69,7 +69,7 @@ class Scheduler:
                              f"max_num_seqs={self.max_num_seqs}")
         longest = req.num_prompt_tokens if req.prefill_only else \
             min(req.num_prompt_tokens + req.params.max_new_tokens, req.max_model_len)
-        need = blocks_for(longest, self.kv.block_size)
+        need = self.kv.most_blocks(longest)
         if need > self.kv.num_blocks:
             what = f"prompt ({req.num_prompt_tokens})" + \
                 ("" if req.prefill_only else f" + max_new_tokens ({req.params.max_new_tokens})")
@@ -150,7 +150,7 @@ class Scheduler:
                 break
             self.waiting.popleft()
             if swapped:
-                out.swap_in.append((req, req.block_table[: blocks_for(swapped, self.kv.block_size)]))
+                out.swap_in.append((req, self.kv.held_pages(req, swapped)))
                 req.swapped_tokens = 0
             if not req.admitted_once:
                 req.num_cached_tokens = cached
@@ -200,8 +200,7 @@ class Scheduler:
         readmission, or with ``preemption_mode="swap"`` copied to host memory and back."""
         self.running.remove(req)
         if self.preemption_mode == "swap" and req.num_computed_tokens:
-            n_blocks = blocks_for(req.num_computed_tokens, self.kv.block_size)
-            out.swap_out.append((req, req.block_table[:n_blocks]))
+            out.swap_out.append((req, self.kv.held_pages(req, req.num_computed_tokens)))
             req.swapped_tokens = req.num_computed_tokens
             req.swap_state_slot = req.state_slot  # its state goes to host memory with its KV
         self.kv.free(req)

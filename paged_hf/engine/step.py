@@ -33,6 +33,8 @@ class StepLoop:
         """
         check_still_patched(self.model, self._patch_state)
         self.check_weights()
+        if self.runner.asleep:
+            self.wake_up()
         sched = self.scheduler
         out = sched.schedule()
         if out.is_empty:
@@ -184,8 +186,10 @@ class StepLoop:
         s.steps += 1
         used = pool.num_used
         s.peak_blocks_used = max(s.peak_blocks_used, used)
-        unfilled = sum(len(r.block_table) * self.kv.block_size - r.num_computed_tokens
-                       for r in self.scheduler.running)
+        states = self.kv.state.num_used * self.state_layout.bytes_per_slot() if self.kv.state is not None else 0
+        s.peak_bytes = max(s.peak_bytes, used * self.page_bytes + states)
+        s.peak_running = max(s.peak_running, len(out.scheduled))
+        unfilled = sum(self.kv.unfilled_slots(r) for r in self.scheduler.running)
         waste = unfilled / (used * self.kv.block_size) if used else 0.0
         s.kv_waste_sum += waste
         s.step_log.append({"step": s.steps, "time": time.perf_counter(), "running": len(self.scheduler.running),

@@ -5,7 +5,8 @@ During an engine step the runner makes a backend active (a context variable, set
 the duration of that forward): attention then writes and reads the paged KV, and the mask
 function returns None (a paged kernel needs no dense mask). Outside a step the model is a
 plain transformers model: both functions hand over to the attention implementation the model
-had before ``patch``, so training and scoring keep working exactly as before.
+had before ``patch``, so training and scoring keep working exactly as before (a model loaded with
+``attn_implementation="paged_hf"`` and never patched: what patched models of its class had, or sdpa).
 
 In a step the backend gets the layer index, q/k/v, ``scaling``, ``softcap``, ``sliding_window``
 and ``s_aux`` (attention sinks); the layer's window and chunk come from the KV layout patch read
@@ -28,6 +29,10 @@ NAME = "paged_hf"
 
 _active_backend: contextvars.ContextVar[Any] = contextvars.ContextVar("paged_hf_backend", default=None)
 _fallback_impl: dict[int, str] = {}  # id(config) -> implementation the model had before patch
+# config class -> what the last model of that class patched had: a model built with
+# attn_implementation="paged_hf" and never patched (TRL's reference model copies the policy's
+# config) runs plain forwards through that, or sdpa
+_fallback_by_class: dict[type, str] = {}
 # While a compiled decode step runs (compile_decode.py) its backend is also kept in this plain
 # global: dynamo cannot trace ContextVar.get and would otherwise break the graph at every layer.
 _compiled_backend: Any = None
@@ -50,15 +55,17 @@ def set_fallback(config: Any, implementation: str | None) -> None:
     if implementation is None:
         _fallback_impl.pop(id(config), None)
     else:
+        if implementation == NAME:  # built with attn_implementation="paged_hf": it had no other
+            implementation = _fallback_by_class.get(type(config), "sdpa")
         _fallback_impl[id(config)] = implementation
+        _fallback_by_class[type(config)] = implementation
 
 
 def _fallback(config: Any) -> str:
-    try:
-        return _fallback_impl[id(config)]
-    except KeyError:
-        raise RuntimeError("paged_hf attention called outside an engine step on a model that paged_hf did not "
-                           "patch; use paged_hf.patch(model) rather than set_attn_implementation('paged_hf')") from None
+    impl = _fallback_impl.get(id(config))
+    if impl is None:  # a model loaded with attn_implementation="paged_hf" that paged_hf never patched
+        return _fallback_by_class.get(type(config), "sdpa")
+    return impl
 
 
 def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..cache.kv_groups import CacheGroup
+
 
 @dataclass(frozen=True)
 class LayerSpec:
@@ -109,6 +111,32 @@ class KVLayout:
             return True
         first = self.layers[0]
         return all((s.kv_heads, s.k_dim, s.v_dim) == (first.kv_heads, first.k_dim, first.v_dim) for s in self.layers)
+
+    def cache_groups(self, keep_every_block: bool = False) -> tuple[CacheGroup, ...]:
+        """The layers grouped by what they keep (paged_hf/cache/kv_groups.py): one full-attention group
+        first, then the sliding and chunked ones, each of the same number of layers (the smallest
+        kind's count; the last group of a kind may be short: its slabs there go unused).
+
+        One group of every layer, keeping every block, when ``keep_every_block``, when every layer
+        is full attention, when no layer is (the prefix index is keyed on a full group's blocks),
+        or when the layers' geometries differ (a page must be the same bytes in every group)."""
+        kinds: dict[tuple, list[int]] = {}
+        for i, spec in enumerate(self.layers):
+            kinds.setdefault((spec.window, spec.chunk), []).append(i)
+        every = (CacheGroup(tuple(range(self.num_layers))),)
+        if keep_every_block or len(kinds) < 2 or (None, None) not in kinds or not self.is_uniform:
+            return every
+        size = min(len(ids) for ids in kinds.values())
+        order = [(None, None)] + [k for k in kinds if k != (None, None)]
+        return tuple(CacheGroup(tuple(ids[i:i + size]), window, chunk)
+                     for window, chunk in order for ids in [kinds[(window, chunk)]]
+                     for i in range(0, len(ids), size))
+
+    def bytes_per_page(self, groups: tuple[CacheGroup, ...], block_size: int, element_size: int) -> int:
+        """One page: ``block_size`` tokens of K and V of one group's layers (its slabs)."""
+        slabs = max(len(g.layers) for g in groups)
+        first = next(g for g in groups if len(g.layers) == slabs)
+        return sum(self.layers[i].kv_elements(block_size) for i in first.layers) * element_size
 
     def describe(self) -> str:
         """``"2 x 4q/2kv heads x 16 (window 8), 2 x 4q/2kv heads x 16"`` (runs of equal layers)."""

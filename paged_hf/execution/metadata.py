@@ -10,6 +10,11 @@ For B sequences and T new tokens:
   logits_indices[B' + R]       rows whose logits are needed: first the B' sampled rows (last
                                token of each sequence whose chunk reaches the end of its known
                                tokens), then the R rows scored (prompt logprobs, scoring requests)
+
+With cache groups (paged_hf/cache/kv_groups.py) each group has its own slot mapping and KV pages
+(``groups``; the fields above are group 0's): a sliding or chunked group's pages of a sequence
+start at the first block its first query reads, ``kv_starts`` tokens in, and
+``kv_last_page_len`` and the lengths a backend attends over count from there.
 """
 from __future__ import annotations
 
@@ -17,7 +22,19 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..cache.kv_groups import FULL, CacheGroup
 from ..requests.request import Request
+
+
+@dataclass
+class GroupTables:
+    """One cache group's view of the step: where its layers write, and which pages they read."""
+    slot_mapping: torch.Tensor
+    kv_indptr: torch.Tensor
+    kv_indices: torch.Tensor
+    kv_last_page_len: torch.Tensor
+    kv_blocks: list[list[int]]  # per sequence, the pages its held KV spans
+    kv_starts: list[int]        # per sequence, the position of its first held page's first token
 
 
 @dataclass
@@ -38,6 +55,7 @@ class StepMetadata:
     sampled_requests: list[Request]  # one per logits row, in row order
     # after the sampled rows, in row order: (request, first target, count) of its scored rows
     score_rows: list[tuple[Request, int, int]] = field(default_factory=list)
+    groups: list[GroupTables] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -53,7 +71,7 @@ class StepMetadata:
 
 
 def build_step_metadata(scheduled: list[tuple[Request, int]], block_size: int,
-                        device: torch.device | str = "cpu") -> StepMetadata:
+                        device: torch.device | str = "cpu", groups: tuple[CacheGroup, ...] = (FULL,)) -> StepMetadata:
     """Metadata for requests that will compute ``n`` more tokens each (before ``mark_computed``)."""
     input_ids: list[int] = []
     positions: list[int] = []
@@ -96,7 +114,7 @@ def build_step_metadata(scheduled: list[tuple[Request, int]], block_size: int,
     def i32(x: list[int]) -> torch.Tensor:
         return torch.tensor(x, dtype=torch.int32, device=device)
 
-    return StepMetadata(
+    meta = StepMetadata(
         input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),
         positions=torch.tensor(positions, dtype=torch.long, device=device),
         slot_mapping=i32(slots), qo_indptr=i32(qo_indptr), kv_indptr=i32(kv_indptr),
@@ -104,3 +122,31 @@ def build_step_metadata(scheduled: list[tuple[Request, int]], block_size: int,
         logits_indices=torch.tensor(logits_indices + score_indices, dtype=torch.long, device=device),
         block_size=bs, q_lens=q_lens, kv_lens=kv_lens, kv_blocks=kv_blocks, sampled_requests=sampled,
         score_rows=score_rows)
+    meta.groups = [GroupTables(meta.slot_mapping, meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len,
+                               kv_blocks, [0] * len(kv_blocks))]
+    for g in range(1, len(groups)):
+        meta.groups.append(_group_tables(scheduled, g, groups[g], bs, device))
+    return meta
+
+
+def _group_tables(scheduled: list[tuple[Request, int]], g: int, group: CacheGroup, bs: int,
+                  device: torch.device | str) -> GroupTables:
+    slots: list[int] = []
+    indptr, indices, last, blocks, starts = [0], [], [], [], []
+    for req, n in scheduled:
+        start, end = req.num_computed_tokens, req.num_computed_tokens + n
+        table = req.block_tables[g]
+        slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+        first, n_blocks = group.first_needed_block(start, bs), -(-end // bs)
+        held = table[first:n_blocks]
+        assert min(held) >= 0, f"request {req.request_id}: group {g} lacks a block its queries read"
+        blocks.append(held)
+        starts.append(first * bs)
+        indices.extend(held)
+        indptr.append(indptr[-1] + len(held))
+        last.append(end - (n_blocks - 1) * bs)
+
+    def i32(x: list[int]) -> torch.Tensor:
+        return torch.tensor(x, dtype=torch.int32, device=device)
+
+    return GroupTables(i32(slots), i32(indptr), i32(indices), i32(last), blocks, starts)

@@ -17,6 +17,7 @@ from . import cpu_linear
 from .attention import active_backend
 from .backends import select_backend
 from .cuda_graphs import DecodeAccelerator, wants_decode_accelerator
+from ..cache.kv_groups import CacheGroup
 from .kv_geometry import KVLayout
 from .metadata import StepMetadata, build_step_metadata
 from .state_geometry import StateLayout
@@ -48,24 +49,49 @@ def max_positions(model: torch.nn.Module) -> tuple[int | None, int | None]:
     return base, most
 
 
+@contextlib.contextmanager
+def eval_modes(model: torch.nn.Module):
+    """The engine's forwards run with dropout off whatever mode the model is in (a trainer keeps it
+    in train mode between generations); every module's mode is put back after."""
+    training = [m for m in model.modules() if m.training]
+    for m in training:
+        m.training = False
+    try:
+        yield
+    finally:
+        for m in training:
+            m.training = True
+
+
+def cache_groups(model: torch.nn.Module, config: EngineConfig, layout: KVLayout,
+                 state_layout: StateLayout | None = None) -> tuple[CacheGroup, ...]:
+    """The cache groups the engine runs the model's layers in: sliding and chunked layers apart from
+    full ones (paged_hf/cache/kv_groups.py), unless ``keep_every_kv_block``, or the step runs where
+    groups are not served yet (FlashInfer, CUDA graphs and compiled decode steps read group 0's
+    tables only): there every block is kept, as it always was, with the same results."""
+    param = next(model.parameters())
+    backend = select_backend(config.backend, param.device, param.dtype, layout, quiet=True)
+    keep = (config.keep_every_kv_block or not getattr(backend, "serves_cache_groups", False)
+            or (wants_decode_accelerator(config, param.device) and state_layout is None))
+    return layout.cache_groups(keep_every_block=keep)
+
+
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, config: EngineConfig, num_blocks: int, layout: KVLayout,
-                 state_layout: StateLayout | None = None, num_state_slots: int = 0) -> None:
+                 state_layout: StateLayout | None = None, num_state_slots: int = 0,
+                 groups: tuple[CacheGroup, ...] | None = None) -> None:
         """``layout``: the model's per-layer KV geometry (paged_hf/execution/kv_geometry.py), found when it was
         patched; ``state_layout``: a hybrid model's stateful layers (paged_hf/execution/state_geometry.py), whose
-        states live in ``num_state_slots`` slots (running sequences', then prefix checkpoints)."""
+        states live in ``num_state_slots`` slots (running sequences', then prefix checkpoints);
+        ``groups``: the cache groups (``cache_groups``), ``num_blocks`` pages of which the backend holds."""
         self.model = model
         self.config = config
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
-        self.states = StateStore(state_layout, num_state_slots, self.device) if state_layout is not None else None
-        self.mixers = MixerRunner(model, state_layout, self.states) if state_layout is not None else None
-        # padded decode steps (CUDA graphs / compile) need one extra KV block for their padding rows;
-        # a hybrid's state gather is not captured (never run on a GPU), so its decode steps run eagerly
-        accelerate = wants_decode_accelerator(config, self.device) and state_layout is None
-        self.backend = select_backend(config.backend, self.device, self.dtype, layout)(
-            layout, num_blocks + int(accelerate), config.block_size, dtype=self.dtype, device=self.device)
-        self.decode = DecodeAccelerator.build(model, self.backend, config, pad_block=num_blocks) if accelerate else None
+        self.groups = groups or cache_groups(model, config, layout, state_layout)
+        self._sizes = (num_blocks, layout, state_layout, num_state_slots)
+        self.asleep = False
+        self._allocate()
         # bf16 on a CPU: the linear layers use weights packed once for oneDNN (paged_hf/execution/cpu_linear.py)
         self.packed = cpu_linear.PackedLinears(model) if (config.cpu_packed_weights and self.decode is None and
                                                           cpu_linear.supported(self.dtype, self.device)) else None
@@ -75,6 +101,37 @@ class ModelRunner:
                 logger.warning("paged_hf: linear weights are not packed for oneDNN (%s); steps run ~10-20%% "
                                "slower. cpu_packed_weights=False silences this.", why)
                 self.packed = None
+
+    def _allocate(self) -> None:
+        """The KV tensors (through the backend), the state slots and the decode accelerator."""
+        num_blocks, layout, state_layout, num_state_slots = self._sizes
+        config = self.config
+        self.states = StateStore(state_layout, num_state_slots, self.device) if state_layout is not None else None
+        self.mixers = MixerRunner(self.model, state_layout, self.states) if state_layout is not None else None
+        # padded decode steps (CUDA graphs / compile) need one extra KV block for their padding rows;
+        # a hybrid's state gather is not captured (never run on a GPU), so its decode steps run eagerly
+        accelerate = wants_decode_accelerator(config, self.device) and state_layout is None
+        kwargs = {"groups": self.groups} if len(self.groups) > 1 else {}
+        self.backend = select_backend(config.backend, self.device, self.dtype, layout)(
+            layout, num_blocks + int(accelerate), config.block_size, dtype=self.dtype, device=self.device, **kwargs)
+        self.decode = DecodeAccelerator.build(self.model, self.backend, config, pad_block=num_blocks) \
+            if accelerate else None
+        self.backend_name = self.backend.name
+
+    def sleep(self) -> None:
+        """Let go of the KV cache, the state slots, captured graphs and packed weights (their contents
+        are lost); ``wake_up`` makes them again, empty."""
+        self.backend = self.states = self.mixers = self.decode = None
+        if self.packed is not None:
+            self.packed.reset()
+        self.asleep = True
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def wake_up(self) -> None:
+        if self.asleep:
+            self._allocate()
+            self.asleep = False
 
     def weights_changed(self, moved: bool = True) -> None:
         """The model's weights changed (``moved``: some tensor has new storage): what was derived
@@ -93,8 +150,12 @@ class ModelRunner:
     def execute(self, scheduled: list[tuple[Request, int]], block_copies: list[tuple[int, int]]
                 ) -> tuple[torch.Tensor, StepMetadata]:
         """Run the step; return logits [B', V] for ``meta.sampled_requests`` and the metadata."""
-        meta = build_step_metadata(scheduled, self.config.block_size, self.device)
+        meta = build_step_metadata(scheduled, self.config.block_size, self.device, self.groups)
         self.backend.copy_blocks(block_copies)
+        with eval_modes(self.model):
+            return self._forward(meta, scheduled)
+
+    def _forward(self, meta: StepMetadata, scheduled: list[tuple[Request, int]]) -> tuple[torch.Tensor, StepMetadata]:
         if self.decode is not None and self.decode.can_run(meta):
             return self.decode.run(meta), meta
         self.backend.plan(meta)

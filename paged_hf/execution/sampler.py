@@ -1,7 +1,8 @@
 """Next-token choice for a batch of logits rows, each with its own SamplingParams.
 
 Order follows transformers' logits processors: repetition penalty, min-new-tokens EOS ban,
-temperature, top-k, top-p, min-p; then inverse-CDF sampling. A seeded request draws from its own
+suppressed tokens, temperature, top-k, top-p, min-p; then inverse-CDF sampling. Logprobs are of the
+model's distribution, or (``logprobs_mode="processed"``) of the one the token was drawn from. A seeded request draws from its own
 torch.Generator, so it picks the same tokens alone or in any batch; unseeded ones share one draw
 per step from torch's default generator.
 
@@ -41,11 +42,15 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> SampleResult:
     # or nothing left to pick (all -inf)
     best, tokens = logits.max(dim=-1)
     sampling_rows = [i for i, r in enumerate(requests) if not r.params.is_greedy and i not in errors]
+    processed: dict[int, torch.Tensor] = {}  # row -> log-probabilities it was drawn from
     if sampling_rows:
         drawn = _draw_rows(logits, requests, sampling_rows, errors)
         if drawn is not None:
-            rows, picks = drawn
+            rows, picks, probs = drawn
             tokens[torch.tensor(rows, device=logits.device)] = picks
+            for j, i in enumerate(rows):
+                if requests[i].params.processed_logprobs and requests[i].params.logprobs is not None:
+                    processed[i] = probs[j].log()
     tokens = torch.where(torch.isfinite(best), tokens, -1)
     token_list: list[int | None] = tokens.tolist()
     for row, tok in enumerate(token_list):
@@ -63,8 +68,11 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> SampleResult:
             if k is None or token_list[i] is None:
                 continue
             try:
-                top = torch.topk(lp[i], k) if k > 0 else None
-                logprobs[i] = (float(lp[i, token_list[i]]),
+                row_lp = processed.get(i)
+                if row_lp is None:  # greedy rows' processed distribution: their masked, penalised logits
+                    row_lp = torch.log_softmax(logits[i], dim=-1) if r.params.processed_logprobs else lp[i]
+                top = torch.topk(row_lp, k) if k > 0 else None
+                logprobs[i] = (float(row_lp[token_list[i]]),
                                {} if top is None else dict(zip(top.indices.tolist(), top.values.tolist())))
             except Exception as e:  # noqa: BLE001
                 errors[i] = f"logprobs failed: {type(e).__name__}: {e}"
@@ -84,11 +92,15 @@ def _prepare_row(logits: torch.Tensor, row: int, req: Request) -> None:
                   if t < logits.shape[1]]
         if banned:
             logits[row, banned] = float("-inf")
+    suppressed = list(p.suppress_tokens) + (list(p.begin_suppress_tokens) if req.num_output_tokens == 0 else [])
+    suppressed = [t for t in suppressed if t < logits.shape[1]]
+    if suppressed:
+        logits[row, suppressed] = float("-inf")
 
 
 def _draw_rows(logits: torch.Tensor, requests: list[Request], rows: list[int],
-               errors: dict[int, str]) -> tuple[list[int], torch.Tensor] | None:
-    """Sampled tokens of ``rows`` (those still drawn, and their picks). Filtering runs batched; if
+               errors: dict[int, str]) -> tuple[list[int], torch.Tensor, torch.Tensor] | None:
+    """Sampled tokens of ``rows`` (those still drawn, their picks, and the probabilities drawn from). Filtering runs batched; if
     that raises, row by row, so only the row at fault fails. Generators advance only in the
     draw itself, after filtering, so a failed row never shifts another row's seeded draw."""
     def probs_of(idx: list[int]) -> torch.Tensor:
@@ -109,7 +121,7 @@ def _draw_rows(logits: torch.Tensor, requests: list[Request], rows: list[int],
         if not kept:
             return None
         rows, probs = kept, torch.cat(parts)
-    return rows, _inverse_cdf_draw(probs, [requests[i].generator for i in rows])
+    return rows, _inverse_cdf_draw(probs, [requests[i].generator for i in rows]), probs
 
 
 def _inverse_cdf_draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:

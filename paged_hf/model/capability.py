@@ -41,7 +41,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ..execution.kv_geometry import KVLayout, LayerSpec
-from ..execution.runner import max_positions
+from ..execution.runner import eval_modes, max_positions
 from ..execution.state_geometry import StateLayout
 from ..patches import family_for
 from .state_probe import StateProbeError, probe_state_layout
@@ -89,9 +89,11 @@ def check(model: torch.nn.Module) -> Capability:
     if not isinstance(model, torch.nn.Module) or not hasattr(model, "config") \
             or not hasattr(model.config, "model_type"):
         raise TypeError(f"paged_hf.patch expects a transformers PreTrainedModel, got {type(model).__name__}")
-    if model.training:
-        raise ValueError("paged_hf.patch: the model is in training mode; call model.eval() first "
-                         "(the engine runs inference only; plain forward/training still work after patch)")
+    with eval_modes(model):  # a model in train mode is probed, and later run, with dropout off
+        return _check(model)
+
+
+def _check(model: torch.nn.Module) -> Capability:
     what = f"{model.config.model_type} ({type(model).__name__})"
     state = _state_layout(model, what)
     _check_config(model, what, state)

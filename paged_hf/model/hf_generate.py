@@ -23,7 +23,7 @@ _UNSUPPORTED_SETTINGS = {
     "num_beams": 1, "num_beam_groups": 1, "diversity_penalty": 0.0, "penalty_alpha": None,
     "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "top_h": None,
     "no_repeat_ngram_size": 0, "bad_words_ids": None, "force_words_ids": None, "constraints": None,
-    "suppress_tokens": None, "begin_suppress_tokens": None, "sequence_bias": None,
+    "sequence_bias": None,
     "forced_bos_token_id": None, "forced_eos_token_id": None, "exponential_decay_length_penalty": None,
     "guidance_scale": None, "prompt_lookup_num_tokens": None,
     "assistant_early_exit": None, "dola_layers": None, "watermarking_config": None, "token_healing": None,
@@ -66,7 +66,7 @@ def paged_generate(self: torch.nn.Module, inputs: torch.Tensor | None = None,
         raise NotImplementedError(f"paged_hf generate: argument(s) {bad} are not supported")
     for name, neutral in _UNSUPPORTED_SETTINGS.items():
         value = getattr(gc, name, None)
-        if value is not None and value != neutral and not (name == "suppress_tokens" and not value):
+        if value is not None and value != neutral:
             raise NotImplementedError(f"paged_hf generate: {name}={value!r} is not supported "
                                       "(beam search, assisted decoding, custom processors and scores are not)")
 

@@ -66,9 +66,12 @@ class Request:
     finish_reason: FinishReason | None = None
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
     num_cached_tokens: int = 0    # of the prompt, served from the prefix cache at first admission
-    block_table: list[int] = field(default_factory=list)
+    # per cache group (paged_hf/cache/kv_groups.py), the page of each block of its context; -1 where a
+    # sliding or chunked group holds none (out of every later query's reach); empty: holds nothing
+    block_tables: list = field(default_factory=list)
+    kv_released: list = field(default_factory=list)  # per group: the blocks before this are -1 (freed)
     prefix_node: Any = None  # deepest locked prefix-index node (the block manager's handle; opaque here)
-    num_tree_blocks: int = 0           # leading blocks of block_table that the prefix index holds
+    num_tree_blocks: int = 0           # leading blocks of the tables that the prefix index holds
     first_token_time: float | None = None
     finish_time: float | None = None
     admitted_once: bool = False
@@ -97,6 +100,11 @@ class Request:
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_ids)
+
+    @property
+    def block_table(self) -> list[int]:
+        """Group 0's pages: a full-attention group's (the only group of most models)."""
+        return self.block_tables[0] if self.block_tables else []
 
     @property
     def num_prompt_tokens(self) -> int:

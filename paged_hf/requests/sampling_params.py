@@ -22,6 +22,9 @@ MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 1e-6, 1e6
 MAX_SEED = 2**63 - 1
 # Every token searches the last characters for each stop string: O(count x length) per token.
 MAX_STOP_STRINGS, MAX_STOP_STRING_LEN = 64, 1024
+# logprobs_mode: "raw" (log_softmax of the model's logits) or "processed" (of the distribution sampled
+# from, after penalties, temperature, top-k / top-p / min-p); vLLM's names for the same two accepted
+LOGPROBS_MODES = {"raw": "raw", "processed": "processed", "raw_logprobs": "raw", "processed_logprobs": "processed"}
 
 
 @dataclass(frozen=True)
@@ -55,8 +58,24 @@ class SamplingParams:
     # None: none; 0 <= k <= 20: each prompt token's logprob plus the top k (vLLM's meaning; the
     # first token has none). Positions need logits, so the prefix cache serves none of the prompt.
     prompt_logprobs: int | None = None
+    # "raw" (default): logprobs of the model's own distribution; "processed": of the one sampled
+    # from (what an RL importance-sampling correction needs; vLLM's processed_logprobs). A greedy
+    # request's processed distribution is its penalised, masked logits' log_softmax.
+    logprobs_mode: str = "raw"
+    # token ids never generated, and ids not generated as the first token (transformers' options)
+    suppress_tokens: tuple[int, ...] = ()
+    begin_suppress_tokens: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        for name in ("suppress_tokens", "begin_suppress_tokens"):
+            value = getattr(self, name)
+            if value is None:
+                object.__setattr__(self, name, ())
+            elif not isinstance(value, tuple):
+                try:
+                    object.__setattr__(self, name, tuple(int(t) for t in value))
+                except (TypeError, ValueError):
+                    raise ValueError(f"sampling params: {name}={value!r}, must be a list of token ids (int)") from None
         ids = self.stop_token_ids
         if isinstance(ids, (str, bytes)) or not isinstance(ids, (list, tuple, set, frozenset)) \
                 or not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in ids):
@@ -111,6 +130,11 @@ class SamplingParams:
                       "characters each")
         if not isinstance(self.include_stop_str_in_output, bool):
             raise bad("include_stop_str_in_output", self.include_stop_str_in_output, "True or False")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise bad("logprobs_mode", self.logprobs_mode, f"one of {sorted(LOGPROBS_MODES)}")
+        for name in ("suppress_tokens", "begin_suppress_tokens"):
+            if any(not _is_int(t) or t < 0 for t in getattr(self, name)):
+                raise bad(name, getattr(self, name), "non-negative token ids")
         if self.cache_salt is not None and not isinstance(self.cache_salt, str):
             # 1, True and 1.0 are equal as dict keys: they would share one cache
             raise bad("cache_salt", self.cache_salt, "None or a str")
@@ -118,6 +142,10 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def processed_logprobs(self) -> bool:
+        return LOGPROBS_MODES.get(self.logprobs_mode) == "processed"
 
     def with_(self, **changes: Any) -> "SamplingParams":
         return replace(self, **changes)
@@ -147,6 +175,9 @@ class SamplingParams:
             kw["min_p"] = float(getattr(gc, "min_p", None) or 0.0)
         if getattr(gc, "repetition_penalty", None) is not None:
             kw["repetition_penalty"] = float(gc.repetition_penalty)
+        for name in ("suppress_tokens", "begin_suppress_tokens"):
+            if getattr(gc, name, None):
+                kw[name] = tuple(getattr(gc, name))
         kw.update(overrides)
         names = {f.name for f in fields(cls)}
         unknown = set(kw) - names

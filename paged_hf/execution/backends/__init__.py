@@ -16,7 +16,7 @@ from .torch_backend import TorchBackend
 
 
 def select_backend(name: str, device: torch.device, dtype: torch.dtype | None = None,
-                   layout: KVLayout | int | None = None) -> type:
+                   layout: KVLayout | int | None = None, quiet: bool = False) -> type:
     """The backend class for ``name``; 'auto' is FlashInfer on CUDA when it is installed and
     supports the model's dtype and KV layout (``layout``: per-layer geometry, or a head_dim),
     else torch (with one warning on CUDA, saying why); on CPU it is the paged attention kernel

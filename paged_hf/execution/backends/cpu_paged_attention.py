@@ -27,13 +27,14 @@ import os
 import threading
 import time
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from ..kv_geometry import KVLayout
 from ..metadata import StepMetadata
-from .torch_backend import TorchBackend, layer_window
+from .torch_backend import TorchBackend, _GroupPlan, _only_group, layer_window
 
 SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "paged_attention.cpp"
 OP_NAME = "paged_hf::paged_attention"
@@ -176,34 +177,40 @@ class CpuPagedBackend(TorchBackend):
 
     def plan(self, meta: StepMetadata) -> None:
         self._meta = meta
-        self._torch_plan = None  # None, "long" (long prefills only) or "full"
-        self._plan_write(meta)
-        short = [i for i, (q, kv) in enumerate(zip(meta.q_lens, meta.kv_lens))
-                 if kernel_takes(q, kv, self._bf16_path)]
-        self._has_long = len(short) < meta.num_seqs
-        self._args = None
+        self._groups = [self._plan_kernel(meta, g) for g in range(len(self.groups))]
+
+    def _plan_kernel(self, meta: StepMetadata, g: int) -> "_KernelPlan":
+        """Group ``g``'s writes and kernel arguments; its torch plan is made when a layer needs it."""
+        tables = meta.groups[g] if meta.groups else _only_group(meta)
+        held = [kv - start for kv, start in zip(meta.kv_lens, tables.kv_starts)]
+        short = [i for i, (q, kv) in enumerate(zip(meta.q_lens, held)) if kernel_takes(q, kv, self._bf16_path)]
+        plan = _KernelPlan(_GroupPlan(self._plan_write(tables)), has_long=len(short) < meta.num_seqs)
         if short:
             if len(short) == meta.num_seqs:
-                q_start, kv_indptr, kv_indices = meta.qo_indptr[:-1], meta.kv_indptr, meta.kv_indices
+                q_start, kv_indptr, kv_indices = meta.qo_indptr[:-1], tables.kv_indptr, tables.kv_indices
             else:
                 q_start = meta.qo_indptr[short]
-                blocks = [meta.kv_blocks[i] for i in short]
+                blocks = [tables.kv_blocks[i] for i in short]
                 kv_indptr = torch.tensor([0] + [len(b) for b in blocks], dtype=torch.int32).cumsum(0, dtype=torch.int32)
                 kv_indices = torch.tensor([b for bl in blocks for b in bl], dtype=torch.int32)
-            self._args = (q_start.contiguous(), torch.tensor([meta.q_lens[i] for i in short], dtype=torch.int32),
-                          torch.tensor([meta.kv_lens[i] for i in short], dtype=torch.int32), kv_indptr.contiguous(),
-                          kv_indices.contiguous())
+            plan.args = (q_start.contiguous(), torch.tensor([meta.q_lens[i] for i in short], dtype=torch.int32),
+                         torch.tensor([held[i] for i in short], dtype=torch.int32), kv_indptr.contiguous(),
+                         kv_indices.contiguous())
+        return plan
 
-    def _plan_torch(self, kind: str) -> None:
-        """The torch backend's plan for every sequence ("full") or for the long prefills alone ("long")."""
-        if self._torch_plan == kind:
+    def _torch_plan(self, g: int, kind: str) -> None:
+        """The torch backend's plan of group ``g`` for every sequence ("full") or for its long
+        prefills alone ("long"), in ``self._plans`` where the torch path reads it."""
+        plan = self._groups[g]
+        if plan.torch_kind == kind:
             return
-        super().plan(self._meta)
+        full = self._plan_group(self._meta, g)
         if kind == "long":
-            self._decode_groups = []
-            self._prefills = [p for p in self._prefills
-                              if not kernel_takes(p.rows.stop - p.rows.start, p.kv_len, self._bf16_path)]
-        self._torch_plan = kind
+            full.decode_groups = []
+            full.prefills = [p for p in full.prefills
+                             if not kernel_takes(p.rows.stop - p.rows.start, p.kv_len - p.start, self._bf16_path)]
+        plan.torch, plan.torch_kind = full, kind
+        self._plans = [k.torch for k in self._groups]
 
     def kernel_serves(self, query: torch.Tensor, layer_idx: int, sinks: torch.Tensor | None = None) -> bool:
         """Whether the op can compute this layer: a dtype it takes, and no feature it lacks (sinks,
@@ -215,20 +222,30 @@ class CpuPagedBackend(TorchBackend):
     def attend(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                scaling: float | None, sliding_window: int | None = None, softcap: float | None = None,
                sinks: torch.Tensor | None = None) -> torch.Tensor:
+        g = self.group_of[layer_idx]
+        plan = self._groups[g]
         if not self.kernel_serves(query, layer_idx, sinks):
-            self._plan_torch("full")
+            self._torch_plan(g, "full")
             return super().attend(layer_idx, query, key, value, scaling, sliding_window, softcap, sinks=sinks)
         window = layer_window(self.layout.layers[layer_idx], layer_idx, sliding_window)  # the layout's, as torch's
         if scaling is None:
             scaling = query.shape[-1] ** -0.5
         v_cache = self.kv[2 * layer_idx + 1]
-        if self._has_long:  # the torch path writes the new K/V and attends the long prefills
-            self._plan_torch("long")
+        if plan.has_long:  # the torch path writes the new K/V and attends the long prefills
+            self._torch_plan(g, "long")
             out = super().attend(layer_idx, query, key, value, scaling, sliding_window, softcap)[0]
         else:
-            self._write_kv(layer_idx, key, value)
+            self._write_kv(layer_idx, key, value, plan.torch.writes)
             out = query.new_empty(query.shape[2], query.shape[1], v_cache.shape[-1])
-        if self._args is not None:
-            torch.ops.paged_hf.paged_attention(query[0].transpose(0, 1), self.kv[2 * layer_idx], v_cache, *self._args,
+        if plan.args is not None:
+            torch.ops.paged_hf.paged_attention(query[0].transpose(0, 1), self.kv[2 * layer_idx], v_cache, *plan.args,
                                                float(scaling), int(window or 0), float(softcap or 0.0), out)
         return out.unsqueeze(0)
+
+
+@dataclass
+class _KernelPlan:
+    torch: _GroupPlan  # until a layer needs the torch path: its writes only
+    has_long: bool
+    args: tuple | None = None
+    torch_kind: str | None = None

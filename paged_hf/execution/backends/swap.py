@@ -84,9 +84,14 @@ def swap_in(kv: list[torch.Tensor], handle: SwapHandle, new_block_ids: list[int]
 
 
 class SwapMixin:
-    """Whole-block data movement as backend methods, over the backend's ``kv`` list:
+    """Whole-block data movement as backend methods, over the backend's ``kv`` list (or its
+    ``kv_slabs``, the distinct tensors, where layers of several cache groups share one):
     copy-on-write copies, and ``swap_out`` / ``swap_in``."""
     kv: list[torch.Tensor]
+
+    @property
+    def _distinct_kv(self) -> list[torch.Tensor]:
+        return getattr(self, "kv_slabs", None) or self.kv
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         if not copies:
@@ -94,11 +99,11 @@ class SwapMixin:
         device = self.kv[0].device
         src = torch.tensor([s for s, _ in copies], device=device)
         dst = torch.tensor([d for _, d in copies], device=device)
-        for cache in self.kv:
+        for cache in self._distinct_kv:
             cache[dst] = cache[src]
 
     def swap_out(self, block_ids: list[int]) -> SwapHandle:
-        return swap_out(self.kv, block_ids)
+        return swap_out(self._distinct_kv, block_ids)
 
     def swap_in(self, handle: SwapHandle, new_block_ids: list[int]) -> None:
-        swap_in(self.kv, handle, new_block_ids)
+        swap_in(self._distinct_kv, handle, new_block_ids)

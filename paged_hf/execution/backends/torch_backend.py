@@ -17,6 +17,11 @@ each prefill chunk with its own causal offset.
 Per layer, besides softcap and scaling (passed by the model each call), the layout gives a
 sliding window, a chunk (Llama 4's chunked attention: keys of the query's own chunk only) and
 attention sinks (GPT-OSS's ``s_aux``: one logit per query head joins the softmax and is dropped).
+
+Cache groups (paged_hf/cache/kv_groups.py): layer j of every group reads and writes memory slab j
+(``kv[2 * l]`` of two layers in different groups may be the same tensor), through its own group's
+pages (``meta.groups``), so one page id names the same bytes in every group. A sliding group's pages
+of a sequence start at its first block still read (``kv_starts``): positions count from there.
 """
 from __future__ import annotations
 
@@ -26,8 +31,9 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
+from ...cache.kv_groups import CacheGroup
 from ..kv_geometry import KVLayout, LayerSpec, as_layout
-from ..metadata import StepMetadata
+from ..metadata import GroupTables, StepMetadata
 from .swap import SwapMixin
 
 
@@ -39,7 +45,7 @@ class _DecodeGroup:
     blocks: torch.Tensor        # [n * max_blocks] each sequence's blocks, padded with its first
     n: int
     q_pos: torch.Tensor         # [n] position of each one's query token
-    kv_pos: torch.Tensor        # [max_blocks * block_size]
+    kv_pos: torch.Tensor        # [n, max_blocks * block_size] position of each key gathered
     valid: torch.Tensor         # [n, max_blocks * block_size] real (not padding) key positions
     masks: dict = field(default_factory=dict)  # by (sliding window, chunk), built on first use
 
@@ -50,9 +56,9 @@ class _DecodeGroup:
         if mask is None:
             mask = self.valid
             if window is not None:
-                mask = mask & (self.q_pos[:, None] - self.kv_pos[None, :] < window)
+                mask = mask & (self.q_pos[:, None] - self.kv_pos < window)
             if chunk is not None:
-                mask = mask & (self.q_pos[:, None] // chunk == self.kv_pos[None, :] // chunk)
+                mask = mask & (self.q_pos[:, None] // chunk == self.kv_pos // chunk)
             mask = self.masks[(window, chunk)] = mask[:, None, None, :]
         return mask
 
@@ -86,64 +92,91 @@ class _PrefillSeq:
     q_pos: torch.Tensor    # [q] positions of its new tokens
     kv_len: int
     fresh: bool            # no cached context: attend over the new K/V directly
+    start: int = 0         # position of the first key its blocks hold (a sliding group's)
+
+
+@dataclass
+class _GroupPlan:
+    """One cache group's share of the step's plan."""
+    writes: dict[int, torch.Tensor]  # by KV head count: the rows the new K/V go to
+    decode_groups: list[_DecodeGroup] = field(default_factory=list)
+    prefills: list[_PrefillSeq] = field(default_factory=list)
 
 
 class TorchBackend(SwapMixin):
     name = "torch"
+    serves_cache_groups = True
 
     def __init__(self, layout: KVLayout | int, num_blocks: int, block_size: int, kv_heads: int | None = None,
                  head_dim: int | None = None, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", groups: tuple[CacheGroup, ...] | None = None) -> None:
         """``layout``: the model's per-layer geometry, or a number of layers all of ``kv_heads`` x
-        ``head_dim``."""
+        ``head_dim``; ``groups``: its cache groups (default: one of every layer)."""
         self.layout = as_layout(layout, kv_heads, head_dim)
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self.kv = []
-        for spec in self.layout.layers:
+        self.groups = groups or (CacheGroup(tuple(range(self.layout.num_layers))),)
+        self.group_of = [0] * self.layout.num_layers
+        slab_of = [0] * self.layout.num_layers
+        for g, group in enumerate(self.groups):
+            for j, layer in enumerate(group.layers):
+                self.group_of[layer], slab_of[layer] = g, j
+        self.kv_slabs = []  # K and V of each slab
+        for j in range(max((len(g.layers) for g in self.groups), default=0)):
+            spec = self.layout.layers[next(g.layers[j] for g in self.groups if len(g.layers) > j)]
             for dim in (spec.k_dim, spec.v_dim):
-                self.kv.append(torch.zeros(num_blocks, spec.kv_heads, block_size, dim, dtype=dtype, device=device))
+                self.kv_slabs.append(torch.zeros(num_blocks, spec.kv_heads, block_size, dim, dtype=dtype,
+                                                 device=device))
+        self.kv = [self.kv_slabs[2 * slab_of[i] + kv] for i in range(self.layout.num_layers) for kv in (0, 1)]
         self._rows = [c.view(-1, c.shape[-1]) for c in self.kv]  # one row per (block, head, offset)
         self.device = torch.device(device)
 
     # ---- once per step -----------------------------------------------------------------------
     def plan(self, meta: StepMetadata) -> None:
+        self._plans = [self._plan_group(meta, g) for g in range(len(self.groups))]
+
+    def _plan_group(self, meta: StepMetadata, g: int) -> _GroupPlan:
         bs, dev = self.block_size, self.device
-        self._plan_write(meta)
+        tables = meta.groups[g] if meta.groups else _only_group(meta)
+        plan = _GroupPlan(self._plan_write(tables))
         qo = meta.qo_indptr.tolist()
         decode = [i for i, q in enumerate(meta.q_lens) if q == 1]
-        self._decode_groups: list[_DecodeGroup] = []
-        for members in decode_groups([meta.kv_lens[i] for i in decode], bs):
+        held = [meta.kv_lens[i] - tables.kv_starts[i] for i in range(meta.num_seqs)]
+        for members in decode_groups([held[i] for i in decode], bs):
             seqs = [decode[j] for j in members]
             rows = [qo[i] for i in seqs]
             lens = torch.tensor([meta.kv_lens[i] for i in seqs], device=dev)
-            max_blocks = max(len(meta.kv_blocks[i]) for i in seqs)
-            table = [meta.kv_blocks[i] + [meta.kv_blocks[i][0]] * (max_blocks - len(meta.kv_blocks[i])) for i in seqs]
+            held_lens = torch.tensor([held[i] for i in seqs], device=dev)
+            starts = torch.tensor([tables.kv_starts[i] for i in seqs], device=dev)
+            blocks = [tables.kv_blocks[i] for i in seqs]
+            max_blocks = max(len(b) for b in blocks)
+            table = [b + [b[0]] * (max_blocks - len(b)) for b in blocks]
             pos = torch.arange(max_blocks * bs, device=dev)
             contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
-            self._decode_groups.append(_DecodeGroup(
+            plan.decode_groups.append(_DecodeGroup(
                 rows=slice(rows[0], rows[0] + len(rows)) if contiguous else torch.tensor(rows, device=dev),
                 blocks=torch.tensor(table, dtype=torch.long, device=dev).flatten(), n=len(seqs), q_pos=lens - 1,
-                kv_pos=pos, valid=pos[None, :] < lens[:, None]))
+                kv_pos=starts[:, None] + pos[None, :], valid=pos[None, :] < held_lens[:, None]))
 
-        self._prefills: list[_PrefillSeq] = []
         for i, q in enumerate(meta.q_lens):
             if q == 1:
                 continue
             L = meta.kv_lens[i]
-            self._prefills.append(_PrefillSeq(
-                rows=slice(qo[i], qo[i + 1]), blocks=torch.tensor(meta.kv_blocks[i], dtype=torch.long, device=dev),
-                q_pos=torch.arange(L - q, L, device=dev), kv_len=L, fresh=(L == q)))
+            plan.prefills.append(_PrefillSeq(
+                rows=slice(qo[i], qo[i + 1]), blocks=torch.tensor(tables.kv_blocks[i], dtype=torch.long, device=dev),
+                q_pos=torch.arange(L - q, L, device=dev), kv_len=L, fresh=(L == q), start=tables.kv_starts[i]))
+        return plan
 
-    def _plan_write(self, meta: StepMetadata) -> None:
+    def _plan_write(self, tables: GroupTables) -> dict[int, torch.Tensor]:
         bs, dev = self.block_size, self.device
-        slots = meta.slot_mapping.to(torch.long)
+        slots = tables.slot_mapping.to(torch.long)
         # row of (token t, head j): (block * H + j) * bs + offset, in K's and in V's cache alike;
         # one index per distinct KV head count among the layers
-        self._writes: dict[int, torch.Tensor] = {}
+        writes: dict[int, torch.Tensor] = {}
         for h in {spec.kv_heads for spec in self.layout.layers}:
             heads = torch.arange(h, device=dev)
-            self._writes[h] = ((((slots // bs) * h)[:, None] + heads[None, :]) * bs + (slots % bs)[:, None]).flatten()
+            writes[h] = ((((slots // bs) * h)[:, None] + heads[None, :]) * bs + (slots % bs)[:, None]).flatten()
+        return writes
 
     def _gather(self, layer_idx: int, blocks: torch.Tensor, n_seqs: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of ``blocks`` (n_seqs equal runs) as [n_seqs, H, n_blocks_each * bs, D] (D: K's, V's width)."""
@@ -166,7 +199,8 @@ class TorchBackend(SwapMixin):
         model passed) must agree with it, and ``sinks`` is the layer's ``s_aux`` [q_heads]."""
         spec = self.layout.layers[layer_idx]
         window, chunk = layer_window(spec, layer_idx, sliding_window), spec.chunk
-        self._write_kv(layer_idx, key, value)
+        plan = self._plans[self.group_of[layer_idx]]
+        self._write_kv(layer_idx, key, value, plan.writes)
         d, dv = self._rows[2 * layer_idx].shape[1], self._rows[2 * layer_idx + 1].shape[1]
         if scaling is None:
             scaling = query.shape[-1] ** -0.5
@@ -175,7 +209,7 @@ class TorchBackend(SwapMixin):
         out = query.new_empty(q_all.shape[1], hq, dv)
         sink_logits = None if sinks is None else sinks.to(device=query.device, dtype=torch.float32)
 
-        for group in self._decode_groups:
+        for group in plan.decode_groups:
             k, v = self._gather(layer_idx, group.blocks, group.n)                 # [n, Hkv, L, D]
             hkv = k.shape[1]
             # one query token per sequence: the G query heads of a KV head form a G-row query
@@ -185,7 +219,7 @@ class TorchBackend(SwapMixin):
             o = _attention(q, k, v, group.mask(window, chunk), scaling, softcap, fused=False, sinks=group_sinks)
             out[group.rows] = o.reshape(group.n, hq, dv)
 
-        for seq in self._prefills:
+        for seq in plan.prefills:
             q = q_all[:, seq.rows].unsqueeze(0)                                 # [1, Hq, q, D]
             gqa = key.shape[1] != q.shape[1]
             plain_causal = (softcap is None and sinks is None and (window is None or window >= seq.kv_len)
@@ -194,14 +228,15 @@ class TorchBackend(SwapMixin):
                 o = F.scaled_dot_product_attention(q, key[:, :, seq.rows], value[:, :, seq.rows], is_causal=True,
                                                    scale=scaling, enable_gqa=gqa)
             else:
+                held = seq.kv_len - seq.start
                 k, v = self._gather(layer_idx, seq.blocks, 1)
-                k, v = k[:, :, : seq.kv_len], v[:, :, : seq.kv_len]            # [1, Hkv, L, D]
+                k, v = k[:, :, :held], v[:, :, :held]                           # [1, Hkv, held, D]
                 if plain_causal:
                     # causal with the chunk's offset, as a bias SDPA knows (~20% faster than a mask here)
-                    bias = causal_lower_right(q.shape[2], seq.kv_len)
+                    bias = causal_lower_right(q.shape[2], held)
                     o = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scaling, enable_gqa=gqa)
                 else:
-                    kv_pos = torch.arange(seq.kv_len, device=q.device)
+                    kv_pos = torch.arange(seq.start, seq.kv_len, device=q.device)
                     mask = kv_pos[None, :] <= seq.q_pos[:, None]
                     if window is not None:
                         mask = mask & (seq.q_pos[:, None] - kv_pos[None, :] < window)
@@ -212,14 +247,21 @@ class TorchBackend(SwapMixin):
             out[seq.rows] = o[0].transpose(0, 1)
         return out.unsqueeze(0)
 
-    def _write_kv(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor) -> None:
+    def _write_kv(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor, writes: dict[int, torch.Tensor]
+                  ) -> None:
         """Store the step's new K/V ([1, kv_heads, T, K / V width]) of one layer at the planned slots."""
         k_rows, v_rows = self._rows[2 * layer_idx], self._rows[2 * layer_idx + 1]
-        write = self._writes[self.layout.layers[layer_idx].kv_heads]
+        write = writes[self.layout.layers[layer_idx].kv_heads]
         k_new = key[0].transpose(0, 1).reshape(-1, k_rows.shape[1])    # [T * Hkv, D], token-major like the write rows
         v_new = value[0].transpose(0, 1).reshape(-1, v_rows.shape[1])
         k_rows.index_copy_(0, write, k_new.to(k_rows.dtype))
         v_rows.index_copy_(0, write, v_new.to(v_rows.dtype))
+
+
+def _only_group(meta: StepMetadata) -> GroupTables:
+    """Group 0's tables of metadata built without groups (tests and tools that make their own)."""
+    return GroupTables(meta.slot_mapping, meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len, meta.kv_blocks,
+                       [0] * meta.num_seqs)
 
 
 def layer_window(spec: LayerSpec, layer_idx: int, passed: int | None) -> int | None:

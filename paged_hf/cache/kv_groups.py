@@ -1,0 +1,63 @@
+"""Cache groups: layers grouped by what they keep of a request's KV (docs/cache_groups.md).
+
+    full attention    every block of the context, until the request ends;
+    sliding window w  the blocks some query can still read: a query at position q reads keys
+                      q - w + 1 .. q, so a block wholly before that goes back to the pool;
+    chunked c         the blocks of the query's own chunk of c positions (Llama 4).
+
+Every group has the same number of layers (padded), so a page (``block_size`` tokens of KV of one
+group's layers) is the same bytes whichever group holds it: one pool, one free list, one LRU serve
+them all. Group 0 is always a full-attention group: the prefix index's tree is keyed on its blocks.
+This file is plain data; the layout (paged_hf/execution/kv_geometry.py) decides the groups.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class CacheGroup:
+    layers: tuple[int, ...] = ()  # the backends' layer numbers in it; layer i reads memory slab i
+    window: int | None = None
+    chunk: int | None = None
+
+    @property
+    def is_full(self) -> bool:
+        return self.window is None and self.chunk is None
+
+    @property
+    def kind(self) -> str:
+        if self.window is not None:
+            return f"sliding {self.window}"
+        if self.chunk is not None:
+            return f"chunked {self.chunk}"
+        return "full"
+
+    def first_needed_block(self, position: int, block_size: int) -> int:
+        """The first block a query at ``position`` or later can read."""
+        if self.window is not None:
+            return max(0, position - self.window + 1) // block_size
+        if self.chunk is not None:
+            return position // self.chunk * self.chunk // block_size
+        return 0
+
+    def tokens_needed(self, num_computed: int) -> int:
+        """Of ``num_computed`` tokens of KV, how many some later query still reads."""
+        if self.window is not None:
+            return min(num_computed, self.window - 1)
+        if self.chunk is not None:
+            return num_computed - num_computed // self.chunk * self.chunk
+        return num_computed
+
+    def most_blocks(self, num_tokens: int, step_tokens: int, block_size: int) -> int:
+        """The most blocks a request of ``num_tokens`` holds at once in this group, computing at
+        most ``step_tokens`` per step (a step writes its whole chunk before blocks are freed)."""
+        total = -(-num_tokens // block_size)
+        reach = self.window if self.window is not None else self.chunk
+        if reach is None:
+            return total
+        # a chunk's queries read back reach - 1 positions from its first; +1: the span's misalignment
+        return min(total, -(-(reach - 1 + min(step_tokens, num_tokens)) // block_size) + 1)
+
+
+FULL = CacheGroup()
