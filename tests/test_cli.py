@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -33,9 +34,18 @@ def test_generate_from_jsonl(model_dir, tmp_path):
     assert got[1]["generation_error"] == "row 1: ValueError: empty prompt" and got[0]["generation_error"] is None
     model, tok = make_tiny_model("llama"), make_tiny_tokenizer()
     params = paged_hf.SamplingParams(max_new_tokens=5)
-    ref = paged_hf.Engine(model, tok).generate(["hello world", "café 東京"], params)
+    # the default: each prompt one user message through the chat template
+    chat = [tok(tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True),
+                add_special_tokens=False)["input_ids"] for q in ("hello world", "café 東京")]
+    ref = paged_hf.Engine(model, tok).generate(chat, params)
     assert [got[0]["generation"], got[2]["generation"]] == [r.text for r in ref]
     assert got[0]["generation_num_tokens"] == len(ref[0].token_ids)
+    raw_out = tmp_path / "raw.jsonl"
+    raw_argv = [a if a != str(out) else str(raw_out) for a in argv if a not in ("--checkpoint-dir", str(tmp_path / "ckpt"))]
+    assert cli.main(raw_argv + ["--raw"]) == 0
+    raw = [json.loads(line) for line in raw_out.read_text().splitlines()]
+    ref_raw = paged_hf.Engine(model, tok).generate(["hello world", "café 東京"], params)
+    assert [raw[0]["generation"], raw[2]["generation"]] == [r.text for r in ref_raw]
 
     assert cli.main(argv) == 0  # resumed from the checkpoint: same file
     assert [json.loads(line) for line in out.read_text().splitlines()] == got
@@ -162,3 +172,36 @@ def test_bad_tokenizer_fails_cleanly(model_dir, tmp_path, capsys):
         assert _generate(model_dir, data, tmp_path / "o.jsonl", "--tokenizer", str(tokenizer)) == 2
         err = _error(capsys)
         assert f"--tokenizer {tokenizer}: {message}" in err, err
+
+
+def test_the_readme_cli_lines_answer_on_topic(tmp_path):
+    """The README's two `paged-hf generate` lines, as written, on the shipped SmolLM2: chat-templated
+    answers (none empty, the capital question's names Rome), then JSON under the example schema."""
+    import re
+    import shlex
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    lines = [line for line in readme.splitlines() if line.startswith("paged-hf generate --model default")]
+    assert len(lines) == 2, lines
+    repo = Path(__file__).resolve().parents[1]
+    results = []
+    for line in lines:
+        argv = shlex.split(line)[1:]
+        out = tmp_path / argv[argv.index("--output") + 1]
+        argv[argv.index("--output") + 1] = str(out)
+        for flag in ("--input", "--json-schema"):
+            if flag in argv:
+                argv[argv.index(flag) + 1] = str(repo / argv[argv.index(flag) + 1])
+        assert cli.main(argv + ["--no-progress"]) == 0
+        results.append([json.loads(row) for row in out.read_text().splitlines()])
+    plain, structured = results
+    questions = [json.loads(row)["prompt"] for row in (repo / "examples" / "questions.jsonl").read_text().splitlines()]
+    assert all(len(r["generation"].split()) >= 2 for r in plain), [r["generation"] for r in plain]
+    assert "Rome" in plain[questions.index("What is the capital of Italy?")]["generation"]
+    assert "Paris" in plain[questions.index("What is the capital of France?")]["generation"]
+    schema = json.loads((repo / "examples" / "answer_schema.json").read_text())
+    for r in structured:
+        value = json.loads(r["generation"])
+        assert r["generation_finish_reason"] == "stop" and set(value) == set(schema["required"])
+        assert value["confidence"] in schema["properties"]["confidence"]["enum"]
+        assert len(value["answer"]) <= schema["properties"]["answer"]["maxLength"]
+    assert re.search(r"Rome", structured[questions.index("What is the capital of Italy?")]["generation"])

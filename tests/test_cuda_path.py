@@ -270,6 +270,28 @@ def test_flashinfer_backend_matches_torch_backend(family, fake_flashinfer, monke
         assert wrapper.run_count >= wrapper.plan_count >= 1
 
 
+@pytest.mark.parametrize("model_type", ["gemma3_text", "cohere2"])
+def test_flashinfer_backend_reads_each_cache_group_through_its_pages(model_type, fake_flashinfer, monkeypatch):
+    """Eager FlashInfer steps on sliding layers: each group's layers read their group's pages (window_left
+    over a sequence's pages from its window's first block), the same tokens as the torch backend, and
+    the sliding groups' blocks freed as they slide out."""
+    from paged_hf.model.support import build_tiny_model
+
+    model = build_tiny_model(model_type)
+    prompts = tiny_prompts(model.config.vocab_size, 4, [3, 17, 30, 41], seed=21)
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    kw = dict(num_blocks=96, block_size=4, max_num_seqs=8, max_num_batched_tokens=16)
+    expected = [o.token_ids for o in paged_hf.Engine(model, backend="torch", **kw).generate(prompts, params)]
+    _use_backend(monkeypatch, fake_flashinfer.FlashInferBackend)
+    engine = paged_hf.Engine(model, **kw)
+    assert isinstance(engine.runner.backend, fake_flashinfer.FlashInferBackend) and len(engine.groups) > 1
+    assert [o.token_ids for o in engine.generate(prompts, params)] == expected
+    assert {v[-1] for v in engine.runner.backend.variants} == set(range(len(engine.groups)))
+    keep = paged_hf.Engine(model, **kw, keep_every_kv_block=True)
+    assert [o.token_ids for o in keep.generate(prompts, params)] == expected
+    assert engine.stats()["kv_bytes_peak"] < keep.stats()["kv_bytes_peak"]
+
+
 def test_flashinfer_backend_plans_once_per_step_per_variant(fake_flashinfer, monkeypatch):
     model = make_tiny_model("gemma2")  # 4 layers, 2 variants
     prompts, params = _workload(model.config.vocab_size)

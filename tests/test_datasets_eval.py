@@ -66,8 +66,12 @@ def test_order_and_companions_on_200_rows(setup, reference):
     assert list(reference) == ["id", "prompt", "generation", "generation_num_tokens", "generation_finish_reason",
                                "generation_ttft", "generation_error"]
     assert reference["id"] == [f"q{i}" for i in range(ROWS)] and reference["prompt"] == list(dataset["prompt"])
-    # the same prompts through Engine.generate, an independent path that keeps order
-    expected = paged_hf.Engine(model, tokenizer, max_num_seqs=MAX_NUM_SEQS).generate(list(dataset["prompt"]), PARAMS)
+    # the same prompts through Engine.generate, an independent path that keeps order; text prompts go
+    # through the chat template as one user message (the default)
+    chat = [tokenizer(tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                                    add_generation_prompt=True), add_special_tokens=False)["input_ids"]
+            if p else p for p in dataset["prompt"]]
+    expected = paged_hf.Engine(model, tokenizer, max_num_seqs=MAX_NUM_SEQS).generate(chat, PARAMS)
     for i, out in enumerate(expected):
         if out.error:
             assert reference["generation"][i] == "" and reference["generation_finish_reason"][i] == "error"

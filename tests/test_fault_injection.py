@@ -147,11 +147,11 @@ def single_fault(fault: str, data, kind: str) -> None:
             raise ValueError("poisoned sampling")
         prepare(logits, row, req)
 
-    def faulty_sample(logits, rows):
+    def faulty_sample(logits, rows, mask=None):
         if len(calls) == where + 1:  # a failed step ends every request in it, and the samples it forked
             touched.update(in_step + [r.request_id for r in rows])
             raise RuntimeError("sampler crashed") if fault == "sampler_error" else KeyboardInterrupt
-        return sample(logits, rows)
+        return sample(logits, rows, mask)
 
     def faulty_swap_out(blocks):
         raise RuntimeError("no pinned memory")

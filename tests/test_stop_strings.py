@@ -255,7 +255,8 @@ def test_generate_dataset_and_cli_take_stops(model64, tok, tmp_path):
     plain = paged_hf.Engine(model64, tok).generate(prompts, base)
     stop = plain[0].text[5:7]
     ds = datasets.Dataset.from_dict({"prompt": prompts})
-    out = paged_hf.generate_dataset(model64, tok, ds, sampling_params=base.with_(stop=[stop]), progress=False)
+    out = paged_hf.generate_dataset(model64, tok, ds, sampling_params=base.with_(stop=[stop]), progress=False,
+                                    chat=False)  # the prompts as they are, as the reference has them
     for row, ref in zip(out, plain):
         assert row["generation"] == (ref.text[: ref.text.find(stop)] if stop in ref.text else ref.text)
     assert out[0]["generation_finish_reason"] == "stop"
@@ -268,7 +269,7 @@ def test_generate_dataset_and_cli_take_stops(model64, tok, tmp_path):
     f32 = paged_hf.Engine(make_tiny_model("llama"), tok).generate(prompts, base)
     stop = f32[1].text[3:5]
     argv = ["generate", "--model", str(model_dir), "--input", str(data), "--output", str(tmp_path / "o.jsonl"),
-            "--max-new-tokens", "20", "--ignore-eos", "--dtype", "float32", "--no-progress",
+            "--max-new-tokens", "20", "--ignore-eos", "--dtype", "float32", "--no-progress", "--raw",
             "--stop", stop.encode("unicode_escape").decode(), "--stop", "zzzz", "--include-stop-str"]
     assert cli.main(argv) == 0
     rows = [json.loads(line) for line in (tmp_path / "o.jsonl").read_text().splitlines()]

@@ -18,6 +18,7 @@ import torch
 from ..config import EngineConfig
 from ..execution.runner import max_positions
 from ..requests.detokenizer import StopStrings
+from .structured import StructuredOutputs
 from ..requests.request import AUTO_ID_PREFIX, Request
 from ..requests.sampling_params import SamplingParams
 from .binding import check_still_patched
@@ -60,6 +61,7 @@ class Admission:
         req = Request(rid, ids, params, eos, self.max_model_len)
         req.generator = self._generator(params, 0)
         req.stop_strings = stop_strings if stop_strings is not None else self._stop_strings(params)
+        req.grammar = self._grammar(rid, params)
         if params.prompt_logprobs is not None:
             req.score_targets, req.score_start = ids[1:], 0
         return self._queue(req)
@@ -85,6 +87,26 @@ class Admission:
             raise ValueError(f"request {rid}: {what} token id {media[0]} is this model's image/video/audio "
                              "placeholder; media inputs are not supported yet (paged_hf runs the text path of "
                              "multimodal models)")
+
+    def _grammar(self, rid: str, params: SamplingParams) -> Any:
+        """A matcher of the request's structured-output constraint (compiled once per text), or None."""
+        constraint = params.constraint
+        if constraint is None:
+            return None
+        kind, text = constraint
+        if self.tokenizer is None:
+            raise ValueError(f"request {rid}: {kind} needs a tokenizer to map the grammar onto tokens "
+                             "(Engine(model, tokenizer))")
+        if self.structured is None:
+            try:
+                self.structured = StructuredOutputs(self.tokenizer, self.vocab_size)
+            except ValueError as e:
+                raise ValueError(f"request {rid}: {e}") from None
+        try:
+            return self.structured.matcher(kind, text)
+        except Exception as e:  # noqa: BLE001 - xgrammar says what is wrong with it
+            what = text if len(text) <= 200 else text[:200] + "..."
+            raise ValueError(f"request {rid}: its {kind} does not compile ({type(e).__name__}: {e}): {what}") from None
 
     def _stop_strings(self, params: SamplingParams) -> StopStrings | None:
         if not params.stop:

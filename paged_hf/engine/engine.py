@@ -98,6 +98,7 @@ class Engine(Admission, StepLoop, OutputAssembly, BatchCalls):
         self._ids = itertools.count()
         self._stats = EngineStats()
         self._aborts = 0  # counts aborts, so run_until_done notices ones made from its callbacks
+        self.structured = None  # structured outputs' compiler, made for the first constrained request
         self.serving = False  # a BackgroundEngine steps this engine
         self._patch_state = state
         state.engines.add(self)
@@ -281,7 +282,8 @@ class Engine(Admission, StepLoop, OutputAssembly, BatchCalls):
             "state_slots": self.kv.state.num_slots, "state_slots_used": self.kv.state.num_used,
             "state_checkpoints": self.kv.state.num_checkpoints_held, "state_checkpoint_hits": self.kv.state.checkpoint_hits,
             "state_bytes": 0 if self.runner.asleep else self.runner.states.nbytes}
-        return state | {
+        structured = {} if self.structured is None else self.structured.stats()
+        return state | structured | {
             "prompt_tokens": s.prompt_tokens,
             "prefill_tokens_computed": s.prefill_tokens_computed,
             "prefix_hit_tokens": self.scheduler.prefix_hit_tokens,

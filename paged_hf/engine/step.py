@@ -71,7 +71,9 @@ class StepLoop:
                     row_of += [i] * len(children)
             if len(rows) != len(meta.sampled_requests):
                 logits = logits[torch.tensor(row_of, device=logits.device)]
-            result = sample(logits, rows)
+            matchers = {i: r.grammar for i, r in enumerate(rows) if r.grammar is not None}
+            result = sample(logits, rows, (lambda lg, errs: self.structured.apply(lg, matchers, errs))
+                            if matchers else None)
         except Exception as e:  # noqa: BLE001 - ends the step's requests, not the engine
             return {}, self._fail_step(out, forked, e)
         except BaseException:
@@ -102,6 +104,7 @@ class StepLoop:
         finished = sched.update(out, sampled, now)
         finished += self._finish_prefill_only(out, failed, now)
         failed += self._check_stop_strings(sampled, finished, now)
+        failed += self._advance_grammars(sampled, finished, now)
         for req in failed:
             if not req.is_finished:
                 sched.finish(req, FinishReason.ERROR, now)
@@ -145,6 +148,22 @@ class StepLoop:
                 finished.append(req)
         return failed
 
+    def _advance_grammars(self, sampled: dict[Request, int], finished: list[Request], now: float) -> list[Request]:
+        """Feed each constrained request's token to its grammar; one whose grammar is complete stops.
+        Returns the requests whose grammar refused their token (they fail alone)."""
+        failed = []
+        for req, tok in sampled.items():
+            grammar = req.grammar
+            if grammar is None or req.finish_reason is FinishReason.ERROR:
+                continue
+            if not grammar.accept_token(tok):
+                req.error = f"request {req.request_id}: token {tok} is not one its structured-output grammar allows"
+                failed.append(req)
+            elif grammar.is_terminated() and not req.is_finished:
+                self.scheduler.finish(req, FinishReason.STOP, now)
+                finished.append(req)
+        return failed
+
     def _swap_out(self, out: SchedulerOutput) -> None:
         """Copy preempted requests' KV to host memory before anything reuses their blocks. A copy
         that fails turns that request's preemption into a recompute one: same tokens, more work."""
@@ -176,6 +195,7 @@ class StepLoop:
         child.num_cached_tokens = parent.num_cached_tokens
         child.generator = self._generator(parent.params, k)
         child.stop_strings = parent.stop_strings.fresh() if parent.stop_strings is not None else None
+        child.grammar = self.structured.matcher(*parent.params.constraint) if parent.grammar is not None else None
         return child
 
 

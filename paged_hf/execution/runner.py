@@ -67,8 +67,8 @@ def cache_groups(model: torch.nn.Module, config: EngineConfig, layout: KVLayout,
                  state_layout: StateLayout | None = None) -> tuple[CacheGroup, ...]:
     """The cache groups the engine runs the model's layers in: sliding and chunked layers apart from
     full ones (paged_hf/cache/kv_groups.py), unless ``keep_every_kv_block``, or the step runs where
-    groups are not served yet (FlashInfer, CUDA graphs and compiled decode steps read group 0's
-    tables only): there every block is kept, as it always was, with the same results."""
+    groups are not served yet (CUDA-graph and compiled decode steps read group 0's tables only):
+    there every block is kept, as it always was, with the same results."""
     param = next(model.parameters())
     backend = select_backend(config.backend, param.device, param.dtype, layout, quiet=True)
     keep = (config.keep_every_kv_block or not getattr(backend, "serves_cache_groups", False)

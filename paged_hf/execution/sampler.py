@@ -13,6 +13,7 @@ tokens are what they would have been without it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -26,8 +27,9 @@ class SampleResult:
     errors: dict[int, str] = field(default_factory=dict)  # row -> why it has no token
 
 
-def sample(logits: torch.Tensor, requests: list[Request]) -> SampleResult:
-    """logits: [B, V] (one row per request, any dtype) -> one token per request."""
+def sample(logits: torch.Tensor, requests: list[Request], mask: Callable | None = None) -> SampleResult:
+    """logits: [B, V] (one row per request, any dtype) -> one token per request. ``mask(logits,
+    errors)``: structured outputs' grammar masks, applied after the per-request processors."""
     logits = logits.float()
     raw = logits
     logits = logits.clone()
@@ -37,6 +39,8 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> SampleResult:
             _prepare_row(logits, row, req)
         except Exception as e:  # noqa: BLE001 - whatever it was, it is this row's alone
             errors[row] = f"sampling failed: {type(e).__name__}: {e}"
+    if mask is not None:
+        mask(logits, errors)
 
     # max gives the greedy choice and, in the same pass, rows with NaN / +inf (max propagates them)
     # or nothing left to pick (all -inf)

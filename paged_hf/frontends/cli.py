@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import runpy
 import sys
@@ -48,7 +49,11 @@ def _parser() -> argparse.ArgumentParser:
                    "directory")
     g.add_argument("--split", help="the split to use when --input holds a DatasetDict")
     g.add_argument("--limit", type=int, help="only the first N rows (N >= 0)")
-    g.add_argument("--prompt-column", default="prompt")
+    g.add_argument("--prompt-column", default="prompt", help="text prompts go through the tokenizer's chat template "
+                   "as one user message when it has one (the default; --raw sends them as they are), or token ids")
+    g.add_argument("--raw", action="store_true", help="send --prompt-column's text to the model as it is, "
+                   "without the chat template")
+    g.add_argument("--system", metavar="TEXT", help="a system message before each prompt (chat template only)")
     g.add_argument("--messages-column", help="a column of chat messages, run through the chat template")
     g.add_argument("--params-column", help="a column of per-row SamplingParams fields (dicts)")
     g.add_argument("--output-column", default="generation")
@@ -69,6 +74,10 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--stop", action="append", default=[], metavar="TEXT",
                    help="end a row when its text contains TEXT (repeatable; escapes like \\n are read)")
     s.add_argument("--include-stop-str", action="store_true", help="keep the stop string at the end of the text")
+    c = g.add_argument_group("structured outputs (one of; needs paged_hf[structured])")
+    c.add_argument("--json-schema", metavar="FILE", help="every output is JSON valid under the schema in FILE")
+    c.add_argument("--regex", help="every output fully matches this regular expression")
+    c.add_argument("--choice", action="append", metavar="TEXT", help="every output is one of these (repeat it)")
     e = g.add_argument_group("engine")
     e.add_argument("--max-num-seqs", type=int)
     e.add_argument("--max-num-batched-tokens", type=int)
@@ -101,7 +110,9 @@ def generate(args: argparse.Namespace) -> int:
                                 temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
                                 repetition_penalty=args.repetition_penalty, seed=args.seed,
                                 ignore_eos=args.ignore_eos, stop=[_unescape(s) for s in args.stop],
-                                include_stop_str_in_output=args.include_stop_str)
+                                include_stop_str_in_output=args.include_stop_str, regex=args.regex,
+                                choice=args.choice, json_schema=_read_schema(args.json_schema))
+        params.validate("sampling options")
     except ValueError as err:
         return _fail(str(err))
     engine_config = {k: v for k, v in {
@@ -138,7 +149,8 @@ def generate(args: argparse.Namespace) -> int:
         result = generate_dataset(model, tokenizer, dataset, prompt_column=args.prompt_column,
                                   output_column=args.output_column, sampling_params=params,
                                   checkpoint_dir=args.checkpoint_dir, messages_column=args.messages_column,
-                                  params_column=args.params_column, progress=not args.no_progress, **engine_config)
+                                  params_column=args.params_column, progress=not args.no_progress,
+                                  chat=False if args.raw else None, system=args.system, **engine_config)
     except (ValueError, TypeError, OSError) as err:
         return _fail(str(err))
     if result is None or not _is_main_process():
@@ -153,6 +165,18 @@ def generate(args: argparse.Namespace) -> int:
           + (f" ({errors} failed, finish_reason 'error': see {args.output_column}_error)" if errors else ""),
           file=sys.stderr)
     return 0
+
+
+def _read_schema(path: str | None) -> str | None:
+    """--json-schema FILE's text, checked to be JSON (xgrammar checks it is a schema at admission)."""
+    if path is None:
+        return None
+    try:
+        text = Path(path).read_text()
+        json.loads(text)
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"--json-schema {path}: {err}") from None
+    return text
 
 
 def load_model(name: str, gguf_file: str | None, tokenizer_name: str | None, dtype: str,

@@ -43,7 +43,9 @@ _READ_BATCH = 256
 def generate_dataset(model: torch.nn.Module, tokenizer: Any, dataset: Any, prompt_column: str = "prompt",
                      output_column: str = "generation", sampling_params: SamplingParams | None = None,
                      checkpoint_dir: str | os.PathLike | None = None, messages_column: str | None = None,
-                     params_column: str | None = None, progress: bool = True, **engine_config: Any) -> Any:
+                     params_column: str | None = None, progress: bool = True, chat: bool | None = None,
+                     system: str | None = None, json_schema: dict | str | None = None,
+                     json_schema_column: str | None = None, **engine_config: Any) -> Any:
     """Generate one completion per row of ``dataset``; return the dataset with the results added.
 
     The returned ``datasets.Dataset`` has the original columns in the original order plus
@@ -56,9 +58,16 @@ def generate_dataset(model: torch.nn.Module, tokenizer: Any, dataset: Any, promp
     tokenizer error), when the engine refuses it, or when it fails inside an engine step; the
     other rows run. ``KeyboardInterrupt`` stops the run (submitted rows are aborted).
 
-    - ``prompt_column`` holds text (tokenized with special tokens) or token ids; with
-      ``messages_column`` set, that column's chat messages go through
-      ``tokenizer.apply_chat_template(..., add_generation_prompt=True)`` instead.
+    - ``prompt_column`` holds text or token ids. Text goes to the model as one user message
+      through the tokenizer's chat template when it has one (``chat=None``, the default; ``system``
+      adds a system message before it), else as it is (tokenized with special tokens);
+      ``chat=False`` sends it raw, ``chat=True`` requires a template. With ``messages_column`` set,
+      that column's chat messages go through ``tokenizer.apply_chat_template(...,
+      add_generation_prompt=True)`` instead. A run where most rows end within two tokens warns,
+      naming the likely cause.
+    - ``json_schema``: every row's output is constrained to this JSON schema (structured outputs,
+      the "structured" extra); ``json_schema_column``: a column of per-row schemas (dicts or JSON
+      text; None leaves a row unconstrained).
     - ``params_column`` holds per-row dicts of ``SamplingParams`` fields, applied over
       ``sampling_params``. When sampling (temperature > 0), row ``i`` without its own seed uses
       seed ``(sampling_params.seed or 0) + i``, so results do not depend on batching, resuming
@@ -98,8 +107,19 @@ def generate_dataset(model: torch.nn.Module, tokenizer: Any, dataset: Any, promp
         raise ValueError(f"sampling_params: n={base.n}; generate_dataset makes one completion per row "
                          "(repeat the rows for several samples)")
     _check_columns(dataset, prompt_column, output_column, messages_column, params_column)
+    if json_schema_column is not None and json_schema_column not in dataset.column_names:
+        raise ValueError(f"json_schema_column {json_schema_column!r} is not a column of the dataset "
+                         f"({dataset.column_names})")
     if messages_column is not None and tokenizer is None:
         raise ValueError("messages_column needs a tokenizer with a chat template")
+    has_template = bool(getattr(tokenizer, "chat_template", None))
+    if chat and not has_template:
+        raise ValueError("chat=True: the tokenizer has no chat template (pass chat=False to send prompts raw)")
+    if system is not None and not (chat is not False and has_template):
+        raise ValueError("system= needs prompts sent through a chat template (a tokenizer with one, chat not False)")
+    chat = has_template and messages_column is None and chat is not False
+    if json_schema is not None:
+        base = base.with_(json_schema=json_schema)
 
     rank, world, state = _distributed()
     if world > 1:
@@ -118,13 +138,15 @@ def generate_dataset(model: torch.nn.Module, tokenizer: Any, dataset: Any, promp
     checkpoint = None
     if checkpoint_dir is not None:
         columns = {"prompt": prompt_column, "output": output_column, "messages": messages_column,
-                   "params": params_column}
+                   "params": params_column, "chat": chat, "system": system, "json_schema": json_schema_column}
         checkpoint = Checkpoint(Path(checkpoint_dir), fingerprint(model, tokenizer, engine, dataset, base, columns),
                                 rank, state, len(dataset))
 
-    records = _run_shard(engine, tokenizer, shard, shard_rows, base, prompt_column, messages_column,
+    prompts = _Prompts(messages_column, chat, system, json_schema_column)
+    records = _run_shard(engine, tokenizer, shard, shard_rows, base, prompt_column, prompts,
                          params_column, checkpoint, progress and rank == 0,
                          desc="paged_hf" if world == 1 else f"paged_hf [rank 0 of {world}]")
+    _warn_if_mostly_empty(records, chat)
 
     if world > 1:
         import torch.distributed as dist
@@ -140,8 +162,34 @@ def generate_dataset(model: torch.nn.Module, tokenizer: Any, dataset: Any, promp
 
 # ---- the loop ------------------------------------------------------------------------------------
 
+class _Prompts:
+    """How a row's prompt becomes token ids, and which extra column it reads."""
+
+    def __init__(self, messages_column: str | None, chat: bool, system: str | None, json_schema_column: str | None):
+        self.messages_column, self.chat, self.system = messages_column, chat, system
+        self.json_schema_column = json_schema_column
+
+    def ids(self, tokenizer: Any, prompt: Any) -> list[int]:
+        if self.chat and isinstance(prompt, str) and prompt:
+            messages = ([{"role": "system", "content": self.system}] if self.system is not None else []) + \
+                [{"role": "user", "content": prompt}]
+            return _prompt_ids(tokenizer, messages, True)
+        return _prompt_ids(tokenizer, prompt, self.messages_column is not None)
+
+
+def _warn_if_mostly_empty(records: list[dict], chat: bool) -> None:
+    ran = [r for r in records if r["finish_reason"] != "error"]
+    short = [r for r in ran if r["num_tokens"] <= 2 and r["finish_reason"] == "stop"]
+    if ran and len(short) * 2 > len(ran):
+        cause = ("the prompts went to the model raw: an instruction-tuned model usually needs its chat template "
+                 "(chat=None or True; the CLI without --raw)") if not chat else \
+            "the model ends its answer at once (a base model given a chat template? try chat=False / --raw)"
+        logger.warning("paged_hf.generate_dataset: %d of %d rows ended within two tokens; likely cause: %s",
+                       len(short), len(ran), cause)
+
+
 def _run_shard(engine: Any, tokenizer: Any, shard: Any, shard_rows: list[int], base: SamplingParams,
-               prompt_column: str, messages_column: str | None, params_column: str | None,
+               prompt_column: str, prompts: _Prompts, params_column: str | None,
                checkpoint: Checkpoint | None, progress: bool, desc: str) -> list[dict]:
     """Run one shard to completion; its records in shard order (restored rows included)."""
     done: dict[int, dict] = {}
@@ -153,7 +201,8 @@ def _run_shard(engine: Any, tokenizer: Any, shard: Any, shard_rows: list[int], b
     engine.check_weights(rescan=True)  # this loop steps the engine itself: look for replaced tensors now
     target_waiting = 2 * engine.config.max_num_seqs
 
-    rows = _rows(shard, shard_rows, done, prompt_column, messages_column, params_column)
+    rows = _rows(shard, shard_rows, done, prompt_column, prompts.messages_column, params_column,
+                 prompts.json_schema_column)
     live: dict[str, int] = {}  # engine request id -> row index
     bar = _Progress(len(shard_rows), len(done), engine, desc) if progress else None
     exhausted = False
@@ -166,7 +215,7 @@ def _run_shard(engine: Any, tokenizer: Any, shard: Any, shard_rows: list[int], b
                     exhausted = True
                     break
                 row, prompt, row_params = item
-                rid = _submit(engine, tokenizer, base, row, prompt, row_params, messages_column is not None, new)
+                rid = _submit(engine, tokenizer, base, row, prompt, row_params, prompts, new)
                 if rid is not None:
                     live[rid] = row
             if not new and not live and exhausted:
@@ -198,10 +247,10 @@ def _run_shard(engine: Any, tokenizer: Any, shard: Any, shard_rows: list[int], b
 
 
 def _submit(engine: Any, tokenizer: Any, base: SamplingParams, row: int, prompt: Any, row_params: Any,
-            is_messages: bool, errors: list[dict]) -> str | None:
+            prompts: _Prompts, errors: list[dict]) -> str | None:
     """Queue one row; its engine request id, or None when it failed (its record added to ``errors``)."""
     try:
-        ids = _prompt_ids(tokenizer, prompt, is_messages)
+        ids = prompts.ids(tokenizer, prompt)
         params = _row_params(base, row_params, row)
     except Exception as e:  # whatever the row's template or tokenizer raise, the row fails alone
         errors.append(_error_record(row, _describe(e)))
@@ -258,10 +307,11 @@ def _engine(model: Any, tokenizer: Any, engine_config: dict) -> Any:
 
 
 def _rows(shard: Any, shard_rows: list[int], done: dict, prompt_column: str, messages_column: str | None,
-          params_column: str | None) -> Iterator[tuple[int, Any, Any]]:
-    """(row index, prompt or messages, row params) of the rows still to run, read in batches."""
+          params_column: str | None, json_schema_column: str | None = None) -> Iterator[tuple[int, Any, Any]]:
+    """(row index, prompt or messages, row params) of the rows still to run, read in batches; a
+    row's schema (``json_schema_column``) joins its params."""
     source = messages_column or prompt_column
-    columns = [source] + ([params_column] if params_column else [])
+    columns = [source] + ([params_column] if params_column else []) + ([json_schema_column] if json_schema_column else [])
     todo = [k for k, i in enumerate(shard_rows) if i not in done]
     view = shard.select_columns(columns)
     if len(todo) < len(shard_rows):
@@ -271,7 +321,11 @@ def _rows(shard: Any, shard_rows: list[int], done: dict, prompt_column: str, mes
         k = 0
         for batch in view.iter(batch_size=_READ_BATCH):
             for j, prompt in enumerate(batch[source]):
-                yield shard_rows[todo[k]], prompt, batch[params_column][j] if params_column else None
+                row_params = batch[params_column][j] if params_column else None
+                schema = batch[json_schema_column][j] if json_schema_column else None
+                if schema is not None:
+                    row_params = {**(row_params if isinstance(row_params, dict) else {}), "json_schema": schema}
+                yield shard_rows[todo[k]], prompt, row_params
                 k += 1
     return gen()
 

@@ -30,6 +30,8 @@ _UNSUPPORTED_SETTINGS = {
     "max_time": None, "output_scores": False, "output_logits": False, "output_attentions": False,
     "output_hidden_states": False, "remove_invalid_values": False,
 }
+# model.generate(..., paged_hf_json_schema=... | paged_hf_regex=... | paged_hf_choice=[...] | paged_hf_grammar=...)
+STRUCTURED_KEYWORDS = ("json_schema", "regex", "choice", "grammar")
 _UNSUPPORTED_MODEL_KWARGS = ("inputs_embeds", "past_key_values", "cache", "position_ids", "token_type_ids",
                              "cache_position", "decoder_input_ids")
 # keyword arguments that carry media for multimodal models (pixel_values, image_grid_thw, input_features, ...)
@@ -49,6 +51,8 @@ def paged_generate(self: torch.nn.Module, inputs: torch.Tensor | None = None,
         if value is not None and not (isinstance(value, list) and len(value) == 0):
             raise NotImplementedError(f"paged_hf generate: {name} is not supported; unpatch the model to use it")
     tokenizer = kwargs.pop("tokenizer", None)  # what stop_strings are read with, as in transformers
+    # paged_hf's own keywords (structured outputs: the engine needs a tokenizer, patch(model, tok))
+    constraint = {name: kwargs.pop(f"paged_hf_{name}") for name in STRUCTURED_KEYWORDS if f"paged_hf_{name}" in kwargs}
     input_ids = kwargs.pop("input_ids", inputs)
     if input_ids is None:
         raise ValueError("paged_hf generate needs input_ids")
@@ -79,6 +83,9 @@ def paged_generate(self: torch.nn.Module, inputs: torch.Tensor | None = None,
         if gc.pad_token_id is not None and gc.pad_token_id not in eos_list:
             attention_mask = (input_ids != gc.pad_token_id).long()  # transformers infers it the same way
     params = _sampling_params(gc, padded_len)
+    if constraint:
+        params = params.with_(**constraint)
+        params.validate("paged_hf generate")
     stop_strings = gc.stop_strings
     if isinstance(stop_strings, str):
         stop_strings = [stop_strings]

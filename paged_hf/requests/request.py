@@ -88,6 +88,7 @@ class Request:
     error: str | None = None  # why it finished with FinishReason.ERROR
     cache_namespace: Any = None  # prefix-cache namespace it was admitted under (the weights' generation)
     stop_strings: "StopStrings | None" = None  # matches params.stop in the output as it grows
+    grammar: Any = None  # structured outputs: its grammar matcher (paged_hf/engine/structured.py)
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     # Scoring: the logprob of token score_targets[i] comes from the logits of position
     # score_start + i (prompt_logprobs: the prompt's own tokens 1.. from positions 0..; a scoring

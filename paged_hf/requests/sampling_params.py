@@ -5,6 +5,7 @@ its step fail later (the engine adds the checks that need the model, e.g. the vo
 """
 from __future__ import annotations
 
+import json
 import math
 import numbers
 from dataclasses import dataclass, fields, replace
@@ -65,8 +66,21 @@ class SamplingParams:
     # token ids never generated, and ids not generated as the first token (transformers' options)
     suppress_tokens: tuple[int, ...] = ()
     begin_suppress_tokens: tuple[int, ...] = ()
+    # structured outputs (at most one; xgrammar, the "structured" extra): the output must match a
+    # JSON schema (a dict or its JSON text), a regular expression, one of ``choice``, or an EBNF
+    # grammar (xgrammar's dialect, root rule ``root``); the request stops when it is complete
+    json_schema: str | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.json_schema, dict):  # its text is the key compiled grammars are cached by
+            object.__setattr__(self, "json_schema", json.dumps(self.json_schema, sort_keys=True))
+        if self.choice is not None and not isinstance(self.choice, tuple):
+            if isinstance(self.choice, str):
+                raise ValueError(f"sampling params: choice={self.choice!r}, must be a list of strings")
+            object.__setattr__(self, "choice", tuple(self.choice))
         for name in ("suppress_tokens", "begin_suppress_tokens"):
             value = getattr(self, name)
             if value is None:
@@ -130,6 +144,15 @@ class SamplingParams:
                       "characters each")
         if not isinstance(self.include_stop_str_in_output, bool):
             raise bad("include_stop_str_in_output", self.include_stop_str_in_output, "True or False")
+        set_ = [name for name in ("json_schema", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        if len(set_) > 1:
+            raise ValueError(f"{who}: {' and '.join(set_)} are set; a request takes at most one constraint")
+        for name in ("json_schema", "regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise bad(name, value, "a non-empty str" + (" or a dict" if name == "json_schema" else ""))
+        if self.choice is not None and (not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
+            raise bad("choice", self.choice, "a non-empty list of non-empty strings")
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise bad("logprobs_mode", self.logprobs_mode, f"one of {sorted(LOGPROBS_MODES)}")
         for name in ("suppress_tokens", "begin_suppress_tokens"):
@@ -142,6 +165,16 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def constraint(self) -> tuple[str, str] | None:
+        """(kind, text) of the request's structured-output constraint, or None."""
+        for name in ("json_schema", "regex", "grammar"):
+            if getattr(self, name) is not None:
+                return name, getattr(self, name)
+        if self.choice is not None:
+            return "choice", json.dumps(list(self.choice))
+        return None
 
     @property
     def processed_logprobs(self) -> bool:

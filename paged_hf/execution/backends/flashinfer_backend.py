@@ -42,8 +42,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ...cache.kv_groups import CacheGroup
 from ..kv_geometry import KVLayout, as_layout
-from ..metadata import StepMetadata
+from ..metadata import GroupTables, StepMetadata
 from .swap import SwapMixin
 
 try:
@@ -62,8 +63,8 @@ WORKSPACE_BYTES = 128 << 20  # FlashInfer's recommended float workspace, shared 
 PREFILL_BACKEND = "auto"
 DECODE_TENSOR_CORES: bool | None = None
 
-# (window_left, logits_soft_cap (0: none), sm_scale, q_heads, kv_heads, head_dim)
-Variant = tuple[int, float, float, int, int, int]
+# (window_left, logits_soft_cap (0: none), sm_scale, q_heads, kv_heads, head_dim, cache group)
+Variant = tuple[int, float, float, int, int, int, int]
 
 
 def unsupported_reason(dtype: torch.dtype, layout: KVLayout | int) -> str | None:
@@ -97,15 +98,17 @@ class _HostCSR:
     last_page_len: torch.Tensor
 
 
-def host_csr(meta: StepMetadata) -> _HostCSR:
-    """Rebuild qo_indptr / kv_indptr / last_page_len on the host from ``q_lens`` / ``kv_lens``."""
+def host_csr(meta: StepMetadata, starts: list[int] | None = None) -> _HostCSR:
+    """Rebuild qo_indptr / kv_indptr / last_page_len on the host from ``q_lens`` / ``kv_lens``
+    (a cache group's sequences holding their KV from ``starts``: their pages begin there)."""
     bs = meta.block_size
     qo, kv, last = [0], [0], []
-    for q, L in zip(meta.q_lens, meta.kv_lens):
-        pages = -(-L // bs)
+    for i, (q, L) in enumerate(zip(meta.q_lens, meta.kv_lens)):
+        start = starts[i] if starts else 0
+        pages = -(-L // bs) - start // bs
         qo.append(qo[-1] + q)
         kv.append(kv[-1] + pages)
-        last.append(L - (pages - 1) * bs)
+        last.append(L - start - (pages - 1) * bs)
     i32 = torch.int32
     return _HostCSR(torch.tensor(qo, dtype=i32), torch.tensor(kv, dtype=i32), torch.tensor(last, dtype=i32))
 
@@ -123,12 +126,14 @@ class _GraphBuffers:
 class FlashInferBackend(SwapMixin):
     name = "flashinfer"
     supports_cuda_graphs = True
+    serves_cache_groups = True  # eager steps; CUDA-graph steps keep every block (cache_groups in runner.py)
 
     def __init__(self, layout: KVLayout | int, num_blocks: int, block_size: int, kv_heads: int | None = None,
                  head_dim: int | None = None, dtype: torch.dtype = torch.bfloat16,
-                 device: torch.device | str = "cuda") -> None:
+                 device: torch.device | str = "cuda", groups: tuple[CacheGroup, ...] | None = None) -> None:
         """``layout``: the model's per-layer geometry, or a number of layers all of ``kv_heads`` x
-        ``head_dim``."""
+        ``head_dim``; ``groups``: its cache groups (layer j of every group reads slab j through its
+        group's pages; default one group of every layer)."""
         self.layout = as_layout(layout, kv_heads, head_dim)
         reason = unsupported_reason(dtype, self.layout)
         if reason is not None:
@@ -137,8 +142,18 @@ class FlashInferBackend(SwapMixin):
         self.num_blocks = num_blocks
         self.dtype = dtype
         self.device = torch.device(device)
-        self.kv = [torch.zeros(num_blocks, 2, block_size, s.kv_heads, s.k_dim, dtype=dtype, device=self.device)
-                   for s in self.layout.layers]
+        self.groups = groups or (CacheGroup(tuple(range(self.layout.num_layers))),)
+        self.group_of = [0] * self.layout.num_layers
+        slab_of = [0] * self.layout.num_layers
+        for g, group in enumerate(self.groups):
+            for j, layer in enumerate(group.layers):
+                self.group_of[layer], slab_of[layer] = g, j
+        self.kv_slabs = []
+        for j in range(max((len(g.layers) for g in self.groups), default=0)):
+            spec = self.layout.layers[next(g.layers[j] for g in self.groups if len(g.layers) > j)]
+            self.kv_slabs.append(torch.zeros(num_blocks, 2, block_size, spec.kv_heads, spec.k_dim, dtype=dtype,
+                                             device=self.device))
+        self.kv = [self.kv_slabs[slab_of[i]] for i in range(self.layout.num_layers)]
         self._flat = [c.view(num_blocks * 2 * block_size, c.shape[-2], c.shape[-1]) for c in self.kv]
         self._workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
         self.variants: list[Variant] = []      # every variant seen, in first-use order
@@ -148,6 +163,9 @@ class FlashInferBackend(SwapMixin):
         # the current step
         self._meta: StepMetadata | None = None
         self._csr: _HostCSR | None = None
+        self._tables: list[GroupTables] = []
+        self._csrs: list[_HostCSR] = []
+        self._rows: list[tuple[torch.Tensor, torch.Tensor]] = []  # per group: flat K and V rows of the new tokens
         self._graph_batch: int | None = None
         self._planned: dict[Variant, object] = {}
         self._k_rows = self._v_rows = None
@@ -186,6 +204,15 @@ class FlashInferBackend(SwapMixin):
             self._k_rows, self._v_rows = k_rows, k_rows + bs
         self._meta = meta
         self._csr = host_csr(meta)
+        self._tables = meta.groups if len(self.groups) > 1 else []
+        self._csrs = [self._csr] + [host_csr(meta, t.kv_starts) for t in self._tables[1:]]
+        self._rows = [(self._k_rows, self._v_rows)]
+        if self._tables:
+            assert graph_batch is None, "CUDA-graph steps run with one cache group"
+            for t in self._tables[1:]:
+                slots = t.slot_mapping.to(torch.long)
+                rows = slots + (slots // bs) * bs
+                self._rows.append((rows, rows + bs))
         self._graph_batch = graph_batch
         self._planned = {}
         for variant in self.variants:
@@ -216,16 +243,17 @@ class FlashInferBackend(SwapMixin):
         return w
 
     def _plan(self, variant: Variant) -> object:
-        window_left, softcap, sm_scale, q_heads, kv_heads, head_dim = variant
+        window_left, softcap, sm_scale, q_heads, kv_heads, head_dim, g = variant
         w = self._wrapper(variant)
-        csr, meta = self._csr, self._meta
+        csr, meta = self._csrs[g], self._meta
+        kv_indices = self._tables[g].kv_indices if self._tables else meta.kv_indices
         common = dict(window_left=window_left, logits_soft_cap=softcap or None, sm_scale=sm_scale,
                       q_data_type=self.dtype, kv_data_type=self.dtype)
         if isinstance(w, flashinfer.BatchPrefillWithPagedKVCacheWrapper):
-            w.plan(csr.qo_indptr, csr.kv_indptr, meta.kv_indices, csr.last_page_len, q_heads,
+            w.plan(csr.qo_indptr, csr.kv_indptr, kv_indices, csr.last_page_len, q_heads,
                    kv_heads, head_dim, self.block_size, causal=True, **common)
         else:
-            w.plan(csr.kv_indptr, meta.kv_indices, csr.last_page_len, q_heads, kv_heads,
+            w.plan(csr.kv_indptr, kv_indices, csr.last_page_len, q_heads, kv_heads,
                    head_dim, self.block_size, **common)
         self._planned[variant] = w
         return w
@@ -243,12 +271,14 @@ class FlashInferBackend(SwapMixin):
             raise ValueError(f"layer {layer_idx}: the model passed sliding_window={sliding_window}, but the window found "
                              f"when it was patched is {spec.window}")
         flat = self._flat[layer_idx]
-        flat.index_copy_(0, self._k_rows, key[0].transpose(0, 1).to(flat.dtype))
-        flat.index_copy_(0, self._v_rows, value[0].transpose(0, 1).to(flat.dtype))
+        g = self.group_of[layer_idx]
+        k_rows, v_rows = self._rows[g]
+        flat.index_copy_(0, k_rows, key[0].transpose(0, 1).to(flat.dtype))
+        flat.index_copy_(0, v_rows, value[0].transpose(0, 1).to(flat.dtype))
         if scaling is None:
             scaling = query.shape[-1] ** -0.5
         variant: Variant = (-1 if spec.window is None else spec.window - 1, float(softcap) if softcap else 0.0,
-                            float(scaling), int(query.shape[1]), spec.kv_heads, spec.k_dim)
+                            float(scaling), int(query.shape[1]), spec.kv_heads, spec.k_dim, g)
         wrapper = self._planned.get(variant)
         if wrapper is None:  # first forward only: learn the variant and plan it now (never under capture)
             if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
