@@ -51,6 +51,8 @@ class EngineConfig:
     preemption_mode: str = "recompute"  # or "swap": preempted requests' blocks go to pinned host memory
     # bf16 on a CPU: linear layers run on weights packed once for oneDNN, same results (paged_hf/execution/cpu_linear.py)
     cpu_packed_weights: bool = True
+    # with packed weights: linears called on the same input (q/k/v, gate/up) run as one GEMM, same results
+    cpu_fused_projections: bool = True
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -80,7 +82,8 @@ class EngineConfig:
         if self.max_num_seqs > self.max_num_batched_tokens:
             raise ValueError(f"max_num_seqs={self.max_num_seqs} exceeds max_num_batched_tokens="
                              f"{self.max_num_batched_tokens}: decodes need one token of budget each")
-        for name in ("enable_prefix_caching", "use_cuda_graphs", "cpu_packed_weights", "keep_every_kv_block"):
+        for name in ("enable_prefix_caching", "use_cuda_graphs", "cpu_packed_weights", "keep_every_kv_block",
+                     "cpu_fused_projections"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r}, must be True or False")
         if self.backend not in ("auto", "torch", "flashinfer"):

@@ -82,3 +82,26 @@ def test_no_second_copy_of_weights_that_would_crowd_memory(monkeypatch, caplog):
     assert "not packed" in caplog.text and "quarter" in caplog.text
     assert [o.completions[0].logprobs for o in engine.generate(prompts, params)] == \
         [o.completions[0].logprobs for o in reference]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma2", "phi3"])
+def test_fused_projections_are_found_and_give_the_same_tokens(family):
+    """q/k/v and gate/up (the siblings one forward calls on the same input) run as one GEMM in a step:
+    found by the probe forward, and the engine's outputs are bit for bit those without fusion."""
+    model = make_tiny_model(family, dtype=torch.bfloat16)
+    prompts = tiny_prompts(model.config.vocab_size, 4, [3, 9, 17, 30], seed=2)
+    fused = paged_hf.Engine(model, **SMALL)
+    groups = fused.runner.packed.siblings
+    widths = sorted({len(g) for g in groups})
+    if family == "phi3":  # already one qkv_proj and one gate_up_proj: nothing to fuse
+        assert groups == []
+    else:
+        assert widths == [2, 3] and len(groups) == 2 * model.config.num_hidden_layers, [len(g) for g in groups]
+    params = paged_hf.SamplingParams(max_new_tokens=8, ignore_eos=True, logprobs=2)
+    with_fused = fused.generate(prompts, params)
+    assert len(fused.runner.packed.fused) == len(groups), "every group's fused GEMM was exact here"
+    assert all("forward" not in m.__dict__ for m in fused.runner.packed.modules)
+    plain = paged_hf.Engine(model, cpu_fused_projections=False, **SMALL)
+    assert plain.runner.packed.siblings == []
+    for a, b in zip(with_fused, plain.generate(prompts, params)):
+        assert a.token_ids == b.token_ids and a.completions[0].logprobs == b.completions[0].logprobs

@@ -11,6 +11,13 @@ blocked weight, so the results are bit-identical to ``F.linear`` (checked here o
 process and in tests/test_cpu_linear.py). Outside a step the model is untouched; ``unpatch``
 has nothing to undo.
 
+Fused projections: linears that one forward calls on the same input tensor (an attention block's
+q, k and v; a gated MLP's gate and up), found by one probe forward when the engine is built, run as
+one GEMM over their concatenated packed weights; the first of them called on an input computes
+all of them, the others take their slice (fewer, wider GEMMs at decode batch sizes). A group is
+fused only where the fused GEMM gives each module's own packed result bit for bit (checked when it
+is packed); the modules' parameters are untouched.
+
 Costs and limits: one packed copy of each weight (the model's linear weights again in memory),
 made on the first step and made again when the weights change (the engine drops the copies
 whenever it resets its prefix cache: a weight update it sees, or ``reset_prefix_cache``).
@@ -74,15 +81,52 @@ def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | N
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-class PackedLinears:
-    """The model's ``nn.Linear`` modules with 2-D bf16 CPU weights, packed on first use."""
+def find_siblings(model: torch.nn.Module, modules: list[torch.nn.Linear]) -> list[list[torch.nn.Linear]]:
+    """Groups of ``modules`` that a forward of a few tokens calls on the very same input tensor, each
+    module once, in call order, with one input width and biases all or none."""
+    calls: list[tuple[torch.nn.Module, torch.Tensor]] = []
+    hooks = [m.register_forward_pre_hook(lambda mod, args: calls.append((mod, args[0]))) for m in modules]
+    try:
+        vocab = model.config.get_text_config().vocab_size
+        with torch.inference_mode():
+            model(input_ids=torch.arange(3, 9)[None] % vocab, use_cache=False)
+    except Exception:  # noqa: BLE001 - a model this forward does not suit: nothing is fused
+        return []
+    finally:
+        for h in hooks:
+            h.remove()
+    times: dict[torch.nn.Module, int] = {}
+    for mod, _ in calls:
+        times[mod] = times.get(mod, 0) + 1
+    groups: list[tuple[torch.Tensor, list]] = []
+    for mod, x in calls:
+        for seen, members in groups:
+            if seen is x:
+                members.append(mod)
+                break
+        else:
+            groups.append((x, [mod]))
+    out = []
+    for _, members in groups:
+        if len(members) > 1 and all(times[m] == 1 for m in members) \
+                and len({m.in_features for m in members}) == 1 and len({m.bias is None for m in members}) == 1:
+            out.append(members)
+    return out
 
-    def __init__(self, model: torch.nn.Module, batch_hint: int = 64) -> None:
+
+class PackedLinears:
+    """The model's ``nn.Linear`` modules with 2-D bf16 CPU weights, packed on first use; siblings
+    (``find_siblings``) fused into one GEMM when ``fuse``."""
+
+    def __init__(self, model: torch.nn.Module, batch_hint: int = 64, fuse: bool = True) -> None:
         self.modules = [m for m in model.modules() if type(m) is torch.nn.Linear and "forward" not in m.__dict__
                         and m.weight.dtype == torch.bfloat16 and m.weight.device.type == "cpu"
                         and m.weight.dim() == 2]
         self.batch_hint = batch_hint
         self.nbytes = sum(m.weight.numel() * m.weight.element_size() for m in self.modules)
+        self.siblings = find_siblings(model, self.modules) if fuse else []
+        self.fused: list[list[torch.nn.Linear]] = []  # the sibling groups packed as one GEMM
+        self._states: list[_FusedState] = []
         self._forwards: list | None = None
 
     def reset(self) -> None:
@@ -90,12 +134,40 @@ class PackedLinears:
         self._forwards = None
 
     def _pack(self) -> list:
-        forwards = []
+        forwards, packed = [], {}
         for m in self.modules:
             with torch.no_grad():
-                packed = torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), self.batch_hint)
-            forwards.append((m, _forward_for(m, packed)))
+                packed[m] = torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), self.batch_hint)
+        fused: dict[torch.nn.Module, object] = {}
+        self.fused, self._states = [], []
+        for group in self.siblings:
+            state = self._fuse(group, packed)
+            if state is not None:
+                self.fused.append(group)
+                self._states.append(state)
+                for i, m in enumerate(group):
+                    fused[m] = _fused_forward_for(m, state, i)
+        for m in self.modules:
+            forwards.append((m, fused.get(m) or _forward_for(m, packed[m])))
         return forwards
+
+    def _fuse(self, group: list[torch.nn.Linear], packed: dict) -> "_FusedState | None":
+        """One packed GEMM for ``group``, if it gives each module's own packed result bit for bit."""
+        with torch.no_grad():
+            weight = torch.cat([m.weight.detach() for m in group])
+            bias = None if group[0].bias is None else torch.cat([m.bias.detach() for m in group])
+            if bias is not None and bias.dtype != torch.bfloat16:
+                return None
+            state = _FusedState(torch.ops.mkldnn._reorder_linear_weight(weight, self.batch_hint), bias,
+                                [m.weight for m in group], [m.out_features for m in group])
+            g = torch.Generator().manual_seed(0)
+            for rows in (1, 5, 40):
+                x = torch.randn(1, rows, group[0].in_features, generator=g).to(torch.bfloat16)
+                whole = _packed_linear(x, state.packed, state.bias)
+                parts = [_packed_linear(x, packed[m], m.bias) for m in group]
+                if not torch.equal(whole, torch.cat(parts, dim=-1)):
+                    return None
+        return state
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
@@ -112,6 +184,32 @@ class PackedLinears:
         finally:
             for m in installed:
                 del m.forward
+            for state in self._states:  # no step's activations kept past it
+                state.x = state.out = None
+
+
+class _FusedState:
+    """A sibling group's packed concatenated weight, and the last input it computed with its output."""
+
+    def __init__(self, packed: torch.Tensor, bias: torch.Tensor | None, weights: list, widths: list[int]) -> None:
+        self.packed, self.bias, self.weights = packed, bias, weights
+        self.bounds = [sum(widths[:i]) for i in range(len(widths) + 1)]
+        self.x: torch.Tensor | None = None
+        self.out: torch.Tensor | None = None
+
+
+def _fused_forward_for(module: torch.nn.Linear, state: _FusedState, i: int):
+    lo, hi = state.bounds[i], state.bounds[i + 1]
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.bfloat16 or not x.is_contiguous() or module.weight is not state.weights[i]:
+            return F.linear(x, module.weight, module.bias)
+        if x is not state.x:  # the first sibling called on this input computes them all
+            state.out = _packed_linear(x, state.packed, state.bias)
+            state.x = x
+        return state.out[..., lo:hi]
+
+    return forward
 
 
 def _forward_for(module: torch.nn.Linear, packed: torch.Tensor):

@@ -93,8 +93,8 @@ class ModelRunner:
         self.asleep = False
         self._allocate()
         # bf16 on a CPU: the linear layers use weights packed once for oneDNN (paged_hf/execution/cpu_linear.py)
-        self.packed = cpu_linear.PackedLinears(model) if (config.cpu_packed_weights and self.decode is None and
-                                                          cpu_linear.supported(self.dtype, self.device)) else None
+        packs = config.cpu_packed_weights and self.decode is None and cpu_linear.supported(self.dtype, self.device)
+        self.packed = cpu_linear.PackedLinears(model, fuse=config.cpu_fused_projections) if packs else None
         if self.packed is not None:
             ok, why = cpu_linear.affordable(self.packed.nbytes)
             if not ok:  # the same results either way; only speed is lost, so say so once
