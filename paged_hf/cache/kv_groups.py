@@ -61,3 +61,25 @@ class CacheGroup:
 
 
 FULL = CacheGroup()
+
+
+@dataclass(frozen=True)
+class SlabPlaces:
+    """Where each layer's KV lives under ``groups``: its group, its slab, and per slab the layer whose
+    geometry the slab has (the same at that place in every group)."""
+    groups: tuple[CacheGroup, ...]
+    group_of: tuple[int, ...]
+    slab_of: tuple[int, ...]
+    slab_layers: tuple[int, ...]
+
+    @classmethod
+    def of(cls, groups: tuple[CacheGroup, ...] | None, num_layers: int) -> "SlabPlaces":
+        """``groups`` default: one group of every layer."""
+        groups = groups or (CacheGroup(tuple(range(num_layers))),)
+        group_of, slab_of = [0] * num_layers, [0] * num_layers
+        for g, group in enumerate(groups):
+            for j, layer in enumerate(group.layers):
+                group_of[layer], slab_of[layer] = g, j
+        slabs = max((len(g.layers) for g in groups), default=0)
+        slab_layers = tuple(next(g.layers[j] for g in groups if len(g.layers) > j) for j in range(slabs))
+        return cls(tuple(groups), tuple(group_of), tuple(slab_of), slab_layers)

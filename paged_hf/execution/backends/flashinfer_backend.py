@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...cache.kv_groups import CacheGroup
+from ...cache.kv_groups import CacheGroup, SlabPlaces
 from ..kv_geometry import KVLayout, as_layout
 from ..metadata import GroupTables, StepMetadata
 from .swap import SwapMixin
@@ -142,15 +142,11 @@ class FlashInferBackend(SwapMixin):
         self.num_blocks = num_blocks
         self.dtype = dtype
         self.device = torch.device(device)
-        self.groups = groups or (CacheGroup(tuple(range(self.layout.num_layers))),)
-        self.group_of = [0] * self.layout.num_layers
-        slab_of = [0] * self.layout.num_layers
-        for g, group in enumerate(self.groups):
-            for j, layer in enumerate(group.layers):
-                self.group_of[layer], slab_of[layer] = g, j
+        places = SlabPlaces.of(groups, self.layout.num_layers)
+        self.groups, self.group_of, slab_of = places.groups, places.group_of, places.slab_of
         self.kv_slabs = []
-        for j in range(max((len(g.layers) for g in self.groups), default=0)):
-            spec = self.layout.layers[next(g.layers[j] for g in self.groups if len(g.layers) > j)]
+        for layer in places.slab_layers:
+            spec = self.layout.layers[layer]
             self.kv_slabs.append(torch.zeros(num_blocks, 2, block_size, spec.kv_heads, spec.k_dim, dtype=dtype,
                                              device=self.device))
         self.kv = [self.kv_slabs[slab_of[i]] for i in range(self.layout.num_layers)]

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from ...cache.kv_groups import CacheGroup
+from ...cache.kv_groups import CacheGroup, SlabPlaces
 from ..kv_geometry import KVLayout, LayerSpec, as_layout
 from ..metadata import GroupTables, StepMetadata
 from .swap import SwapMixin
@@ -115,15 +115,11 @@ class TorchBackend(SwapMixin):
         self.layout = as_layout(layout, kv_heads, head_dim)
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self.groups = groups or (CacheGroup(tuple(range(self.layout.num_layers))),)
-        self.group_of = [0] * self.layout.num_layers
-        slab_of = [0] * self.layout.num_layers
-        for g, group in enumerate(self.groups):
-            for j, layer in enumerate(group.layers):
-                self.group_of[layer], slab_of[layer] = g, j
+        places = SlabPlaces.of(groups, self.layout.num_layers)
+        self.groups, self.group_of, slab_of = places.groups, places.group_of, places.slab_of
         self.kv_slabs = []  # K and V of each slab
-        for j in range(max((len(g.layers) for g in self.groups), default=0)):
-            spec = self.layout.layers[next(g.layers[j] for g in self.groups if len(g.layers) > j)]
+        for layer in places.slab_layers:
+            spec = self.layout.layers[layer]
             for dim in (spec.k_dim, spec.v_dim):
                 self.kv_slabs.append(torch.zeros(num_blocks, spec.kv_heads, block_size, dim, dtype=dtype,
                                                  device=device))
