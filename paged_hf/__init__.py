@@ -11,14 +11,16 @@
 Where things live: folders are roles, and imports run one way, top to bottom
 (tests/test_layout.py checks it):
   frontends/, integrations/  generate_dataset, serve (background engine), the paged-hf CLI, loading
-                             models; the lm-eval backend
+                             models; the lm-eval backend, TRL's PagedGenerationMixin
   model/                     patch / unpatch / paged_hf.Engine, the capability check, the generate
                              patch installs, the support table; per-family quirks in patches/
-  engine/                    Engine: admission, the step loop, scheduler, outputs, scoring; binding
+  engine/                    Engine: admission, the step loop, scheduler, outputs, scoring, structured
+                             outputs; binding
                              (what patching leaves on a model for the engine)
   execution/                 runner, step metadata, the attention seam, backends (torch, CPU kernel,
-                             FlashInfer), sampler, KV geometry, CUDA graphs
-  cache/                     block pool, prefix index, block manager, weight coherence
+                             FlashInfer), packed / fused CPU linears, sampler, KV geometry, CUDA graphs
+  cache/                     block pool, prefix index, block manager, cache groups, state slots,
+                             weight coherence
   requests/                  request state: Request, SamplingParams, detokenizer / stop strings
   config.py                  EngineConfig, read by every layer
 """
