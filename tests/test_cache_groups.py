@@ -60,6 +60,8 @@ def check_tables(engine: paged_hf.Engine) -> None:
             assert all(b >= 0 for b in table[first:]), (req.request_id, group.kind, table, first)
             assert len(table) >= blocks_for(req.num_computed_tokens, bs)
             holders.update(b for b in table if b >= 0)
+        assert [sum(b >= 0 for b in t) for t in req.block_tables] == \
+            [len(t) - r for t, r in zip(req.block_tables, req.kv_released)], "pages held from kv_released on only"
     for page, n in holders.items():
         assert kv.pool.refcount[page] == n, (page, kv.pool.refcount[page], n)
     assert kv.pool.num_used == len(holders)

@@ -11,7 +11,7 @@ from typing import Hashable, Sequence
 
 from ..requests.request import Request
 from .block_pool import BlockPool
-from .kv_groups import FULL, CacheGroup
+from .kv_groups import FULL, CacheGroup, most_blocks
 from .prefix_index import Node, RadixPrefixIndex
 from .state_slots import StateSlots
 
@@ -52,7 +52,7 @@ class BlockManager:
 
     def most_blocks(self, num_tokens: int) -> int:
         """The most pages a request of ``num_tokens`` holds at once, over every group."""
-        return sum(g.most_blocks(num_tokens, self.step_tokens, self.block_size) for g in self.groups)
+        return most_blocks(self.groups, num_tokens, self.step_tokens, self.block_size)
 
     # ---- admission -----------------------------------------------------------------------
     def admit(self, req: Request) -> int:
@@ -177,9 +177,11 @@ class BlockManager:
                 continue
             table = req.block_tables[g]
             first = min(group.first_needed_block(req.num_computed_tokens, self.block_size), len(table))
-            gone = [table[i] for i in range(req.kv_released[g], first) if table[i] >= 0]
+            gone = []
             for i in range(req.kv_released[g], first):
-                table[i] = -1
+                if table[i] >= 0:
+                    gone.append(table[i])
+                    table[i] = -1
             req.kv_released[g] = max(req.kv_released[g], first)
             self.pool.decref(gone)
             n += len(gone)
@@ -196,9 +198,12 @@ class BlockManager:
         return out
 
     def unfilled_slots(self, req: Request) -> int:
-        """Token slots ``req`` holds beyond what some later query reads, over every group."""
-        held = sum(b >= 0 for t in req.block_tables for b in t) * self.block_size
-        return held - sum(g.tokens_needed(req.num_computed_tokens) for g in self.groups) if req.block_tables else 0
+        """Token slots ``req`` holds beyond what some later query reads, over every group (every step:
+        a table holds a page at each position from its ``kv_released`` on, and none before it)."""
+        if not req.block_tables:
+            return 0
+        held = sum(len(t) - r for t, r in zip(req.block_tables, req.kv_released)) * self.block_size
+        return held - sum(g.tokens_needed(req.num_computed_tokens) for g in self.groups)
 
     def plan_checkpoints(self, req: Request, n_new: int, whole_chunks_only: bool) -> None:
         """The state snapshots the step computing ``n_new`` tokens of ``req`` takes: at multiples of

@@ -63,6 +63,11 @@ class CacheGroup:
 FULL = CacheGroup()
 
 
+def most_blocks(groups: tuple[CacheGroup, ...], num_tokens: int, step_tokens: int, block_size: int) -> int:
+    """The most pages a request of ``num_tokens`` holds at once, over every group."""
+    return sum(g.most_blocks(num_tokens, step_tokens, block_size) for g in groups)
+
+
 @dataclass(frozen=True)
 class SlabPlaces:
     """Where each layer's KV lives under ``groups``: its group, its slab, and per slab the layer whose

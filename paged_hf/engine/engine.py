@@ -25,6 +25,7 @@ import torch
 
 from ..cache.block_manager import BlockManager
 from ..cache.coherence import WeightsWatch
+from ..cache.kv_groups import most_blocks
 from ..cache.state_slots import StateSlots
 from ..config import DEFAULT_CPU_KV_BYTES, EngineConfig
 from ..execution.runner import ModelRunner, cache_groups
@@ -126,8 +127,8 @@ class Engine(Admission, StepLoop, OutputAssembly, BatchCalls):
             if cfg.num_blocks is not None:
                 return cfg.num_blocks
         # never more than every running sequence at full length could use
-        useful = cfg.max_num_seqs * sum(g.most_blocks(min(self.max_model_len, 1 << 20), cfg.max_num_batched_tokens,
-                                                      cfg.block_size) for g in self.groups)
+        useful = cfg.max_num_seqs * most_blocks(self.groups, min(self.max_model_len, 1 << 20),
+                                                cfg.max_num_batched_tokens, cfg.block_size)
         if per_block == 0:  # stateful layers only: blocks hold no KV, they only count tokens
             return cfg.max_num_seqs * -(-min(self.max_model_len, 1 << 16) // cfg.block_size)
         num_blocks = min(budget // per_block, useful)
