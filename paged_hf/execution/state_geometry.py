@@ -35,6 +35,9 @@ class MixerSpec:
     conv_dtypes: tuple[str | None, ...]
     recurrent: tuple[tuple[int, ...] | None, ...]
     recurrent_dtypes: tuple[str | None, ...]
+    # a paged_hf kernel the probe checked this mixer against its own code with, used in engine
+    # steps (paged_hf/execution/mixer_kernels.py), or None
+    kernel: str | None = None
 
     @property
     def num_states(self) -> int:
@@ -69,6 +72,12 @@ class StateLayout:
     def kinds(self) -> list[str]:
         return list(dict.fromkeys(m.kind for m in self.mixers))
 
+    @property
+    def kernels(self) -> list[str]:
+        """paged_hf kernels some mixers' decode runs through (checked against their own code)."""
+        return list(dict.fromkeys(m.kernel for m in self.mixers if m.kernel is not None))
+
     def describe(self) -> str:
         chunks = "" if self.continues_chunks else "; prompts continue token by token after their first chunk"
+        chunks += "".join(f"; decode through paged_hf's {k} kernel" for k in self.kernels)
         return f"{len(self.mixers)} x {', '.join(self.kinds)} ({self.bytes_per_slot():,} state bytes per sequence{chunks})"

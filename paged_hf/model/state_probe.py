@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import logging
 import re
 from typing import Any
 
@@ -20,6 +21,8 @@ import torch
 
 from ..execution.state_geometry import MixerSpec, StateLayout
 from ..execution.stateful_mixers import CACHE_ARGS
+
+logger = logging.getLogger("paged_hf")
 
 STATE_METHODS = ("get_conv_state", "update_conv_state", "get_recurrent_state", "update_recurrent_state")
 
@@ -99,19 +102,24 @@ def probe_state_layout(model: torch.nn.Module, input_ids: torch.Tensor, check_ch
     layout = _layout_from(model, cache, calls)
     if not check_chunks:
         return layout
-    continues = True
+    continues, mixers = True, []
     for spec in layout.mixers:
         module = model.get_submodule(spec.path)
-        continues &= _continues_chunks(module, spec, *inputs[id(module)], spec.path)
-    return dataclasses.replace(layout, continues_chunks=continues)
+        chunks, kernel = _run_as_engine(module, spec, *inputs[id(module)], spec.path)
+        continues &= chunks
+        mixers.append(dataclasses.replace(spec, kernel=kernel))
+    return dataclasses.replace(layout, mixers=tuple(mixers), continues_chunks=continues)
 
 
-def _continues_chunks(module: torch.nn.Module, spec: MixerSpec, args: tuple, kwargs: dict, where: str) -> bool:
+def _run_as_engine(module: torch.nn.Module, spec: MixerSpec, args: tuple, kwargs: dict, where: str
+                   ) -> tuple[bool, str | None]:
     """Run the mixer as the engine does, through state slots and the step's cache view, on the very
     input it had in the probe forward, and compare with its own forward over the whole sequence
     without a cache: the second half one token at a time (its decode path) must agree, or the
     model is refused; the second half as one chunk tells whether it carries its state into a
-    chunk (Mamba1-style mixers drop it)."""
+    chunk (Mamba1-style mixers drop it). Returns that, and the paged_hf kernel its decode path
+    runs with (None: its own code only): one that gave its own code's outputs, to rounding."""
+    from ..execution import mixer_kernels
     from ..execution.state_store import StateStore
     from ..execution.stateful_mixers import StatePlan, mixer_arguments, stepped_forward
 
@@ -119,24 +127,44 @@ def _continues_chunks(module: torch.nn.Module, spec: MixerSpec, args: tuple, kwa
     n, half = hidden.shape[1], hidden.shape[1] // 2
     tol = 1e-3 if hidden.dtype == torch.float32 else 5e-2
 
-    def pieces(lengths: list[int]) -> torch.Tensor:
-        store = StateStore(StateLayout((spec,)), 1, hidden.device)
+    other = hidden.flip(1)  # a second sequence, so the decode rows run as a batch, as in the engine
+
+    def pieces(lengths: list[int], spec: MixerSpec = spec) -> torch.Tensor:
+        """Both sequences, cut into ``lengths`` (each step runs a piece of each); the outputs of each."""
+        store = StateStore(StateLayout((spec,)), 2, hidden.device)
         outs, start = [], 0
         for length in lengths:
-            plan = StatePlan.build([length], [start], [0], hidden.device)
-            outs.append(stepped_forward(module.forward, spec, store, plan)(hidden[:, start:start + length], **kwargs))
+            plan = StatePlan.build([length, length], [start, start], [0, 1], hidden.device)
+            x = torch.cat([hidden[:, start:start + length], other[:, start:start + length]], dim=1)
+            outs.append(stepped_forward(module.forward, spec, store, plan)(x, **kwargs).unflatten(1, (2, length)))
             start += length
-        return torch.cat(outs, dim=1).float()
+        return torch.cat(outs, dim=2).float()
 
     with torch.inference_mode():
-        whole = module(hidden, **kwargs).float()
+        whole = torch.stack([module(hidden, **kwargs), module(other, **kwargs)], dim=1).float()
         by_token = pieces([half] + [1] * (n - half))
         chunked = pieces([half, n - half])
+        kernel = None
+        sites = mixer_kernels.sites_of(module) if hidden.device.type == "cpu" else []
+        if sites and mixer_kernels.available():
+            calls = mixer_kernels.calls
+            try:
+                with mixer_kernels.installed(sites):
+                    with_kernel = pieces([half] + [1] * (n - half),
+                                         dataclasses.replace(spec, kernel=mixer_kernels.KIND))
+            except Exception as e:  # noqa: BLE001 - the model's own code serves it: slower, same outputs
+                logger.warning("paged_hf: %s runs without paged_hf's %s kernel, which failed on it: %s: %s",
+                               where, mixer_kernels.KIND, type(e).__name__, e)
+            else:
+                # the same math in another order: fp32 rounding, or one step of the output's dtype
+                if mixer_kernels.calls > calls and _close(by_token, with_kernel, 1e-5 if hidden.dtype == torch.float32
+                                                          else 2 * torch.finfo(hidden.dtype).eps):
+                    kernel = mixer_kernels.KIND
     if not _close(whole, by_token, tol):
         raise StateProbeError(f"{where} ({type(module).__name__})", "continued one token at a time from a state "
                               "it wrote, it gives other outputs than over the whole sequence at once (max difference "
                               f"{float((whole - by_token).abs().max()):.2e}): its state cannot be carried between steps")
-    return _close(whole, chunked, tol)
+    return _close(whole, chunked, tol), kernel
 
 
 def _close(a: torch.Tensor, b: torch.Tensor, tol: float) -> bool:

@@ -319,6 +319,7 @@ def _features(layout: Any, state: Any = None) -> str:
     notes = []
     if state is not None:
         chunks = "" if state.continues_chunks else ", prompts continued token by token"
+        chunks += "".join(f", decode through paged_hf's {k} kernel" for k in state.kernels)
         notes.append(f"state: {', '.join(state.kinds)} on {len(state.mixers)} layers{chunks}")
     if any(s.k_dim != s.v_dim for s in specs):
         s = next(s for s in specs if s.k_dim != s.v_dim)
