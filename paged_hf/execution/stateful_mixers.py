@@ -11,12 +11,18 @@ with a cache view over those sequences' state slots as its ``cache`` argument. T
 transformers' own ``Cache`` with one ``LinearAttentionLayer`` holding the slots' states, so the
 module's reads and writes (``get/update_conv_state``, ``get/update_recurrent_state``,
 ``has_previous_state``) follow transformers' bookkeeping exactly; decode kernels that update a
-state in place write into it, and whatever the layer holds afterwards goes back to the slots. No
-model math is copied. Outside a step the modules are untouched.
+state in place write into it, and whatever the layer holds afterwards goes back to the slots. A
+mixer that keeps its state through a ``get_X`` / ``set_X`` pair of its model's own cache class
+(MiniMax's ``get_linear_cache`` / ``set_linear_cache``) finds that pair on the view too, as
+``get_recurrent_state`` / ``update_recurrent_state`` over the same slots. A mixer that returns
+``(output, state)`` (MiniMax's) gets ``(output, None)`` back: the packed batch has no one state, and a
+caller that read it would fail, not go on with a wrong one. No model math is copied. Outside a step
+the modules are untouched.
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -101,6 +107,13 @@ class SlotView(Cache):
         self.layers = _OneLayer(spec.layer_idx, layer)
         self.offloading = False
         self.layer = layer
+        for i, (get, put) in enumerate(spec.own_methods):  # the model's own cache's pair, over the same slots
+            setattr(self, get, functools.partial(self.get_recurrent_state, state_idx=i))
+            setattr(self, put, functools.partial(_own_set, self, state_idx=i))
+
+
+def _own_set(view: SlotView, layer_idx: int, state: torch.Tensor, state_idx: int) -> None:
+    view.update_recurrent_state(state, layer_idx, state_idx=state_idx)
 
 
 class MixerRunner:
@@ -133,20 +146,30 @@ def mixer_arguments(params: list[str], args: tuple, kwargs: dict) -> tuple[torch
     return hidden, kwargs
 
 
+def mixer_output(y: Any) -> tuple[torch.Tensor, int]:
+    """A mixer's output tensor, and how many more values it returned beside it (MiniMax's lightning
+    attention returns ``(output, state)``)."""
+    if isinstance(y, torch.Tensor):
+        return y, 0
+    if isinstance(y, tuple) and y and isinstance(y[0], torch.Tensor):
+        return y[0], len(y) - 1
+    raise RuntimeError(f"paged_hf: a stateful mixer returned {type(y).__name__}, not a tensor or (tensor, ...); "
+                       "paged_hf.patch should have refused this model")
+
+
 def stepped_forward(original: Any, spec: MixerSpec, store: StateStore, plan: StatePlan) -> Any:
     params = list(inspect.signature(original).parameters)
 
-    def forward(*args: Any, **kwargs: Any) -> torch.Tensor:
+    def forward(*args: Any, **kwargs: Any) -> torch.Tensor | tuple:
         hidden, kwargs = mixer_arguments(params, args, kwargs)
         if "attention_mask" in kwargs:
             kwargs["attention_mask"] = None  # a packed step has no padding
         out: torch.Tensor | None = None
+        extra = 0  # values returned beside the output (a state): None in the packed result
 
         def run(x: torch.Tensor, view: SlotView) -> torch.Tensor:
-            y = original(x, **{spec.cache_arg: view}, **kwargs)
-            if not isinstance(y, torch.Tensor):
-                raise RuntimeError(f"paged_hf: {spec.path} returned {type(y).__name__}, not a tensor; "
-                                   "paged_hf.patch should have refused this model")
+            nonlocal extra
+            y, extra = mixer_output(original(x, **{spec.cache_arg: view}, **kwargs))
             return y
 
         if plan.decode_rows is not None:
@@ -172,7 +195,7 @@ def stepped_forward(original: Any, spec: MixerSpec, store: StateStore, plan: Sta
                 if ckpt is not None:
                     store.copy_layer(spec.layer_idx, slot, ckpt)
         assert out is not None, "a step with no rows"
-        return out
+        return (out,) + (None,) * extra if extra else out
 
     return forward
 

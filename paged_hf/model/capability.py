@@ -125,7 +125,7 @@ def text_config(model: torch.nn.Module) -> Any:
 
 def _state_layout(model: torch.nn.Module, what: str) -> StateLayout | None:
     """The stateful mixers of a hybrid model (None for a model without any), read by one forward
-    through transformers' own cache (paged_hf/model/state_probe.py)."""
+    through the cache the model builds for itself (paged_hf/model/state_probe.py)."""
     layer_types = getattr(text_config(model), "layer_types", None) or []
     if all(kind in ATTENTION_LAYER_TYPES + ("mlp", "moe") or any(w in kind.lower() for w in ("index", "sparse", "compress"))
            for kind in layer_types):
@@ -135,9 +135,9 @@ def _state_layout(model: torch.nn.Module, what: str) -> StateLayout | None:
         return probe_state_layout(model, ids)
     except StateProbeError as e:
         raise refuse(what, e.where, e.reason) from e
-    except Exception as e:  # noqa: BLE001 - transformers' own cache cannot run this model's stateful layers
-        raise refuse(what, "its stateful layers", f"a forward through transformers' own cache (DynamicCache) failed: "
-                     f"{type(e).__name__}: {e}") from e
+    except Exception as e:  # noqa: BLE001 - its own cache cannot run this model's stateful layers
+        raise refuse(what, "its stateful layers", "a forward through the cache it builds for itself (use_cache=True) "
+                     f"failed: {type(e).__name__}: {e}") from e
 
 
 def _check_config(model: torch.nn.Module, what: str, state: StateLayout | None = None) -> None:
