@@ -28,6 +28,8 @@ HYBRIDS = {  # type: the state kind patch must find
     "olmo_hybrid": "gated delta net", "kimi_linear": "delta attention", "lfm2": "short conv",
     "lfm2_moe": "short conv", "granitemoehybrid": "mamba", "nemotron_h": "mamba2 mixer", "falcon_h1": "mixer",
     "bamba": "mixer", "jamba": "mamba mixer",
+    # a shared attention block applied at several depths (each its own KV); state kept in the model's own cache
+    "zamba2": "mamba mixer", "zamba": "mamba mixer", "minimax": "lightning attention",
     # stateful layers only: no attention, no KV
     "mamba2": "mixer", "mamba": "mixer", "falcon_mamba": "mixer",
 }
@@ -97,7 +99,7 @@ def test_prefix_hits_resume_from_state_checkpoints(model_type):
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
-@pytest.mark.parametrize("model_type", ["qwen3_5_text", "lfm2", "nemotron_h", "jamba"])
+@pytest.mark.parametrize("model_type", ["qwen3_5_text", "lfm2", "nemotron_h", "jamba", "zamba2", "minimax"])
 def test_preemption_keeps_each_requests_tokens(model_type, mode):
     reference, model = _pair(model_type)
     prompts = _prompts(model, [7, 15, 22, 30, 11, 26], seed=2)
@@ -110,7 +112,7 @@ def test_preemption_keeps_each_requests_tokens(model_type, mode):
     _assert_clean(engine)
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_5_text", "falcon_h1", "jamba"])
+@pytest.mark.parametrize("model_type", ["qwen3_5_text", "falcon_h1", "jamba", "zamba2", "minimax"])
 def test_seeded_samples_equal_the_same_seeds_alone(model_type):
     model = build_tiny_model(model_type)
     prompts = _prompts(model, [9, 21], seed=3)
@@ -127,7 +129,7 @@ def test_seeded_samples_equal_the_same_seeds_alone(model_type):
     _assert_clean(engine)
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_5_text", "olmo_hybrid", "bamba"])
+@pytest.mark.parametrize("model_type", ["qwen3_5_text", "olmo_hybrid", "bamba", "zamba2", "minimax"])
 def test_scores_equal_a_plain_forward(model_type):
     reference, model = _pair(model_type)
     contexts = _prompts(model, [5, 18, 27], seed=4)
@@ -160,6 +162,34 @@ def test_state_slots_cap_the_sequences_that_run_and_share_the_budget():
     _assert_clean(engine)
     with pytest.raises(ValueError, match="max_num_seqs=64 sequences' state and 32 prefix checkpoints take"):
         paged_hf.Engine(model, kv_cache_memory=6 * per_slot, max_num_seqs=64)
+
+
+def test_a_block_shared_across_layers_keeps_a_kv_per_application():
+    """Zamba2 applies one attention block at several depths: one module per application, weights tied,
+    all with layer_idx -1. patch gives each the layer transformers' own cache keeps its KV under."""
+    from paged_hf.execution.attention import LAYER_ATTR
+
+    model = build_tiny_model("zamba2")
+    shared = [model.model.layers[i].shared_transformer.self_attn for i in (1, 3)]
+    assert [m.layer_idx for m in shared] == [-1, -1] and shared[0].q_proj.weight is shared[1].q_proj.weight
+    paged_hf.patch(model)
+    assert patch_state(model).layout.layer_ids == (1, 3)
+    assert [getattr(m, LAYER_ATTR) for m in shared] == [1, 3]
+    paged_hf.unpatch(model)
+    assert not any(hasattr(m, LAYER_ATTR) for m in shared)
+
+
+def test_state_kept_in_the_models_own_cache_class_runs_through_its_own_methods():
+    """MiniMax's linear attention keeps its state through MiniMaxCache.get_linear_cache /
+    set_linear_cache: the probe finds the pair and the state's shape, the step's view has it too."""
+    model = build_tiny_model("minimax")
+    paged_hf.patch(model)
+    state = patch_state(model).state
+    cfg = model.config
+    head_dim = cfg.head_dim or cfg.hidden_size // cfg.num_attention_heads
+    assert {m.own_methods for m in state.mixers} == {(("get_linear_cache", "set_linear_cache"),)}
+    assert {m.recurrent for m in state.mixers} == {((cfg.num_attention_heads, head_dim, head_dim),)}
+    assert state.continues_chunks
 
 
 def test_a_mixer_that_cannot_continue_a_chunk_goes_on_token_by_token():

@@ -12,13 +12,19 @@ transformers' own ``Cache`` with one ``LinearAttentionLayer`` holding views of t
 loop keeps the decode batch's slots one span, 0..N-1, so no state is gathered or scattered), so
 the module's reads and writes (``get/update_conv_state``, ``get/update_recurrent_state``,
 ``has_previous_state``) follow transformers' bookkeeping exactly and its in-place updates land in
-the slots; a state the layer replaced goes back to them after the call. No model math is copied
-(a kernel of paged_hf's may stand in for a fallback function at transformers' own kernel seam:
+the slots; a state the layer replaced goes back to them after the call. A mixer that keeps its
+state through a ``get_X`` / ``set_X`` pair of its model's own cache class (MiniMax's
+``get_linear_cache`` / ``set_linear_cache``) finds that pair on the view too, as
+``get_recurrent_state`` / ``update_recurrent_state`` over the same slots. A mixer that returns
+``(output, state)`` (MiniMax's) gets ``(output, None)`` back: the packed batch has no one state, and a
+caller that read it would fail, not go on with a wrong one. No model math is copied (a kernel of
+paged_hf's may stand in for a fallback function at transformers' own kernel seam:
 paged_hf/execution/mixer_kernels.py). Outside a step the modules are untouched.
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -118,6 +124,13 @@ class SlotView(Cache):
         self.offloading = False
         self.layer = layer
         self.given = [t for t in (*conv, *recurrent) if t is not None]  # the slots' own tensors
+        for i, (get, put) in enumerate(spec.own_methods):  # the model's own cache's pair, over the same slots
+            setattr(self, get, functools.partial(self.get_recurrent_state, state_idx=i))
+            setattr(self, put, functools.partial(_own_set, self, state_idx=i))
+
+
+def _own_set(view: SlotView, layer_idx: int, state: torch.Tensor, state_idx: int) -> None:
+    view.update_recurrent_state(state, layer_idx, state_idx=state_idx)
 
 
 class MixerRunner:
@@ -154,21 +167,31 @@ def mixer_arguments(params: list[str], args: tuple, kwargs: dict) -> tuple[torch
     return hidden, kwargs
 
 
+def mixer_output(y: Any) -> tuple[torch.Tensor, int]:
+    """A mixer's output tensor, and how many more values it returned beside it (MiniMax's lightning
+    attention returns ``(output, state)``)."""
+    if isinstance(y, torch.Tensor):
+        return y, 0
+    if isinstance(y, tuple) and y and isinstance(y[0], torch.Tensor):
+        return y[0], len(y) - 1
+    raise RuntimeError(f"paged_hf: a stateful mixer returned {type(y).__name__}, not a tensor or (tensor, ...); "
+                       "paged_hf.patch should have refused this model")
+
+
 def stepped_forward(original: Any, spec: MixerSpec, store: StateStore, plan: StatePlan) -> Any:
     params = list(inspect.signature(original).parameters)
 
-    def forward(*args: Any, **kwargs: Any) -> torch.Tensor:
+    def forward(*args: Any, **kwargs: Any) -> torch.Tensor | tuple:
         hidden, kwargs = mixer_arguments(params, args, kwargs)
         if "attention_mask" in kwargs:
             kwargs["attention_mask"] = None  # a packed step has no padding
         out: torch.Tensor | None = None
+        extra = 0  # values returned beside the output (a state): None in the packed result
 
         def run(x: torch.Tensor, view: SlotView) -> torch.Tensor:
+            nonlocal extra
             with mixer_kernels.enabled(spec.kernel is not None, view.given):
-                y = original(x, **{spec.cache_arg: view}, **kwargs)
-            if not isinstance(y, torch.Tensor):
-                raise RuntimeError(f"paged_hf: {spec.path} returned {type(y).__name__}, not a tensor; "
-                                   "paged_hf.patch should have refused this model")
+                y, extra = mixer_output(original(x, **{spec.cache_arg: view}, **kwargs))
             return y
 
         if plan.decode_rows is not None:
@@ -190,7 +213,7 @@ def stepped_forward(original: Any, spec: MixerSpec, store: StateStore, plan: Sta
                 if ckpt is not None:
                     store.copy_layer(spec.layer_idx, slot, ckpt)
         assert out is not None, "a step with no rows"
-        return out
+        return (out,) + (None,) * extra if extra else out
 
     return forward
 

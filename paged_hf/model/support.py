@@ -247,14 +247,12 @@ def compare(reference: torch.nn.Module, prompts: list[list[int]], outputs: list[
 
 
 def incremental_logits(reference: torch.nn.Module, prompt: list[int], gen: list[int]) -> torch.Tensor:
-    """The logits transformers' generate computes for ``gen``, teacher-forced: the prompt with its own
-    cache, then one token at a time (positions given, as generate gives them)."""
-    from transformers import DynamicCache
-
-    cache = DynamicCache(config=reference.config)
+    """The logits transformers' generate computes for ``gen``, teacher-forced: the prompt with the cache
+    the model builds for itself (transformers' DynamicCache, or its own class: MiniMax's), then one
+    token at a time through it (positions given, as generate gives them)."""
     name = "cache" if "cache" in inspect.signature(reference.forward).parameters else "past_key_values"
-    rows = [reference(input_ids=torch.tensor([prompt]), position_ids=torch.arange(len(prompt))[None],
-                      **{name: cache}, use_cache=True).logits[0, -1]]
+    out = reference(input_ids=torch.tensor([prompt]), position_ids=torch.arange(len(prompt))[None], use_cache=True)
+    rows, cache = [out.logits[0, -1]], out[name]
     for i, tok in enumerate(gen[:-1]):
         rows.append(reference(input_ids=torch.tensor([[tok]]), position_ids=torch.tensor([[len(prompt) + i]]),
                               **{name: cache}, use_cache=True).logits[0, -1])
