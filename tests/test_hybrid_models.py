@@ -99,7 +99,7 @@ def test_prefix_hits_resume_from_state_checkpoints(model_type):
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
-@pytest.mark.parametrize("model_type", ["qwen3_5_text", "lfm2", "nemotron_h", "jamba", "zamba2", "minimax"])
+@pytest.mark.parametrize("model_type", list(HYBRIDS))
 def test_preemption_keeps_each_requests_tokens(model_type, mode):
     reference, model = _pair(model_type)
     prompts = _prompts(model, [7, 15, 22, 30, 11, 26], seed=2)
@@ -112,7 +112,7 @@ def test_preemption_keeps_each_requests_tokens(model_type, mode):
     _assert_clean(engine)
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_5_text", "falcon_h1", "jamba", "zamba2", "minimax"])
+@pytest.mark.parametrize("model_type", list(HYBRIDS))
 def test_seeded_samples_equal_the_same_seeds_alone(model_type):
     model = build_tiny_model(model_type)
     prompts = _prompts(model, [9, 21], seed=3)
@@ -129,7 +129,7 @@ def test_seeded_samples_equal_the_same_seeds_alone(model_type):
     _assert_clean(engine)
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_5_text", "olmo_hybrid", "bamba", "zamba2", "minimax"])
+@pytest.mark.parametrize("model_type", list(HYBRIDS))
 def test_scores_equal_a_plain_forward(model_type):
     reference, model = _pair(model_type)
     contexts = _prompts(model, [5, 18, 27], seed=4)

@@ -66,6 +66,7 @@ TINY_SIZES: dict[str, Any] = dict(
     encoder_attention_heads=4, encoder_ffn_dim=128, ffn_dim=128, num_layers=4, num_heads=4, n_heads=4, n_layers=4,
     sliding_window=8, attention_chunk_size=8, use_sliding_window=True, max_window_layers=2, window_size=8,
     linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+    linear_head_dim=16, linear_num_heads=4,
     mamba_d_state=8, mamba_n_heads=4, mamba_d_head=16, mamba_expand=2, mamba_chunk_size=16, ssm_state_size=8,
     state_size=8, time_step_rank=8, mamba_dt_rank=8, mamba_num_heads=4, mamba_head_dim=16, n_groups=1,
     mamba_n_groups=1, index_head_dim=16, index_n_heads=2, index_topk=4,
