@@ -146,6 +146,51 @@ def test_scores_equal_a_plain_forward(model_type):
     _assert_clean(engine)
 
 
+@pytest.mark.parametrize("model_type", ["qwen3_5_text", "lfm2", "nemotron_h"])
+def test_the_choices_of_a_question_share_its_context(model_type):
+    """Multiple choice: four continuations of one 30-token context. The context's state is
+    checkpointed at its last full block, so the later choices resume there instead of computing
+    it again; every score is still a plain forward's."""
+    reference, model = _pair(model_type)
+    context = _prompts(model, [30], seed=11)[0]
+    choices = _prompts(model, [2, 3, 1, 4], seed=12)
+    engine = paged_hf.Engine(model, block_size=4)
+    first = engine.score([(context, choices[0])])
+    rest = engine.score([(context, c) for c in choices[1:]])
+    for cont, out in zip(choices, first + rest):
+        with torch.no_grad():
+            logits = reference(input_ids=torch.tensor([context + cont])).logits[0].float()
+        expected = torch.log_softmax(logits, -1)[torch.arange(len(context) - 1, len(context) + len(cont) - 1),
+                                                 torch.tensor(cont)]
+        assert out.error is None and torch.allclose(torch.tensor(out.token_logprobs), expected, atol=1e-4)
+    assert first[0].num_cached_tokens == 0
+    assert all(o.num_cached_tokens == 28 for o in rest), [o.num_cached_tokens for o in rest]
+    assert engine.stats()["state_checkpoint_hits"] >= 3
+    _assert_clean(engine)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_5_text", "falcon_h1"])
+def test_rolling_loglikelihood_equals_transformers_over_windows(model_type):
+    reference, model = _pair(model_type)
+    texts = _prompts(model, [45, 7, 23], seed=13)
+    window = 16
+    engine = paged_hf.Engine(model, block_size=4, max_num_batched_tokens=32)
+    outs = engine.score_rolling(texts, window=window, prefix_token=1)
+    for text, out in zip(texts, outs):
+        expected, done = [], 0
+        while done < len(text):  # transformers on each window: the first on BOS, later ones on what fits before
+            end = min(len(text), done + window)
+            ctx = [1] if done == 0 else text[max(0, end - window - 1): done]
+            with torch.no_grad():
+                logits = reference(input_ids=torch.tensor([ctx + text[done:end]])).logits[0].float()
+            expected += torch.log_softmax(logits, -1)[torch.arange(len(ctx) - 1, len(ctx) + end - done - 1),
+                                                      torch.tensor(text[done:end])].tolist()
+            done = end
+        assert out.error is None and out.token_ids == text
+        assert torch.allclose(torch.tensor(out.token_logprobs), torch.tensor(expected), atol=1e-4)
+    _assert_clean(engine)
+
+
 def test_state_slots_cap_the_sequences_that_run_and_share_the_budget():
     model = build_tiny_model("qwen3_5_text")
     paged_hf.patch(model)

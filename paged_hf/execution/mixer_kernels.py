@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-KIND = "gated delta rule, C++"
+KIND = "C++ gated delta rule"
 RULE_NAME = "torch_recurrent_gated_delta_rule"
 RULE_PARAMS = ("query", "key", "value", "g", "beta", "initial_state", "output_final_state", "use_qk_l2norm_in_kernel")
 
