@@ -3,6 +3,10 @@
     python benchmarks/bench_hybrid.py --threads 2                 # W-mixed and W-prefix, 64 requests each
     python benchmarks/bench_hybrid.py --quick                     # 16 requests, shorter outputs
 
+paged_hf runs the DeltaNet decode through its C++ kernel (paged_hf/execution/mixer_kernels.py);
+a second engine ("transformers' DeltaNet code", ``--no-own-code`` drops it) runs transformers'
+torch fallback, as the static batch does, to show what the engine and the kernel each bring.
+
 The model is a Qwen3.5-style config of realistic proportions scaled to run here (gated DeltaNet
 and attention layers 3:1, random weights, bf16; ``--layers``/``--hidden`` resize it). Same
 weights, same token ids, greedy, outputs forced to their length; systems interleaved round by
@@ -56,6 +60,8 @@ def main() -> int:
     p.add_argument("--batch-sizes", default="8,32")
     p.add_argument("--repeat", type=int, default=1)
     p.add_argument("--n", type=int, default=None)
+    p.add_argument("--own-code", action=argparse.BooleanOptionalAction, default=True,
+                   help="also run the engine with transformers' DeltaNet decode code (no paged_hf kernel)")
     p.add_argument("--json", default="benchmarks/results/bench_hybrid.json")
     p.add_argument("--omp-wait-policy", choices=omp_env.CHOICES, default="auto", help="see omp_env.py")
     args = p.parse_args()
@@ -63,6 +69,7 @@ def main() -> int:
     n = args.n or (16 if args.quick else 64)
     base = qwen3_5_like(args.layers, args.hidden, torch.bfloat16)
     eng_model = copy.deepcopy(base)
+    own_code_model = copy.deepcopy(base) if args.own_code else None
     S.prepare_baseline(base)
     params = sum(t.numel() for t in base.parameters())
     pool = W.allowed_ids(base.config.vocab_size, {0, 1, 2})
@@ -71,8 +78,16 @@ def main() -> int:
                  W.w_prefix(pool, n=n, prefix_len=256 if args.quick else 512, n_out=16 if args.quick else 32)]
     warm = W.w_mixed(pool, n=2, seed=12345, prompt_len=(16, 24), out_len=(3, 3), name="warm-up")
     from paged_hf import Engine
-    engine = Engine(eng_model)
-    S.run_paged(engine, warm, tag="warm")
+    from paged_hf.execution import mixer_kernels
+    engines = {"paged_hf": Engine(eng_model)}
+    if own_code_model is not None:  # the DeltaNet decode through transformers' torch fallback, as the static batch runs it
+        available, mixer_kernels.available = mixer_kernels.available, lambda: False
+        try:
+            engines["paged_hf, transformers' DeltaNet code"] = Engine(own_code_model)
+        finally:
+            mixer_kernels.available = available
+    for engine in engines.values():
+        S.run_paged(engine, warm, tag="warm")
     batches = [int(b) for b in args.batch_sizes.split(",")]
     rows = []
     for w in workloads:
@@ -83,11 +98,13 @@ def main() -> int:
                 S.run_hf_static(base, warm, b, 0)
                 res = S.run_hf_static(base, w, b, 0)
                 rates.setdefault(f"static B={b}", []).append(sum(map(len, res.tokens)) / (res.t_end - res.t_start))
-            engine.reset_prefix_cache()
-            before = engine.stats()
-            res = S.run_paged(engine, w, tag=f"{w.name}-{r}-")
-            rates.setdefault("paged_hf", []).append(sum(map(len, res.tokens)) / (res.t_end - res.t_start))
-            hits.append(engine.stats()["prefix_hit_tokens"] - before["prefix_hit_tokens"])
+            for name, engine in engines.items():
+                engine.reset_prefix_cache()
+                before = engine.stats()
+                res = S.run_paged(engine, w, tag=f"{w.name}-{r}-")
+                rates.setdefault(name, []).append(sum(map(len, res.tokens)) / (res.t_end - res.t_start))
+                if name == "paged_hf":
+                    hits.append(engine.stats()["prefix_hit_tokens"] - before["prefix_hit_tokens"])
         med = {k: statistics.median(v) for k, v in rates.items()}
         best = max(v for k, v in med.items() if k.startswith("static"))
         rows.append({"workload": w.name, **{k: round(v, 1) for k, v in med.items()},

@@ -5,7 +5,7 @@ default configs (the released models' shapes), against its attention layers' KV.
     python benchmarks/state_memory.py --types qwen3_5_text lfm2
 
 Each model is built on the meta device (no memory, no weights) and the state shapes are read the
-way ``paged_hf.patch`` reads them: one forward through transformers' own cache
+way ``paged_hf.patch`` reads them: one forward through the cache the model builds for itself
 (paged_hf/model/state_probe.py). The engine keeps one state slot per sequence that may run, and
 by default lets the slots take at most half of ``kv_cache_memory``; the last columns say how many
 sequences' states half of 24 and of 80 GiB hold.

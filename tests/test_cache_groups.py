@@ -69,6 +69,11 @@ def check_tables(engine: paged_hf.Engine) -> None:
         assert all(kv.pool.refcount[p] == 0 for p in kv.index._loose)
         assert kv.index.evictable_blocks == sum(kv.pool.refcount[p] == 0 for p in kv.index._held)
         assert not any(kv.pool.is_free(p) for p in kv.index._held)
+    if kv.state is not None:  # a hybrid's running slots: each held by the request that names it, or free
+        owners = kv.state._owner
+        assert all(req.state_slot == slot for slot, req in owners.items())
+        assert sorted([*owners, *kv.state._free]) == list(range(kv.state.num_slots))
+        assert all(r.state_slot in owners for r in engine.scheduler.running if r.state_slot is not None)
 
 
 def checked(engine: paged_hf.Engine) -> paged_hf.Engine:

@@ -132,6 +132,17 @@ def test_rope_scalings_that_follow_the_longest_sequence_limit_max_model_len():
         paged_hf.Engine(model, max_model_len=128)
 
 
+def test_attention_modules_that_transformers_cache_does_not_tell_apart_are_refused():
+    """Two modules with one layer_idx are told apart only by the layer transformers' own cache keeps
+    each one's KV under (Zamba2's shared block: test_hybrid_models.py); here the cache mixes them too."""
+    model = make_tiny_model("llama")
+    model.model.layers[1].self_attn.layer_idx = 0  # its KV goes to cache layer 0, as layer 0's does
+    message = refusal(model)
+    assert re.search(r"model\.layers\.1\.self_attn \(LlamaAttention\): its KV would be kept as layer 0's, as "
+                     r"model\.layers\.0\.self_attn's is", message), message
+    assert not paged_hf.is_patched(model)
+
+
 def test_a_refused_model_is_left_as_it_was():
     model = build_tiny_model("diffllama")
     x = torch.tensor([[5, 6, 7, 8, 9]])

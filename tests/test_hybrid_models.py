@@ -28,6 +28,8 @@ HYBRIDS = {  # type: the state kind patch must find
     "olmo_hybrid": "gated delta net", "kimi_linear": "delta attention", "lfm2": "short conv",
     "lfm2_moe": "short conv", "granitemoehybrid": "mamba", "nemotron_h": "mamba2 mixer", "falcon_h1": "mixer",
     "bamba": "mixer", "jamba": "mamba mixer",
+    # a shared attention block applied at several depths (each its own KV); state kept in the model's own cache
+    "zamba2": "mamba mixer", "zamba": "mamba mixer", "minimax": "lightning attention",
     # stateful layers only: no attention, no KV
     "mamba2": "mixer", "mamba": "mixer", "falcon_mamba": "mixer",
 }
@@ -97,7 +99,7 @@ def test_prefix_hits_resume_from_state_checkpoints(model_type):
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
-@pytest.mark.parametrize("model_type", ["qwen3_5_text", "lfm2", "nemotron_h", "jamba"])
+@pytest.mark.parametrize("model_type", list(HYBRIDS))
 def test_preemption_keeps_each_requests_tokens(model_type, mode):
     reference, model = _pair(model_type)
     prompts = _prompts(model, [7, 15, 22, 30, 11, 26], seed=2)
@@ -110,7 +112,7 @@ def test_preemption_keeps_each_requests_tokens(model_type, mode):
     _assert_clean(engine)
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_5_text", "falcon_h1", "jamba"])
+@pytest.mark.parametrize("model_type", list(HYBRIDS))
 def test_seeded_samples_equal_the_same_seeds_alone(model_type):
     model = build_tiny_model(model_type)
     prompts = _prompts(model, [9, 21], seed=3)
@@ -127,7 +129,7 @@ def test_seeded_samples_equal_the_same_seeds_alone(model_type):
     _assert_clean(engine)
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_5_text", "olmo_hybrid", "bamba"])
+@pytest.mark.parametrize("model_type", list(HYBRIDS))
 def test_scores_equal_a_plain_forward(model_type):
     reference, model = _pair(model_type)
     contexts = _prompts(model, [5, 18, 27], seed=4)
@@ -141,6 +143,51 @@ def test_scores_equal_a_plain_forward(model_type):
                                                  torch.tensor(cont)]
         assert out.error is None
         assert torch.allclose(torch.tensor(out.token_logprobs), expected, atol=1e-4), (model_type, len(ctx))
+    _assert_clean(engine)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_5_text", "lfm2", "nemotron_h"])
+def test_the_choices_of_a_question_share_its_context(model_type):
+    """Multiple choice: four continuations of one 30-token context. The context's state is
+    checkpointed at its last full block, so the later choices resume there instead of computing
+    it again; every score is still a plain forward's."""
+    reference, model = _pair(model_type)
+    context = _prompts(model, [30], seed=11)[0]
+    choices = _prompts(model, [2, 3, 1, 4], seed=12)
+    engine = paged_hf.Engine(model, block_size=4)
+    first = engine.score([(context, choices[0])])
+    rest = engine.score([(context, c) for c in choices[1:]])
+    for cont, out in zip(choices, first + rest):
+        with torch.no_grad():
+            logits = reference(input_ids=torch.tensor([context + cont])).logits[0].float()
+        expected = torch.log_softmax(logits, -1)[torch.arange(len(context) - 1, len(context) + len(cont) - 1),
+                                                 torch.tensor(cont)]
+        assert out.error is None and torch.allclose(torch.tensor(out.token_logprobs), expected, atol=1e-4)
+    assert first[0].num_cached_tokens == 0
+    assert all(o.num_cached_tokens == 28 for o in rest), [o.num_cached_tokens for o in rest]
+    assert engine.stats()["state_checkpoint_hits"] >= 3
+    _assert_clean(engine)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_5_text", "falcon_h1"])
+def test_rolling_loglikelihood_equals_transformers_over_windows(model_type):
+    reference, model = _pair(model_type)
+    texts = _prompts(model, [45, 7, 23], seed=13)
+    window = 16
+    engine = paged_hf.Engine(model, block_size=4, max_num_batched_tokens=32)
+    outs = engine.score_rolling(texts, window=window, prefix_token=1)
+    for text, out in zip(texts, outs):
+        expected, done = [], 0
+        while done < len(text):  # transformers on each window: the first on BOS, later ones on what fits before
+            end = min(len(text), done + window)
+            ctx = [1] if done == 0 else text[max(0, end - window - 1): done]
+            with torch.no_grad():
+                logits = reference(input_ids=torch.tensor([ctx + text[done:end]])).logits[0].float()
+            expected += torch.log_softmax(logits, -1)[torch.arange(len(ctx) - 1, len(ctx) + end - done - 1),
+                                                      torch.tensor(text[done:end])].tolist()
+            done = end
+        assert out.error is None and out.token_ids == text
+        assert torch.allclose(torch.tensor(out.token_logprobs), torch.tensor(expected), atol=1e-4)
     _assert_clean(engine)
 
 
@@ -160,6 +207,34 @@ def test_state_slots_cap_the_sequences_that_run_and_share_the_budget():
     _assert_clean(engine)
     with pytest.raises(ValueError, match="max_num_seqs=64 sequences' state and 32 prefix checkpoints take"):
         paged_hf.Engine(model, kv_cache_memory=6 * per_slot, max_num_seqs=64)
+
+
+def test_a_block_shared_across_layers_keeps_a_kv_per_application():
+    """Zamba2 applies one attention block at several depths: one module per application, weights tied,
+    all with layer_idx -1. patch gives each the layer transformers' own cache keeps its KV under."""
+    from paged_hf.execution.attention import LAYER_ATTR
+
+    model = build_tiny_model("zamba2")
+    shared = [model.model.layers[i].shared_transformer.self_attn for i in (1, 3)]
+    assert [m.layer_idx for m in shared] == [-1, -1] and shared[0].q_proj.weight is shared[1].q_proj.weight
+    paged_hf.patch(model)
+    assert patch_state(model).layout.layer_ids == (1, 3)
+    assert [getattr(m, LAYER_ATTR) for m in shared] == [1, 3]
+    paged_hf.unpatch(model)
+    assert not any(hasattr(m, LAYER_ATTR) for m in shared)
+
+
+def test_state_kept_in_the_models_own_cache_class_runs_through_its_own_methods():
+    """MiniMax's linear attention keeps its state through MiniMaxCache.get_linear_cache /
+    set_linear_cache: the probe finds the pair and the state's shape, the step's view has it too."""
+    model = build_tiny_model("minimax")
+    paged_hf.patch(model)
+    state = patch_state(model).state
+    cfg = model.config
+    head_dim = cfg.head_dim or cfg.hidden_size // cfg.num_attention_heads
+    assert {m.own_methods for m in state.mixers} == {(("get_linear_cache", "set_linear_cache"),)}
+    assert {m.recurrent for m in state.mixers} == {((cfg.num_attention_heads, head_dim, head_dim),)}
+    assert state.continues_chunks
 
 
 def test_a_mixer_that_cannot_continue_a_chunk_goes_on_token_by_token():

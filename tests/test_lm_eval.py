@@ -103,6 +103,35 @@ def test_same_result_for_every_request_in_float32(fp32_runs):
     assert any(s["resps"][0][0] for s in ours["phf_gen"])
 
 
+@pytest.fixture(scope="module")
+def tiny_hybrid_dir(tmp_path_factory):
+    """A tiny Qwen3.5 (gated DeltaNet and attention layers) with the tiny tokenizer."""
+    from paged_hf.model.support import build_tiny_model
+
+    path = tmp_path_factory.mktemp("tiny_hybrid")
+    build_tiny_model("qwen3_5_text").save_pretrained(path)
+    make_tiny_tokenizer().save_pretrained(path)
+    return path
+
+
+def test_a_hybrid_scores_as_lm_evals_hf_backend(tiny_hybrid_dir, task_manager):
+    """Multiple choice and rolling loglikelihood on a hybrid model: every request's loglikelihood
+    lm-eval's hf backend gets, to 1e-4, and so the same metrics."""
+    tm, _ = task_manager
+    runs = {m: evaluate(m, tiny_hybrid_dir, "float32", ["phf_mc", "phf_rolling"], tm) for m in ("paged_hf", "hf")}
+    ours, theirs = runs["paged_hf"], runs["hf"]
+    assert metrics(ours, "phf_mc") == metrics(theirs, "phf_mc")
+    for name, value in metrics(theirs, "phf_rolling").items():
+        assert metrics(ours, "phf_rolling")[name] == pytest.approx(value, rel=1e-5), name
+    for task in ("phf_mc", "phf_rolling"):
+        pairs = list(zip(ours["samples"][task], theirs["samples"][task]))
+        assert pairs
+        for a, b in pairs:
+            for ra, rb in zip(a["resps"], b["resps"]):
+                mine, theirs_ = (ra[0][0], rb[0][0]) if task == "phf_mc" else (ra[0], rb[0])
+                assert mine == pytest.approx(theirs_, abs=1e-4 if task == "phf_mc" else 1e-3), (task, a["doc_id"])
+
+
 def test_bfloat16_smollm2_within_tolerance(smollm2_dir, task_manager):
     tm, _ = task_manager
     runs = {m: evaluate(m, smollm2_dir, "bfloat16", ["phf_mc"], tm, limit=8) for m in ("paged_hf", "hf")}

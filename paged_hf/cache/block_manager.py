@@ -59,15 +59,15 @@ class BlockManager:
         """Take the cached prefix of a request that holds no blocks; return its token count.
 
         At least one token is always left to compute: its logits give the next sample; and no
-        position whose logits are still to be scored is served (``Request.prefix_limit``). A
-        sliding group needs only the pages of the last window before the hit point (a chunked one,
-        those of its chunk), and a hybrid a state checkpoint at exactly that point.
+        position whose logits are still to be scored is served (``hit_limit``). A sliding group
+        needs only the pages of the last window before the hit point (a chunked one, those of its
+        chunk), and a hybrid a state checkpoint at exactly that point.
         """
         assert not req.block_tables and req.num_computed_tokens == 0, req.request_id
         if self.index is None:
             return 0
         req.cache_namespace = self.index.namespace  # the KV it computes from now on belongs there
-        tokens = req.token_ids[: req.prefix_limit]
+        tokens = req.token_ids[: self.hit_limit(req)]
         node, blocks = self.index.match_prefix(tokens, req.cache_salt)
         if not blocks:
             return 0
@@ -89,6 +89,12 @@ class BlockManager:
         req.num_tree_blocks = n
         req.num_computed_tokens = n * self.block_size
         return req.num_computed_tokens
+
+    def hit_limit(self, req: Request) -> int:
+        """How many leading tokens a prefix hit may serve: ``Request.prefix_limit``, and on a hybrid
+        two tokens short of the end, so that what is left is never a lone token, which would go through
+        the mixers' one-token path (see ``plan_checkpoints``)."""
+        return req.prefix_limit if self.state is None else min(req.prefix_limit, req.num_tokens - 2)
 
     def _servable(self, node: Node, tables: list[list[int]]) -> int:
         """The most blocks of the matched path a hit may resume after: every group holds what the
@@ -208,18 +214,27 @@ class BlockManager:
     def plan_checkpoints(self, req: Request, n_new: int, whole_chunks_only: bool) -> None:
         """The state snapshots the step computing ``n_new`` tokens of ``req`` takes: at multiples of
         ``checkpoint_interval`` and at the last full block the prefix cache could ever serve it
-        (``prefix_limit``: a repeat of this prompt, the choices of one scoring context), where no
+        (``hit_limit``: a repeat of this prompt, the choices of one scoring context), where no
         checkpoint is yet. ``whole_chunks_only``: only at the chunk's end (mixers that drop their
-        state in a chunk cannot be split inside one)."""
+        state in a chunk cannot be split inside one). Otherwise no snapshot cuts a lone token off the
+        chunk, after its first: that token would go through the mixers' one-token (decode) path, not
+        the chunk path ``generate`` runs a prompt through, and some mixers' two paths part (Zamba2's
+        Mamba2 clamps its time step in its chunk scan, not in its decode step)."""
         if not self.checkpoints or req.parent is not None:
             return
         bs, start = self.block_size, req.num_computed_tokens
-        last = req.prefix_limit // bs * bs
+        last = self.hit_limit(req) // bs * bs
         end = min(start + n_new, last)
         points = [p for p in range(start // bs * bs + bs, end + 1, bs)
                   if p > start and (p % self.checkpoint_interval == 0 or p == last)]
         if whole_chunks_only:
             points = [p for p in points if p == start + n_new]
+        else:
+            cuts: list[int] = []
+            for p in points:
+                if start + n_new - p != 1 and not (p - (cuts[-1] if cuts else start) == 1 and p > 1):
+                    cuts.append(p)
+            points = cuts
         for p in points:
             slot = self.state.take_checkpoint()
             if slot is None:

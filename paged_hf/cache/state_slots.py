@@ -14,6 +14,7 @@ Two kinds of slot, numbered in one range:
 """
 from __future__ import annotations
 
+import heapq
 from collections import OrderedDict
 from typing import Any
 
@@ -26,8 +27,8 @@ class StateSlots:
             raise ValueError(f"num_slots={num_slots}, must be >= 1")
         self.num_slots = num_slots
         self.num_checkpoints = num_checkpoints
-        self._free = list(range(num_slots - 1, -1, -1))  # pop() hands out the lowest first
-        self._held: set[int] = set()
+        self._free = list(range(num_slots))  # a heap: the lowest first, so running slots stay near the front
+        self._owner: dict[int, Request] = {}  # running slot -> the request holding it
         self._ckpt_free = list(range(num_slots + num_checkpoints - 1, num_slots - 1, -1))
         self._attached: OrderedDict[int, Any] = OrderedDict()  # checkpoint -> its node, least recently used first
         self._pending: set[int] = set()  # taken during a step, not attached yet
@@ -43,7 +44,7 @@ class StateSlots:
 
     @property
     def num_used(self) -> int:
-        return len(self._held)
+        return len(self._owner)
 
     @property
     def num_checkpoints_held(self) -> int:
@@ -61,21 +62,53 @@ class StateSlots:
             if not self._free:
                 raise RuntimeError(f"request {req.request_id}: no free state slot ({self.num_slots} in use); "
                                    "the scheduler admits at most max_num_seqs sequences (this is a bug)")
-            req.state_slot = self._free.pop()
-            self._held.add(req.state_slot)
+            req.state_slot = heapq.heappop(self._free)
+            self._owner[req.state_slot] = req
         return req.state_slot
 
     def give_back(self, req: Request) -> None:
         slot = req.state_slot
         if slot is not None:
-            if slot not in self._held:
+            if self._owner.get(slot) is not req:
                 raise RuntimeError(f"request {req.request_id}: state slot {slot} given back twice")
-            self._held.remove(slot)
-            self._free.append(slot)
+            del self._owner[slot]
+            heapq.heappush(self._free, slot)
             req.state_slot = None
         for _, ckpt in req.pending_checkpoints:
             self.release(ckpt)
         req.pending_checkpoints = []
+
+    def plan_front(self, reqs: list[Request]) -> list[tuple[Request, int]]:
+        """New slots that put ``reqs`` (the step's decode batch) in slots ``0 .. len(reqs)-1``, so
+        the mixers read and update their states in place rather than gathering and scattering
+        them every step: (request, new slot) for each request that moves, the decode batch's and
+        the running requests they swap with. Nothing changes until ``renumber`` applies it, after
+        the states' memory has moved the same way."""
+        front = len(reqs)
+        outside = [r for r in reqs if r.state_slot >= front]
+        if not outside:
+            return []
+        inside = {r.state_slot for r in reqs}
+        holes = [s for s in range(front) if s not in inside]
+        moves = []
+        for req, hole in zip(outside, holes):
+            moves.append((req, hole))
+            other = self._owner.get(hole)
+            if other is not None:  # a running request not decoding this step takes the place left
+                moves.append((other, req.state_slot))
+        return moves
+
+    def renumber(self, moves: list[tuple[Request, int]]) -> None:
+        """Apply ``plan_front``'s moves (the states' memory already moved the same way)."""
+        old = {req.state_slot for req, _ in moves}
+        new = {slot for _, slot in moves}
+        for req, _ in moves:
+            del self._owner[req.state_slot]
+        for req, slot in moves:
+            req.state_slot = slot
+            self._owner[slot] = req
+        self._free = sorted((set(self._free) - new) | (old - new))
+        heapq.heapify(self._free)
 
     # ---- checkpoints ---------------------------------------------------------------------
     def take_checkpoint(self) -> int | None:

@@ -107,6 +107,8 @@ class Scheduler:
             n = min(req.num_pending_tokens, prefill_room if prefill else budget)
             if not self.continues_chunks and req.num_computed_tokens:
                 n = min(n, 1)
+            elif prefill:
+                n = self._no_lone_token(req, n)
             if n == 0:
                 continue
             while not self.kv.allocate_slots(req, n, out.block_copies):
@@ -145,6 +147,8 @@ class Scheduler:
             n = min(req.num_pending_tokens, budget, prefill_room)
             if not self.continues_chunks and req.num_computed_tokens:  # swapped in: it has a state
                 n = min(n, 1)
+            else:
+                n = self._no_lone_token(req, n)
             if not self.kv.allocate_slots(req, n, out.block_copies):
                 self.kv.free(req)
                 break
@@ -171,6 +175,14 @@ class Scheduler:
         out.state_copies = self.kv.take_state_copies()
         return out
 
+    def _no_lone_token(self, req: Request, n: int) -> int:
+        """A hybrid's prompt chunk leaves two tokens or none behind: a lone last token would go through
+        the mixers' one-token (decode) path, not the chunk path ``generate`` runs a prompt through, and
+        some mixers' two paths part (Zamba2's Mamba2 clamps its time step in its chunk scan only)."""
+        if self.kv.state is not None and n > 1 and req.num_pending_tokens - n == 1:
+            return n - 1
+        return n
+
     def _prefill_room(self, budget: int, decoding: bool) -> int:
         cap = self.max_prefill_tokens_while_decoding
         return budget if cap is None or not decoding else min(budget, cap)
@@ -191,7 +203,7 @@ class Scheduler:
         """Is the next block this request would compute being computed this step by another?"""
         bs = self.kv.block_size
         end = req.num_computed_tokens + bs
-        if not pending or end > req.prefix_limit:
+        if not pending or end > self.kv.hit_limit(req):
             return False
         return _block_keys(req, bs, end // bs)[-1] in pending
 

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from ..execution.sampler import sample
+from ..execution.stateful_mixers import decodes_from_state
 from ..requests.request import FinishReason, Request, sample_request_id
 from .binding import check_still_patched
 from .scheduler import SchedulerOutput
@@ -54,6 +55,7 @@ class StepLoop:
                 if req.swapped_state is not None:
                     self.runner.states.restore(req.state_slot, req.swapped_state)
                     req.swapped_state = None
+            self._decode_states_in_front(out.scheduled)
             logits, meta = self.runner.execute(out.scheduled, out.block_copies)
             sched.mark_computed(out)
             # logits: the sampled rows, then the scored ones (prompt logprobs, scoring requests)
@@ -113,6 +115,20 @@ class StepLoop:
             logger.warning("paged_hf: %s", req.error)
         self._record_step(out, sampled, decode_tokens)
         return sampled, finished + [req for req in failed if req not in finished]
+
+    def _decode_states_in_front(self, scheduled: list[tuple[Request, int]]) -> None:
+        """A hybrid's decode batch in slots 0..N-1, its states moved with it, so the mixers update
+        them in place: a request moves about twice in its life, where a gather and a scatter of
+        every decoding state would cost two copies per step."""
+        slots = self.kv.state
+        if slots is None:
+            return
+        decoders = [req for req, n in scheduled
+                    if decodes_from_state(n, req.num_computed_tokens, req.pending_checkpoints)]
+        moves = slots.plan_front(decoders)
+        if moves:
+            self.runner.copy_states([(req.state_slot, slot) for req, slot in moves])
+            slots.renumber(moves)
 
     def _finish_prefill_only(self, out: SchedulerOutput, failed: list[Request], now: float) -> list[Request]:
         """Scoring requests whose last position was computed this step are done."""

@@ -10,8 +10,12 @@ had before ``patch``, so training and scoring keep working exactly as before (a 
 
 In a step the backend gets the layer index, q/k/v, ``scaling``, ``softcap``, ``sliding_window``
 and ``s_aux`` (attention sinks); the layer's window and chunk come from the KV layout patch read
-(paged_hf/execution/kv_geometry.py). A mask that still reaches attention in a step was built by the module
-itself (the mask function returned None): it fails the step rather than being dropped.
+(paged_hf/execution/kv_geometry.py). The layer index is ``module.layer_idx``, or ``LAYER_ATTR`` where
+patch wrote one: the applications of a block shared across layers (Zamba2's) are each their own
+module, weights tied, all with layer_idx -1, and patch gives each the layer transformers' own cache
+keeps its KV under (paged_hf/model/capability.py). A mask that still reaches attention in a step was
+built by the module itself (the mask function returned None): it fails the step rather than being
+dropped.
 """
 from __future__ import annotations
 
@@ -26,6 +30,8 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 NAME = "paged_hf"
+# the model layer an attention module's KV belongs to, where its own layer_idx does not say (set by patch)
+LAYER_ATTR = "paged_hf_layer_idx"
 
 _active_backend: contextvars.ContextVar[Any] = contextvars.ContextVar("paged_hf_backend", default=None)
 _fallback_impl: dict[int, str] = {}  # id(config) -> implementation the model had before patch
@@ -82,7 +88,8 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     if attention_mask is not None:  # paged_mask returns None in a step: this one the module built itself
         raise RuntimeError(f"paged_hf: {type(module).__name__} (layer {module.layer_idx}) passed an attention mask "
                            "that paged attention would drop; paged_hf.patch should have refused this model")
-    out = backend.attend(backend.layout.kv_index(module.layer_idx), query, key, value, scaling=scaling,
+    layer_idx = module.__dict__.get(LAYER_ATTR, module.layer_idx)  # no AttributeError per call, as getattr has
+    out = backend.attend(backend.layout.kv_index(layer_idx), query, key, value, scaling=scaling,
                          sliding_window=kwargs.get("sliding_window"), softcap=kwargs.get("softcap"),
                          sinks=kwargs.get("s_aux"))
     return out, None

@@ -2,11 +2,12 @@
 
 Linear-attention, SSM and short-convolution layers (gated DeltaNet, Kimi delta attention, Mamba2,
 LFM2's short conv) keep a fixed-size state per sequence instead of K and V. The capability check
-(paged_hf/model/capability.py) reads it from the model itself: one forward through transformers'
+(paged_hf/model/capability.py) reads it from the model itself: one forward through the model's
 own cache records, per mixer module, the states it writes (``update_conv_state`` /
-``update_recurrent_state``, per ``state_idx``) with their shapes and dtypes. The engine sizes its
-state slots from it (paged_hf/execution/state_store.py) and runs the mixers through a per-step
-cache view (paged_hf/execution/stateful_mixers.py). Plain data, like the KV geometry.
+``update_recurrent_state``, per ``state_idx``; or through a ``get_X`` / ``set_X`` pair of the model's
+own cache class, MiniMax's) with their shapes and dtypes. The engine sizes its state slots from it
+(paged_hf/execution/state_store.py) and runs the mixers through a per-step cache view
+(paged_hf/execution/stateful_mixers.py). Plain data, like the KV geometry.
 
     mixer = MixerSpec(layer_idx=0, path="model.layers.0.linear_attn", kind="gated delta net",
                       cache_arg="cache", conv=((48, 4),), conv_dtypes=("float32",), recurrent=((4, 8, 8),),
@@ -35,6 +36,12 @@ class MixerSpec:
     conv_dtypes: tuple[str | None, ...]
     recurrent: tuple[tuple[int, ...] | None, ...]
     recurrent_dtypes: tuple[str | None, ...]
+    # (get_X, set_X) per state_idx: the mixer keeps recurrent state i through these two methods of its
+    # model's own cache class, not transformers' unified API (MiniMax's get_linear_cache / set_linear_cache)
+    own_methods: tuple[tuple[str, str], ...] = ()
+    # a paged_hf kernel the probe checked this mixer against its own code with, used in engine
+    # steps (paged_hf/execution/mixer_kernels.py), or None
+    kernel: str | None = None
 
     @property
     def num_states(self) -> int:
@@ -69,6 +76,12 @@ class StateLayout:
     def kinds(self) -> list[str]:
         return list(dict.fromkeys(m.kind for m in self.mixers))
 
+    @property
+    def kernels(self) -> list[str]:
+        """paged_hf kernels some mixers' decode runs through (checked against their own code)."""
+        return list(dict.fromkeys(m.kernel for m in self.mixers if m.kernel is not None))
+
     def describe(self) -> str:
         chunks = "" if self.continues_chunks else "; prompts continue token by token after their first chunk"
+        chunks += "".join(f"; decode through paged_hf's {k} kernel" for k in self.kernels)
         return f"{len(self.mixers)} x {', '.join(self.kinds)} ({self.bytes_per_slot():,} state bytes per sequence{chunks})"

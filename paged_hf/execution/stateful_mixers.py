@@ -8,15 +8,23 @@ on
   - the step's decode rows (one token each, with a previous state) as one batch ``[N, 1, H]``;
   - each other sequence's chunk as ``[1, L, H]``, continuing its state (none before its first token),
 with a cache view over those sequences' state slots as its ``cache`` argument. The view is
-transformers' own ``Cache`` with one ``LinearAttentionLayer`` holding the slots' states, so the
-module's reads and writes (``get/update_conv_state``, ``get/update_recurrent_state``,
-``has_previous_state``) follow transformers' bookkeeping exactly; decode kernels that update a
-state in place write into it, and whatever the layer holds afterwards goes back to the slots. No
-model math is copied. Outside a step the modules are untouched.
+transformers' own ``Cache`` with one ``LinearAttentionLayer`` holding views of the slots (the step
+loop keeps the decode batch's slots one span, 0..N-1, so no state is gathered or scattered), so
+the module's reads and writes (``get/update_conv_state``, ``get/update_recurrent_state``,
+``has_previous_state``) follow transformers' bookkeeping exactly and its in-place updates land in
+the slots; a state the layer replaced goes back to them after the call. A mixer that keeps its
+state through a ``get_X`` / ``set_X`` pair of its model's own cache class (MiniMax's
+``get_linear_cache`` / ``set_linear_cache``) finds that pair on the view too, as
+``get_recurrent_state`` / ``update_recurrent_state`` over the same slots. A mixer that returns
+``(output, state)`` (MiniMax's) gets ``(output, None)`` back: the packed batch has no one state, and a
+caller that read it would fail, not go on with a wrong one. No model math is copied (a kernel of
+paged_hf's may stand in for a fallback function at transformers' own kernel seam:
+paged_hf/execution/mixer_kernels.py). Outside a step the modules are untouched.
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -24,6 +32,7 @@ from typing import Any, Iterator
 import torch
 from transformers.cache_utils import Cache, LinearAttentionLayer
 
+from . import mixer_kernels
 from .state_geometry import MixerSpec, StateLayout
 from .state_store import StateStore
 
@@ -41,11 +50,19 @@ class Segment:
     snapshots: list[tuple[int, int]]
 
 
+def decodes_from_state(n_tokens: int, computed: int, snapshots: list) -> bool:
+    """Whether a sequence's rows join the step's decode batch: one token continuing its state,
+    no snapshot to take."""
+    return n_tokens == 1 and computed > 0 and not snapshots
+
+
 @dataclass
 class StatePlan:
     """Which rows of a step's packed batch go to the mixers together, and with which slots."""
-    decode_rows: torch.Tensor | None   # [N] rows of single-token sequences that have a state
-    decode_slots: torch.Tensor | None  # [N] their slots
+    decode_rows: torch.Tensor | None   # [N] rows of single-token sequences that have a state, by slot
+    # their slots, a..b-1 (the step loop renumbers slots so that they are): the mixers read and
+    # update those states in place, through views of the slots, with no gather or scatter
+    decode_span: tuple[int, int] | None
     segments: list[Segment]
 
     @classmethod
@@ -56,7 +73,7 @@ class StatePlan:
         rows, dslots, segments, start = [], [], [], 0
         for i, (q, done, slot) in enumerate(zip(q_lens, computed, slots)):
             cuts = sorted((p - done, ckpt) for p, ckpt in (snapshots[i] if snapshots else ()))
-            if q == 1 and done > 0 and not cuts:
+            if decodes_from_state(q, done, cuts):
                 rows.append(start)
                 dslots.append(slot)
             else:
@@ -64,7 +81,12 @@ class StatePlan:
             start += q
         if not rows:
             return cls(None, None, segments)
-        return cls(torch.tensor(rows, device=device), torch.tensor(dslots, device=device), segments)
+        order = sorted(range(len(rows)), key=dslots.__getitem__)
+        first = dslots[order[0]]
+        if [dslots[k] for k in order] != list(range(first, first + len(rows))):
+            raise ValueError(f"paged_hf: the decode rows' state slots {sorted(dslots)} are not one span "
+                             "(the step loop renumbers them so that they are; this is a bug)")
+        return cls(torch.tensor([rows[k] for k in order], device=device), (first, first + len(rows)), segments)
 
 
 class _OneLayer:
@@ -101,6 +123,14 @@ class SlotView(Cache):
         self.layers = _OneLayer(spec.layer_idx, layer)
         self.offloading = False
         self.layer = layer
+        self.given = [t for t in (*conv, *recurrent) if t is not None]  # the slots' own tensors
+        for i, (get, put) in enumerate(spec.own_methods):  # the model's own cache's pair, over the same slots
+            setattr(self, get, functools.partial(self.get_recurrent_state, state_idx=i))
+            setattr(self, put, functools.partial(_own_set, self, state_idx=i))
+
+
+def _own_set(view: SlotView, layer_idx: int, state: torch.Tensor, state_idx: int) -> None:
+    view.update_recurrent_state(state, layer_idx, state_idx=state_idx)
 
 
 class MixerRunner:
@@ -109,18 +139,22 @@ class MixerRunner:
     def __init__(self, model: torch.nn.Module, layout: StateLayout, store: StateStore) -> None:
         self.store = store
         self.mixers = [(model.get_submodule(spec.path), spec) for spec in layout.mixers]
+        # where the kernels the probe checked go in (module-level names of transformers' modeling files)
+        self.kernel_sites = sorted({site for module, spec in self.mixers if spec.kernel is not None
+                                    for site in mixer_kernels.sites_of(module)})
 
     @contextlib.contextmanager
     def active(self, plan: StatePlan) -> Iterator[None]:
         installed = []
-        try:
-            for module, spec in self.mixers:
-                module.forward = stepped_forward(module.forward, spec, self.store, plan)
-                installed.append(module)
-            yield
-        finally:
-            for module in installed:
-                del module.forward
+        with mixer_kernels.installed(self.kernel_sites):
+            try:
+                for module, spec in self.mixers:
+                    module.forward = stepped_forward(module.forward, spec, self.store, plan)
+                    installed.append(module)
+                yield
+            finally:
+                for module in installed:
+                    del module.forward
 
 
 def mixer_arguments(params: list[str], args: tuple, kwargs: dict) -> tuple[torch.Tensor, dict]:
@@ -133,46 +167,53 @@ def mixer_arguments(params: list[str], args: tuple, kwargs: dict) -> tuple[torch
     return hidden, kwargs
 
 
+def mixer_output(y: Any) -> tuple[torch.Tensor, int]:
+    """A mixer's output tensor, and how many more values it returned beside it (MiniMax's lightning
+    attention returns ``(output, state)``)."""
+    if isinstance(y, torch.Tensor):
+        return y, 0
+    if isinstance(y, tuple) and y and isinstance(y[0], torch.Tensor):
+        return y[0], len(y) - 1
+    raise RuntimeError(f"paged_hf: a stateful mixer returned {type(y).__name__}, not a tensor or (tensor, ...); "
+                       "paged_hf.patch should have refused this model")
+
+
 def stepped_forward(original: Any, spec: MixerSpec, store: StateStore, plan: StatePlan) -> Any:
     params = list(inspect.signature(original).parameters)
 
-    def forward(*args: Any, **kwargs: Any) -> torch.Tensor:
+    def forward(*args: Any, **kwargs: Any) -> torch.Tensor | tuple:
         hidden, kwargs = mixer_arguments(params, args, kwargs)
         if "attention_mask" in kwargs:
             kwargs["attention_mask"] = None  # a packed step has no padding
         out: torch.Tensor | None = None
+        extra = 0  # values returned beside the output (a state): None in the packed result
 
         def run(x: torch.Tensor, view: SlotView) -> torch.Tensor:
-            y = original(x, **{spec.cache_arg: view}, **kwargs)
-            if not isinstance(y, torch.Tensor):
-                raise RuntimeError(f"paged_hf: {spec.path} returned {type(y).__name__}, not a tensor; "
-                                   "paged_hf.patch should have refused this model")
+            nonlocal extra
+            with mixer_kernels.enabled(spec.kernel is not None, view.given):
+                y, extra = mixer_output(original(x, **{spec.cache_arg: view}, **kwargs))
             return y
 
         if plan.decode_rows is not None:
-            slots = plan.decode_slots
-            conv = [None if t is None else t.index_select(0, slots) for t in store.conv[spec.layer_idx]]
-            rec = [None if t is None else t.index_select(0, slots) for t in store.recurrent[spec.layer_idx]]
-            view = SlotView(spec, conv, rec, has_previous=True)
+            where = slice(*plan.decode_span)
+            view = _view(spec, store, where, has_previous=True)
             y = run(hidden[0].index_select(0, plan.decode_rows)[:, None], view)
             out = hidden.new_empty(1, hidden.shape[1], y.shape[-1], dtype=y.dtype)
             out[0].index_copy_(0, plan.decode_rows, y[:, 0])
-            _put_back(view, store, spec, slots=slots)
+            _put_back(view, store, spec, where)
         for seg in plan.segments:
             slot, pieces = seg.slot, _pieces(seg)
             for k, (a, b, ckpt) in enumerate(pieces):
-                conv = [None if t is None else t[slot:slot + 1] for t in store.conv[spec.layer_idx]]
-                rec = [None if t is None else t[slot:slot + 1] for t in store.recurrent[spec.layer_idx]]
-                view = SlotView(spec, conv, rec, has_previous=seg.has_previous or k > 0)
+                view = _view(spec, store, slice(slot, slot + 1), has_previous=seg.has_previous or k > 0)
                 y = run(hidden[:, a:b], view)
                 if out is None:
                     out = hidden.new_empty(1, hidden.shape[1], y.shape[-1], dtype=y.dtype)
                 out[:, a:b] = y
-                _put_back(view, store, spec, slot=slot, given=(conv, rec))
+                _put_back(view, store, spec, slice(slot, slot + 1))
                 if ckpt is not None:
                     store.copy_layer(spec.layer_idx, slot, ckpt)
         assert out is not None, "a step with no rows"
-        return out
+        return (out,) + (None,) * extra if extra else out
 
     return forward
 
@@ -188,17 +229,20 @@ def _pieces(seg: Segment) -> list[tuple[int, int, int | None]]:
     return pieces
 
 
-def _put_back(view: SlotView, store: StateStore, spec: MixerSpec, slots: torch.Tensor | None = None,
-              slot: int | None = None, given: tuple | None = None) -> None:
-    """Whatever the view's layer holds now goes to the slots (a view the layer wrote in place needs nothing)."""
+def _view(spec: MixerSpec, store: StateStore, where: slice, has_previous: bool) -> SlotView:
+    """A cache view over the slots ``where``: views of the store, so the mixer's in-place updates
+    land in the slots."""
+    return SlotView(spec, [None if t is None else t[where] for t in store.conv[spec.layer_idx]],
+                    [None if t is None else t[where] for t in store.recurrent[spec.layer_idx]], has_previous)
+
+
+def _put_back(view: SlotView, store: StateStore, spec: MixerSpec, where: slice) -> None:
+    """A state the view's layer holds that is not the slots' own view (the mixer replaced it, or
+    it was None) goes to the slots."""
     layer = view.layer
-    for kind, held, pool in (("conv", layer.conv_states, store.conv[spec.layer_idx]),
-                             ("recurrent", layer.recurrent_states, store.recurrent[spec.layer_idx])):
+    for held, pool in ((layer.conv_states, store.conv[spec.layer_idx]),
+                       (layer.recurrent_states, store.recurrent[spec.layer_idx])):
         for i, target in enumerate(pool):
             state = held.get(i)
-            if target is None or state is None:
-                continue
-            if slots is not None:
-                target.index_copy_(0, slots, state.to(target.dtype))
-            elif given is None or state is not (given[0] if kind == "conv" else given[1])[i]:
-                target[slot:slot + 1].copy_(state)
+            if target is not None and state is not None and not any(state is t for t in view.given):
+                target[where].copy_(state)

@@ -14,7 +14,12 @@ What the paged engine relies on, and how each is checked:
    its own ``layer_idx``. Checked by one probe forward of a few tokens with a recording attention
    function: modules named ``*Attention`` that ran without calling it compute attention themselves
    (bloom, falcon, mpt, ...); a module called twice attends twice (differential attention, looped
-   blocks); a call without ``layer_idx`` is no per-layer KV attention.
+   blocks). Modules whose ``layer_idx`` does not tell them apart (none, or one another module has: a
+   block shared across layers, Zamba2's, whose every application carries -1 and is passed its depth
+   as a forward argument) are each given the layer transformers' own cache keeps their K and V under
+   (one forward through it, recording ``update``); ``patch`` writes it on the module as
+   ``paged_hf_layer_idx``, which the attention seam reads first. One that cache does not tell apart
+   either is refused.
 3. Each layer's geometry and variant are known: the probe reads the K / V shapes each layer really
    writes (per-layer heads and widths, MLA's different K and V widths), the keywords it passes
    (``s_aux`` sinks, ``softcap``, ``scaling``, ``sliding_window``; any other keyword is refused,
@@ -44,7 +49,7 @@ from ..execution.kv_geometry import KVLayout, LayerSpec
 from ..execution.runner import eval_modes, max_positions
 from ..execution.state_geometry import StateLayout
 from ..patches import family_for
-from .state_probe import StateProbeError, probe_state_layout
+from .state_probe import StateProbeError, attention_cache_layers, probe_state_layout
 
 PROBE = "paged_hf_probe"
 PROBE_TOKENS = 6
@@ -82,6 +87,9 @@ class Capability:
     limits: dict = field(default_factory=dict)
     # hybrid models: the stateful layers (linear attention, SSM, short conv) and what each keeps
     state: StateLayout | None = None
+    # (module path, layer) of attention modules whose own layer_idx does not name their layer (the
+    # applications of a block shared across layers): patch writes the layer on each (LAYER_ATTR)
+    attention_layers: tuple[tuple[str, int], ...] = ()
 
 
 def check(model: torch.nn.Module) -> Capability:
@@ -99,7 +107,7 @@ def _check(model: torch.nn.Module) -> Capability:
     _check_config(model, what, state)
     first, shifted, unpositioned = _probe(model, what)
     _check_ran_modules(model, first, what, state)
-    layout, configs = _layout(model, first, what, sparse=state is not None)
+    layout, configs, attention_layers = _layout(model, first, what, sparse=state is not None)
     _check_positions(first, shifted, unpositioned, what, stateful=state is not None)
     family = family_for(model.config.model_type)  # per-family quirks the probes cannot see
     reason = family.check(model) if family is not None and hasattr(family, "check") else None
@@ -110,7 +118,7 @@ def _check(model: torch.nn.Module) -> Capability:
         for option, (value, why) in family.limits(model).items():
             if option not in limits or value < limits[option][0]:
                 limits[option] = (value, why)
-    return Capability(layout, tuple(configs), _media_token_ids(model), limits, state)
+    return Capability(layout, tuple(configs), _media_token_ids(model), limits, state, attention_layers)
 
 
 def refuse(what: str, where: str, reason: str) -> UnsupportedModelError:
@@ -125,7 +133,7 @@ def text_config(model: torch.nn.Module) -> Any:
 
 def _state_layout(model: torch.nn.Module, what: str) -> StateLayout | None:
     """The stateful mixers of a hybrid model (None for a model without any), read by one forward
-    through transformers' own cache (paged_hf/model/state_probe.py)."""
+    through the cache the model builds for itself (paged_hf/model/state_probe.py)."""
     layer_types = getattr(text_config(model), "layer_types", None) or []
     if all(kind in ATTENTION_LAYER_TYPES + ("mlp", "moe") or any(w in kind.lower() for w in ("index", "sparse", "compress"))
            for kind in layer_types):
@@ -135,9 +143,9 @@ def _state_layout(model: torch.nn.Module, what: str) -> StateLayout | None:
         return probe_state_layout(model, ids)
     except StateProbeError as e:
         raise refuse(what, e.where, e.reason) from e
-    except Exception as e:  # noqa: BLE001 - transformers' own cache cannot run this model's stateful layers
-        raise refuse(what, "its stateful layers", f"a forward through transformers' own cache (DynamicCache) failed: "
-                     f"{type(e).__name__}: {e}") from e
+    except Exception as e:  # noqa: BLE001 - its own cache cannot run this model's stateful layers
+        raise refuse(what, "its stateful layers", "a forward through the cache it builds for itself (use_cache=True) "
+                     f"failed: {type(e).__name__}: {e}") from e
 
 
 def _check_config(model: torch.nn.Module, what: str, state: StateLayout | None = None) -> None:
@@ -366,29 +374,27 @@ def _parents(model: torch.nn.Module) -> dict[int, list[torch.nn.Module]]:
 
 
 # ---- 4. per-layer geometry -----------------------------------------------------------------------
-def _layout(model: torch.nn.Module, probe: _Probe, what: str, sparse: bool = False) -> tuple[KVLayout, list[Any]]:
+def _layout(model: torch.nn.Module, probe: _Probe, what: str, sparse: bool = False
+            ) -> tuple[KVLayout, list[Any], tuple[tuple[str, int], ...]]:
     """``sparse``: a hybrid's attention layers need not be numbered 0..n-1 (stateful layers sit between)."""
     names = _names(model)
     n = PROBE_TOKENS
     max_pos = max_positions(model)[1] or (1 << 17)
     by_layer: dict[int, LayerSpec] = {}
-    seen_modules: dict[int, int] = {}
     configs: dict[int, Any] = {}
     windows_cache: dict[int, tuple[int | None, int | None]] = {}
+    seen: set[int] = set()
+    for call in probe.calls:
+        if id(call.module) in seen:
+            raise refuse(what, f"{names.get(id(call.module), '?')} ({type(call.module).__name__})", "attends more "
+                         "than once per forward (a second attention map, or a block reused across layers); each call "
+                         "would need its own KV")
+        seen.add(id(call.module))
+    layers = _attention_layers(model, probe, what)
     for call in probe.calls:
         m = call.module
         where = f"{names.get(id(m), '?')} ({type(m).__name__})"
-        layer_idx = getattr(m, "layer_idx", None)
-        if not isinstance(layer_idx, int) or isinstance(layer_idx, bool):
-            raise refuse(what, where, "calls attention without a layer_idx: it is not a per-layer attention over "
-                         "the sequence's tokens (e.g. attention over earlier layers' outputs)")
-        if id(m) in seen_modules:
-            raise refuse(what, where, "attends more than once per forward (a second attention map, or a block "
-                         "reused across layers); each call would need its own KV")
-        seen_modules[id(m)] = layer_idx
-        if layer_idx in by_layer:
-            raise refuse(what, where, f"has the layer_idx ({layer_idx}) of another attention module (a block shared "
-                         "across layers, or stacks that number their layers alike); their KV would overwrite each other")
+        layer_idx = layers[id(m)]
         unknown = sorted(k for k, v in call.kwargs.items()
                          if k not in HONOURED_KWARGS + INERT_KWARGS and v is not None)
         if unknown:
@@ -428,7 +434,50 @@ def _layout(model: torch.nn.Module, probe: _Probe, what: str, sparse: bool = Fal
     if ids != list(range(len(by_layer))) and not sparse:
         raise refuse(what, "its attention layers", f"layer_idx values {ids} are not 0..{len(by_layer) - 1}")
     layer_ids = None if ids == list(range(len(ids))) else tuple(ids)
-    return KVLayout(tuple(by_layer[i] for i in ids), layer_ids, stateless_ok=sparse), list(configs.values())
+    tagged = tuple((names[id(m)], layers[id(m)]) for m in {id(c.module): c.module for c in probe.calls}.values()
+                   if layers[id(m)] != getattr(m, "layer_idx", None))
+    return KVLayout(tuple(by_layer[i] for i in ids), layer_ids, stateless_ok=sparse), list(configs.values()), tagged
+
+
+def _attention_layers(model: torch.nn.Module, probe: _Probe, what: str) -> dict[int, int]:
+    """id(module) -> the layer each attention module's KV is kept under: its ``layer_idx``, or, where that
+    does not tell it from the others (none, or another module's too), the one layer transformers' own
+    cache keeps its K and V under (a block shared across layers: Zamba2 builds one module per
+    application, weights tied, every one with layer_idx -1, and passes the depth to its forward)."""
+    names = _names(model)
+    modules = list({id(c.module): c.module for c in probe.calls}.values())
+    own = {id(m): getattr(m, "layer_idx", None) for m in modules}
+    named = [v for v in own.values() if isinstance(v, int) and not isinstance(v, bool)]
+    unnamed = [m for m in modules if own[id(m)] not in named or named.count(own[id(m)]) > 1]
+    if not unnamed:
+        return own
+    ids = torch.tensor([probe_token_ids(model, PROBE_TOKENS)], device=next(model.parameters()).device)
+    try:
+        kept, failed = attention_cache_layers(model, ids), ""
+    except Exception as e:  # noqa: BLE001 - no cache to tell them apart: said below
+        kept, failed = {}, f"a forward through its own cache failed ({type(e).__name__}: {e})"
+    layers = dict(own)
+    for m in unnamed:
+        got = sorted(kept.get(id(m), ()), key=lambda v: (not isinstance(v, int), v if isinstance(v, int) else 0))
+        if len(got) == 1 and isinstance(got[0], int) and not isinstance(got[0], bool):
+            layers[id(m)] = got[0]
+            continue
+        where = f"{names.get(id(m), '?')} ({type(m).__name__})"
+        why = failed or (f"transformers' own cache keeps its K and V under layers {got}" if got else
+                         "it writes no K and V to transformers' own cache")
+        if own[id(m)] not in named:
+            raise refuse(what, where, f"calls attention without a layer_idx, and {why}: it is not a per-layer "
+                         "attention over the sequence's tokens (e.g. attention over earlier layers' outputs)")
+        raise refuse(what, where, f"has the layer_idx ({own[id(m)]}) of another attention module (a block shared "
+                     f"across layers, or stacks that number their layers alike), and {why}; their KV would "
+                     "overwrite each other")
+    taken: dict[int, torch.nn.Module] = {}
+    for m in modules:
+        other = taken.setdefault(layers[id(m)], m)
+        if other is not m:
+            raise refuse(what, f"{names.get(id(m), '?')} ({type(m).__name__})", f"its KV would be kept as layer "
+                         f"{layers[id(m)]}'s, as {names.get(id(other), '?')}'s is; they would overwrite each other")
+    return layers
 
 
 def _mask_pattern(probe: _Probe, call: _Call, where: str, what: str, max_pos: int,

@@ -41,6 +41,8 @@ def ensure_attention_patched(model: torch.nn.Module) -> PatchState:
     for cfg in configs:
         attention.set_fallback(cfg, cfg._attn_implementation or original)
     model.set_attn_implementation(attention.NAME)
+    for path, layer in cap.attention_layers:  # each application of a shared block: the layer its KV is kept as
+        setattr(model.get_submodule(path), attention.LAYER_ATTR, layer)
     stuck = [cfg for cfg in cap.attention_configs if cfg._attn_implementation != attention.NAME]
     if stuck:  # a sub-model that refused the switch: put everything back and say so
         _restore(model, original, saved)
@@ -92,6 +94,8 @@ def unpatch(model: torch.nn.Module) -> torch.nn.Module:
 def _restore(model: torch.nn.Module, original: str, saved: list) -> None:
     """Every config's attention implementation exactly as it was before patch; no fallbacks left."""
     model.set_attn_implementation(original)
+    for m in model.modules():
+        m.__dict__.pop(attention.LAYER_ATTR, None)
     for cfg, impl in saved:
         cfg._attn_implementation_internal = impl
     for cfg in capability.configs_of(model):

@@ -66,6 +66,7 @@ TINY_SIZES: dict[str, Any] = dict(
     encoder_attention_heads=4, encoder_ffn_dim=128, ffn_dim=128, num_layers=4, num_heads=4, n_heads=4, n_layers=4,
     sliding_window=8, attention_chunk_size=8, use_sliding_window=True, max_window_layers=2, window_size=8,
     linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+    linear_head_dim=16, linear_num_heads=4,
     mamba_d_state=8, mamba_n_heads=4, mamba_d_head=16, mamba_expand=2, mamba_chunk_size=16, ssm_state_size=8,
     state_size=8, time_step_rank=8, mamba_dt_rank=8, mamba_num_heads=4, mamba_head_dim=16, n_groups=1,
     mamba_n_groups=1, index_head_dim=16, index_n_heads=2, index_topk=4,
@@ -247,14 +248,12 @@ def compare(reference: torch.nn.Module, prompts: list[list[int]], outputs: list[
 
 
 def incremental_logits(reference: torch.nn.Module, prompt: list[int], gen: list[int]) -> torch.Tensor:
-    """The logits transformers' generate computes for ``gen``, teacher-forced: the prompt with its own
-    cache, then one token at a time (positions given, as generate gives them)."""
-    from transformers import DynamicCache
-
-    cache = DynamicCache(config=reference.config)
+    """The logits transformers' generate computes for ``gen``, teacher-forced: the prompt with the cache
+    the model builds for itself (transformers' DynamicCache, or its own class: MiniMax's), then one
+    token at a time through it (positions given, as generate gives them)."""
     name = "cache" if "cache" in inspect.signature(reference.forward).parameters else "past_key_values"
-    rows = [reference(input_ids=torch.tensor([prompt]), position_ids=torch.arange(len(prompt))[None],
-                      **{name: cache}, use_cache=True).logits[0, -1]]
+    out = reference(input_ids=torch.tensor([prompt]), position_ids=torch.arange(len(prompt))[None], use_cache=True)
+    rows, cache = [out.logits[0, -1]], out[name]
     for i, tok in enumerate(gen[:-1]):
         rows.append(reference(input_ids=torch.tensor([[tok]]), position_ids=torch.tensor([[len(prompt) + i]]),
                               **{name: cache}, use_cache=True).logits[0, -1])
@@ -319,6 +318,7 @@ def _features(layout: Any, state: Any = None) -> str:
     notes = []
     if state is not None:
         chunks = "" if state.continues_chunks else ", prompts continued token by token"
+        chunks += "".join(f", decode through paged_hf's {k} kernel" for k in state.kernels)
         notes.append(f"state: {', '.join(state.kinds)} on {len(state.mixers)} layers{chunks}")
     if any(s.k_dim != s.v_dim for s in specs):
         s = next(s for s in specs if s.k_dim != s.v_dim)

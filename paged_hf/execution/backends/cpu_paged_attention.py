@@ -36,7 +36,9 @@ from ..kv_geometry import KVLayout
 from ..metadata import StepMetadata
 from .torch_backend import TorchBackend, _GroupPlan, _only_group, layer_window
 
-SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "paged_attention.cpp"
+# one library for paged_hf's CPU ops: this attention, and the gated delta rule of hybrid models'
+# mixers (paged_hf/execution/mixer_kernels.py)
+SOURCES = [Path(__file__).resolve().parent.parent / "csrc" / name for name in ("paged_attention.cpp", "gated_delta.cpp")]
 OP_NAME = "paged_hf::paged_attention"
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -80,7 +82,7 @@ def compile_flags() -> list[str]:
 
 
 def _build_name(flags: list[str]) -> str:
-    h = hashlib.sha256(SOURCE.read_bytes())
+    h = hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES))
     h.update(torch.__version__.encode())
     h.update(" ".join(flags).encode())
     return f"paged_hf_attention_{h.hexdigest()[:12]}"
@@ -91,6 +93,10 @@ def _register_fake() -> None:
     def _fake(query, k_cache, v_cache, q_start, q_len, kv_len, kv_indptr, kv_indices, scale, sliding_window,
               softcap, out):
         return None  # writes `out` in place
+
+    @torch.library.register_fake("paged_hf::gated_delta_recurrent")
+    def _fake_gated_delta(q, k, v, g, beta, state, out, l2norm):
+        return None  # writes `state` and `out` in place
 
 
 def load(verbose: bool = False) -> bool:
@@ -119,7 +125,7 @@ def load(verbose: bool = False) -> bool:
 
 
 def _build_and_load(verbose: bool) -> None:
-    if hasattr(torch.ops.paged_hf, "paged_attention"):  # another copy already registered it
+    if hasattr(torch.ops.paged_hf, "gated_delta_recurrent"):  # another copy already registered them
         return
     from torch.utils import cpp_extension
 
@@ -133,7 +139,7 @@ def _build_and_load(verbose: bool) -> None:
         # while it compiles): load it without cpp_extension's import and ninja check (~2 s)
         torch.ops.load_library(str(so))
     else:
-        cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+        cpp_extension.load(name=name, sources=[str(s) for s in SOURCES], extra_cflags=flags, extra_ldflags=["-fopenmp"],
                            build_directory=str(build_dir), is_python_module=False, verbose=verbose)
     _state["path"] = str(so)
 

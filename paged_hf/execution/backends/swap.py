@@ -94,7 +94,7 @@ class SwapMixin:
         return getattr(self, "kv_slabs", None) or self.kv
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        if not copies:
+        if not copies or not self._distinct_kv:  # a model with no attention layer (pure SSM) keeps no KV
             return
         device = self.kv[0].device
         src = torch.tensor([s for s, _ in copies], device=device)
