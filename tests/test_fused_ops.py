@@ -115,3 +115,11 @@ def test_the_engine_finds_what_it_checked_and_leaves_the_model_as_it_was(family)
     assert not any("forward" in m.__dict__ for m in model.modules()), "a module kept a step's forward"
     module, name = found.rope_sites[0]
     assert "__wrapped__" not in vars(getattr(sys.modules[module], name)), "transformers' function is given back"
+
+
+def test_a_dtype_the_ops_do_not_take_is_left_to_the_modules():
+    model = make_tiny_model("llama").double()
+    engine = paged_hf.Engine(model)
+    assert engine.runner.fused_ops.describe() == "0 RMSNorms, 0 gated MLPs, 0 rotary functions"
+    out = engine.generate([[5, 6, 7]], paged_hf.SamplingParams(max_new_tokens=3, ignore_eos=True))[0]
+    assert out.error is None and len(out.token_ids) == 3

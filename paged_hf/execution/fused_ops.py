@@ -35,6 +35,7 @@ logger = logging.getLogger("paged_hf")
 ROPE_NAME = "apply_rotary_pos_emb"
 ROPE_PARAMS = ("q", "k", "cos", "sin")
 EPS_ATTRS = ("variance_epsilon", "eps")
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what the C++ ops take
 
 
 def available() -> bool:
@@ -51,14 +52,16 @@ class FusedOps:
         self.norms: list[tuple[torch.nn.Module, bool]] = []  # (module, gemma-style)
         self.mlps: list[torch.nn.Module] = []
         self.rope_sites: list[kernel_seams.Site] = []
+        if dtype not in DTYPES:
+            return
         for module in model.modules():
             if "forward" in module.__dict__:  # replaced by someone else: leave it to them
                 continue
             if _looks_like_rms_norm(module):
-                style = _norm_style(module, dtype)
+                style = _checked(_norm_style, module, dtype)
                 if style is not None:
                     self.norms.append((module, style))
-            elif _looks_like_gated_mlp(module) and _mlp_matches(module, dtype):
+            elif _looks_like_gated_mlp(module) and _checked(_mlp_matches, module, dtype):
                 self.mlps.append(module)
         if head_dim is not None and head_dim % 2 == 0:
             sites = {site for m in model.modules() for site in kernel_seams.functions_named(m, ROPE_NAME, ROPE_PARAMS)}
@@ -82,6 +85,16 @@ class FusedOps:
             finally:
                 for module in installed:
                     del module.forward
+
+
+def _checked(check: Callable, module: torch.nn.Module, dtype: torch.dtype) -> Any:
+    """``check(module, dtype)``, or None where the module's own code raised on the check's input
+    (its own code serves it then)."""
+    try:
+        return check(module, dtype)
+    except Exception as e:  # noqa: BLE001
+        logger.debug("paged_hf: %s is left to its own code: %s: %s", type(module).__name__, type(e).__name__, e)
+        return None
 
 
 # ---- RMSNorm ----------------------------------------------------------------------------------
