@@ -53,6 +53,9 @@ class EngineConfig:
     cpu_packed_weights: bool = True
     # with packed weights: linears called on the same input (q/k/v, gate/up) run as one GEMM, same results
     cpu_fused_projections: bool = True
+    # on a CPU: RMSNorm, SiLU-and-multiply and rotary embedding as one C++ op each, where checked on the
+    # model to give its modules' outputs (paged_hf/execution/fused_ops.py)
+    cpu_fused_ops: bool = True
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -83,7 +86,7 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs={self.max_num_seqs} exceeds max_num_batched_tokens="
                              f"{self.max_num_batched_tokens}: decodes need one token of budget each")
         for name in ("enable_prefix_caching", "use_cuda_graphs", "cpu_packed_weights", "keep_every_kv_block",
-                     "cpu_fused_projections"):
+                     "cpu_fused_projections", "cpu_fused_ops"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r}, must be True or False")
         if self.backend not in ("auto", "torch", "flashinfer"):

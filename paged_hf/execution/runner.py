@@ -13,7 +13,7 @@ import torch
 
 from ..config import EngineConfig
 from ..requests.request import Request
-from . import cpu_linear
+from . import cpu_linear, fused_ops
 from .attention import active_backend
 from .backends import select_backend
 from .cuda_graphs import DecodeAccelerator, wants_decode_accelerator
@@ -93,6 +93,10 @@ class ModelRunner:
         self.asleep = False
         self._allocate()
         # bf16 on a CPU: the linear layers use weights packed once for oneDNN (paged_hf/execution/cpu_linear.py)
+        self.fused_ops = None
+        if config.cpu_fused_ops and self.device.type == "cpu" and fused_ops.available():
+            with eval_modes(model):  # checked as the steps run them
+                self.fused_ops = fused_ops.FusedOps(model, self.dtype, layout.layers[0].k_dim if layout.layers else None)
         packs = config.cpu_packed_weights and self.decode is None and cpu_linear.supported(self.dtype, self.device)
         self.packed = cpu_linear.PackedLinears(model, fuse=config.cpu_fused_projections) if packs else None
         if self.packed is not None:
@@ -165,7 +169,8 @@ class ModelRunner:
                                    [req.state_slot for req, _ in scheduled], self.device,
                                    [req.pending_checkpoints for req, _ in scheduled])
             mixers = self.mixers.active(plan)
-        with active_backend(self.backend), (self.packed.active() if self.packed else contextlib.nullcontext()), mixers:
+        with active_backend(self.backend), (self.packed.active() if self.packed else contextlib.nullcontext()), \
+                (self.fused_ops.active() if self.fused_ops else contextlib.nullcontext()), mixers:
             out = self.model(input_ids=meta.input_ids[None], position_ids=meta.positions[None],
                              use_cache=False, logits_to_keep=meta.logits_indices)
         logits = out.logits[0]

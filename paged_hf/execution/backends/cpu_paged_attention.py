@@ -36,9 +36,10 @@ from ..kv_geometry import KVLayout
 from ..metadata import StepMetadata
 from .torch_backend import TorchBackend, _GroupPlan, _only_group, layer_window
 
-# one library for paged_hf's CPU ops: this attention, and the gated delta rule of hybrid models'
-# mixers (paged_hf/execution/mixer_kernels.py)
-SOURCES = [Path(__file__).resolve().parent.parent / "csrc" / name for name in ("paged_attention.cpp", "gated_delta.cpp")]
+# one library for paged_hf's CPU ops: this attention, the gated delta rule of hybrid models' mixers
+# (paged_hf/execution/mixer_kernels.py) and the fused element-wise ops (paged_hf/execution/fused_ops.py)
+SOURCES = [Path(__file__).resolve().parent.parent / "csrc" / name
+           for name in ("paged_attention.cpp", "gated_delta.cpp", "fused_ops.cpp")]
 OP_NAME = "paged_hf::paged_attention"
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -67,7 +68,9 @@ def _cpu_flags() -> set[str]:
 
 def compile_flags() -> list[str]:
     """at::vec's widest path this CPU runs (AVX-512, AVX2, or its portable default)."""
-    flags = ["-O3", "-DNDEBUG", "-fopenmp", "-fvisibility=hidden", "-fvisibility-inlines-hidden"]
+    # -ffp-contract=off: a multiply and an add stay two roundings unless the code asks for an fma
+    # (the fused element-wise ops reproduce transformers' roundings step by step)
+    flags = ["-O3", "-DNDEBUG", "-fopenmp", "-fvisibility=hidden", "-fvisibility-inlines-hidden", "-ffp-contract=off"]
     cpu = _cpu_flags()
     import platform
     if platform.machine() in ("x86_64", "AMD64"):
@@ -98,6 +101,9 @@ def _register_fake() -> None:
     def _fake_gated_delta(q, k, v, g, beta, state, out, l2norm):
         return None  # writes `state` and `out` in place
 
+    for name in ("rms_norm", "silu_and_mul", "rotary"):  # each writes its last argument in place
+        torch.library.register_fake(f"paged_hf::{name}")(lambda *args: None)
+
 
 def load(verbose: bool = False) -> bool:
     """Build (first time) and load the op; True when it is usable. A failure warns once and is remembered."""
@@ -125,7 +131,7 @@ def load(verbose: bool = False) -> bool:
 
 
 def _build_and_load(verbose: bool) -> None:
-    if hasattr(torch.ops.paged_hf, "gated_delta_recurrent"):  # another copy already registered them
+    if hasattr(torch.ops.paged_hf, "rotary"):  # another copy already registered them
         return
     from torch.utils import cpp_extension
 

@@ -1,0 +1,248 @@
+"""Fused element-wise ops on the CPU step: RMSNorm, a gated MLP's SiLU-and-multiply, rotary embedding.
+
+transformers' module code runs each of these as several small ops (an RMSNorm: a cast, pow, mean,
+add, rsqrt, mul, a cast back and the weight's mul, each a new tensor), and at decode sizes each op
+costs mostly its dispatch: together about a tenth of a CPU step. During engine steps on a CPU,
+paged_hf's C++ ops (paged_hf/execution/csrc/fused_ops.cpp) stand in for them, one pass each:
+  - an RMSNorm module (a ``*RMSNorm`` class with a 1-D weight and an epsilon) runs
+    ``paged_hf::rms_norm``, llama-style or gemma-style (``1 + weight``, in fp32), whichever gives
+    the module's own outputs;
+  - a gated MLP (``gate_proj``, ``up_proj``, ``down_proj``, SiLU) runs its own three linears (so the
+    fused gate/up GEMM still applies) around ``paged_hf::silu_and_mul``;
+  - the ``apply_rotary_pos_emb`` of the attention modules' modeling files (transformers' kernel
+    seam for rotary embeddings) answers with ``paged_hf::rotary`` for the full-width, one-batch,
+    ``unsqueeze_dim=1`` calls, and with the original for any other (paged_hf/execution/kernel_seams.py).
+Each is used only where it was checked when the engine was built, on the model itself: the
+module's (or function's) own output against the fused op's on random inputs of the model's
+shapes and dtype, equal within one rounding of the dtype (bf16: bit-identical in practice; fp32:
+the order of one sum). Outside a step the modules are untouched. ``cpu_fused_ops=False`` turns it off.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+import inspect
+import logging
+from typing import Any, Callable, Iterator
+
+import torch
+
+from . import kernel_seams
+
+logger = logging.getLogger("paged_hf")
+
+ROPE_NAME = "apply_rotary_pos_emb"
+ROPE_PARAMS = ("q", "k", "cos", "sin")
+EPS_ATTRS = ("variance_epsilon", "eps")
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what the C++ ops take
+
+
+def available() -> bool:
+    from .backends import cpu_paged_attention
+    return cpu_paged_attention.load()
+
+
+class FusedOps:
+    """The model's RMSNorms, gated MLPs and rotary-embedding functions that the fused ops serve,
+    checked on the model when built (``head_dim``: the attention layers' width, for the rotary check)."""
+
+    def __init__(self, model: torch.nn.Module, dtype: torch.dtype, head_dim: int | None) -> None:
+        self.dtype = dtype
+        self.norms: list[tuple[torch.nn.Module, bool]] = []  # (module, gemma-style)
+        self.mlps: list[torch.nn.Module] = []
+        self.rope_sites: list[kernel_seams.Site] = []
+        if dtype not in DTYPES:
+            return
+        for module in model.modules():
+            if "forward" in module.__dict__:  # replaced by someone else: leave it to them
+                continue
+            if _looks_like_rms_norm(module):
+                style = _checked(_norm_style, module, dtype)
+                if style is not None:
+                    self.norms.append((module, style))
+            elif _looks_like_gated_mlp(module) and _checked(_mlp_matches, module, dtype):
+                self.mlps.append(module)
+        if head_dim is not None and head_dim % 2 == 0:
+            sites = {site for m in model.modules() for site in kernel_seams.functions_named(m, ROPE_NAME, ROPE_PARAMS)}
+            self.rope_sites = sorted(site for site in sites if _rope_matches(site, dtype, head_dim))
+
+    def describe(self) -> str:
+        return f"{len(self.norms)} RMSNorms, {len(self.mlps)} gated MLPs, {len(self.rope_sites)} rotary functions"
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        installed = []
+        with kernel_seams.installed(self.rope_sites, _rope), kernel_seams.switch("rotary", True):
+            try:
+                for module, gemma in self.norms:
+                    module.forward = functools.partial(_norm_forward, module, gemma, self.dtype)
+                    installed.append(module)
+                for module in self.mlps:
+                    module.forward = functools.partial(_mlp_forward, module, self.dtype)
+                    installed.append(module)
+                yield
+            finally:
+                for module in installed:
+                    del module.forward
+
+
+def _checked(check: Callable, module: torch.nn.Module, dtype: torch.dtype) -> Any:
+    """``check(module, dtype)``, or None where the module's own code raised on the check's input
+    (its own code serves it then)."""
+    try:
+        return check(module, dtype)
+    except Exception as e:  # noqa: BLE001
+        logger.debug("paged_hf: %s is left to its own code: %s: %s", type(module).__name__, type(e).__name__, e)
+        return None
+
+
+# ---- RMSNorm ----------------------------------------------------------------------------------
+def _eps(module: torch.nn.Module) -> float | None:
+    for name in EPS_ATTRS:
+        value = getattr(module, name, None)
+        if isinstance(value, float):
+            return value
+    return None
+
+
+def _one_input(module: torch.nn.Module) -> bool:
+    try:
+        params = list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    return len(params) == 1 and params[0].kind in (params[0].POSITIONAL_ONLY, params[0].POSITIONAL_OR_KEYWORD)
+
+
+def _looks_like_rms_norm(module: torch.nn.Module) -> bool:
+    weight = getattr(module, "weight", None)
+    return (type(module).__name__.lower().endswith("rmsnorm") and isinstance(weight, torch.nn.Parameter)
+            and weight.dim() == 1 and _eps(module) is not None and _one_input(module))
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool) -> torch.Tensor:
+    rows = x.reshape(-1, x.shape[-1])
+    out = torch.empty(rows.shape, dtype=x.dtype)
+    torch.ops.paged_hf.rms_norm(rows, weight, eps, gemma, out)
+    return out.view(x.shape)
+
+
+def _norm_forward(module: torch.nn.Module, gemma: bool, dtype: torch.dtype, hidden_states: torch.Tensor
+                  ) -> torch.Tensor:
+    weight = module.weight
+    if (hidden_states.dtype != dtype or hidden_states.device.type != "cpu" or hidden_states.stride(-1) != 1
+            or (not gemma and weight.dtype != dtype)):
+        return type(module).forward(module, hidden_states)
+    return _rms_norm(hidden_states, weight.detach(), _eps(module), gemma)
+
+
+def _norm_style(module: torch.nn.Module, dtype: torch.dtype) -> bool | None:
+    """gemma-style (True), llama-style (False) or neither (None): which gives the module's outputs,
+    with its own weight and with a random one (a weight of ones, as at init, would let ``2x`` pass
+    for gemma-style's ``(1 + w) x``)."""
+    weight = module.weight
+    if weight.device.type != "cpu" or not weight.dtype.is_floating_point:
+        return None
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(11, weight.shape[0], generator=g) * 3).to(dtype)
+    x[0] *= 1e-3  # a small row and a large one
+    x[1] *= 50
+    other = copy.deepcopy(module)
+    with torch.no_grad():
+        other.weight.copy_(torch.randn(weight.shape, generator=g))
+        for gemma in (False, True):
+            if not gemma and weight.dtype != dtype:
+                continue
+            if all(_close(_rms_norm(x, m.weight.detach(), _eps(m), gemma), type(m).forward(m, x)) for m in (module, other)):
+                return gemma
+    return None
+
+
+# ---- gated MLP ----------------------------------------------------------------------------------
+def _looks_like_gated_mlp(module: torch.nn.Module) -> bool:
+    return (all(isinstance(getattr(module, n, None), torch.nn.Linear) for n in ("gate_proj", "up_proj", "down_proj"))
+            and isinstance(getattr(module, "act_fn", None), torch.nn.Module) and _one_input(module))
+
+
+def _silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    gate, up = (t if t.stride(-1) == 1 else t.contiguous() for t in (gate, up))
+    width = gate.shape[-1]
+    out = torch.empty(gate.shape, dtype=gate.dtype)
+    torch.ops.paged_hf.silu_and_mul(gate.reshape(-1, width), up.reshape(-1, width), out.view(-1, width))
+    return out
+
+
+def _mlp_forward(module: torch.nn.Module, dtype: torch.dtype, x: torch.Tensor) -> torch.Tensor:
+    if x.dtype != dtype or x.device.type != "cpu":
+        return type(module).forward(module, x)
+    return module.down_proj(_silu_and_mul(module.gate_proj(x), module.up_proj(x)))
+
+
+def _mlp_matches(module: torch.nn.Module, dtype: torch.dtype) -> bool:
+    linear = module.gate_proj
+    if linear.weight.device.type != "cpu" or linear.weight.dtype != dtype:
+        return False
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(1, 5, linear.in_features, generator=g).to(dtype)
+    with torch.no_grad():
+        expected = type(module).forward(module, x)
+        return expected.shape == (1, 5, module.down_proj.out_features) and _close(_mlp_forward(module, dtype, x),
+                                                                                   expected)
+
+
+# ---- rotary embedding ---------------------------------------------------------------------------
+def _rope(original: Callable) -> Callable:
+    def apply_rotary_pos_emb(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                             *args: Any, **kwargs: Any) -> Any:
+        if not (kernel_seams.setting("rotary") and not args and kwargs.get("unsqueeze_dim", 1) == 1
+                and set(kwargs) <= {"unsqueeze_dim"} and _rope_fits(q, k, cos, sin)):
+            return original(q, k, cos, sin, *args, **kwargs)
+        q_out, k_out = torch.empty_like(q), torch.empty_like(k)
+        torch.ops.paged_hf.rotary(q, cos, sin, q_out)
+        torch.ops.paged_hf.rotary(k, cos, sin, k_out)
+        return q_out, k_out
+    apply_rotary_pos_emb.__wrapped__ = original
+    return apply_rotary_pos_emb
+
+
+def _rope_fits(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    tensors = (q, k, cos, sin)
+    if any(not isinstance(t, torch.Tensor) or t.device.type != "cpu" or t.dtype != q.dtype or t.stride(-1) != 1
+           for t in tensors):
+        return False
+    if q.dim() != 4 or k.dim() != 4 or cos.dim() != 3 or cos.shape != sin.shape:
+        return False
+    b, _, length, width = q.shape
+    return (k.shape[0] == b and k.shape[2:] == q.shape[2:] and tuple(cos.shape) == (b, length, width)
+            and width % 2 == 0 and q.dtype in (torch.float32, torch.bfloat16, torch.float16))
+
+
+def _rope_matches(site: kernel_seams.Site, dtype: torch.dtype, head_dim: int) -> bool:
+    """The function at ``site`` gives the fused op's outputs on inputs shaped as the engine's
+    (q and k transposed views of [1, T, heads, D], cos and sin [1, T, D])."""
+    import sys
+
+    original = getattr(sys.modules[site[0]], site[1])
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(1, 7, 4, head_dim, generator=g).to(dtype).transpose(1, 2)
+    k = torch.randn(1, 7, 2, head_dim, generator=g).to(dtype).transpose(1, 2)
+    cos, sin = (torch.randn(1, 7, head_dim, generator=g).to(dtype) for _ in range(2))
+    try:
+        with torch.no_grad():
+            expected = original(q, k, cos, sin)
+            with kernel_seams.switch("rotary", True):
+                got = _rope(original)(q, k, cos, sin)
+    except Exception as e:  # noqa: BLE001 - another signature or math: its own code serves it
+        logger.debug("paged_hf: %s.%s is not served by the fused rotary op: %s", *site, e)
+        return False
+    return (isinstance(expected, tuple) and len(expected) == 2
+            and all(isinstance(e, torch.Tensor) and _close(a, e) for a, e in zip(got, expected)))
+
+
+def _close(got: torch.Tensor, expected: torch.Tensor) -> bool:
+    """Equal within one rounding of the dtype (an fp32 sum in another order, an exp's last bit)."""
+    if got.shape != expected.shape or got.dtype != expected.dtype:
+        return False
+    if expected.dtype == torch.float32:  # relative to the largest value: sums of rounded terms
+        return float((got - expected).abs().max()) <= 1e-5 * float(expected.abs().max().clamp(min=1e-30))
+    return torch.allclose(got.float(), expected.float(), rtol=2 * torch.finfo(expected.dtype).eps, atol=1e-6)
