@@ -60,6 +60,8 @@ for _name, _cfg in {"packed weights off": {"cpu_packed_weights": False},
                     "budget 2048": {"max_num_batched_tokens": 2048},
                     "budget 2048 no cap": {"max_num_batched_tokens": 2048,
                                                     "max_prefill_tokens_while_decoding": None},
+                    "budget 4096 no cap": {"max_num_batched_tokens": 4096,
+                                           "max_prefill_tokens_while_decoding": None},
                     "budget 1024 no cap": {"max_num_batched_tokens": 1024,
                                                     "max_prefill_tokens_while_decoding": None}}.items():
     VARIANTS[_name] = dict(group_padding=torch_backend.GROUP_PADDING_TOKENS, config=_cfg)

@@ -556,3 +556,25 @@ def test_the_prefill_cap_default_follows_the_device():
     assert cfg.max_prefill_tokens_while_decoding is None
     with pytest.raises(ValueError, match="'auto', None or an integer"):
         EngineConfig(max_prefill_tokens_while_decoding="fast")
+
+
+def test_a_batch_call_lifts_the_auto_prefill_cap_and_streaming_keeps_it():
+    """With the cap on "auto" (128 on a CPU), a blocking ``generate`` lets a prompt chunk take the
+    whole step budget while others decode (only the call's total time counts); with ``on_token``,
+    stepping by hand, or a cap set explicitly, a decode waits for at most 128 prompt tokens. The
+    tokens are the same either way."""
+    model = make_tiny_model("llama")
+    prompts = tiny_prompts(model.config.vocab_size, 3, 300, seed=1)
+    params = paged_hf.SamplingParams(max_new_tokens=4, ignore_eos=True)
+
+    def second_step(run, **options):  # step 1 prefills 512 tokens; step 2 has a decode beside prefill
+        engine = paged_hf.Engine(model, **options)
+        outs = run(engine)
+        return engine._stats.step_log[1]["tokens"], [o.token_ids for o in outs]
+
+    batch, tokens = second_step(lambda e: e.generate(prompts, params))
+    streamed, streamed_tokens = second_step(lambda e: e.generate(prompts, params, on_token=lambda *_: None))
+    explicit, explicit_tokens = second_step(lambda e: e.generate(prompts, params),
+                                            max_prefill_tokens_while_decoding=128)
+    assert batch > 129 and streamed <= 129 and explicit <= 129, (batch, streamed, explicit)
+    assert tokens == streamed_tokens == explicit_tokens

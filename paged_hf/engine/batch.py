@@ -6,8 +6,9 @@ submitted before raising. ``BatchCalls`` is a part of ``Engine`` (paged_hf/engin
 """
 from __future__ import annotations
 
+import contextlib
 import logging
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -101,6 +102,26 @@ class BatchCalls:
         """
         roots = [self._root(rid) for rid in request_ids]
         self.check_weights(rescan=True)
+        with contextlib.nullcontext() if on_token is not None else self.batch_call():
+            return self._run(roots, on_token, progress)
+
+    @contextlib.contextmanager
+    def batch_call(self) -> Iterator[None]:
+        """The scheduler's policy for a blocking batch call, where nobody watches tokens arrive and
+        only the whole call's time counts: with ``max_prefill_tokens_while_decoding="auto"``, prompt
+        chunks are not capped while others decode (1.2x on W-mixed; a decode may wait for a whole
+        step budget of prefill). ``generate``, ``score`` and ``score_rolling`` (and so
+        ``generate_dataset``, the lm-eval backend, a patched ``generate`` without a streamer) run in
+        it; a background engine, ``on_token`` callbacks and stepping by hand keep the cap."""
+        before = self.scheduler.batch_call
+        self.scheduler.batch_call = True
+        try:
+            yield
+        finally:
+            self.scheduler.batch_call = before
+
+    def _run(self, roots: list[Request], on_token: Callable[[str, int], None] | None, progress: bool
+             ) -> list[RequestOutput]:
         open_roots = {root for root in roots if not root.group_finished}
         bar = _progress(len(roots)) if progress else None
         if bar is not None:

@@ -68,6 +68,7 @@ class Engine(Admission, StepLoop, OutputAssembly, BatchCalls):
                              "or call paged_hf.patch(model) first")
         self.layout = state.layout
         self.model = model
+        auto_prefill_cap = self.config.max_prefill_tokens_while_decoding == "auto"
         self.config.resolve_for(next(model.parameters()).device)
         self.tokenizer = tokenizer
         self.max_model_len = within_limits(self.config, max_model_len_for(model, self.config.max_model_len), state.limits)
@@ -92,6 +93,7 @@ class Engine(Admission, StepLoop, OutputAssembly, BatchCalls):
         self.scheduler = Scheduler(self.kv, self.config.max_num_batched_tokens, self.config.max_num_seqs,
                                    self.config.preemption_mode, self.config.max_prefill_tokens_while_decoding,
                                    continues_chunks=self.state_layout is None or self.state_layout.continues_chunks)
+        self.scheduler.lift_cap_in_batch_calls = auto_prefill_cap
         self.runner = ModelRunner(model, self.config, num_blocks, self.layout, self.state_layout,
                                   slots.total if slots is not None else 0, groups=self.groups)
         # requests by id until collected or aborted; samples 1..n-1 of n > 1 live on their root

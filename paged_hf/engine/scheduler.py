@@ -54,6 +54,9 @@ class Scheduler:
         # prefill tokens a step may carry next to running decodes (None: whatever budget they leave);
         # a long prompt's chunks then cost each decode a little latency per step, not a long stall
         self.max_prefill_tokens_while_decoding = max_prefill_tokens_while_decoding
+        # a blocking batch call runs (``Engine.batch_call``) and the cap was "auto": no cap meanwhile
+        self.batch_call = False
+        self.lift_cap_in_batch_calls = False
         self.continues_chunks = continues_chunks
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order; the tail is preempted first
@@ -184,7 +187,7 @@ class Scheduler:
         return n
 
     def _prefill_room(self, budget: int, decoding: bool) -> int:
-        cap = self.max_prefill_tokens_while_decoding
+        cap = None if self.batch_call and self.lift_cap_in_batch_calls else self.max_prefill_tokens_while_decoding
         return budget if cap is None or not decoding else min(budget, cap)
 
     def _blocks_in_flight(self, chosen: dict[Request, int]) -> set:
