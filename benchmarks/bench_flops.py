@@ -12,7 +12,9 @@ once. Embedding lookups, norms, RoPE and activations are left out (a few % of th
 The ceiling is the sustained GEMM rate at the model's own layer shapes, measured in the same
 run and dtype: ``torch.matmul([m, in] x [in, out])`` over the q/k/v/o/gate/up/down shapes of one
 block, for m in {32, 128, 512} rows; the best of those is the ceiling (lm_head is timed and
-reported too). ``utilisation = needed FLOPs / wall / ceiling`` and ``floor = needed FLOPs /
+reported too). bf16 on a CPU with no bf16 matmul (AVX2; AVX-512 without its bf16 extension), where
+torch's bf16 matmul runs at a fifth of fp32's: the fastest way there is to bf16 results, oneDNN's fp32
+matmul on packed fp32 copies of the weights with bf16 in and out (what paged_hf runs there). ``utilisation = needed FLOPs / wall / ceiling`` and ``floor = needed FLOPs /
 ceiling`` is the time a system would take if it did nothing but the needed GEMMs at that rate.
 """
 from __future__ import annotations
@@ -78,13 +80,27 @@ def needed_work(w: Workload, geo: Geometry) -> dict:
             "flops": linear + head + attn}
 
 
+def fp32_for_bf16() -> bool:
+    """Whether bf16 GEMMs here are fastest as fp32 ones (a CPU whose oneDNN has no bf16 matmul)."""
+    return not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def _matmul(w: torch.Tensor):
+    """x @ w the fastest way to w's dtype (see the module docstring)."""
+    if w.dtype == torch.bfloat16 and fp32_for_bf16():
+        packed = torch.ops.mkldnn._reorder_linear_weight(w.t().float().contiguous(), 64)
+        return lambda x: torch.ops.mkldnn._linear_pointwise(x.float(), packed, None, "none", [], "").bfloat16()
+    return lambda x: torch.matmul(x, w)
+
+
 def _time_matmul(x: torch.Tensor, w: torch.Tensor, min_time: float, repeats: int) -> float:
     """Median seconds per call of x @ w over ``repeats`` timed runs of >= min_time each."""
+    mm = _matmul(w)
     for _ in range(2):
-        torch.matmul(x, w)
+        mm(x)
     t0, n = time.perf_counter(), 0
     while time.perf_counter() - t0 < min_time / 4:
-        torch.matmul(x, w)
+        mm(x)
         n += 1
     per = (time.perf_counter() - t0) / n
     iters = max(1, int(min_time / max(per, 1e-9)))
@@ -92,7 +108,7 @@ def _time_matmul(x: torch.Tensor, w: torch.Tensor, min_time: float, repeats: int
     for _ in range(repeats):
         t0 = time.perf_counter()
         for _ in range(iters):
-            torch.matmul(x, w)
+            mm(x)
         samples.append((time.perf_counter() - t0) / iters)
     return statistics.median(samples)
 
@@ -118,5 +134,6 @@ def matmul_ceiling(geo: Geometry, dtype: torch.dtype, rows: tuple[int, ...] = (3
     best = max(per_m, key=per_m.get)
     return {"dtype": str(dtype).removeprefix("torch."), "gflops": per_m[best], "best_rows": best,
             "layer_gflops_by_rows": per_m, "lm_head_gflops_by_rows": lm_head,
-            "method": "torch.matmul [m, in] x [in, out] at q/k/v/o/gate/up/down shapes, median of "
-                      f"{repeats} runs; ceiling = best m"}
+            "method": ("oneDNN fp32 on packed fp32 weights, bf16 in and out (no bf16 matmul on this CPU)"
+                       if dtype == torch.bfloat16 and fp32_for_bf16() else "torch.matmul [m, in] x [in, out]")
+                      + f" at q/k/v/o/gate/up/down shapes, median of {repeats} runs; ceiling = best m"}

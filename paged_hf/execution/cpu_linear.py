@@ -1,49 +1,88 @@
-"""Prepacked oneDNN weights for the model's linear layers, during engine steps on a CPU (bf16).
+"""Packed weights for the model's linear layers, during engine steps on a CPU.
 
-A bf16 ``F.linear`` on a CPU already runs oneDNN's matmul, but it reorders the weight into
-oneDNN's blocked layout on every call. For the few rows of a decode step that reorder is a large
-part of the call (SmolLM2-135M, 1 thread: a 1536x576 weight at 8 rows 0.44 -> 0.23 ms, at 64
-rows 1.29 -> 1.10 ms; the lm_head at 8 rows 19 -> 10 ms). ``PackedLinears`` reorders each
-weight once (``torch.ops.mkldnn._reorder_linear_weight``, what inductor's freezing does) and,
-for the duration of one engine forward only, points each ``nn.Linear`` at
-``torch.ops.mkldnn._linear_pointwise`` over that copy: the same oneDNN kernel on the same
-blocked weight, so the results are bit-identical to ``F.linear`` (checked here once per
-process and in tests/test_cpu_linear.py). Outside a step the model is untouched; ``unpatch``
-has nothing to undo.
+bf16 models, two ways, by what the CPU's oneDNN can do (``mode``):
 
-Fused projections: linears that one forward calls on the same input tensor (an attention block's
-q, k and v; a gated MLP's gate and up), found by one probe forward when the engine is built, run as
-one GEMM over their concatenated packed weights; the first of them called on an input computes
-all of them, the others take their slice (fewer, wider GEMMs at decode batch sizes). A group is
-fused only where the fused GEMM gives each module's own packed result bit for bit (checked when it
-is packed); the modules' parameters are untouched.
+- ``"onednn"`` (AVX-512 bf16 / AMX): a bf16 ``F.linear`` already runs oneDNN's matmul, but it
+  reorders the weight into oneDNN's blocked layout on every call. For the few rows of a decode step
+  that reorder is a large part of the call (SmolLM2-135M, 1 thread: a 1536x576 weight at 8 rows
+  0.44 -> 0.23 ms, at 64 rows 1.29 -> 1.10 ms; the lm_head at 8 rows 19 -> 10 ms). Each weight is
+  reordered once (``torch.ops.mkldnn._reorder_linear_weight``, what inductor's freezing does) and
+  each ``nn.Linear`` points at ``torch.ops.mkldnn._linear_pointwise`` over that copy: the same
+  oneDNN kernel on the same blocked weight, so the results are ``F.linear``'s bit for bit (checked
+  once per process and in tests/test_cpu_linear.py).
+- ``"fp32"`` (a CPU with no bf16 matmul: AVX2, AVX-512 without its bf16 extension): there torch's
+  bf16 matmul runs at a fifth of its fp32 one or less (AMD EPYC Zen 3, 2 threads, 3072x576 at 32
+  rows: 14 GFLOP/s against 119 for oneDNN's fp32 matmul on a packed weight;
+  benchmarks/bench_cpu_linear.py). Each weight gets an fp32 copy packed for oneDNN and the layer
+  runs in fp32, its output rounded to bf16 once: products and sums are fp32 either way (a product
+  of two bf16 values is exact in fp32), only the order of the sums differs, so each output is
+  ``F.linear``'s or the bf16 value next to it (about 1 in 10,000 differs here; checked once per
+  process: ``within_a_rounding``). Faster from 2 rows on for every weight measured, level at one row.
 
-Costs and limits: one packed copy of each weight (the model's linear weights again in memory),
-made on the first step and made again when the weights change (the engine drops the copies
-whenever it resets its prefix cache: a weight update it sees, or ``reset_prefix_cache``).
-Inputs the packed path might compute differently (not contiguous, another dtype) and modules
-whose ``forward`` was replaced go through the module as usual.
+fp32 models: ``"fp32"`` too. torch's fp32 ``F.linear`` runs MKL's sgemm, which packs the weight
+on every call: oneDNN's fp32 matmul on a weight packed once is 1.2-2.9x faster at decode sizes (Zen
+3, 2 threads; 3072x576 at 8 rows 41 -> 90 GFLOP/s). The same products summed in another order:
+within fp32 rounding of ``F.linear`` (checked once per process), and a row's result does not
+depend on the rows beside it (MKL's does, below 16 rows).
+
+Fused projections (both ways): linears that one forward calls on the same input tensor (an
+attention block's q, k and v; a gated MLP's gate and up), found by one probe forward when the
+engine is built, run as one GEMM over their concatenated packed weights; the first of them called
+on an input computes all of them, the others take their slice (fewer, wider GEMMs at decode batch
+sizes). A group is fused only where the fused GEMM gives each module's own packed result bit for
+bit (checked when it is packed); the modules' parameters are untouched.
+
+Costs and limits: one packed copy of each weight (the model's linear weights again in memory,
+twice over for a bf16 model's fp32 copies), made on the first step and made again when the weights change (the engine drops
+the copies whenever it resets its prefix cache: a weight update it sees, or
+``reset_prefix_cache``). Inputs the packed path might compute differently (not contiguous, another
+dtype) and modules whose ``forward`` was replaced go through the module as usual. Outside a step
+the model is untouched; ``unpatch`` has nothing to undo. ``cpu_packed_weights=False`` keeps
+``F.linear`` everywhere; ``"onednn"`` or ``"fp32"`` asks for one way (``"fp32"`` runs on any CPU).
 """
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from typing import Iterator
 
 import torch
 import torch.nn.functional as F
 
-_EXACT: dict[str, bool] = {}
+logger = logging.getLogger("paged_hf")
+
+ONEDNN, FP32 = "onednn", "fp32"
+MODES = (ONEDNN, FP32)
+_CHECKED: dict[str, bool] = {}
+
+
+def mode(dtype: torch.dtype, device: torch.device, wanted: bool | str = True) -> str | None:
+    """How this model's linears are packed (``wanted``: ``cpu_packed_weights``). bf16: ``"onednn"`` where
+    this CPU's oneDNN does bf16 and gives ``F.linear``'s results exactly, else ``"fp32"`` where that gives
+    them within one bf16 rounding; fp32: ``"fp32"`` where oneDNN's fp32 matmul gives ``F.linear``'s results
+    within fp32 rounding (each checked once per process). None for other dtypes and devices, or when
+    turned off (``wanted=False``, ``PAGED_HF_PACKED_LINEAR=0``). Asking for ``"onednn"`` where it cannot
+    serve (no bf16 matmul here, or an fp32 model) raises."""
+    if wanted is False or dtype not in (torch.bfloat16, torch.float32) or device.type != "cpu" \
+            or os.environ.get("PAGED_HF_PACKED_LINEAR", "1") == "0":
+        return None
+    if dtype == torch.float32:
+        if wanted == ONEDNN:
+            raise ValueError("cpu_packed_weights='onednn' is oneDNN's bf16 matmul, and this model is fp32; "
+                             "use True or 'fp32'")
+        return FP32 if _checked(FP32, dtype) else None
+    if wanted != FP32 and _checked(ONEDNN, dtype):
+        return ONEDNN
+    if wanted == ONEDNN:
+        raise ValueError("cpu_packed_weights='onednn': this CPU's oneDNN has no bf16 matmul that gives F.linear's "
+                         "results (no AVX-512 bf16 or AMX); use True (the fp32 way here) or 'fp32'")
+    return FP32 if _checked(FP32, dtype) else None
 
 
 def supported(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether packed weights can serve this model: bf16 on a CPU whose oneDNN does bf16, and
-    the packed op gives exactly ``F.linear``'s results here (checked once per process)."""
-    if dtype != torch.bfloat16 or device.type != "cpu" or os.environ.get("PAGED_HF_PACKED_LINEAR", "1") == "0":
-        return False
-    if "bf16" not in _EXACT:
-        _EXACT["bf16"] = _check_exact()
-    return _EXACT["bf16"]
+    """Whether packed weights serve a model of this dtype on this device, one way or the other."""
+    return mode(dtype, device) is not None
 
 
 def affordable(nbytes: int) -> tuple[bool, str]:
@@ -59,26 +98,79 @@ def affordable(nbytes: int) -> tuple[bool, str]:
                    f"{available / 2**30:.1f} GiB of memory available")
 
 
-def _check_exact() -> bool:
+def _checked(how: str, dtype: torch.dtype) -> bool:
+    key = f"{how}/{dtype}"
+    if key not in _CHECKED:
+        _CHECKED[key] = _check(how, dtype)
+        if not _CHECKED[key]:
+            logger.debug("paged_hf: %s linears on %s weights do not give F.linear's results here", how, dtype)
+    return _CHECKED[key]
+
+
+def _check(how: str, dtype: torch.dtype) -> bool:
+    """The packed way against ``F.linear`` on random data of ``dtype``, at a few row counts, with and
+    without bias: equal (onednn), or apart by no more than another order of fp32 sums (fp32;
+    ``within_a_rounding``)."""
     try:
-        if not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+        if not torch.backends.mkldnn.is_available() or how == ONEDNN and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
             return False
         g = torch.Generator().manual_seed(0)
-        w = torch.randn(96, 64, generator=g).to(torch.bfloat16)
-        b = torch.randn(96, generator=g).to(torch.bfloat16)
-        packed = torch.ops.mkldnn._reorder_linear_weight(w, 8)
-        for rows in (1, 7, 40):
-            x = torch.randn(1, rows, 64, generator=g).to(torch.bfloat16)
-            for bias in (None, b):
-                if not torch.equal(_packed_linear(x, packed, bias), F.linear(x, w, bias)):
+        w = torch.randn(96, 64, generator=g).to(dtype)
+        b = torch.randn(96, generator=g).to(dtype)
+        for bias in (None, b):
+            weight = PackedWeight(how, [w], None if bias is None else [bias])
+            for rows in (1, 7, 40):
+                x = torch.randn(1, rows, 64, generator=g).to(dtype)
+                got, want = weight(x), F.linear(x, w, bias)
+                ok = torch.equal(got, want) if how == ONEDNN else within_a_rounding(got, want, x, w)
+                if got.dtype != dtype or not ok:
                     return False
         return True
     except (RuntimeError, AttributeError):  # no mkldnn ops in this torch build
         return False
 
 
-def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+def one_rounding_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Per element: bf16 ``a`` equals ``b`` or is the bf16 value next to it (one unit in the last place)."""
+    ia, ib = a.view(torch.int16).to(torch.int32), b.view(torch.int16).to(torch.int32)
+    # bf16 bit patterns as a monotone integer line: negatives mirrored below zero
+    ia = torch.where(ia < 0, -32768 - ia, ia)
+    ib = torch.where(ib < 0, -32768 - ib, ib)
+    return (ia - ib).abs() <= 1
+
+
+def within_a_rounding(got: torch.Tensor, want: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> bool:
+    """``got`` and ``want``, two results of ``x @ w.T`` (+ bias) summed in fp32 in different orders, part by
+    no more than that: each element one bf16 rounding apart (bf16), or by less than 1e-5 of the sum of
+    the magnitudes of its products (fp32's error for another order of the sum; near-zero results of
+    large products may part by more than a bf16 step)."""
+    order = 1e-5 * (x.abs().float() @ w.abs().float().T)
+    close = (got.float() - want.float()).abs() <= order
+    if got.dtype == torch.bfloat16:
+        close |= one_rounding_apart(got, want)
+    return bool(close.all())
+
+
+class PackedWeight:
+    """One GEMM's weight (a module's, or a sibling group's concatenated) packed for oneDNN as ``how``
+    computes it: bf16, or fp32 (a bf16 weight's fp32 copy, its output rounded to bf16)."""
+
+    def __init__(self, how: str, weights: list[torch.Tensor], biases: list[torch.Tensor] | None,
+                 batch_hint: int = 64) -> None:
+        self.how, self.dtype = how, weights[0].dtype
+        with torch.no_grad():
+            weight = weights[0].detach() if len(weights) == 1 else torch.cat([w.detach() for w in weights])
+            bias = None if biases is None else biases[0].detach() if len(biases) == 1 \
+                else torch.cat([b.detach() for b in biases])
+            if how == FP32:
+                weight, bias = weight.float(), None if bias is None else bias.float()
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint)
+        self.bias = bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.how == ONEDNN:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return torch.ops.mkldnn._linear_pointwise(x.float(), self.packed, self.bias, "none", [], "").to(self.dtype)
 
 
 def find_siblings(model: torch.nn.Module, modules: list[torch.nn.Linear]) -> list[list[torch.nn.Linear]]:
@@ -115,15 +207,20 @@ def find_siblings(model: torch.nn.Module, modules: list[torch.nn.Linear]) -> lis
 
 
 class PackedLinears:
-    """The model's ``nn.Linear`` modules with 2-D bf16 CPU weights, packed on first use; siblings
-    (``find_siblings``) fused into one GEMM when ``fuse``."""
+    """The model's ``nn.Linear`` modules with 2-D bf16 CPU weights, packed ``how`` (``mode``) on first
+    use; siblings (``find_siblings``) fused into one GEMM when ``fuse``."""
 
-    def __init__(self, model: torch.nn.Module, batch_hint: int = 64, fuse: bool = True) -> None:
+    def __init__(self, model: torch.nn.Module, how: str = ONEDNN, dtype: torch.dtype = torch.bfloat16,
+                 batch_hint: int = 64, fuse: bool = True) -> None:
+        if how not in MODES or (how, dtype) not in ((ONEDNN, torch.bfloat16), (FP32, torch.bfloat16), (FP32, torch.float32)):
+            raise ValueError(f"how={how!r} for {dtype} weights; one of {MODES} for bf16, {FP32!r} for fp32")
+        self.how, self.dtype = how, dtype
         self.modules = [m for m in model.modules() if type(m) is torch.nn.Linear and "forward" not in m.__dict__
-                        and m.weight.dtype == torch.bfloat16 and m.weight.device.type == "cpu"
+                        and m.weight.dtype == dtype and m.weight.device.type == "cpu"
                         and m.weight.dim() == 2]
         self.batch_hint = batch_hint
-        self.nbytes = sum(m.weight.numel() * m.weight.element_size() for m in self.modules)
+        # the packed copies' size: the weights again (twice over for bf16 weights in fp32)
+        self.nbytes = sum(m.weight.numel() * (4 if how == FP32 else 2) for m in self.modules)
         self.siblings = find_siblings(model, self.modules) if fuse else []
         self.fused: list[list[torch.nn.Linear]] = []  # the sibling groups packed as one GEMM
         self._states: list[_FusedState] = []
@@ -132,42 +229,37 @@ class PackedLinears:
     def reset(self) -> None:
         """Forget the packed copies (the weights changed); the next step packs them again."""
         self._forwards = None
+        self._states = []
+
+    def _packed(self, modules: list[torch.nn.Linear]) -> PackedWeight:
+        biases = None if modules[0].bias is None else [m.bias for m in modules]
+        return PackedWeight(self.how, [m.weight for m in modules], biases, self.batch_hint)
 
     def _pack(self) -> list:
-        forwards, packed = [], {}
-        for m in self.modules:
-            with torch.no_grad():
-                packed[m] = torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), self.batch_hint)
         fused: dict[torch.nn.Module, object] = {}
         self.fused, self._states = [], []
         for group in self.siblings:
-            state = self._fuse(group, packed)
+            state = self._fuse(group)
             if state is not None:
                 self.fused.append(group)
                 self._states.append(state)
                 for i, m in enumerate(group):
                     fused[m] = _fused_forward_for(m, state, i)
-        for m in self.modules:
-            forwards.append((m, fused.get(m) or _forward_for(m, packed[m])))
-        return forwards
+        return [(m, fused.get(m) or _forward_for(m, self._packed([m]))) for m in self.modules]
 
-    def _fuse(self, group: list[torch.nn.Linear], packed: dict) -> "_FusedState | None":
+    def _fuse(self, group: list[torch.nn.Linear]) -> "_FusedState | None":
         """One packed GEMM for ``group``, if it gives each module's own packed result bit for bit."""
+        if group[0].bias is not None and any(m.bias.dtype != self.dtype for m in group):
+            return None
         with torch.no_grad():
-            weight = torch.cat([m.weight.detach() for m in group])
-            bias = None if group[0].bias is None else torch.cat([m.bias.detach() for m in group])
-            if bias is not None and bias.dtype != torch.bfloat16:
-                return None
-            state = _FusedState(torch.ops.mkldnn._reorder_linear_weight(weight, self.batch_hint), bias,
-                                [m.weight for m in group], [m.out_features for m in group])
+            whole = self._packed(group)
+            parts = [self._packed([m]) for m in group]
             g = torch.Generator().manual_seed(0)
             for rows in (1, 5, 40):
-                x = torch.randn(1, rows, group[0].in_features, generator=g).to(torch.bfloat16)
-                whole = _packed_linear(x, state.packed, state.bias)
-                parts = [_packed_linear(x, packed[m], m.bias) for m in group]
-                if not torch.equal(whole, torch.cat(parts, dim=-1)):
+                x = torch.randn(1, rows, group[0].in_features, generator=g).to(self.dtype)
+                if not torch.equal(whole(x), torch.cat([part(x) for part in parts], dim=-1)):
                     return None
-        return state
+        return _FusedState(whole, [m.weight for m in group], [m.out_features for m in group])
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
@@ -191,8 +283,8 @@ class PackedLinears:
 class _FusedState:
     """A sibling group's packed concatenated weight, and the last input it computed with its output."""
 
-    def __init__(self, packed: torch.Tensor, bias: torch.Tensor | None, weights: list, widths: list[int]) -> None:
-        self.packed, self.bias, self.weights = packed, bias, weights
+    def __init__(self, packed: PackedWeight, weights: list, widths: list[int]) -> None:
+        self.packed, self.weights = packed, weights
         self.bounds = [sum(widths[:i]) for i in range(len(widths) + 1)]
         self.x: torch.Tensor | None = None
         self.out: torch.Tensor | None = None
@@ -202,24 +294,23 @@ def _fused_forward_for(module: torch.nn.Linear, state: _FusedState, i: int):
     lo, hi = state.bounds[i], state.bounds[i + 1]
 
     def forward(x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != torch.bfloat16 or not x.is_contiguous() or module.weight is not state.weights[i]:
+        if x.dtype != state.packed.dtype or not x.is_contiguous() or module.weight is not state.weights[i]:
             return F.linear(x, module.weight, module.bias)
         if x is not state.x:  # the first sibling called on this input computes them all
-            state.out = _packed_linear(x, state.packed, state.bias)
+            state.out = state.packed(x)
             state.x = x
         return state.out[..., lo:hi]
 
     return forward
 
 
-def _forward_for(module: torch.nn.Linear, packed: torch.Tensor):
-    weight = module.weight
+def _forward_for(module: torch.nn.Linear, packed: PackedWeight):
+    weight, bias = module.weight, module.bias
 
     def forward(x: torch.Tensor) -> torch.Tensor:
-        bias = module.bias
-        if x.dtype != torch.bfloat16 or not x.is_contiguous() or module.weight is not weight \
-                or (bias is not None and bias.dtype != torch.bfloat16):
-            return F.linear(x, module.weight, bias)
-        return _packed_linear(x, packed, bias)
+        if x.dtype != packed.dtype or not x.is_contiguous() or module.weight is not weight \
+                or module.bias is not bias or (bias is not None and bias.dtype != packed.dtype):
+            return F.linear(x, module.weight, module.bias)
+        return packed(x)
 
     return forward

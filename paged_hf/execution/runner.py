@@ -92,18 +92,20 @@ class ModelRunner:
         self._sizes = (num_blocks, layout, state_layout, num_state_slots)
         self.asleep = False
         self._allocate()
-        # bf16 on a CPU: the linear layers use weights packed once for oneDNN (paged_hf/execution/cpu_linear.py)
         self.fused_ops = None
         if config.cpu_fused_ops and self.device.type == "cpu" and fused_ops.available():
             with eval_modes(model):  # checked as the steps run them
                 self.fused_ops = fused_ops.FusedOps(model, self.dtype, layout.layers[0].k_dim if layout.layers else None)
-        packs = config.cpu_packed_weights and self.decode is None and cpu_linear.supported(self.dtype, self.device)
-        self.packed = cpu_linear.PackedLinears(model, fuse=config.cpu_fused_projections) if packs else None
+        # on a CPU the linear layers use weights packed once for oneDNN: bf16 for its bf16 matmul or, where this
+        # CPU has none, as fp32 copies; fp32 for its fp32 matmul (paged_hf/execution/cpu_linear.py)
+        how = cpu_linear.mode(self.dtype, self.device, config.cpu_packed_weights) if self.decode is None else None
+        self.packed = cpu_linear.PackedLinears(model, how, self.dtype, fuse=config.cpu_fused_projections) if how else None
         if self.packed is not None:
             ok, why = cpu_linear.affordable(self.packed.nbytes)
-            if not ok:  # the same results either way; only speed is lost, so say so once
-                logger.warning("paged_hf: linear weights are not packed for oneDNN (%s); steps run ~10-20%% "
-                               "slower. cpu_packed_weights=False silences this.", why)
+            if not ok:  # the same results either way (fp32: within a rounding); only speed is lost, so say so
+                logger.warning("paged_hf: linear weights are not packed (%s); steps run %s slower. "
+                               "cpu_packed_weights=False silences this.", why,
+                               "up to 5x" if how == cpu_linear.FP32 and self.dtype == torch.bfloat16 else "~10-50%")
                 self.packed = None
 
     def _allocate(self) -> None:
