@@ -14,7 +14,7 @@ Variants (same model, same workloads, fresh engine per run, each preceded by a t
 Rounds run every (workload, variant) once in turn, so a slow spell of the machine hits all
 variants alike; the table reports each one's median output tok/s, its ratio to the first
 variant, and inter-token latency p50/p99 (the focus requests of the workload: W-long's shorts).
-SmolLM2-135M-Instruct real weights, bf16. Prints a table and writes JSON.
+SmolLM2-135M-Instruct real weights, bf16 (``--dtype fp32``: fp32). Prints a table and writes JSON.
 """
 from __future__ import annotations
 
@@ -89,13 +89,14 @@ def main(argv: list[str] | None = None) -> int:
                          f"{'; '.join(VARIANTS)}")
     ap.add_argument("--scale", type=float, default=1.0, help="shrink W-prefix and W-long, as bench.py --scale")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    ap.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="the model's dtype (default bf16)")
     ap.add_argument("--omp-wait-policy", choices=omp_env.CHOICES, default="auto", help="see omp_env.py")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/variants-<date>.json)")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    model, tokenizer = load_default_model(torch.bfloat16)
+    model, tokenizer = load_default_model(torch.bfloat16 if args.dtype == "bf16" else torch.float32)
     special = set(tokenizer.all_special_ids) | set(getattr(tokenizer, "added_tokens_decoder", {}) or {})
     pool = W.allowed_ids(model.config.vocab_size, special)
     workloads = W.build(args.workloads.split(","), pool, mixed_n=max(4, round(64 * args.scale)), scale=args.scale)
@@ -124,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
             p99 = statistics.median(m["itl_p99"] for m in ms)
             rows.append({"workload": w.name, "variant": name, "out_tok_s": tok_s, "ratio": tok_s / base,
                          "itl_p50_ms": p50 * 1e3, "itl_p99_ms": p99 * 1e3, "runs": ms})
-    print(f"\n## paged_hf variants, SmolLM2-135M bf16, {torch.get_num_threads()} threads, "
+    print(f"\n## paged_hf variants, SmolLM2-135M {args.dtype}, {torch.get_num_threads()} threads, "
           f"median of {args.rounds} interleaved rounds, OpenMP wait policy {OMP_WAIT_POLICY}\n")
     print("| workload | variant | out tok/s | vs first | ITL p50 ms | ITL p99 ms | p99/p50 |")
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
@@ -133,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{row['itl_p50_ms']:.0f} | {row['itl_p99_ms']:.0f} | {row['itl_p99_ms'] / row['itl_p50_ms']:.1f} |")
     out = Path(args.out) if args.out else HERE / "results" / f"variants-{datetime.date.today().isoformat()}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"date": datetime.date.today().isoformat(), "threads": torch.get_num_threads(),
+    out.write_text(json.dumps({"date": datetime.date.today().isoformat(), "threads": torch.get_num_threads(), "dtype": args.dtype,
                                "rounds": args.rounds, "rows": rows}, indent=2))
     print(f"\nJSON: {out}")
     return 0

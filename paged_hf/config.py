@@ -51,7 +51,7 @@ class EngineConfig:
     preemption_mode: str = "recompute"  # or "swap": preempted requests' blocks go to pinned host memory
     # on a CPU: linear layers run on weights packed once for oneDNN (paged_hf/execution/cpu_linear.py): bf16
     # for its bf16 matmul (same results), or as fp32 copies where the CPU has no bf16 matmul (within one bf16
-    # rounding, ~5x faster there); fp32 models on its fp32 matmul (within fp32 rounding, up to 2.9x faster at
+    # rounding, ~5x faster there); fp32 models on its fp32 matmul (within fp32 rounding, up to 2.5x faster at
     # decode sizes). "onednn" / "fp32" asks for one way for a bf16 model
     cpu_packed_weights: bool | str = True
     # with packed weights: linears called on the same input (q/k/v, gate/up) run as one GEMM, same results

@@ -61,6 +61,20 @@ def test_the_fp32_weight_is_within_a_rounding_of_the_exact_product(rows):
         assert not cpu_linear.within_a_rounding(wrong, exact.to(torch.bfloat16), x, w)  # 2% off is caught
 
 
+def test_one_row_of_a_bf16_model_runs_its_own_f_linear():
+    """At one row the fp32 copy's bytes cost more than its math saves: the modules' bf16 F.linear runs,
+    a fused group's too (each module's, side by side)."""
+    g = torch.Generator().manual_seed(9)
+    ws = [torch.randn(n, 64, generator=g).bfloat16() for n in (96, 32, 32)]
+    bs = [torch.randn(n, generator=g).bfloat16() for n in (96, 32, 32)]
+    x = torch.randn(1, 1, 64, generator=g).bfloat16()
+    fused = cpu_linear.PackedWeight(cpu_linear.FP32, ws, bs)
+    assert torch.equal(fused(x), torch.cat([F.linear(x, w, b) for w, b in zip(ws, bs)], dim=-1))
+    two = torch.randn(1, 2, 64, generator=g).bfloat16()  # from two rows on, the fp32 copy
+    assert torch.equal(fused(two), torch.ops.mkldnn._linear_pointwise(
+        two.float(), fused.packed, fused.bias, "none", [], "").bfloat16())
+
+
 def test_one_rounding_is_measured_in_bf16_steps():
     one = torch.tensor([1.0, -1.0, 0.0, 3.0], dtype=torch.bfloat16)
     up = torch.tensor([1.0078125, -1.0078125, 1e-40, 3.015625], dtype=torch.bfloat16)  # each the next bf16 value

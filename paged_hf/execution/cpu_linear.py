@@ -17,11 +17,13 @@ bf16 models, two ways, by what the CPU's oneDNN can do (``mode``):
   runs in fp32, its output rounded to bf16 once: products and sums are fp32 either way (a product
   of two bf16 values is exact in fp32), only the order of the sums differs, so each output is
   ``F.linear``'s or the bf16 value next to it (about 1 in 10,000 differs here; checked once per
-  process: ``within_a_rounding``). Faster from 2 rows on for every weight measured, level at one row.
+  process: ``within_a_rounding``). Faster from 8 rows on for every weight measured (2-7x); at one
+  row, where the fp32 copy's twice the bytes cost more, the layer runs its own bf16 ``F.linear``.
 
 fp32 models: ``"fp32"`` too. torch's fp32 ``F.linear`` runs MKL's sgemm, which packs the weight
-on every call: oneDNN's fp32 matmul on a weight packed once is 1.2-2.9x faster at decode sizes (Zen
-3, 2 threads; 3072x576 at 8 rows 41 -> 90 GFLOP/s). The same products summed in another order:
+on every call: oneDNN's fp32 matmul on a weight packed once is up to 2.5x faster from 8 rows on
+(Zen 3, 2 threads, benchmarks/bench_cpu_linear.py), and in the engine faster at every row count,
+a lone sequence's decode step included (~82 -> ~70 ms). The same products summed in another order:
 within fp32 rounding of ``F.linear`` (checked once per process), and a row's result does not
 depend on the rows beside it (MKL's does, below 16 rows).
 
@@ -158,6 +160,10 @@ class PackedWeight:
     def __init__(self, how: str, weights: list[torch.Tensor], biases: list[torch.Tensor] | None,
                  batch_hint: int = 64) -> None:
         self.how, self.dtype = how, weights[0].dtype
+        # a bf16 weight's fp32 copy reads twice the bytes: at one row (a lone sequence's decode) the
+        # weights' own bf16 F.linear is faster (SmolLM2's, Zen 3: 13-16 against 8-15 GFLOP/s)
+        self.one_row_in_bf16 = how == FP32 and self.dtype == torch.bfloat16
+        self.weights, self.biases = weights, biases
         with torch.no_grad():
             weight = weights[0].detach() if len(weights) == 1 else torch.cat([w.detach() for w in weights])
             bias = None if biases is None else biases[0].detach() if len(biases) == 1 \
@@ -170,6 +176,9 @@ class PackedWeight:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.how == ONEDNN:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        if self.one_row_in_bf16 and x.numel() == x.shape[-1]:
+            parts = [F.linear(x, w, b) for w, b in zip(self.weights, self.biases or [None] * len(self.weights))]
+            return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
         return torch.ops.mkldnn._linear_pointwise(x.float(), self.packed, self.bias, "none", [], "").to(self.dtype)
 
 
