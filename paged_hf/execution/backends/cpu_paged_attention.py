@@ -159,16 +159,33 @@ def status() -> dict:
 # Measured with benchmarks/bench_attention.py (SmolLM2's 9/3 heads x 64, 2 threads, ms per layer,
 # SDPA / kernel). The bf16 path (16-token blocks, AVX512-BF16) beats SDPA everywhere: a fresh
 # 512-token prompt 4.8 / 2.2, 2,000 tokens 39.9 / 33.3, a 512-token chunk over 1,500 cached
-# 19.9 / 14.3. The generic vector path (fp32 here) only while few queries share each K/V row:
-# fresh 512 5.6 / 4.5, 128 over 384 cached 2.4 / 1.9, but 2,000 fresh 40.6 / 64.4 and 512 over
-# 1,500 cached 25.5 / 28.6.
+# 19.9 / 14.3. The generic vector path only while few queries share each K/V row. Built for
+# AVX-512 (fp32): fresh 512 5.6 / 4.5, 128 over 384 cached 2.4 / 1.9, but 2,000 fresh 40.6 / 64.4
+# and 512 over 1,500 cached 25.5 / 28.6. Built for AVX2 (AMD Zen 3, 2026-12-02, fp32): it wins on
+# decodes (64 x 700: 97.9 / 11.8), 8 chunks of 8 over 300 cached (4.9 / 3.2) and 8 fresh prompts of
+# 32 (1.9 / 1.0), ties at a fresh 64 (0.43 / 0.42), and loses from there: 8 chunks of 32 over 300
+# cached 7.4 / 10.8, 4 fresh prompts of 128 2.9 / 4.2, a fresh 512 7.2 / 13.4.
 KERNEL_MAX_Q_LEN = 32
 KERNEL_MAX_AREA = 512 * 512  # q_len x kv_len
+AVX2_KERNEL_MAX_Q_LEN = 16
+AVX2_KERNEL_MAX_AREA = 64 * 64
+_LIMITS: list = []
+
+
+def kernel_limits() -> tuple[int, int]:
+    """(most new tokens, most q_len x kv_len) of a sequence the generic path attends, for this build."""
+    if not _LIMITS:
+        avx512 = "-DCPU_CAPABILITY=AVX512" in compile_flags()
+        _LIMITS.append((KERNEL_MAX_Q_LEN, KERNEL_MAX_AREA) if avx512 else (AVX2_KERNEL_MAX_Q_LEN, AVX2_KERNEL_MAX_AREA))
+    return _LIMITS[0]
 
 
 def kernel_takes(q_len: int, kv_len: int, bf16_path: bool) -> bool:
     """Whether the kernel, not SDPA, attends a sequence with ``q_len`` new tokens of ``kv_len``."""
-    return bf16_path or q_len <= KERNEL_MAX_Q_LEN or q_len * kv_len <= KERNEL_MAX_AREA
+    if bf16_path:
+        return True
+    most_q, most_area = kernel_limits()
+    return q_len <= most_q or q_len * kv_len <= most_area
 
 
 def bf16_path(layout: KVLayout, block_size: int, dtype: torch.dtype) -> bool:
