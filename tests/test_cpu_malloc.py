@@ -1,0 +1,100 @@
+"""glibc's malloc set by a CPU engine (paged_hf/execution/cpu_malloc.py): a step's freed
+temporaries stay mapped (no page faults on the next step's), nothing is set where the process
+chose its allocator already or the engine is told not to, and results do not move."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from paged_hf.execution import cpu_malloc
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# A step's temporaries: a few megabyte tensors of varying rows (a sampler's fp32 logits of 8-64 rows
+# of a 49,152-token vocabulary, and a copy), allocated and freed 50 times, counting the minor page
+# faults (the fewest of 3 rounds: the kernel's own page sampling adds a few now and then);
+# optionally after building a CPU engine (which sets malloc unless told not to).
+SCRIPT = r"""
+import json, resource, sys
+import torch
+sys.path.insert(0, sys.argv[1])
+from paged_hf.execution import cpu_malloc
+mode = sys.argv[2]
+if mode == "engine" or mode == "engine-off":
+    from tiny_models import make_tiny_model
+    import paged_hf
+    model = make_tiny_model("llama")
+    paged_hf.patch(model)
+    engine = paged_hf.Engine(model, num_blocks=32, block_size=4, cpu_tune_malloc=(mode == "engine"))
+def step(rows):
+    a = torch.empty(rows, 49152)
+    a.fill_(1.0)
+    b = a.clone()
+    del a, b
+for rows in (8, 64):
+    step(rows)
+counts = []
+for _ in range(3):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(10):
+        for rows in (8, 32, 64, 16, 48):
+            step(rows)
+    counts.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(json.dumps({"faults": min(counts), "status": cpu_malloc.status()}))
+"""
+
+
+def _run(mode: str, **env: str) -> dict:
+    full = {k: v for k, v in os.environ.items()
+            if k not in ("GLIBC_TUNABLES", "PAGED_HF_CPU_MALLOC") and not k.startswith("MALLOC_")}
+    full.update(env)
+    res = subprocess.run([sys.executable, "-c", SCRIPT, str(Path(__file__).parent), mode], env=full,
+                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def _glibc() -> bool:
+    return cpu_malloc._glibc() is not None
+
+
+needs_glibc = pytest.mark.skipif(not _glibc(), reason="mallopt is glibc's; elsewhere tune() does nothing")
+DEFAULT_FAULTS = 4000  # glibc's defaults fault in 8,400-8,800 pages here (one 32-row block: 1,536)
+
+
+@needs_glibc
+def test_a_cpu_engine_keeps_freed_blocks_mapped_unless_told_not_to():
+    off = _run("engine-off")  # glibc's defaults: freed blocks go back to the kernel and fault in again
+    on = _run("engine")
+    assert off["status"]["tuned"] is None and off["faults"] >= DEFAULT_FAULTS, off
+    assert on["status"] == {"tuned": True, "why": None}, on
+    assert on["faults"] <= off["faults"] // 4, (on, off)
+
+
+@pytest.mark.parametrize("env, why", [
+    ({"PAGED_HF_CPU_MALLOC": "0"}, "PAGED_HF_CPU_MALLOC=0"),
+    ({"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=1000000"}, "GLIBC_TUNABLES sets glibc's malloc"),
+    ({"MALLOC_ARENA_MAX_": "2"}, "MALLOC_ARENA_MAX_ is set"),
+    ({"LD_PRELOAD": "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"}, "tcmalloc is preloaded"),
+])
+def test_a_process_that_chose_its_malloc_is_left_alone(monkeypatch, env, why):
+    for k in [k for k in os.environ if k.startswith("MALLOC_")] + ["GLIBC_TUNABLES", "PAGED_HF_CPU_MALLOC"]:
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("LD_PRELOAD", "")
+    assert cpu_malloc.reason_to_leave_alone() is None
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(cpu_malloc, "_state", {"tuned": None, "why": None})
+    assert cpu_malloc.tune() is False
+    assert cpu_malloc.status() == {"tuned": False, "why": why}
+
+
+def test_the_option_is_checked():
+    from paged_hf.config import EngineConfig
+    with pytest.raises(ValueError, match="cpu_tune_malloc"):
+        EngineConfig(cpu_tune_malloc="yes")
