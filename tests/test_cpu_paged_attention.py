@@ -137,6 +137,36 @@ def test_bf16_16_token_blocks_match_a_float64_reference(dk, dv, window, softcap)
         assert "-mavx512bf16" in cpa.compile_flags()
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_bf16_decodes_give_the_same_rows_alone_and_in_a_full_step(threads):
+    """A step of many decodes gives each item all of a sequence's kv heads (bf16 path), a lone decode an
+    item per head: the same rows either way, bit for bit, and the float64 reference's within bf16."""
+    gen = torch.Generator().manual_seed(threads)
+    hkv, group, d = 3, 3, 64
+    lens = [1 + (37 * i) % 300 for i in range(13)]
+    n_blocks = sum(-(-kv // 16) for kv in lens) + 1
+    k_cache = torch.randn(n_blocks, hkv, 16, d, generator=gen).bfloat16()
+    v_cache = torch.randn(n_blocks, hkv, 16, d, generator=gen).bfloat16()
+    perm = torch.randperm(n_blocks, generator=gen).tolist()
+    seqs, used = [], 0
+    for i, kv in enumerate(lens):
+        nb = -(-kv // 16)
+        seqs.append((i, 1, kv, perm[used:used + nb]))
+        used += nb
+    q = torch.randn(len(lens), hkv * group, d, generator=gen).bfloat16()
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        together = run_op(q, k_cache, v_cache, seqs, d ** -0.5, 0, 0.0)
+        alone = [run_op(q[i:i + 1], k_cache, v_cache, [(0, 1, kv, blocks)], d ** -0.5, 0, 0.0)
+                 for i, (_, _, kv, blocks) in enumerate(seqs)]
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(together, torch.cat(alone))
+    want = reference(q, k_cache, v_cache, seqs, d ** -0.5, 0, 0.0)
+    torch.testing.assert_close(together.double(), want, atol=1.6e-2, rtol=1.6e-2)
+
+
 def test_op_writes_only_the_rows_of_the_sequences_it_is_given():
     """A subset of a step's sequences (the others' rows untouched), and bad input refused by name."""
     k_cache, v_cache = torch.randn(8, 2, 4, 16), torch.randn(8, 2, 4, 16)
