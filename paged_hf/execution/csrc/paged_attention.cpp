@@ -123,10 +123,12 @@ struct Scratch {
   std::vector<float> q, acc, s, m, l, kf, vf, corr;
   std::vector<int32_t> vis;
   std::vector<uint16_t> p16;
+  std::vector<uint32_t> qt;
   void reserve(int64_t rows, const Problem& p) {
     corr.resize(rows);
     vis.resize(2 * rows);
-    p16.resize(rows * 16);
+    p16.resize((rows + 16) * 16);
+    qt.resize((rows + 16 * p.kv_heads) * (p.k_dim / 2));  // each head's rows padded to 16
     q.resize(rows * p.k_dim);
     acc.resize(rows * p.v_dim);
     s.resize(rows * p.block_size);
@@ -331,19 +333,29 @@ inline __m512 tree16(__m512* a) {
 }
 
 // acc[r + k] = acc[r + k] * corr[r + k] + P[r + k] V for k < N rows that see the same keys
-// [j_beg, j_end) of a block; P as bf16 pairs, V as interleaved pairs of keys (see run_item_bf16).
+// [j_beg, j_end) of a block; V as interleaved pairs of keys (see run_item_bf16), P as bf16 pairs:
+// row r's pair i (keys 2i, 2i+1) is the 32-bit word P.row(r)[i * P.stride].
+struct PairsOfP {
+  const uint32_t* base;
+  int64_t lanes;  // 0: a row's 8 pairs side by side ([row][8]); 16: rows in lanes ([row / 16][pair][16])
+  inline const uint32_t* row(int64_t r) const { return lanes ? base + (r / 16) * 128 + r % 16 : base + 8 * r; }
+  inline int64_t stride() const { return lanes ? 16 : 1; }
+};
+
 template <int N, int MAXC>
 inline void pv_rows(int64_t r, int64_t j_beg, int64_t j_end, int64_t nacc, int64_t Dv, const float* corr,
-                    const uint16_t* pr, const __m512i* vp, float* acc) {
+                    const PairsOfP& P, const __m512i* vp, float* acc) {
   __m512 o[N][MAXC];
+  const uint32_t* prow[N];
   for (int k = 0; k < N; ++k) {
+    prow[k] = P.row(r + k);
     const __m512 cv = _mm512_set1_ps(corr[r + k]);
     for (int64_t c = 0; c < nacc; ++c) o[k][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + (r + k) * Dv + 16 * c), cv);
   }
+  const int64_t ps = P.stride();
   for (int64_t i = j_beg / 2; i < (j_end + 1) / 2; ++i) {
     __m512bh pv[N];
-    for (int k = 0; k < N; ++k)
-      pv[k] = (__m512bh)_mm512_set1_epi32(static_cast<int>(reinterpret_cast<const uint32_t*>(pr + 16 * (r + k))[i]));
+    for (int k = 0; k < N; ++k) pv[k] = (__m512bh)_mm512_set1_epi32(static_cast<int>(prow[k][i * ps]));
     const __m512i* vpi = vp + i * (Dv / 32) * 2;
     for (int64_t c = 0; c < nacc; ++c) {
       const __m512bh v = (__m512bh)_mm512_loadu_si512(vpi + c);
@@ -353,6 +365,60 @@ inline void pv_rows(int64_t r, int64_t j_beg, int64_t j_end, int64_t nacc, int64
   for (int k = 0; k < N; ++k)
     for (int64_t c = 0; c < nacc; ++c) _mm512_storeu_ps(acc + (r + k) * Dv + 16 * c, o[k][c]);
 }
+
+// Scores and the online softmax of up to 16 rows of one kv head against one 16-key block, the rows
+// in the vector lanes: for tiles with many rows per head (prefill chunks, wide GQA groups), where
+// the row-at-a-time pass spends more on each row's reduction tree than on its dot products.
+//   qt:  the rows' queries as pairs of dims, [Dk / 2][16 rows] (32-bit words, rows past nr zero)
+//   kb:  the block's keys [16][Dk]; key j's scores for the 16 rows are one vector, summed over pairs
+//        of dims by vdpbf16ps against the key's pair broadcast (no horizontal reduction)
+//   the softmax runs down the keys (max, exp, sum per lane); P goes out as bf16 pairs of keys,
+//   [pair][16 rows] (PairsOfP with lanes 16), the rescale of each row's accumulator to corr.
+inline void rows16_block(const uint32_t* qt, const uint16_t* kb, int64_t Dk, const int32_t* vis_lo,
+                         const int32_t* vis_hi, int64_t nr, float scale, float softcap, float* m, float* l,
+                         float* corr, uint32_t* pp) {
+  const __mmask16 live = static_cast<__mmask16>((1u << nr) - 1);
+  __m512 x[16];
+  for (int j = 0; j < 16; ++j) x[j] = _mm512_setzero_ps();
+  const uint32_t* kw = reinterpret_cast<const uint32_t*>(kb);
+  const int64_t pairs = Dk / 2;
+  for (int64_t d = 0; d < pairs; ++d) {
+    const __m512bh qv = (__m512bh)_mm512_loadu_si512(qt + 16 * d);
+    for (int j = 0; j < 16; ++j)
+      x[j] = _mm512_dpbf16_ps(x[j], qv, (__m512bh)_mm512_set1_epi32(static_cast<int>(kw[j * pairs + d])));
+  }
+  const __m512i lo = _mm512_maskz_loadu_epi32(live, vis_lo), hi = _mm512_maskz_loadu_epi32(live, vis_hi);
+  const __m512 ninf = _mm512_set1_ps(NEG_INF);
+  __m512 bmax = ninf;
+  for (int j = 0; j < 16; ++j) {
+    __m512 v = _mm512_mul_ps(x[j], _mm512_set1_ps(softcap > 0 ? 1.f : scale));
+    if (softcap > 0) v = softcap_vec(Vec(v), scale / softcap, softcap);
+    const __m512i jv = _mm512_set1_epi32(j);
+    const __mmask16 vis = _mm512_cmp_epi32_mask(lo, jv, _MM_CMPINT_LE) & _mm512_cmp_epi32_mask(hi, jv, _MM_CMPINT_NLE);
+    x[j] = _mm512_mask_blend_ps(vis, ninf, v);
+    bmax = _mm512_max_ps(bmax, x[j]);
+  }
+  const __m512 m_old = _mm512_mask_loadu_ps(ninf, live, m);
+  const __m512 m_new = _mm512_max_ps(m_old, bmax);
+  // a row that has seen no key yet keeps -inf; it subtracts 0 instead (its exps are all 0)
+  const __m512 m_use = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(m_new, ninf, _CMP_EQ_OQ), m_new, _mm512_setzero_ps());
+  const __m512 c = Vec(_mm512_sub_ps(m_old, m_use)).exp_u20();
+  __m512 sum = _mm512_setzero_ps();
+  for (int i = 0; i < 8; ++i) {
+    const __m512 e0 = Vec(_mm512_sub_ps(x[2 * i], m_use)).exp_u20();
+    const __m512 e1 = Vec(_mm512_sub_ps(x[2 * i + 1], m_use)).exp_u20();
+    sum = _mm512_add_ps(_mm512_add_ps(sum, e0), e1);
+    const __m512i p0 = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(e0));
+    const __m512i p1 = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(e1));
+    _mm512_storeu_si512(pp + 16 * i, _mm512_or_si512(p0, _mm512_slli_epi32(p1, 16)));
+  }
+  _mm512_mask_storeu_ps(l, live, _mm512_add_ps(_mm512_mul_ps(_mm512_mask_loadu_ps(_mm512_setzero_ps(), live, l), c), sum));
+  _mm512_mask_storeu_ps(m, live, m_new);
+  _mm512_mask_storeu_ps(corr, live, c);
+}
+
+// rows per kv head from which a block's scores run with the rows in the lanes (rows16_block)
+constexpr int64_t LANE_ROWS_FROM = 8;
 
 inline bool bf16_path(const Problem& p) {
   return p.block_size == 16 && p.k_dim % 32 == 0 && p.v_dim % 32 == 0 && p.v_dim <= 512;
@@ -377,6 +443,18 @@ void run_item_bf16(const Item& it, const Problem& p, const c10::BFloat16* query,
       for (int64_t g = 0; g < G; ++g)
         std::memcpy(qb + h * RH * Dk + (t * G + g) * Dk,
                     query + (row0 + t) * p.q_stride_t + ((it.head + h) * G + g) * p.q_stride_h, Dk * sizeof(uint16_t));
+  // many rows a head: the queries again as pairs of dims with the rows in lanes, [h][RH / 16][Dk / 2][16]
+  const bool lanes = RH >= LANE_ROWS_FROM;
+  const int64_t groups = (RH + 15) / 16, pairs = Dk / 2;
+  uint32_t* qt = w.qt.data();
+  if (lanes) {
+    std::fill(qt, qt + H * groups * pairs * 16, 0u);
+    const uint32_t* qw = reinterpret_cast<const uint32_t*>(qb);
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t r = 0; r < RH; ++r)
+        for (int64_t d = 0; d < pairs; ++d)
+          qt[((h * groups + r / 16) * pairs + d) * 16 + r % 16] = qw[(h * RH + r) * pairs + d];
+  }
   std::fill(acc, acc + R * Dv, 0.f);
   std::fill(m, m + R, NEG_INF);
   std::fill(l, l + R, 0.f);
@@ -389,7 +467,8 @@ void run_item_bf16(const Item& it, const Problem& p, const c10::BFloat16* query,
   // P V), and short passes let the CPU overlap the independent rows of one pass.
   float* sc = w.s.data();                                  // [RH][16] scores
   float* corr = w.corr.data();                             // [R] rescale of the accumulator
-  uint16_t* pr = w.p16.data();                             // [RH][16] P in bf16
+  uint16_t* pr = w.p16.data();                             // P in bf16 pairs (PairsOfP)
+  const PairsOfP P{reinterpret_cast<const uint32_t*>(pr), lanes ? 16 : 0};
   int32_t* vis_lo = w.vis.data();                          // [RH] visible keys [lo, hi) of the block
   int32_t* vis_hi = vis_lo + RH;
   const auto page_of = [&](int64_t blk, int64_t h) {
@@ -424,8 +503,16 @@ void run_item_bf16(const Item& it, const Problem& p, const c10::BFloat16* query,
       float* acc_h = acc + h * RH * Dv;
       float* m_h = m + h * RH;
       float* l_h = l + h * RH;
+      if (lanes) {
+        for (int64_t g16 = 0; g16 < groups; ++g16) {
+          for (int64_t x = 0; x < 16; ++x) next.row(16 * g16 + x);
+          const int64_t r = 16 * g16;
+          rows16_block(qt + (h * groups + g16) * pairs * 16, kb, Dk, vis_lo + r, vis_hi + r, std::min<int64_t>(16, RH - r),
+                       p.scale, p.softcap, m_h + r, l_h + r, corr + r, reinterpret_cast<uint32_t*>(pr) + 128 * g16);
+        }
+      }
       // pass 1: scores of the visible keys (others -inf)
-      for (int64_t r = 0; r < RH; ++r) {
+      for (int64_t r = 0; r < RH && !lanes; ++r) {
         next.row(r);
         const int64_t j_beg = vis_lo[r], j_end = vis_hi[r];
         if (j_end <= j_beg) continue;
@@ -444,7 +531,7 @@ void run_item_bf16(const Item& it, const Problem& p, const c10::BFloat16* query,
         _mm512_storeu_ps(sc + 16 * r, _mm512_mask_blend_ps(vis, _mm512_set1_ps(NEG_INF), x));
       }
       // pass 2: online softmax update, P rounded to bf16
-      for (int64_t r = 0; r < RH; ++r) {
+      for (int64_t r = 0; r < RH && !lanes; ++r) {
         if (vis_hi[r] <= vis_lo[r]) continue;
         const __m512 x = _mm512_loadu_ps(sc + 16 * r);
         const float m_new = std::max(m_h[r], _mm512_reduce_max_ps(x));
@@ -471,10 +558,10 @@ void run_item_bf16(const Item& it, const Problem& p, const c10::BFloat16* query,
         if (vis_hi[r] <= vis_lo[r]) {
           ++r;
         } else if (nacc <= 8 && r + 1 < RH && vis_lo[r] == vis_lo[r + 1] && vis_hi[r] == vis_hi[r + 1]) {
-          pv_rows<2, 8>(r, vis_lo[r], vis_hi[r], nacc, Dv, corr, pr, vp, acc_h);  // two rows share each V load
+          pv_rows<2, 8>(r, vis_lo[r], vis_hi[r], nacc, Dv, corr, P, vp, acc_h);  // two rows share each V load
           r += 2;
         } else {
-          pv_rows<1, 32>(r, vis_lo[r], vis_hi[r], nacc, Dv, corr, pr, vp, acc_h);
+          pv_rows<1, 32>(r, vis_lo[r], vis_hi[r], nacc, Dv, corr, P, vp, acc_h);
           ++r;
         }
       }
