@@ -16,8 +16,14 @@ Routes (SmolLM2-135M geometry by default: 9 query heads, 3 KV heads, head_dim 64
   flex      decode only: FlexAttention on CPU with torch's PagedAttention block mask (128-token pages,
             the smallest its CPU template takes); compile time reported
 
+  cold      the op on every sequence, as ``op``, over --layers layers' own caches in turn (each a pool of
+            --pool-blocks blocks, the step's pages drawn at random from it): in a step the 30 layers'
+            pages are in DRAM by the time each is read, where ``op`` times one layer's pages in cache
+
 Each cell is the median of --reps calls after one warm-up, in ms per layer; K/V written first
 (as in a step). Prints a table and writes JSON (--out).
+
+    python benchmarks/bench_attention.py --routes op,cold --threads 2     # pages in cache vs in DRAM
 """
 from __future__ import annotations
 
@@ -62,6 +68,7 @@ def cases(seed: int) -> dict[str, list[tuple[int, int]]]:
     g = torch.Generator().manual_seed(seed)
     return {
         "decode 64 x 700": [(1, 700)] * 64,
+        "decode 32 x 220": [(1, 220)] * 32,
         "decode 64 x U[40,420]": [(1, int(n)) for n in torch.randint(40, 421, (64,), generator=g)],
         "decode 64 x (512 + U[20,300])": [(1, 512 + int(n)) for n in torch.randint(20, 301, (64,), generator=g)],
         "32 decodes x 300 + a 256-token prompt": [(1, 300)] * 32 + [(256, 256)],
@@ -97,9 +104,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
     ap.add_argument("--heads", default="9,3,64", help="q heads, kv heads, head_dim")
     ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--layers", type=int, default=30, help="cold: layers whose caches are read in turn")
+    ap.add_argument("--pool-blocks", type=int, default=2900, help="cold: blocks in each layer's pool (SmolLM2's "
+                    "default 1 GiB KV budget holds ~2,900)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    routes = ["torch", "kernel", "op", "inductor", "flex"] if args.routes == "all" else args.routes.split(",")
+    routes = ["torch", "kernel", "op", "cold", "inductor", "flex"] if args.routes == "all" else args.routes.split(",")
     if args.threads:
         torch.set_num_threads(args.threads)
     assert cpa.load(), cpa.status()["error"]
@@ -107,6 +117,11 @@ def main(argv: list[str] | None = None) -> int:
     hq, hkv, d = (int(x) for x in args.heads.split(","))
     bs = args.block_size
     rows, compile_s = [], {}
+    pools = None
+    if "cold" in routes:
+        g = torch.Generator().manual_seed(3)
+        pools = [[torch.randn(args.pool_blocks, hkv, bs, d, generator=g).to(dtype) for _ in range(2)]
+                 for _ in range(args.layers)]
     for name, specs in cases(0).items():
         n_blocks = sum(-(-kv // bs) for _, kv in specs) + 4
         perm = torch.randperm(n_blocks, generator=torch.Generator().manual_seed(1)).tolist()
@@ -133,6 +148,18 @@ def main(argv: list[str] | None = None) -> int:
                 out = torch.empty(t, hq, d, dtype=dtype)
                 row[route] = timed(lambda: torch.ops.paged_hf.paged_attention(
                     q[0].transpose(0, 1), cache[0], cache[1], *op_args, d ** -0.5, 0, 0.0, out), args.reps)
+            elif route == "cold" and sum(-(-kv // bs) for _, kv in specs) <= args.pool_blocks:
+                pool_perm = torch.randperm(args.pool_blocks, generator=torch.Generator().manual_seed(4)).tolist()
+                cm = step_metadata(specs, bs, pool_perm)
+                i32 = lambda x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
+                op_args = (cm.qo_indptr[:-1].contiguous(), i32(cm.q_lens), i32(cm.kv_lens), cm.kv_indptr, cm.kv_indices)
+                out = torch.empty(t, hq, d, dtype=dtype)
+                qt = q[0].transpose(0, 1)
+
+                def layers_in_turn():
+                    for kc, vc in pools:
+                        torch.ops.paged_hf.paged_attention(qt, kc, vc, *op_args, d ** -0.5, 0, 0.0, out)
+                row[route] = timed(layers_in_turn, args.reps) / len(pools)
             elif route in ("inductor", "flex") and all(ql == 1 for ql, _ in specs):
                 fn, secs = (inductor_decode if route == "inductor" else flex_decode)(specs, bs, hq, hkv, d, dtype)
                 compile_s.setdefault(route, []).append(secs)

@@ -176,7 +176,9 @@ def test_bad_tokenizer_fails_cleanly(model_dir, tmp_path, capsys):
 
 def test_the_readme_cli_lines_answer_on_topic(tmp_path):
     """The README's two `paged-hf generate` lines, as written, on the shipped SmolLM2: chat-templated
-    answers (none empty, the capital question's names Rome), then JSON under the example schema."""
+    answers (none empty; Paris for France's capital, 4 for 2 + 2), then JSON under the example schema.
+    (Not Rome for Italy's: the model's own answer, transformers' fp32 generate, is "Il Coriobella,
+    Italy.", and bf16 runs that order their sums differently end up elsewhere, Rome among them.)"""
     import re
     import shlex
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
@@ -196,12 +198,13 @@ def test_the_readme_cli_lines_answer_on_topic(tmp_path):
     plain, structured = results
     questions = [json.loads(row)["prompt"] for row in (repo / "examples" / "questions.jsonl").read_text().splitlines()]
     assert all(len(r["generation"].split()) >= 2 for r in plain), [r["generation"] for r in plain]
-    assert "Rome" in plain[questions.index("What is the capital of Italy?")]["generation"]
     assert "Paris" in plain[questions.index("What is the capital of France?")]["generation"]
+    assert "4" in plain[questions.index("What is 2 + 2?")]["generation"]
     schema = json.loads((repo / "examples" / "answer_schema.json").read_text())
     for r in structured:
         value = json.loads(r["generation"])
         assert r["generation_finish_reason"] == "stop" and set(value) == set(schema["required"])
         assert value["confidence"] in schema["properties"]["confidence"]["enum"]
         assert len(value["answer"]) <= schema["properties"]["answer"]["maxLength"]
-    assert re.search(r"Rome", structured[questions.index("What is the capital of Italy?")]["generation"])
+    assert re.search(r"Paris", structured[questions.index("What is the capital of France?")]["generation"])
+    assert re.search(r"\b4\b", structured[questions.index("What is 2 + 2?")]["generation"])

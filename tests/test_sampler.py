@@ -91,3 +91,38 @@ def test_seeded_rows_draw_the_same_tokens_alone_or_in_a_batch():
     torch.manual_seed(1)
     mixed = sample(logits, reqs([None, 11, None, None, 44, None])).tokens
     assert [mixed[1], mixed[4]] == alone
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_greedy_max_op_is_torch_max(threads):
+    """``paged_hf::greedy_max`` (the sampler's greedy pick on a CPU) against ``torch.max(dim=-1)``: the same
+    maximum and first index on random rows, ties, a row of a narrow vocabulary (no full vector), rows with
+    NaN (NaN out), +inf and all -inf, and rows through a strided view."""
+    from paged_hf.execution.backends import cpu_paged_attention as cpa
+    from paged_hf.execution.sampler import _row_max
+
+    assert cpa.load(), cpa.status()["error"]
+    gen = torch.Generator().manual_seed(threads)
+    x = torch.randn(12, 49_157, generator=gen)
+    x[1, [5, 900, 49_000]] = 50.0                       # a three-way tie: the first wins
+    x[2, 49_156] = 99.0                                 # the last column, past the last full vector
+    x[3, 7] = float("nan")
+    x[4, 100] = float("inf")
+    x[5] = float("-inf")
+    x[6] = x[6].round()                                 # many ties
+    x[7, 12] = float("nan")
+    x[7, 13] = float("inf")
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for logits in (x, x[:, :11], x[::2, 3:]):
+            best, idx = torch.ops.paged_hf.greedy_max(logits.contiguous() if logits.shape[1] == 11 else logits)
+            want_best, want_idx = logits.max(dim=-1)
+            assert torch.equal(best.isnan(), want_best.isnan())
+            finite = ~want_best.isnan()
+            assert torch.equal(best[finite], want_best[finite])
+            assert torch.equal(idx[finite], want_idx[finite])
+            got = _row_max(logits)
+            assert torch.equal(got[1][finite], want_idx[finite])
+    finally:
+        torch.set_num_threads(before)

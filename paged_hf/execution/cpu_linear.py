@@ -277,14 +277,17 @@ class PackedLinears:
             self._forwards = self._pack()
         installed = []
         try:
+            # the instance dict directly: nn.Module's __setattr__ / __delattr__ checks for parameters,
+            # buffers and submodules, none of which a forward is, cost ~1.5 us a module a step
             for m, fwd in self._forwards:
-                if "forward" not in m.__dict__:
-                    m.forward = fwd
-                    installed.append(m)
+                d = m.__dict__
+                if "forward" not in d:
+                    d["forward"] = fwd
+                    installed.append(d)
             yield
         finally:
-            for m in installed:
-                del m.forward
+            for d in installed:
+                del d["forward"]
             for state in self._states:  # no step's activations kept past it
                 state.x = state.out = None
 

@@ -49,11 +49,27 @@ def max_positions(model: torch.nn.Module) -> tuple[int | None, int | None]:
     return base, most
 
 
+def _training_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules of ``model`` (itself included, each once) in train mode: ``model.modules()`` without
+    building every module's dotted name, which took most of its ~180 us a step for SmolLM2's 368."""
+    seen: set[int] = set()
+    stack, training = [model], []
+    while stack:
+        m = stack.pop()
+        if id(m) in seen:
+            continue
+        seen.add(id(m))
+        if m.training:
+            training.append(m)
+        stack.extend(c for c in m._modules.values() if c is not None)
+    return training
+
+
 @contextlib.contextmanager
 def eval_modes(model: torch.nn.Module):
     """The engine's forwards run with dropout off whatever mode the model is in (a trainer keeps it
     in train mode between generations); every module's mode is put back after."""
-    training = [m for m in model.modules() if m.training]
+    training = _training_modules(model)
     for m in training:
         m.training = False
     try:

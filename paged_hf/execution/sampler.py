@@ -18,6 +18,7 @@ from typing import Callable
 import torch
 
 from ..requests.request import Request
+from .backends import cpu_paged_attention
 
 
 @dataclass
@@ -44,7 +45,7 @@ def sample(logits: torch.Tensor, requests: list[Request], mask: Callable | None 
 
     # max gives the greedy choice and, in the same pass, rows with NaN / +inf (max propagates them)
     # or nothing left to pick (all -inf)
-    best, tokens = logits.max(dim=-1)
+    best, tokens = _row_max(logits)
     sampling_rows = [i for i, r in enumerate(requests) if not r.params.is_greedy and i not in errors]
     processed: dict[int, torch.Tensor] = {}  # row -> log-probabilities it was drawn from
     if sampling_rows:
@@ -82,6 +83,15 @@ def sample(logits: torch.Tensor, requests: list[Request], mask: Callable | None 
                 errors[i] = f"logprobs failed: {type(e).__name__}: {e}"
                 token_list[i] = None
     return SampleResult(token_list, logprobs, errors)
+
+
+def _row_max(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's maximum (NaN where the row holds one) and its first index: ``logits.max(dim=-1)``,
+    on a CPU through ``paged_hf::greedy_max`` where the extension is built (a tenth of the time)."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2 and logits.shape[1] > 0 \
+            and cpu_paged_attention.load():
+        return torch.ops.paged_hf.greedy_max(logits)
+    return logits.max(dim=-1)
 
 
 def _prepare_row(logits: torch.Tensor, row: int, req: Request) -> None:

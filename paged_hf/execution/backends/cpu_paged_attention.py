@@ -33,13 +33,14 @@ from pathlib import Path
 import torch
 
 from ..kv_geometry import KVLayout
-from ..metadata import StepMetadata
+from ..metadata import GroupTables, StepMetadata
 from .torch_backend import TorchBackend, _GroupPlan, _only_group, layer_window
 
-# one library for paged_hf's CPU ops: this attention, the gated delta rule of hybrid models' mixers
-# (paged_hf/execution/mixer_kernels.py) and the fused element-wise ops (paged_hf/execution/fused_ops.py)
+# one library for paged_hf's CPU ops: this attention (and its K/V writes), the gated delta rule of hybrid
+# models' mixers (paged_hf/execution/mixer_kernels.py), the fused element-wise ops
+# (paged_hf/execution/fused_ops.py) and the sampler's greedy pick (paged_hf/execution/sampler.py)
 SOURCES = [Path(__file__).resolve().parent.parent / "csrc" / name
-           for name in ("paged_attention.cpp", "gated_delta.cpp", "fused_ops.cpp")]
+           for name in ("paged_attention.cpp", "gated_delta.cpp", "fused_ops.cpp", "sampling.cpp")]
 OP_NAME = "paged_hf::paged_attention"
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -104,6 +105,14 @@ def _register_fake() -> None:
     for name in ("rms_norm", "silu_and_mul", "rotary"):  # each writes its last argument in place
         torch.library.register_fake(f"paged_hf::{name}")(lambda *args: None)
 
+    @torch.library.register_fake("paged_hf::write_kv")
+    def _fake_write_kv(key, value, k_cache, v_cache, slots):
+        return None  # writes the caches in place
+
+    @torch.library.register_fake("paged_hf::greedy_max")
+    def _fake_greedy_max(logits):
+        return logits.new_empty(logits.shape[0]), logits.new_empty(logits.shape[0], dtype=torch.long)
+
 
 def load(verbose: bool = False) -> bool:
     """Build (first time) and load the op; True when it is usable. A failure warns once and is remembered."""
@@ -131,7 +140,7 @@ def load(verbose: bool = False) -> bool:
 
 
 def _build_and_load(verbose: bool) -> None:
-    if hasattr(torch.ops.paged_hf, "rotary"):  # another copy already registered them
+    if hasattr(torch.ops.paged_hf, "greedy_max"):  # another copy already registered them
         return
     from torch.utils import cpp_extension
 
@@ -213,7 +222,7 @@ class CpuPagedBackend(TorchBackend):
         tables = meta.groups[g] if meta.groups else _only_group(meta)
         held = [kv - start for kv, start in zip(meta.kv_lens, tables.kv_starts)]
         short = [i for i, (q, kv) in enumerate(zip(meta.q_lens, held)) if kernel_takes(q, kv, self._bf16_path)]
-        plan = _KernelPlan(_GroupPlan(self._plan_write(tables)), has_long=len(short) < meta.num_seqs)
+        plan = _KernelPlan(None, has_long=len(short) < meta.num_seqs, tables=tables)
         if short:
             if len(short) == meta.num_seqs:
                 q_start, kv_indptr, kv_indices = meta.qo_indptr[:-1], tables.kv_indptr, tables.kv_indices
@@ -264,7 +273,7 @@ class CpuPagedBackend(TorchBackend):
             self._torch_plan(g, "long")
             out = super().attend(layer_idx, query, key, value, scaling, sliding_window, softcap)[0]
         else:
-            self._write_kv(layer_idx, key, value, plan.torch.writes)
+            self._store_kv(layer_idx, key, value, plan)
             out = query.new_empty(query.shape[2], query.shape[1], v_cache.shape[-1])
         if plan.args is not None:
             torch.ops.paged_hf.paged_attention(query[0].transpose(0, 1), self.kv[2 * layer_idx], v_cache, *plan.args,
@@ -272,9 +281,24 @@ class CpuPagedBackend(TorchBackend):
         return out.unsqueeze(0)
 
 
+    def _store_kv(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor, plan: "_KernelPlan") -> None:
+        """The layer's new K/V into their slots: ``paged_hf::write_kv`` reads them where they are, or, for
+        what it does not take (another dtype than the cache's, a strided last dim), the torch path's copy."""
+        k_cache, v_cache = self.kv[2 * layer_idx], self.kv[2 * layer_idx + 1]
+        k, v = key[0], value[0]
+        if k.dtype == k_cache.dtype and v.dtype == v_cache.dtype and k.stride(-1) == 1 and v.stride(-1) == 1:
+            torch.ops.paged_hf.write_kv(k, v, k_cache, v_cache, plan.tables.slot_mapping)
+            return
+        if plan.writes is None:
+            plan.writes = self._plan_write(plan.tables)
+        self._write_kv(layer_idx, key, value, plan.writes)
+
+
 @dataclass
 class _KernelPlan:
-    torch: _GroupPlan  # until a layer needs the torch path: its writes only
+    torch: _GroupPlan | None  # made when a layer needs the torch path
     has_long: bool
+    tables: GroupTables  # the group's tables (slot_mapping: where new K/V go)
     args: tuple | None = None
     torch_kind: str | None = None
+    writes: dict | None = None  # the torch path's write rows, made if a layer's K/V need them

@@ -714,6 +714,42 @@ void paged_attention(const at::Tensor& query, const at::Tensor& k_cache, const a
   }
 }
 
+// The step's new K and V into their slots: key [Hkv, T, Dk] and value [Hkv, T, Dv] (any strides, last dim
+// contiguous: the layer's k and v as the attention seam gets them), slot t = block * block_size + offset.
+// One copy of each row where the torch path made the rows token-major first and then index_copy'd them.
+void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache, at::Tensor& v_cache,
+              const at::Tensor& slots) {
+  TORCH_CHECK(key.dim() == 3 && value.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4,
+              "write_kv: key/value [Hkv, T, D], caches [blocks, Hkv, block_size, D]");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "write_kv: caches must be contiguous");
+  TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1, "write_kv: last dim must be contiguous");
+  TORCH_CHECK(key.scalar_type() == k_cache.scalar_type() && value.scalar_type() == v_cache.scalar_type(),
+              "write_kv: key and value must have their cache's dtype");
+  TORCH_CHECK(slots.scalar_type() == at::kInt && slots.is_contiguous() && slots.dim() == 1, "write_kv: slots int32 [T]");
+  const int64_t H = k_cache.size(1), bs = k_cache.size(2), Dk = k_cache.size(3), Dv = v_cache.size(3);
+  const int64_t T = slots.numel(), n_blocks = k_cache.size(0);
+  TORCH_CHECK(key.size(0) == H && value.size(0) == H && key.size(1) == T && value.size(1) == T && key.size(2) == Dk &&
+                  value.size(2) == Dv && v_cache.size(0) == n_blocks && v_cache.size(1) == H && v_cache.size(2) == bs,
+              "write_kv: shapes do not match the caches");
+  const int32_t* sl = slots.data_ptr<int32_t>();
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(sl[t] >= 0 && sl[t] < n_blocks * bs, "write_kv: slot ", sl[t], " out of range");
+  }
+  const int64_t es = key.element_size();
+  const char* kp = static_cast<const char*>(key.const_data_ptr());
+  const char* vp = static_cast<const char*>(value.const_data_ptr());
+  char* kc = static_cast<char*>(k_cache.mutable_data_ptr());
+  char* vc = static_cast<char*>(v_cache.mutable_data_ptr());
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t block = sl[t] / bs, off = sl[t] % bs;
+    for (int64_t h = 0; h < H; ++h) {
+      const int64_t row = (block * H + h) * bs + off;
+      std::memcpy(kc + row * Dk * es, kp + (h * key.stride(0) + t * key.stride(1)) * es, Dk * es);
+      std::memcpy(vc + row * Dv * es, vp + (h * value.stride(0) + t * value.stride(1)) * es, Dv * es);
+    }
+  }
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(paged_hf, m) {
@@ -721,6 +757,10 @@ TORCH_LIBRARY_FRAGMENT(paged_hf, m) {
       "paged_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor q_start, Tensor q_len, "
       "Tensor kv_len, Tensor kv_indptr, Tensor kv_indices, float scale, int sliding_window, float softcap, "
       "Tensor(a!) out) -> ()");
+  m.def("write_kv(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(paged_hf, CPU, m) { m.impl("paged_attention", &paged_attention); }
+TORCH_LIBRARY_IMPL(paged_hf, CPU, m) {
+  m.impl("paged_attention", &paged_attention);
+  m.impl("write_kv", &write_kv);
+}
