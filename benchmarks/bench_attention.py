@@ -43,14 +43,15 @@ from paged_hf.execution.backends.torch_backend import TorchBackend  # noqa: E402
 from paged_hf.execution.metadata import StepMetadata  # noqa: E402
 
 
-def step_metadata(specs: list[tuple[int, int]], bs: int, perm: list[int]) -> StepMetadata:
+def step_metadata(specs: list[tuple[int, int]], bs: int, perm: list[int], shared: int = 0) -> StepMetadata:
     """A step built by hand: sequence i has ``specs[i] = (new tokens, context length)``, its blocks
-    taken in turn from ``perm`` (also used by tests/test_cpu_paged_attention.py)."""
-    slots, pos, qo, kvp, kvi, last, blocks, used = [], [], [0], [0], [], [], [], 0
+    taken in turn from ``perm`` (also used by tests/test_cpu_paged_attention.py); with ``shared``,
+    every sequence's first ``shared`` blocks are the same ones (a prefix hit)."""
+    slots, pos, qo, kvp, kvi, last, blocks, used = [], [], [0], [0], [], [], [], shared
     for ql, kv in specs:
         nb = -(-kv // bs)
-        b = perm[used:used + nb]
-        used += nb
+        b = perm[:shared] + perm[used:used + nb - shared]
+        used += nb - shared
         slots += [b[p // bs] * bs + p % bs for p in range(kv - ql, kv)]
         pos += list(range(kv - ql, kv))
         qo.append(qo[-1] + ql)
@@ -71,6 +72,7 @@ def cases(seed: int) -> dict[str, list[tuple[int, int]]]:
         "decode 32 x 220": [(1, 220)] * 32,
         "decode 64 x U[40,420]": [(1, int(n)) for n in torch.randint(40, 421, (64,), generator=g)],
         "decode 64 x (512 + U[20,300])": [(1, 512 + int(n)) for n in torch.randint(20, 301, (64,), generator=g)],
+        "decode 64 x (512 shared + U[20,300])": [(1, 512 + int(n)) for n in torch.randint(20, 301, (64,), generator=g)],
         "32 decodes x 300 + a 256-token prompt": [(1, 300)] * 32 + [(256, 256)],
         "a 512-token chunk over 1,500 cached": [(512, 2012)],
         "a 128-token chunk over 384 cached": [(128, 512)],
@@ -123,9 +125,10 @@ def main(argv: list[str] | None = None) -> int:
         pools = [[torch.randn(args.pool_blocks, hkv, bs, d, generator=g).to(dtype) for _ in range(2)]
                  for _ in range(args.layers)]
     for name, specs in cases(0).items():
+        shared = 512 // bs if "shared" in name else 0
         n_blocks = sum(-(-kv // bs) for _, kv in specs) + 4
         perm = torch.randperm(n_blocks, generator=torch.Generator().manual_seed(1)).tolist()
-        meta = step_metadata(specs, bs, perm)
+        meta = step_metadata(specs, bs, perm, shared)
         t = meta.num_tokens
         g = torch.Generator().manual_seed(2)
         q, k, v = (torch.randn(1, h, t, d, generator=g).to(dtype) for h in (hq, hkv, hkv))
@@ -150,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
                     q[0].transpose(0, 1), cache[0], cache[1], *op_args, d ** -0.5, 0, 0.0, out), args.reps)
             elif route == "cold" and sum(-(-kv // bs) for _, kv in specs) <= args.pool_blocks:
                 pool_perm = torch.randperm(args.pool_blocks, generator=torch.Generator().manual_seed(4)).tolist()
-                cm = step_metadata(specs, bs, pool_perm)
+                cm = step_metadata(specs, bs, pool_perm, shared)
                 i32 = lambda x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
                 op_args = (cm.qo_indptr[:-1].contiguous(), i32(cm.q_lens), i32(cm.kv_lens), cm.kv_indptr, cm.kv_indices)
                 out = torch.empty(t, hq, d, dtype=dtype)

@@ -167,6 +167,46 @@ def test_bf16_decodes_give_the_same_rows_alone_and_in_a_full_step(threads):
     torch.testing.assert_close(together.double(), want, atol=1.6e-2, rtol=1.6e-2)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("group,softcap", [(3, 0.0), (4, 0.0), (3, 20.0), (1, 0.0)])
+def test_bf16_decodes_sharing_their_first_blocks_match_a_float64_reference(threads, group, softcap):
+    """Decodes whose tables start with the same blocks (a common prompt, a prefix hit) read those blocks once
+    for the whole group on the bf16 path: a run of 20 sharing 3 blocks (two chunks of 10), tables that part
+    after one block, a context ending exactly on the shared blocks' end and one a token past it, a pair
+    too small to group, and decodes sharing nothing, all against the float64 reference."""
+    gen = torch.Generator().manual_seed(threads * 10 + group)
+    hkv, d, bs = 2, 64, 16
+    n_blocks = 400
+    k_cache = torch.randn(n_blocks, hkv, bs, d, generator=gen).bfloat16()
+    v_cache = torch.randn(n_blocks, hkv, bs, d, generator=gen).bfloat16()
+    free = torch.randperm(n_blocks, generator=gen).tolist()
+
+    def take(n):
+        return [free.pop() for _ in range(n)]
+
+    prefix_a, prefix_b, prefix_c = take(3), take(2), take(1)
+    lens_tables = []
+    for i in range(20):  # 3 shared blocks then their own
+        kv = 48 + 1 + (29 * i) % 150
+        lens_tables.append((kv, prefix_a + take(-(-kv // bs) - 3)))
+    lens_tables.append((48, prefix_a))                 # ends exactly on the shared blocks
+    lens_tables.append((49, prefix_a + take(1)))       # one token past them
+    for i in range(6):  # share the first block, part at the second (different second blocks)
+        lens_tables.append((40 + 7 * i, prefix_b[:1] + take(-(-(40 + 7 * i) // bs) - 1)))
+    lens_tables += [(70, prefix_c + take(4)), (90, prefix_c + take(5))]  # a pair: grouped when 2 * group >= 8
+    lens_tables += [(33 + 11 * i, take(-(-(33 + 11 * i) // bs))) for i in range(5)]  # nothing shared
+    seqs = [(i, 1, kv, blocks) for i, (kv, blocks) in enumerate(lens_tables)]
+    q = torch.randn(len(seqs), hkv * group, d, generator=gen).bfloat16()
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = run_op(q, k_cache, v_cache, seqs, d ** -0.5, 0, softcap)
+    finally:
+        torch.set_num_threads(before)
+    want = reference(q, k_cache, v_cache, seqs, d ** -0.5, 0, softcap)
+    torch.testing.assert_close(got.double(), want, atol=1.6e-2, rtol=1.6e-2)
+
+
 def test_op_writes_only_the_rows_of_the_sequences_it_is_given():
     """A subset of a step's sequences (the others' rows untouched), and bad input refused by name."""
     k_cache, v_cache = torch.randn(8, 2, 4, 16), torch.randn(8, 2, 4, 16)
