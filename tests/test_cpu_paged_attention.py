@@ -138,42 +138,53 @@ def test_bf16_16_token_blocks_match_a_float64_reference(dk, dv, window, softcap)
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-def test_bf16_decodes_give_the_same_rows_alone_and_in_a_full_step(threads):
-    """A step of many decodes gives each item all of a sequence's kv heads (bf16 path), a lone decode an
-    item per head: the same rows either way, bit for bit, and the float64 reference's within bf16."""
-    gen = torch.Generator().manual_seed(threads)
-    hkv, group, d = 3, 3, 64
-    lens = [1 + (37 * i) % 300 for i in range(13)]
-    n_blocks = sum(-(-kv // 16) for kv in lens) + 1
-    k_cache = torch.randn(n_blocks, hkv, 16, d, generator=gen).bfloat16()
-    v_cache = torch.randn(n_blocks, hkv, 16, d, generator=gen).bfloat16()
-    perm = torch.randperm(n_blocks, generator=gen).tolist()
-    seqs, used = [], 0
-    for i, kv in enumerate(lens):
-        nb = -(-kv // 16)
-        seqs.append((i, 1, kv, perm[used:used + nb]))
-        used += nb
-    q = torch.randn(len(lens), hkv * group, d, generator=gen).bfloat16()
+@pytest.mark.parametrize("group,softcap", [(3, 0.0), (1, 0.0), (4, 30.0)])
+def test_bf16_rows_are_the_same_however_the_step_is_laid_out(threads, group, softcap):
+    """A query row's output is bit for bit the same however the step around it is laid out: a prompt as one
+    chunk (tiles of several tokens) or as one decode per token (what a recompute after preemption, or
+    another chunking, gives); a step of decodes (all kv heads an item), some sharing 3 blocks, some nothing,
+    or each decode alone (an item per kv head). Seeded requests sample the same tokens in any batch only
+    while this holds. And the float64 reference's within bf16."""
+    gen = torch.Generator().manual_seed(threads * 7 + group)
+    hkv, d, bs = 3, 64, 16
+    k_cache = torch.randn(300, hkv, bs, d, generator=gen).bfloat16()
+    v_cache = torch.randn(300, hkv, bs, d, generator=gen).bfloat16()
+    free = torch.randperm(300, generator=gen).tolist()
+
+    def take(n):
+        return [free.pop() for _ in range(n)]
+
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        together = run_op(q, k_cache, v_cache, seqs, d ** -0.5, 0, 0.0)
-        alone = [run_op(q[i:i + 1], k_cache, v_cache, [(0, 1, kv, blocks)], d ** -0.5, 0, 0.0)
-                 for i, (_, _, kv, blocks) in enumerate(seqs)]
+        # a prompt of 37 tokens over 40 cached, as one chunk, and as 37 decodes of one token each
+        blocks = take(-(-77 // bs))
+        q = torch.randn(37, hkv * group, d, generator=gen).bfloat16()
+        chunk = run_op(q, k_cache, v_cache, [(0, 37, 77, blocks)], d ** -0.5, 0, softcap)
+        tokens = run_op(q, k_cache, v_cache, [(t, 1, 41 + t, blocks) for t in range(37)], d ** -0.5, 0, softcap)
+        assert torch.equal(chunk, tokens)
+        # decodes: 12 sharing 3 blocks, 5 sharing nothing; together, then each alone
+        shared = take(3)
+        seqs = [(i, 1, 49 + 13 * i, shared + take(-(-(49 + 13 * i) // bs) - 3)) for i in range(12)]
+        seqs += [(12 + i, 1, 20 + 31 * i, take(-(-(20 + 31 * i) // bs))) for i in range(5)]
+        q = torch.randn(len(seqs), hkv * group, d, generator=gen).bfloat16()
+        together = run_op(q, k_cache, v_cache, seqs, d ** -0.5, 0, softcap)
+        alone = torch.cat([run_op(q[i:i + 1], k_cache, v_cache, [(0, 1, kv, b)], d ** -0.5, 0, softcap)
+                           for i, (_, _, kv, b) in enumerate(seqs)])
+        assert torch.equal(together, alone)
     finally:
         torch.set_num_threads(before)
-    assert torch.equal(together, torch.cat(alone))
-    want = reference(q, k_cache, v_cache, seqs, d ** -0.5, 0, 0.0)
+    want = reference(q, k_cache, v_cache, seqs, d ** -0.5, 0, softcap)
     torch.testing.assert_close(together.double(), want, atol=1.6e-2, rtol=1.6e-2)
 
 
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("group,softcap", [(3, 0.0), (4, 0.0), (3, 20.0), (1, 0.0)])
 def test_bf16_decodes_sharing_their_first_blocks_match_a_float64_reference(threads, group, softcap):
-    """Decodes whose tables start with the same blocks (a common prompt, a prefix hit) read those blocks once
-    for the whole group on the bf16 path: a run of 20 sharing 3 blocks (two chunks of 10), tables that part
-    after one block, a context ending exactly on the shared blocks' end and one a token past it, a pair
-    too small to group, and decodes sharing nothing, all against the float64 reference."""
+    """Decodes whose tables start with the same blocks (a common prompt, a prefix hit), as a step holds them
+    with prefix caching: a run of 20 sharing 3 blocks, tables that part after one block, a context ending
+    exactly on the shared blocks' end and one a token past it, a pair, and decodes sharing nothing, all
+    against the float64 reference."""
     gen = torch.Generator().manual_seed(threads * 10 + group)
     hkv, d, bs = 2, 64, 16
     n_blocks = 400

@@ -108,12 +108,7 @@ inline Vec softcap_vec(Vec x, float pre, float cap) {
 struct Item {
   int32_t seq, head, heads, t0, t1;  // kv heads [head, head + heads), query tokens [t0, t1) of the sequence
   int64_t cost;
-  // a group of decodes whose tables start with the same `shared` blocks: Problem::members[seq, seq + n_seqs)
-  int32_t n_seqs = 0, shared = 0;
 };
-
-// rows per kv head from which the bf16 path runs a block's scores with the rows in the lanes (rows16_block)
-constexpr int64_t LANE_ROWS_FROM = 8;
 
 struct Problem {
   int64_t q_heads, kv_heads, group, k_dim, v_dim, block_size;
@@ -121,7 +116,6 @@ struct Problem {
   const int32_t *q_start, *q_len, *kv_len, *kv_indptr, *kv_indices;
   float scale, softcap;
   int64_t window;  // <= 0: none
-  const int32_t* members = nullptr;  // the sequences of group items, each group's side by side
 };
 
 // Per-thread scratch, sized for the largest item.
@@ -129,12 +123,10 @@ struct Scratch {
   std::vector<float> q, acc, s, m, l, kf, vf, corr;
   std::vector<int32_t> vis;
   std::vector<uint16_t> p16;
-  std::vector<uint32_t> qt;
   void reserve(int64_t rows, const Problem& p) {
     corr.resize(rows);
     vis.resize(2 * rows);
-    p16.resize((rows + 16) * 16);
-    qt.resize((rows + 16 * p.kv_heads) * (p.k_dim / 2));  // each head's rows padded to 16
+    p16.resize(rows * 16);
     q.resize(rows * p.k_dim);
     acc.resize(rows * p.v_dim);
     s.resize(rows * p.block_size);
@@ -339,29 +331,19 @@ inline __m512 tree16(__m512* a) {
 }
 
 // acc[r + k] = acc[r + k] * corr[r + k] + P[r + k] V for k < N rows that see the same keys
-// [j_beg, j_end) of a block; V as interleaved pairs of keys (see run_item_bf16), P as bf16 pairs:
-// row r's pair i (keys 2i, 2i+1) is the 32-bit word P.row(r)[i * P.stride].
-struct PairsOfP {
-  const uint32_t* base;
-  int64_t lanes;  // 0: a row's 8 pairs side by side ([row][8]); 16: rows in lanes ([row / 16][pair][16])
-  inline const uint32_t* row(int64_t r) const { return lanes ? base + (r / 16) * 128 + r % 16 : base + 8 * r; }
-  inline int64_t stride() const { return lanes ? 16 : 1; }
-};
-
+// [j_beg, j_end) of a block; P as bf16 pairs, V as interleaved pairs of keys (see run_item_bf16).
 template <int N, int MAXC>
 inline void pv_rows(int64_t r, int64_t j_beg, int64_t j_end, int64_t nacc, int64_t Dv, const float* corr,
-                    const PairsOfP& P, const __m512i* vp, float* acc) {
+                    const uint16_t* pr, const __m512i* vp, float* acc) {
   __m512 o[N][MAXC];
-  const uint32_t* prow[N];
   for (int k = 0; k < N; ++k) {
-    prow[k] = P.row(r + k);
     const __m512 cv = _mm512_set1_ps(corr[r + k]);
     for (int64_t c = 0; c < nacc; ++c) o[k][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + (r + k) * Dv + 16 * c), cv);
   }
-  const int64_t ps = P.stride();
   for (int64_t i = j_beg / 2; i < (j_end + 1) / 2; ++i) {
     __m512bh pv[N];
-    for (int k = 0; k < N; ++k) pv[k] = (__m512bh)_mm512_set1_epi32(static_cast<int>(prow[k][i * ps]));
+    for (int k = 0; k < N; ++k)
+      pv[k] = (__m512bh)_mm512_set1_epi32(static_cast<int>(reinterpret_cast<const uint32_t*>(pr + 16 * (r + k))[i]));
     const __m512i* vpi = vp + i * (Dv / 32) * 2;
     for (int64_t c = 0; c < nacc; ++c) {
       const __m512bh v = (__m512bh)_mm512_loadu_si512(vpi + c);
@@ -372,214 +354,43 @@ inline void pv_rows(int64_t r, int64_t j_beg, int64_t j_end, int64_t nacc, int64
     for (int64_t c = 0; c < nacc; ++c) _mm512_storeu_ps(acc + (r + k) * Dv + 16 * c, o[k][c]);
 }
 
-// Scores and the online softmax of up to 16 rows of one kv head against one 16-key block, the rows
-// in the vector lanes: for tiles with many rows per head (prefill chunks, wide GQA groups), where
-// the row-at-a-time pass spends more on each row's reduction tree than on its dot products.
-//   qt:  the rows' queries as pairs of dims, [Dk / 2][16 rows] (32-bit words, rows past nr zero)
-//   kb:  the block's keys [16][Dk]; key j's scores for the 16 rows are one vector, summed over pairs
-//        of dims by vdpbf16ps against the key's pair broadcast (no horizontal reduction)
-//   the softmax runs down the keys (max, exp, sum per lane); P goes out as bf16 pairs of keys,
-//   [pair][16 rows] (PairsOfP with lanes 16), the rescale of each row's accumulator to corr.
-inline void rows16_block(const uint32_t* qt, const uint16_t* kb, int64_t Dk, const int32_t* vis_lo,
-                         const int32_t* vis_hi, int64_t nr, float scale, float softcap, float* m, float* l,
-                         float* corr, uint32_t* pp) {
-  const __mmask16 live = static_cast<__mmask16>((1u << nr) - 1);
-  __m512 x[16];
-  for (int j = 0; j < 16; ++j) x[j] = _mm512_setzero_ps();
-  const uint32_t* kw = reinterpret_cast<const uint32_t*>(kb);
-  const int64_t pairs = Dk / 2;
-  for (int64_t d = 0; d < pairs; ++d) {
-    const __m512bh qv = (__m512bh)_mm512_loadu_si512(qt + 16 * d);
-    for (int j = 0; j < 16; ++j)
-      x[j] = _mm512_dpbf16_ps(x[j], qv, (__m512bh)_mm512_set1_epi32(static_cast<int>(kw[j * pairs + d])));
-  }
-  const __m512i lo = _mm512_maskz_loadu_epi32(live, vis_lo), hi = _mm512_maskz_loadu_epi32(live, vis_hi);
-  const __m512 ninf = _mm512_set1_ps(NEG_INF);
-  __m512 bmax = ninf;
-  for (int j = 0; j < 16; ++j) {
-    __m512 v = _mm512_mul_ps(x[j], _mm512_set1_ps(softcap > 0 ? 1.f : scale));
-    if (softcap > 0) v = softcap_vec(Vec(v), scale / softcap, softcap);
-    const __m512i jv = _mm512_set1_epi32(j);
-    const __mmask16 vis = _mm512_cmp_epi32_mask(lo, jv, _MM_CMPINT_LE) & _mm512_cmp_epi32_mask(hi, jv, _MM_CMPINT_NLE);
-    x[j] = _mm512_mask_blend_ps(vis, ninf, v);
-    bmax = _mm512_max_ps(bmax, x[j]);
-  }
-  const __m512 m_old = _mm512_mask_loadu_ps(ninf, live, m);
-  const __m512 m_new = _mm512_max_ps(m_old, bmax);
-  // a row that has seen no key yet keeps -inf; it subtracts 0 instead (its exps are all 0)
-  const __m512 m_use = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(m_new, ninf, _CMP_EQ_OQ), m_new, _mm512_setzero_ps());
-  const __m512 c = Vec(_mm512_sub_ps(m_old, m_use)).exp_u20();
-  __m512 sum = _mm512_setzero_ps();
-  for (int i = 0; i < 8; ++i) {
-    const __m512 e0 = Vec(_mm512_sub_ps(x[2 * i], m_use)).exp_u20();
-    const __m512 e1 = Vec(_mm512_sub_ps(x[2 * i + 1], m_use)).exp_u20();
-    sum = _mm512_add_ps(_mm512_add_ps(sum, e0), e1);
-    const __m512i p0 = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(e0));
-    const __m512i p1 = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(e1));
-    _mm512_storeu_si512(pp + 16 * i, _mm512_or_si512(p0, _mm512_slli_epi32(p1, 16)));
-  }
-  _mm512_mask_storeu_ps(l, live, _mm512_add_ps(_mm512_mul_ps(_mm512_mask_loadu_ps(_mm512_setzero_ps(), live, l), c), sum));
-  _mm512_mask_storeu_ps(m, live, m_new);
-  _mm512_mask_storeu_ps(corr, live, c);
-}
-
-
 inline bool bf16_path(const Problem& p) {
   return p.block_size == 16 && p.k_dim % 32 == 0 && p.v_dim % 32 == 0 && p.v_dim <= 512;
-}
-
-// One kv head's page of one block against `rows` of that head's rows: scores, online softmax, P V.
-//   q: the rows' queries [rows][Dk]; qt: the same with the rows in lanes ([rows / 16][Dk / 2][16], see
-//   rows16_block), or null for the row path; m, l, acc: the rows' running max, sum and accumulators.
-//   vis_lo / vis_hi: each row's visible keys [lo, hi) of the block (n keys valid).
-// Each block in three passes over the rows (scores, softmax, P V) rather than one row at a time: a
-// row's work is a long chain of dependent steps (dot products, reduction tree, max, exp, P V), and
-// short passes let the CPU overlap the independent rows of one pass. `next` is told each row of the
-// score pass, to spread its prefetches over them.
-struct HeadRows {
-  const uint16_t* q;
-  const uint32_t* qt;
-  float* m;
-  float* l;
-  float* acc;
-};
-
-void block_head(const Problem& p, const uint16_t* kb, const uint16_t* vb, int64_t n, const int32_t* vis_lo,
-                const int32_t* vis_hi, int64_t rows, const HeadRows& hr, const PagePrefetch& next, Scratch& w) {
-  const int64_t Dk = p.k_dim, Dv = p.v_dim, nacc = Dv / 16, pairs = Dk / 2;
-  const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-  float* sc = w.s.data();                    // [rows][16] scores (row path)
-  float* corr = w.corr.data();               // [rows] rescale of the accumulator
-  uint16_t* pr = w.p16.data();               // P in bf16 pairs (PairsOfP)
-  __m512i* vp = reinterpret_cast<__m512i*>(w.vf.data());  // interleaved V pairs [8][Dv]x2
-  const PairsOfP P{reinterpret_cast<const uint32_t*>(pr), hr.qt ? 16 : 0};
-  if (hr.qt) {
-    for (int64_t r = 0; r < rows; r += 16) {
-      for (int64_t x = 0; x < 16; ++x) next.row(r + x);
-      rows16_block(hr.qt + (r / 16) * pairs * 16, kb, Dk, vis_lo + r, vis_hi + r, std::min<int64_t>(16, rows - r),
-                   p.scale, p.softcap, hr.m + r, hr.l + r, corr + r, reinterpret_cast<uint32_t*>(pr) + 8 * r);
-    }
-  } else {
-    // pass 1: scores of the visible keys (others -inf)
-    for (int64_t r = 0; r < rows; ++r) {
-      next.row(r);
-      const int64_t j_beg = vis_lo[r], j_end = vis_hi[r];
-      if (j_end <= j_beg) continue;
-      __m512 a[16];
-      for (int j = 0; j < 16; ++j) a[j] = _mm512_setzero_ps();
-      const uint16_t* qr = hr.q + r * Dk;
-      for (int64_t d = 0; d < Dk; d += 32) {
-        const __m512bh qv = (__m512bh)_mm512_loadu_si512(qr + d);
-        for (int j = 0; j < 16; ++j) a[j] = _mm512_dpbf16_ps(a[j], qv, (__m512bh)_mm512_loadu_si512(kb + j * Dk + d));
-      }
-      __m512 x = _mm512_mul_ps(tree16(a), _mm512_set1_ps(p.softcap > 0 ? 1.f : p.scale));
-      if (p.softcap > 0) x = softcap_vec(Vec(x), p.scale / p.softcap, p.softcap);
-      const __mmask16 vis = _mm512_cmp_epi32_mask(iota, _mm512_set1_epi32(static_cast<int>(j_beg)), _MM_CMPINT_NLT) &
-                            _mm512_cmp_epi32_mask(iota, _mm512_set1_epi32(static_cast<int>(j_end)), _MM_CMPINT_LT);
-      _mm512_storeu_ps(sc + 16 * r, _mm512_mask_blend_ps(vis, _mm512_set1_ps(NEG_INF), x));
-    }
-    // pass 2: online softmax update, P rounded to bf16
-    for (int64_t r = 0; r < rows; ++r) {
-      if (vis_hi[r] <= vis_lo[r]) continue;
-      const __m512 x = _mm512_loadu_ps(sc + 16 * r);
-      const float m_new = std::max(hr.m[r], _mm512_reduce_max_ps(x));
-      corr[r] = std::exp(hr.m[r] - m_new);
-      const __mmask16 vis = _mm512_cmp_epi32_mask(iota, _mm512_set1_epi32(vis_lo[r]), _MM_CMPINT_NLT) &
-                            _mm512_cmp_epi32_mask(iota, _mm512_set1_epi32(vis_hi[r]), _MM_CMPINT_LT);
-      const __m512 e = _mm512_maskz_mov_ps(vis, Vec(_mm512_sub_ps(x, _mm512_set1_ps(m_new))).exp_u20());
-      hr.l[r] = hr.l[r] * corr[r] + _mm512_reduce_add_ps(e);
-      hr.m[r] = m_new;
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + 16 * r), (__m256i)_mm512_cvtneps_pbh(e));
-    }
-  }
-  // V's pairs of keys interleaved (a missing partner reads as 0), then pass 3: acc = acc * corr + P V
-  const int64_t n_pairs = (n + 1) / 2;
-  for (int64_t i = 0; i < n_pairs; ++i) {
-    const int64_t j = 2 * i;
-    for (int64_t c = 0; c < Dv / 32; ++c) {
-      const __m512i v0 = _mm512_loadu_si512(vb + j * Dv + 32 * c);
-      const __m512i v1 = j + 1 < n ? _mm512_loadu_si512(vb + (j + 1) * Dv + 32 * c) : _mm512_setzero_si512();
-      _mm512_storeu_si512(vp + (i * Dv / 32 + c) * 2, _mm512_unpacklo_epi16(v0, v1));
-      _mm512_storeu_si512(vp + (i * Dv / 32 + c) * 2 + 1, _mm512_unpackhi_epi16(v0, v1));
-    }
-  }
-  for (int64_t r = 0; r < rows;) {
-    if (vis_hi[r] <= vis_lo[r]) {
-      ++r;
-    } else if (nacc <= 8 && r + 1 < rows && vis_lo[r] == vis_lo[r + 1] && vis_hi[r] == vis_hi[r + 1]) {
-      pv_rows<2, 8>(r, vis_lo[r], vis_hi[r], nacc, Dv, corr, P, vp, hr.acc);  // two rows share each V load
-      r += 2;
-    } else {
-      pv_rows<1, 32>(r, vis_lo[r], vis_hi[r], nacc, Dv, corr, P, vp, hr.acc);
-      ++r;
-    }
-  }
-}
-
-// The rows' queries gathered: q [H][RH][Dk] bf16, and with the rows in lanes when `lanes`
-// ([H][RH / 16][Dk / 2][16]); row_of(h, r) is the packed query row and head of row r of head h.
-template <typename RowOf>
-void gather_queries(const Problem& p, const c10::BFloat16* query, int64_t H, int64_t RH, bool lanes, RowOf row_of,
-                    Scratch& w) {
-  const int64_t Dk = p.k_dim, pairs = Dk / 2, groups = (RH + 15) / 16;
-  uint16_t* qb = reinterpret_cast<uint16_t*>(w.q.data());
-  for (int64_t h = 0; h < H; ++h)
-    for (int64_t r = 0; r < RH; ++r) {
-      const auto [row, head] = row_of(h, r);
-      std::memcpy(qb + (h * RH + r) * Dk, query + row * p.q_stride_t + head * p.q_stride_h, Dk * sizeof(uint16_t));
-    }
-  if (lanes) {
-    uint32_t* qt = w.qt.data();
-    std::fill(qt, qt + H * groups * pairs * 16, 0u);
-    const uint32_t* qw = reinterpret_cast<const uint32_t*>(qb);
-    for (int64_t h = 0; h < H; ++h)
-      for (int64_t r = 0; r < RH; ++r)
-        for (int64_t d = 0; d < pairs; ++d)
-          qt[((h * groups + r / 16) * pairs + d) * 16 + r % 16] = qw[(h * RH + r) * pairs + d];
-  }
-}
-
-// Each row's accumulator divided by its sum, into out; row_of as for gather_queries.
-template <typename RowOf>
-void write_rows(const Problem& p, int64_t R, int64_t RH, RowOf row_of, c10::BFloat16* out, Scratch& w) {
-  const int64_t Dv = p.v_dim;
-  for (int64_t r = 0; r < R; ++r) {
-    const float* ar = w.acc.data() + r * Dv;
-    const float inv = w.l[r] > 0 ? 1.f / w.l[r] : 0.f;
-    alignas(64) float tmp[512];
-    for (int64_t c = 0; c < Dv / 32; ++c)  // acc[2c] lane e <-> d = 32c + 8(e/4) + e%4; acc[2c+1]: + 4
-      for (int e = 0; e < 16; ++e) {
-        tmp[32 * c + 8 * (e / 4) + e % 4] = ar[32 * c + e] * inv;
-        tmp[32 * c + 8 * (e / 4) + 4 + e % 4] = ar[32 * c + 16 + e] * inv;
-      }
-    const auto [row, head] = row_of(r / RH, r % RH);
-    from_f32(tmp, out + row * p.o_stride_t + head * p.o_stride_h, Dv);
-  }
 }
 
 void run_item_bf16(const Item& it, const Problem& p, const c10::BFloat16* query, const c10::BFloat16* k_cache,
                    const c10::BFloat16* v_cache, c10::BFloat16* out, Scratch& w) {
   const int64_t G = p.group, Dk = p.k_dim, Dv = p.v_dim, bs = 16;
-  const int64_t n_tok = it.t1 - it.t0, RH = n_tok * G, H = it.heads, R = RH * H;
+  const int64_t n_tok = it.t1 - it.t0, RH = n_tok * G, H = it.heads, R = RH * H, nacc = Dv / 16;
   const int64_t L = p.kv_len[it.seq], ql = p.q_len[it.seq];
   const int64_t first_pos = L - ql + it.t0, last_pos = L - ql + it.t1 - 1;
   const int64_t row0 = p.q_start[it.seq] + it.t0;
+  float* acc = w.acc.data();
+  float* m = w.m.data();
+  float* l = w.l.data();
   // rows r = h * RH + t * G + g: the item's kv heads in turn (h counted from it.head), each with its
-  // tokens' query heads; with 8 or more rows a head, the scores run with the rows in the lanes
-  const auto row_of = [&](int64_t h, int64_t r) {
-    return std::pair<int64_t, int64_t>(row0 + r / G, (it.head + h) * G + r % G);
-  };
-  const bool lanes = RH >= LANE_ROWS_FROM;
-  const int64_t groups = (RH + 15) / 16, pairs = Dk / 2;
-  gather_queries(p, query, H, RH, lanes, row_of, w);
-  std::fill(w.acc.begin(), w.acc.begin() + R * Dv, 0.f);
-  std::fill(w.m.begin(), w.m.begin() + R, NEG_INF);
-  std::fill(w.l.begin(), w.l.begin() + R, 0.f);
-  const uint16_t* qb = reinterpret_cast<const uint16_t*>(w.q.data());
+  // tokens' query heads. Scratch reused as bf16: the rows' queries [R][Dk], interleaved V pairs [8][Dv]x2
+  uint16_t* qb = reinterpret_cast<uint16_t*>(w.q.data());
+  __m512i* vp = reinterpret_cast<__m512i*>(w.vf.data());
+  for (int64_t h = 0; h < H; ++h)
+    for (int64_t t = 0; t < n_tok; ++t)
+      for (int64_t g = 0; g < G; ++g)
+        std::memcpy(qb + h * RH * Dk + (t * G + g) * Dk,
+                    query + (row0 + t) * p.q_stride_t + ((it.head + h) * G + g) * p.q_stride_h, Dk * sizeof(uint16_t));
+  std::fill(acc, acc + R * Dv, 0.f);
+  std::fill(m, m + R, NEG_INF);
+  std::fill(l, l + R, 0.f);
+  const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   const int64_t lo = p.window > 0 ? std::max<int64_t>(0, first_pos - p.window + 1) : 0;
   const int64_t hi = last_pos + 1;
   const int32_t* blocks = p.kv_indices + p.kv_indptr[it.seq];
-  int32_t* vis_lo = w.vis.data();  // [RH] visible keys [lo, hi) of the block, the same for every head
+  // Each block in three passes over a head's rows (scores, softmax, P V) rather than one row at a
+  // time: a row's work is a long chain of dependent steps (dot products, reduction tree, max, exp,
+  // P V), and short passes let the CPU overlap the independent rows of one pass.
+  float* sc = w.s.data();                                  // [RH][16] scores
+  float* corr = w.corr.data();                             // [R] rescale of the accumulator
+  uint16_t* pr = w.p16.data();                             // [RH][16] P in bf16
+  int32_t* vis_lo = w.vis.data();                          // [RH] visible keys [lo, hi) of the block
   int32_t* vis_hi = vis_lo + RH;
   const auto page_of = [&](int64_t blk, int64_t h) {
     return (static_cast<int64_t>(blocks[blk]) * p.kv_heads + it.head + h) * bs;
@@ -587,6 +398,7 @@ void run_item_bf16(const Item& it, const Problem& p, const c10::BFloat16* query,
   PagePrefetch next;
   for (int64_t blk = lo / bs; blk * bs < hi; ++blk) {
     const int64_t j0 = blk * bs, n = std::min(bs, hi - j0);
+    // which keys of the block each token's rows see (the same for every head)
     bool any = false;
     for (int64_t r = 0; r < RH; ++r) {
       const int64_t pos = first_pos + r / G;
@@ -599,6 +411,8 @@ void run_item_bf16(const Item& it, const Problem& p, const c10::BFloat16* query,
     if (!any) continue;
     for (int64_t h = 0; h < H; ++h) {
       const int64_t page = page_of(blk, h);
+      const uint16_t* kb = reinterpret_cast<const uint16_t*>(k_cache + page * Dk);
+      const uint16_t* vb = reinterpret_cast<const uint16_t*>(v_cache + page * Dv);
       if ((blk + 1) * bs < hi) {  // this head's page of the next block, while this one computes
         const int64_t np = page_of(blk + 1, h);
         next.start(reinterpret_cast<const char*>(k_cache + np * Dk), reinterpret_cast<const char*>(v_cache + np * Dv),
@@ -606,85 +420,78 @@ void run_item_bf16(const Item& it, const Problem& p, const c10::BFloat16* query,
       } else {
         next.k = nullptr;
       }
-      const HeadRows hr{qb + h * RH * Dk, lanes ? w.qt.data() + h * groups * pairs * 16 : nullptr, w.m.data() + h * RH,
-                        w.l.data() + h * RH, w.acc.data() + h * RH * Dv};
-      block_head(p, reinterpret_cast<const uint16_t*>(k_cache + page * Dk),
-                 reinterpret_cast<const uint16_t*>(v_cache + page * Dv), n, vis_lo, vis_hi, RH, hr, next, w);
-    }
-  }
-  write_rows(p, R, RH, row_of, out, w);
-}
-
-// Decodes that share their first blocks (a common system prompt, few-shot examples, a prefix hit):
-// the shared blocks are read once for all of the group's rows, with the rows in the lanes (16 rows
-// to each K load, no reduction trees), then each sequence's own blocks with its rows alone. The
-// same online softmax as run_item_bf16 in the same block order, so the same result but for the
-// order of sums in the shared blocks' scores.
-void run_group_bf16(const Item& it, const Problem& p, const c10::BFloat16* query, const c10::BFloat16* k_cache,
-                    const c10::BFloat16* v_cache, c10::BFloat16* out, Scratch& w) {
-  const int64_t G = p.group, Dk = p.k_dim, Dv = p.v_dim, bs = 16, H = p.kv_heads;
-  const int64_t S = it.n_seqs, RH = S * G, R = H * RH, groups = (RH + 15) / 16, pairs = Dk / 2;
-  const int32_t* seqs = p.members + it.seq;
-  // rows r = h * RH + s * G + g: kv head h, the group's sequence s, its query head h * G + g
-  const auto row_of = [&](int64_t h, int64_t r) {
-    return std::pair<int64_t, int64_t>(p.q_start[seqs[r / G]], h * G + r % G);
-  };
-  gather_queries(p, query, H, RH, true, row_of, w);
-  std::fill(w.acc.begin(), w.acc.begin() + R * Dv, 0.f);
-  std::fill(w.m.begin(), w.m.begin() + R, NEG_INF);
-  std::fill(w.l.begin(), w.l.begin() + R, 0.f);
-  const uint16_t* qb = reinterpret_cast<const uint16_t*>(w.q.data());
-  int32_t* vis_lo = w.vis.data();
-  int32_t* vis_hi = vis_lo + RH;
-  const auto page = [&](const int32_t* blocks, int64_t blk, int64_t h) {
-    return (static_cast<int64_t>(blocks[blk]) * H + h) * bs;
-  };
-  PagePrefetch next;
-  // the shared blocks, whole blocks of every context: every row sees all 16 keys
-  std::fill(vis_lo, vis_lo + RH, 0);
-  std::fill(vis_hi, vis_hi + RH, 16);
-  const int32_t* shared = p.kv_indices + p.kv_indptr[seqs[0]];
-  for (int64_t blk = 0; blk < it.shared; ++blk) {
-    for (int64_t h = 0; h < H; ++h) {
-      const int64_t pg = page(shared, blk, h);
-      if (blk + 1 < it.shared) {
-        const int64_t np = page(shared, blk + 1, h);
-        next.start(reinterpret_cast<const char*>(k_cache + np * Dk), reinterpret_cast<const char*>(v_cache + np * Dv),
-                   bs * Dk * 2, bs * Dv * 2, RH);
-      } else {
-        next.k = nullptr;
-      }
-      const HeadRows hr{qb + h * RH * Dk, w.qt.data() + h * groups * pairs * 16, w.m.data() + h * RH,
-                        w.l.data() + h * RH, w.acc.data() + h * RH * Dv};
-      block_head(p, reinterpret_cast<const uint16_t*>(k_cache + pg * Dk),
-                 reinterpret_cast<const uint16_t*>(v_cache + pg * Dv), bs, vis_lo, vis_hi, RH, hr, next, w);
-    }
-  }
-  // then each sequence's own blocks, its rows alone
-  for (int64_t s = 0; s < S; ++s) {
-    const int64_t L = p.kv_len[seqs[s]];
-    const int32_t* blocks = p.kv_indices + p.kv_indptr[seqs[s]];
-    for (int64_t blk = it.shared; blk * bs < L; ++blk) {
-      const int64_t n = std::min(bs, L - blk * bs);  // a decode sees every key of its context
-      std::fill(vis_lo, vis_lo + G, 0);
-      std::fill(vis_hi, vis_hi + G, static_cast<int32_t>(n));
-      for (int64_t h = 0; h < H; ++h) {
-        const int64_t pg = page(blocks, blk, h);
-        if ((blk + 1) * bs < L) {
-          const int64_t np = page(blocks, blk + 1, h);
-          next.start(reinterpret_cast<const char*>(k_cache + np * Dk), reinterpret_cast<const char*>(v_cache + np * Dv),
-                     bs * Dk * 2, bs * Dv * 2, G);
-        } else {
-          next.k = nullptr;
+      const uint16_t* qh = qb + h * RH * Dk;
+      float* acc_h = acc + h * RH * Dv;
+      float* m_h = m + h * RH;
+      float* l_h = l + h * RH;
+      // pass 1: scores of the visible keys (others -inf)
+      for (int64_t r = 0; r < RH; ++r) {
+        next.row(r);
+        const int64_t j_beg = vis_lo[r], j_end = vis_hi[r];
+        if (j_end <= j_beg) continue;
+        __m512 a[16];
+        for (int j = 0; j < 16; ++j) a[j] = _mm512_setzero_ps();
+        const uint16_t* qr = qh + r * Dk;
+        for (int64_t d = 0; d < Dk; d += 32) {
+          const __m512bh qv = (__m512bh)_mm512_loadu_si512(qr + d);
+          for (int j = 0; j < 16; ++j)
+            a[j] = _mm512_dpbf16_ps(a[j], qv, (__m512bh)_mm512_loadu_si512(kb + j * Dk + d));
         }
-        const int64_t r0 = h * RH + s * G;
-        const HeadRows hr{qb + r0 * Dk, nullptr, w.m.data() + r0, w.l.data() + r0, w.acc.data() + r0 * Dv};
-        block_head(p, reinterpret_cast<const uint16_t*>(k_cache + pg * Dk),
-                   reinterpret_cast<const uint16_t*>(v_cache + pg * Dv), n, vis_lo, vis_hi, G, hr, next, w);
+        __m512 x = _mm512_mul_ps(tree16(a), _mm512_set1_ps(p.softcap > 0 ? 1.f : p.scale));
+        if (p.softcap > 0) x = softcap_vec(Vec(x), p.scale / p.softcap, p.softcap);
+        const __mmask16 vis = _mm512_cmp_epi32_mask(iota, _mm512_set1_epi32(static_cast<int>(j_beg)), _MM_CMPINT_NLT) &
+                              _mm512_cmp_epi32_mask(iota, _mm512_set1_epi32(static_cast<int>(j_end)), _MM_CMPINT_LT);
+        _mm512_storeu_ps(sc + 16 * r, _mm512_mask_blend_ps(vis, _mm512_set1_ps(NEG_INF), x));
+      }
+      // pass 2: online softmax update, P rounded to bf16
+      for (int64_t r = 0; r < RH; ++r) {
+        if (vis_hi[r] <= vis_lo[r]) continue;
+        const __m512 x = _mm512_loadu_ps(sc + 16 * r);
+        const float m_new = std::max(m_h[r], _mm512_reduce_max_ps(x));
+        corr[r] = std::exp(m_h[r] - m_new);
+        const __mmask16 vis = _mm512_cmp_epi32_mask(iota, _mm512_set1_epi32(vis_lo[r]), _MM_CMPINT_NLT) &
+                              _mm512_cmp_epi32_mask(iota, _mm512_set1_epi32(vis_hi[r]), _MM_CMPINT_LT);
+        const __m512 e = _mm512_maskz_mov_ps(vis, Vec(_mm512_sub_ps(x, _mm512_set1_ps(m_new))).exp_u20());
+        l_h[r] = l_h[r] * corr[r] + _mm512_reduce_add_ps(e);
+        m_h[r] = m_new;
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + 16 * r), (__m256i)_mm512_cvtneps_pbh(e));
+      }
+      // V's pairs of keys interleaved (a missing partner reads as 0), then pass 3: acc = acc * corr + P V
+      const int64_t n_pairs = (n + 1) / 2;
+      for (int64_t i = 0; i < n_pairs; ++i) {
+        const int64_t j = 2 * i;
+        for (int64_t c = 0; c < Dv / 32; ++c) {
+          const __m512i v0 = _mm512_loadu_si512(vb + j * Dv + 32 * c);
+          const __m512i v1 = j + 1 < n ? _mm512_loadu_si512(vb + (j + 1) * Dv + 32 * c) : _mm512_setzero_si512();
+          _mm512_storeu_si512(vp + (i * Dv / 32 + c) * 2, _mm512_unpacklo_epi16(v0, v1));
+          _mm512_storeu_si512(vp + (i * Dv / 32 + c) * 2 + 1, _mm512_unpackhi_epi16(v0, v1));
+        }
+      }
+      for (int64_t r = 0; r < RH;) {
+        if (vis_hi[r] <= vis_lo[r]) {
+          ++r;
+        } else if (nacc <= 8 && r + 1 < RH && vis_lo[r] == vis_lo[r + 1] && vis_hi[r] == vis_hi[r + 1]) {
+          pv_rows<2, 8>(r, vis_lo[r], vis_hi[r], nacc, Dv, corr, pr, vp, acc_h);  // two rows share each V load
+          r += 2;
+        } else {
+          pv_rows<1, 32>(r, vis_lo[r], vis_hi[r], nacc, Dv, corr, pr, vp, acc_h);
+          ++r;
+        }
       }
     }
   }
-  write_rows(p, R, RH, row_of, out, w);
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t h = r / RH, t = (r % RH) / G, g = r % G;
+    const float* ar = acc + r * Dv;
+    const float inv = l[r] > 0 ? 1.f / l[r] : 0.f;
+    alignas(64) float tmp[512];
+    for (int64_t c = 0; c < Dv / 32; ++c)  // acc[2c] lane e <-> d = 32c + 8(e/4) + e%4; acc[2c+1]: + 4
+      for (int e = 0; e < 16; ++e) {
+        tmp[32 * c + 8 * (e / 4) + e % 4] = ar[32 * c + e] * inv;
+        tmp[32 * c + 8 * (e / 4) + 4 + e % 4] = ar[32 * c + 16 + e] * inv;
+      }
+    from_f32(tmp, out + (row0 + t) * p.o_stride_t + ((it.head + h) * G + g) * p.o_stride_h, Dv);
+  }
 }
 #else
 constexpr bool HAVE_BF16_PATH = false;
@@ -694,7 +501,6 @@ template <typename T>
 inline void run_one(const Item& it, const Problem& p, const T* q, const T* kc, const T* vc, T* o, Scratch& w) {
 #if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    if (it.n_seqs > 0) return run_group_bf16(it, p, q, kc, vc, o, w);
     if (bf16_path(p)) return run_item_bf16(it, p, q, kc, vc, o, w);
   }
 #endif
@@ -736,53 +542,6 @@ inline bool uses_bf16_path(const Problem& p, at::ScalarType dtype) {
 
 // Query tokens per work item of a prefill chunk: enough rows to share each block's conversion.
 inline int64_t tile_tokens(int64_t group) { return std::max<int64_t>(1, 32 / group); }
-
-// Group items for decodes whose block tables start alike (bf16 path, no sliding window): sorted by
-// their tables, runs with the same first block, cut into even chunks of at most 16 sequences, each
-// chunk sharing the blocks all its tables hold in common (whole blocks of every context). A chunk
-// with fewer than LANE_ROWS_FROM rows a kv head is left to the per-sequence items.
-void group_shared_decodes(const Problem& p, int64_t n_seqs, std::vector<Item>& items, std::vector<int32_t>& members,
-                          std::vector<char>& in_group, int64_t& max_rows) {
-  const int64_t bs = p.block_size, G = p.group;
-  std::vector<int32_t> dec;
-  for (int64_t i = 0; i < n_seqs; ++i)
-    if (p.q_len[i] == 1 && p.kv_len[i] > bs) dec.push_back(static_cast<int32_t>(i));
-  if (static_cast<int64_t>(dec.size()) * G < LANE_ROWS_FROM) return;
-  const auto table = [&](int32_t i) { return p.kv_indices + p.kv_indptr[i]; };
-  const auto whole = [&](int32_t i) { return p.kv_len[i] / bs; };  // blocks every query of i sees whole
-  std::sort(dec.begin(), dec.end(), [&](int32_t a, int32_t b) {
-    return std::lexicographical_compare(table(a), table(a) + whole(a), table(b), table(b) + whole(b));
-  });
-  for (size_t a = 0; a < dec.size();) {
-    size_t b = a + 1;
-    while (b < dec.size() && table(dec[b])[0] == table(dec[a])[0]) ++b;
-    const int64_t S = static_cast<int64_t>(b - a), chunks = (S + 15) / 16;
-    for (int64_t c = 0; c < chunks && S > 1; ++c) {
-      const int64_t s0 = a + c * S / chunks, s1 = a + (c + 1) * S / chunks;
-      if ((s1 - s0) * G < LANE_ROWS_FROM) continue;
-      int64_t shared = whole(dec[s0]);
-      for (int64_t s = s0 + 1; s < s1; ++s) {
-        int64_t k = 0;
-        const int64_t most = std::min<int64_t>(shared, whole(dec[s]));
-        while (k < most && table(dec[s])[k] == table(dec[s0])[k]) ++k;
-        shared = k;
-      }
-      if (shared < 1) continue;
-      int64_t cost = 0;
-      for (int64_t s = s0; s < s1; ++s) {
-        in_group[dec[s]] = 1;
-        cost += p.kv_len[dec[s]] * p.kv_heads;
-      }
-      Item it{static_cast<int32_t>(members.size()), 0, static_cast<int32_t>(p.kv_heads), 0, 1, cost};
-      it.n_seqs = static_cast<int32_t>(s1 - s0);
-      it.shared = static_cast<int32_t>(shared);
-      members.insert(members.end(), dec.begin() + s0, dec.begin() + s1);
-      items.push_back(it);
-      max_rows = std::max(max_rows, (s1 - s0) * G * p.kv_heads);
-    }
-    a = b;
-  }
-}
 
 void paged_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& q_start, const at::Tensor& q_len, const at::Tensor& kv_len,
@@ -828,6 +587,11 @@ void paged_attention(const at::Tensor& query, const at::Tensor& k_cache, const a
   const int64_t n_seqs = q_start.numel();
   TORCH_CHECK(q_len.numel() == n_seqs && kv_len.numel() == n_seqs && kv_indptr.numel() == n_seqs + 1,
               "paged_attention: per-sequence tensors differ in length");
+  std::vector<Item> items;
+  int64_t max_rows = 0;
+  // a decode's kv heads in one item (one contiguous read of each block's heads) where the step has
+  // sequences enough for every thread; else an item per head, so a few sequences still use them all
+  const bool decode_all_heads = uses_bf16_path(p, k_cache.scalar_type()) && n_seqs >= 4 * at::get_num_threads();
   for (int64_t i = 0; i < n_seqs; ++i) {
     const int64_t ql = p.q_len[i], L = p.kv_len[i];
     TORCH_CHECK(ql >= 1 && ql <= L, "paged_attention: sequence ", i, " has q_len ", ql, " and kv_len ", L);
@@ -836,26 +600,6 @@ void paged_attention(const at::Tensor& query, const at::Tensor& k_cache, const a
                 " has ", L, " tokens in ", p.kv_indptr[i + 1] - p.kv_indptr[i], " blocks");
     TORCH_CHECK(p.q_start[i] >= 0 && p.q_start[i] + ql <= query.size(0), "paged_attention: sequence ", i,
                 " rows out of range");
-  }
-  TORCH_CHECK(kv_indices.numel() >= p.kv_indptr[n_seqs], "paged_attention: kv_indptr runs past kv_indices");
-  const int64_t num_blocks = k_cache.size(0);
-  for (int64_t k = 0; k < p.kv_indptr[n_seqs]; ++k) {
-    TORCH_CHECK(p.kv_indices[k] >= 0 && p.kv_indices[k] < num_blocks, "paged_attention: block id ",
-                p.kv_indices[k], " out of range");
-  }
-  std::vector<Item> items;
-  int64_t max_rows = 0;
-  const bool bf16 = uses_bf16_path(p, k_cache.scalar_type());
-  std::vector<int32_t> members;
-  std::vector<char> in_group(n_seqs, 0);
-  if (bf16 && p.window <= 0) group_shared_decodes(p, n_seqs, items, members, in_group, max_rows);
-  p.members = members.data();
-  // a decode's kv heads in one item (one contiguous read of each block's heads) where the step has
-  // sequences enough for every thread; else an item per head, so a few sequences still use them all
-  const bool decode_all_heads = bf16 && n_seqs >= 4 * at::get_num_threads();
-  for (int64_t i = 0; i < n_seqs; ++i) {
-    if (in_group[i]) continue;
-    const int64_t ql = p.q_len[i], L = p.kv_len[i];
     const int64_t tile = ql == 1 ? 1 : tile_tokens(p.group);
     const int64_t heads = ql == 1 && decode_all_heads ? p.kv_heads : 1;
     for (int64_t t0 = 0; t0 < ql; t0 += tile) {
@@ -868,6 +612,12 @@ void paged_attention(const at::Tensor& query, const at::Tensor& k_cache, const a
       }
       max_rows = std::max(max_rows, (t1 - t0) * p.group * heads);
     }
+  }
+  TORCH_CHECK(kv_indices.numel() >= p.kv_indptr[n_seqs], "paged_attention: kv_indptr runs past kv_indices");
+  const int64_t num_blocks = k_cache.size(0);
+  for (int64_t k = 0; k < p.kv_indptr[n_seqs]; ++k) {
+    TORCH_CHECK(p.kv_indices[k] >= 0 && p.kv_indices[k] < num_blocks, "paged_attention: block id ",
+                p.kv_indices[k], " out of range");
   }
   std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
 
