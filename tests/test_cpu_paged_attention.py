@@ -58,7 +58,7 @@ def reference(q, k_cache, v_cache, seqs, scale, window, softcap):
     return out
 
 
-def run_op(q, k_cache, v_cache, seqs, scale, window, softcap, out=None):
+def run_op(q, k_cache, v_cache, seqs, scale, window, softcap, out=None, offsets=None):
     i32 = lambda x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
     indptr = [0]
     for s in seqs:
@@ -67,8 +67,20 @@ def run_op(q, k_cache, v_cache, seqs, scale, window, softcap, out=None):
         out = torch.full((q.shape[0], q.shape[1], v_cache.shape[-1]), float("nan"), dtype=q.dtype)
     torch.ops.paged_hf.paged_attention(q, k_cache, v_cache, i32([s[0] for s in seqs]), i32([s[1] for s in seqs]),
                                        i32([s[2] for s in seqs]), i32(indptr), i32(sum((s[3] for s in seqs), [])),
-                                       scale, window, softcap, out)
+                                       scale, window, softcap, out, None if offsets is None else i32(offsets))
     return out
+
+
+# The bf16 paths of 16-token blocks this CPU runs: AVX512-BF16 pair dot products, and on CPUs with AMX
+# the tile path (paged_attention_amx.cpp), which PAGED_HF_CPU_AMX=0 turns off. Tests of bf16 layouts run
+# on each; on a CPU without AMX only the first exists (there is nothing else to test there).
+BF16_PATHS = ["avx512"] + (["amx"] if cpa.amx_built() else [])
+
+
+@pytest.fixture(params=BF16_PATHS)
+def bf16_path(request, monkeypatch):
+    monkeypatch.setenv("PAGED_HF_CPU_AMX", "1" if request.param == "amx" else "0")
+    return request.param
 
 
 @st.composite
@@ -114,7 +126,7 @@ def test_op_matches_a_float64_reference(problem):
 
 @pytest.mark.parametrize("dk,dv", [(64, 64), (128, 32), (32, 96), (32, 256)])
 @pytest.mark.parametrize("window,softcap", [(0, 0.0), (13, 0.0), (0, 30.0), (21, 10.0)])
-def test_bf16_16_token_blocks_match_a_float64_reference(dk, dv, window, softcap):
+def test_bf16_16_token_blocks_match_a_float64_reference(dk, dv, window, softcap, bf16_path):
     """The shapes the bf16 pair-dot-product path takes on CPUs with AVX512-BF16 (16-token blocks, head
     dims multiples of 32): decodes and chunks of up to 32 tokens, odd lengths (a key without a partner
     in the last pair), windows that start inside a block."""
@@ -139,7 +151,7 @@ def test_bf16_16_token_blocks_match_a_float64_reference(dk, dv, window, softcap)
 
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("group,softcap", [(3, 0.0), (1, 0.0), (4, 30.0)])
-def test_bf16_rows_are_the_same_however_the_step_is_laid_out(threads, group, softcap):
+def test_bf16_rows_are_the_same_however_the_step_is_laid_out(threads, group, softcap, bf16_path):
     """A query row's output is bit for bit the same however the step around it is laid out: a prompt as one
     chunk (tiles of several tokens) or as one decode per token (what a recompute after preemption, or
     another chunking, gives); a step of decodes (all kv heads an item), some sharing 3 blocks, some nothing,
@@ -180,7 +192,7 @@ def test_bf16_rows_are_the_same_however_the_step_is_laid_out(threads, group, sof
 
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("group,softcap", [(3, 0.0), (4, 0.0), (3, 20.0), (1, 0.0)])
-def test_bf16_decodes_sharing_their_first_blocks_match_a_float64_reference(threads, group, softcap):
+def test_bf16_decodes_sharing_their_first_blocks_match_a_float64_reference(threads, group, softcap, bf16_path):
     """Decodes whose tables start with the same blocks (a common prompt, a prefix hit), as a step holds them
     with prefix caching: a run of 20 sharing 3 blocks, tables that part after one block, a context ending
     exactly on the shared blocks' end and one a token past it, a pair, and decodes sharing nothing, all
@@ -216,6 +228,100 @@ def test_bf16_decodes_sharing_their_first_blocks_match_a_float64_reference(threa
         torch.set_num_threads(before)
     want = reference(q, k_cache, v_cache, seqs, d ** -0.5, 0, softcap)
     torch.testing.assert_close(got.double(), want, atol=1.6e-2, rtol=1.6e-2)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("group", [3, 4, 1])
+def test_bf16_long_contexts_are_the_same_however_the_step_is_laid_out(threads, group, bf16_path):
+    """Contexts past several of the AMX path's 256-key softmax chunks: a 300-token prompt over 460 cached as
+    one chunk, as two (100 + 200) and as 300 decodes; 14 decodes whose tables share 40 blocks (two whole
+    chunks, computed once for all of them there) together and each alone, beside decodes sharing nothing.
+    Bit for bit, and within bf16 of the float64 reference."""
+    gen = torch.Generator().manual_seed(threads * 3 + group)
+    hkv, d, bs = 2, 64, 16
+    k_cache = torch.randn(800, hkv, bs, d, generator=gen).bfloat16()
+    v_cache = torch.randn(800, hkv, bs, d, generator=gen).bfloat16()
+    free = torch.randperm(800, generator=gen).tolist()
+
+    def take(n):
+        return [free.pop() for _ in range(n)]
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        blocks = take(-(-760 // bs))
+        q = torch.randn(300, hkv * group, d, generator=gen).bfloat16()
+        whole = run_op(q, k_cache, v_cache, [(0, 300, 760, blocks)], d ** -0.5, 0, 0.0)
+        split = run_op(q, k_cache, v_cache, [(0, 100, 560, blocks), (100, 200, 760, blocks)], d ** -0.5, 0, 0.0)
+        tokens = run_op(q, k_cache, v_cache, [(t, 1, 461 + t, blocks) for t in range(300)], d ** -0.5, 0, 0.0)
+        assert torch.equal(whole, split) and torch.equal(whole, tokens)
+        shared = take(40)
+        seqs = [(i, 1, 640 + 1 + 37 * i, shared + take(-(-(641 + 37 * i) // bs) - 40)) for i in range(14)]
+        seqs += [(14 + i, 1, 300 + 97 * i, take(-(-(300 + 97 * i) // bs))) for i in range(4)]
+        q = torch.randn(len(seqs), hkv * group, d, generator=gen).bfloat16()
+        together = run_op(q, k_cache, v_cache, seqs, d ** -0.5, 0, 0.0)
+        alone = torch.cat([run_op(q[i:i + 1], k_cache, v_cache, [(0, 1, kv, b)], d ** -0.5, 0, 0.0)
+                           for i, (_, _, kv, b) in enumerate(seqs)])
+        assert torch.equal(together, alone)
+    finally:
+        torch.set_num_threads(before)
+    want = reference(q, k_cache, v_cache, seqs, d ** -0.5, 0, 0.0)
+    torch.testing.assert_close(together.double(), want, atol=1.6e-2, rtol=1.6e-2)
+
+
+@pytest.mark.parametrize("window", [100, 300])
+def test_bf16_a_window_s_freed_blocks_do_not_move_its_rows(window, bf16_path):
+    """A sliding-window layer whose first blocks were freed (the table starts ``kv_offset`` tokens in) gives
+    the rows it gave with every block held, bit for bit: the AMX path's chunks stay at the sequence's own
+    positions. A prompt chunk and decodes, against the float64 reference too."""
+    gen = torch.Generator().manual_seed(window)
+    hkv, d, bs = 2, 64, 16
+    k_cache = torch.randn(200, hkv, bs, d, generator=gen).bfloat16()
+    v_cache = torch.randn(200, hkv, bs, d, generator=gen).bfloat16()
+    blocks = torch.randperm(200, generator=gen).tolist()
+    full = [(0, 40, 900, blocks[:57]), (40, 1, 650, blocks[57:98]), (41, 1, 333, blocks[98:119])]
+    held, offsets = [], []
+    for start, ql, kv, b in full:
+        first = max(0, kv - ql - window + 1) // bs  # the first block the first query reads
+        held.append((start, ql, kv - first * bs, b[first:]))
+        offsets.append(first * bs)
+    q = torch.randn(42, hkv * 3, d, generator=gen).bfloat16()
+    everything = run_op(q, k_cache, v_cache, full, d ** -0.5, window, 0.0)
+    freed = run_op(q, k_cache, v_cache, held, d ** -0.5, window, 0.0, offsets=offsets)
+    assert torch.equal(everything, freed)
+    want = reference(q, k_cache, v_cache, full, d ** -0.5, window, 0.0)
+    torch.testing.assert_close(freed.double(), want, atol=1.6e-2, rtol=1.6e-2)
+    with pytest.raises(RuntimeError, match="not a whole number of blocks"):
+        run_op(q, k_cache, v_cache, held, d ** -0.5, window, 0.0, offsets=[1, 0, 0])
+
+
+def test_bf16_nan_in_a_page_reaches_no_other_sequence(bf16_path):
+    """NaN in a page's unused slots (past a sequence's last token: what a failed request can leave in a
+    reused page) and in every K/V of another sequence (one whose activations blew up) leave the other
+    sequences' rows as they are with clean pages, decodes sharing chunks with each other included."""
+    gen = torch.Generator().manual_seed(5)
+    hkv, d, bs = 2, 64, 16
+    k_cache = torch.randn(300, hkv, bs, d, generator=gen).bfloat16()
+    v_cache = torch.randn(300, hkv, bs, d, generator=gen).bfloat16()
+    free = torch.randperm(300, generator=gen).tolist()
+    shared = [free.pop() for _ in range(33)]
+    seqs = [(i, 1, 530 + 9 * i, shared + [free.pop() for _ in range(-(-(530 + 9 * i) // bs) - 33)]) for i in range(6)]
+    bad = [free.pop() for _ in range(-(-541 // bs))]
+    seqs.append((6, 1, 541, shared + bad[33:]))  # shares the chunks, its own pages all NaN
+    seqs.append((7, 20, 90, [free.pop() for _ in range(6)]))  # a prompt chunk beside them
+    q = torch.randn(27, hkv * 3, d, generator=gen).bfloat16()
+    clean = run_op(q, k_cache, v_cache, seqs, d ** -0.5, 0, 0.0)
+    k_dirty, v_dirty = k_cache.clone(), v_cache.clone()
+    for _, _, kv, b in seqs:
+        if kv % bs:  # the last page's unused slots
+            k_dirty[b[-1], :, kv % bs:] = float("nan")
+            v_dirty[b[-1], :, kv % bs:] = float("nan")
+    k_dirty[bad[33:]] = float("nan")
+    v_dirty[bad[33:]] = float("nan")
+    dirty = run_op(q, k_dirty, v_dirty, seqs, d ** -0.5, 0, 0.0)
+    others = [r for r in range(27) if r != 6]
+    assert torch.isfinite(dirty[others]).all()
+    assert torch.equal(dirty[others], clean[others])
 
 
 def test_op_writes_only_the_rows_of_the_sequences_it_is_given():

@@ -40,7 +40,9 @@ from .torch_backend import TorchBackend, _GroupPlan, _only_group, layer_window
 # models' mixers (paged_hf/execution/mixer_kernels.py), the fused element-wise ops
 # (paged_hf/execution/fused_ops.py) and the sampler's greedy pick (paged_hf/execution/sampler.py)
 SOURCES = [Path(__file__).resolve().parent.parent / "csrc" / name
-           for name in ("paged_attention.cpp", "gated_delta.cpp", "fused_ops.cpp", "sampling.cpp")]
+           for name in ("paged_attention.cpp", "paged_attention_amx.cpp", "gated_delta.cpp", "fused_ops.cpp",
+                        "sampling.cpp", "cpu_allocator.cpp")]
+HEADERS = [Path(__file__).resolve().parent.parent / "csrc" / "paged_attention.h"]
 OP_NAME = "paged_hf::paged_attention"
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -80,13 +82,15 @@ def compile_flags() -> list[str]:
                       "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"]
             if "avx512_bf16" in cpu:  # bf16 pair dot products (vdpbf16ps) for bf16 caches
                 flags.append("-mavx512bf16")
+                if {"amx_tile", "amx_bf16"} <= cpu:  # tile products (paged_attention_amx.cpp)
+                    flags += ["-mamx-tile", "-mamx-bf16"]
         elif {"avx2", "fma", "f16c"} <= cpu:
             flags += ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
     return flags
 
 
 def _build_name(flags: list[str]) -> str:
-    h = hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES))
+    h = hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES + HEADERS))
     h.update(torch.__version__.encode())
     h.update(" ".join(flags).encode())
     return f"paged_hf_attention_{h.hexdigest()[:12]}"
@@ -95,7 +99,7 @@ def _build_name(flags: list[str]) -> str:
 def _register_fake() -> None:
     @torch.library.register_fake(OP_NAME)
     def _fake(query, k_cache, v_cache, q_start, q_len, kv_len, kv_indptr, kv_indices, scale, sliding_window,
-              softcap, out):
+              softcap, out, kv_offset=None):
         return None  # writes `out` in place
 
     @torch.library.register_fake("paged_hf::gated_delta_recurrent")
@@ -197,6 +201,12 @@ def kernel_takes(q_len: int, kv_len: int, bf16_path: bool) -> bool:
     return q_len <= most_q or q_len * kv_len <= most_area
 
 
+def amx_built() -> bool:
+    """Whether this CPU's build of the kernel has the AMX path (paged_attention_amx.cpp); it runs unless
+    ``PAGED_HF_CPU_AMX=0``."""
+    return "-mamx-bf16" in compile_flags()
+
+
 def bf16_path(layout: KVLayout, block_size: int, dtype: torch.dtype) -> bool:
     """Whether every layer runs the kernel's bf16 path (``bf16_path`` in paged_attention.cpp: bf16
     caches, 16-token blocks, head dims multiples of 32 up to 512, built for AVX512-BF16)."""
@@ -234,6 +244,8 @@ class CpuPagedBackend(TorchBackend):
             plan.args = (q_start.contiguous(), torch.tensor([meta.q_lens[i] for i in short], dtype=torch.int32),
                          torch.tensor([held[i] for i in short], dtype=torch.int32), kv_indptr.contiguous(),
                          kv_indices.contiguous())
+            if any(tables.kv_starts):  # blocks a window freed: where each table starts in its sequence
+                plan.offsets = torch.tensor([tables.kv_starts[i] for i in short], dtype=torch.int32)
         return plan
 
     def _torch_plan(self, g: int, kind: str) -> None:
@@ -277,7 +289,8 @@ class CpuPagedBackend(TorchBackend):
             out = query.new_empty(query.shape[2], query.shape[1], v_cache.shape[-1])
         if plan.args is not None:
             torch.ops.paged_hf.paged_attention(query[0].transpose(0, 1), self.kv[2 * layer_idx], v_cache, *plan.args,
-                                               float(scaling), int(window or 0), float(softcap or 0.0), out)
+                                               float(scaling), int(window or 0), float(softcap or 0.0), out,
+                                               plan.offsets)
         return out.unsqueeze(0)
 
 
@@ -302,3 +315,4 @@ class _KernelPlan:
     args: tuple | None = None
     torch_kind: str | None = None
     writes: dict | None = None  # the torch path's write rows, made if a layer's K/V need them
+    offsets: torch.Tensor | None = None  # tokens before each table's first block (freed by a window)

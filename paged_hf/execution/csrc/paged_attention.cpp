@@ -26,6 +26,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "paged_attention.h"
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -35,9 +37,7 @@
 
 namespace {
 
-using Vec = at::vec::Vectorized<float>;
-constexpr int64_t VL = Vec::size();
-constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+using namespace paged_hf_attention;
 
 // n elements of src as fp32 in dst
 template <typename T>
@@ -98,26 +98,6 @@ inline Vec dots16(const float*, const float*, int64_t) { return Vec(0.f); }
 constexpr bool HAVE_DOTS16 = false;
 #endif
 
-// softcap * tanh(x * pre): tanh(y) = 1 - 2 / (exp(2y) + 1), with exp_u20 (no Sleef symbols needed)
-inline Vec softcap_vec(Vec x, float pre, float cap) {
-  const Vec y = x * Vec(2.f * pre);
-  const Vec e = at::vec::minimum(y, Vec(80.f)).exp_u20();
-  return (Vec(1.f) - Vec(2.f) / (e + Vec(1.f))) * Vec(cap);
-}
-
-struct Item {
-  int32_t seq, head, heads, t0, t1;  // kv heads [head, head + heads), query tokens [t0, t1) of the sequence
-  int64_t cost;
-};
-
-struct Problem {
-  int64_t q_heads, kv_heads, group, k_dim, v_dim, block_size;
-  int64_t q_stride_t, q_stride_h, o_stride_t, o_stride_h;
-  const int32_t *q_start, *q_len, *kv_len, *kv_indptr, *kv_indices;
-  float scale, softcap;
-  int64_t window;  // <= 0: none
-};
-
 // Per-thread scratch, sized for the largest item.
 struct Scratch {
   std::vector<float> q, acc, s, m, l, kf, vf, corr;
@@ -134,40 +114,6 @@ struct Scratch {
     l.resize(rows);
     kf.resize(p.block_size * p.k_dim);
     vf.resize(p.block_size * p.v_dim);
-  }
-};
-
-// One cache line towards L1. As asm: gcc 12 deletes a loop of _mm_prefetch / __builtin_prefetch
-// calls, which it counts as having no effect.
-inline void prefetch_line(const char* line) {
-#if defined(__x86_64__) || defined(__i386__)
-  asm volatile("prefetcht0 %0" : : "m"(*line));
-#elif defined(__aarch64__)
-  asm volatile("prfm pldl1keep, %0" : : "Q"(*line));
-#else
-  __builtin_prefetch(line);
-#endif
-}
-
-// Prefetches the lines of one (block, kv head) page of K and V a few at a time, spread over the rows
-// of a pass: a burst of them all at once overruns the core's miss buffers and most are dropped
-// (measured: one burst per block gained 1.1x, spread over the rows 2.2x on 32 decodes of 220 tokens
-// whose pages sit in DRAM).
-struct PagePrefetch {
-  const char* k = nullptr;
-  const char* v = nullptr;
-  int64_t k_lines = 0, lines = 0, per_row = 0;
-  void start(const char* k_page, const char* v_page, int64_t k_bytes, int64_t v_bytes, int64_t rows) {
-    k = k_page;
-    v = v_page;
-    k_lines = k_bytes / 64;
-    lines = k_lines + v_bytes / 64;
-    per_row = (lines + rows - 1) / rows;
-  }
-  inline void row(int64_t i) const {  // the share of the i-th row of the pass
-    if (k == nullptr) return;
-    for (int64_t x = i * per_row, end = std::min(lines, x + per_row); x < end; ++x)
-      prefetch_line(x < k_lines ? k + 64 * x : v + 64 * (x - k_lines));
   }
 };
 
@@ -546,7 +492,8 @@ inline int64_t tile_tokens(int64_t group) { return std::max<int64_t>(1, 32 / gro
 void paged_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& q_start, const at::Tensor& q_len, const at::Tensor& kv_len,
                      const at::Tensor& kv_indptr, const at::Tensor& kv_indices, double scale,
-                     int64_t sliding_window, double softcap, at::Tensor& out) {
+                     int64_t sliding_window, double softcap, at::Tensor& out,
+                     const std::optional<at::Tensor>& kv_offset) {
   TORCH_CHECK(query.dim() == 3 && out.dim() == 3, "paged_attention: query [T, Hq, Dk] and out [T, Hq, Dv]");
   TORCH_CHECK(k_cache.dim() == 4 && v_cache.dim() == 4, "paged_attention: caches [blocks, Hkv, block_size, D]");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "paged_attention: caches must be contiguous");
@@ -583,6 +530,14 @@ void paged_attention(const at::Tensor& query, const at::Tensor& k_cache, const a
   p.scale = static_cast<float>(scale);
   p.softcap = static_cast<float>(softcap);
   p.window = sliding_window;
+  if (kv_offset.has_value()) {  // a sliding window's freed blocks: where each table starts in its sequence
+    TORCH_CHECK(kv_offset->scalar_type() == at::kInt && kv_offset->is_contiguous() &&
+                    kv_offset->numel() == q_start.numel(), "paged_attention: kv_offset int32 [sequences]");
+    p.kv_offset = kv_offset->data_ptr<int32_t>();
+    for (int64_t i = 0; i < kv_offset->numel(); ++i)
+      TORCH_CHECK(p.kv_offset[i] >= 0 && p.kv_offset[i] % p.block_size == 0, "paged_attention: kv_offset ",
+                  p.kv_offset[i], " of sequence ", i, " is not a whole number of blocks");
+  }
 
   const int64_t n_seqs = q_start.numel();
   TORCH_CHECK(q_len.numel() == n_seqs && kv_len.numel() == n_seqs && kv_indptr.numel() == n_seqs + 1,
@@ -592,6 +547,8 @@ void paged_attention(const at::Tensor& query, const at::Tensor& k_cache, const a
   // a decode's kv heads in one item (one contiguous read of each block's heads) where the step has
   // sequences enough for every thread; else an item per head, so a few sequences still use them all
   const bool decode_all_heads = uses_bf16_path(p, k_cache.scalar_type()) && n_seqs >= 4 * at::get_num_threads();
+  // the AMX path (paged_attention_amx.cpp) on CPUs and builds that have it
+  const bool amx = k_cache.scalar_type() == at::kBFloat16 && amx_ready(p);
   for (int64_t i = 0; i < n_seqs; ++i) {
     const int64_t ql = p.q_len[i], L = p.kv_len[i];
     TORCH_CHECK(ql >= 1 && ql <= L, "paged_attention: sequence ", i, " has q_len ", ql, " and kv_len ", L);
@@ -600,6 +557,7 @@ void paged_attention(const at::Tensor& query, const at::Tensor& k_cache, const a
                 " has ", L, " tokens in ", p.kv_indptr[i + 1] - p.kv_indptr[i], " blocks");
     TORCH_CHECK(p.q_start[i] >= 0 && p.q_start[i] + ql <= query.size(0), "paged_attention: sequence ", i,
                 " rows out of range");
+    if (amx) continue;  // validated; the AMX path cuts its own items
     const int64_t tile = ql == 1 ? 1 : tile_tokens(p.group);
     const int64_t heads = ql == 1 && decode_all_heads ? p.kv_heads : 1;
     for (int64_t t0 = 0; t0 < ql; t0 += tile) {
@@ -620,6 +578,10 @@ void paged_attention(const at::Tensor& query, const at::Tensor& k_cache, const a
                 p.kv_indices[k], " out of range");
   }
   std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
+  if (amx) {
+    return attend_amx(p, n_seqs, query.const_data_ptr<c10::BFloat16>(), k_cache.const_data_ptr<c10::BFloat16>(),
+                      v_cache.const_data_ptr<c10::BFloat16>(), out.mutable_data_ptr<c10::BFloat16>());
+  }
 
   switch (k_cache.scalar_type()) {
     case at::kFloat: return run_all<float>(items, max_rows, p, query, k_cache, v_cache, out);
@@ -671,7 +633,7 @@ TORCH_LIBRARY_FRAGMENT(paged_hf, m) {
   m.def(
       "paged_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor q_start, Tensor q_len, "
       "Tensor kv_len, Tensor kv_indptr, Tensor kv_indices, float scale, int sliding_window, float softcap, "
-      "Tensor(a!) out) -> ()");
+      "Tensor(a!) out, Tensor? kv_offset=None) -> ()");
   m.def("write_kv(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots) -> ()");
 }
 
