@@ -59,8 +59,9 @@ class EngineConfig:
     # on a CPU: RMSNorm, SiLU-and-multiply and rotary embedding as one C++ op each, where checked on the
     # model to give its modules' outputs (paged_hf/execution/fused_ops.py)
     cpu_fused_ops: bool = True
-    # on a CPU: glibc's malloc keeps a step's freed temporaries mapped for the next step instead of
-    # faulting them in again (process-wide, once; paged_hf/execution/cpu_malloc.py)
+    # on a CPU: glibc's malloc keeps a step's freed temporaries mapped, and torch's CPU allocator keeps
+    # freed large blocks, for the next step instead of faulting them in again (process-wide, once;
+    # paged_hf/execution/cpu_malloc.py)
     cpu_tune_malloc: bool = True
 
     def __post_init__(self) -> None:

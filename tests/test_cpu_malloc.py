@@ -1,6 +1,7 @@
-"""glibc's malloc set by a CPU engine (paged_hf/execution/cpu_malloc.py): a step's freed
-temporaries stay mapped (no page faults on the next step's), and nothing is set where the process
-chose its allocator already or the engine is told not to."""
+"""glibc's malloc and torch's CPU allocator set by a CPU engine (paged_hf/execution/cpu_malloc.py): a step's
+freed temporaries stay mapped (no page faults on the next step's), large blocks are kept for the next
+step however the heap fragments, and nothing is set where the process chose its allocator already or the
+engine is told not to."""
 from __future__ import annotations
 
 import json
@@ -75,8 +76,56 @@ def test_a_cpu_engine_keeps_freed_blocks_mapped_unless_told_not_to():
     on = _run("engine")
     assert on["start"] >= START_FAULTS and off["start"] >= START_FAULTS, (on, off)
     assert off["status"]["tuned"] is None and off["faults"] >= START_FAULTS, off
-    assert on["status"] == {"tuned": True, "why": None}, on
+    assert on["status"] == {"tuned": True, "why": None, "kept_blocks": True}, on
     assert on["faults"] <= on["start"] // 4, on
+
+
+# A large step's activations between small allocations that live on (what fragments glibc's heap: the
+# next large block does not fit the hole a freed one left, the heap grows, new pages fault in), once
+# with freed large blocks kept for the next step and once with none kept (PAGED_HF_CPU_KEEP_BYTES=0).
+FRAGMENTING = r"""
+import json, resource, sys
+import torch
+sys.path.insert(0, sys.argv[1])
+from paged_hf.execution import cpu_malloc
+assert cpu_malloc.tune()
+def flt():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+keep, counts = [], []
+for step in range(12):
+    before = flt()
+    for layer in range(30):
+        h = torch.ones(4096, 576, dtype=torch.bfloat16)
+        qkv = torch.ones(4096, 960, dtype=torch.bfloat16)
+        a = torch.ones(4096, 576, dtype=torch.bfloat16)
+        del qkv
+        gu = torch.ones(4096, 3072, dtype=torch.bfloat16)
+        s = torch.ones(4096, 1536, dtype=torch.bfloat16)
+        del gu
+        keep.append(torch.ones(16, 64))
+        del h, a, s
+    counts.append(flt() - before)
+print(json.dumps({"faults": sum(counts[2:]), "status": cpu_malloc.status(),
+                  "stats": torch.ops.paged_hf.kept_blocks_stats() if cpu_malloc.status()["kept_blocks"] else None}))
+"""
+
+
+@needs_glibc
+def test_large_blocks_are_kept_for_the_next_step():
+    def run(**env):
+        full = {k: v for k, v in os.environ.items()
+                if k not in ("GLIBC_TUNABLES", "PAGED_HF_CPU_MALLOC", "PAGED_HF_CPU_KEEP_BYTES")}
+        full.update(env)
+        res = subprocess.run([sys.executable, "-c", FRAGMENTING, str(Path(__file__).parent)], env=full,
+                             capture_output=True, text=True, timeout=300, cwd=ROOT)
+        assert res.returncode == 0, res.stderr[-3000:]
+        return json.loads(res.stdout.strip().splitlines()[-1])
+    kept, none_kept = run(), run(PAGED_HF_CPU_KEEP_BYTES="0")
+    assert kept["status"]["kept_blocks"] and kept["stats"][0] > 0, kept  # bytes waiting in their classes
+    assert none_kept["stats"][0] == 0, none_kept
+    # every kept block served again: the small live ones' pages alone fault (16 x 64 fp32 a layer)
+    assert kept["faults"] <= 1_000, kept
+    assert none_kept["faults"] >= 10 * kept["faults"] + 10_000, (kept, none_kept)
 
 
 @pytest.mark.parametrize("env, why", [
@@ -92,9 +141,9 @@ def test_a_process_that_chose_its_malloc_is_left_alone(monkeypatch, env, why):
     assert cpu_malloc.reason_to_leave_alone() is None
     for k, v in env.items():
         monkeypatch.setenv(k, v)
-    monkeypatch.setattr(cpu_malloc, "_state", {"tuned": None, "why": None})
+    monkeypatch.setattr(cpu_malloc, "_state", {"tuned": None, "why": None, "kept_blocks": False})
     assert cpu_malloc.tune() is False
-    assert cpu_malloc.status() == {"tuned": False, "why": why}
+    assert cpu_malloc.status() == {"tuned": False, "why": why, "kept_blocks": False}
 
 
 def test_the_option_is_checked():

@@ -11,8 +11,14 @@ vLLM's CPU engine preloads tcmalloc for the same reason.
 
 ``tune()`` raises glibc's mmap threshold to its maximum (32 MiB: smaller blocks come from the heap)
 and its trim threshold to ``TRIM_BYTES``, so freed memory stays mapped for the next step instead.
-The cost is memory: up to ``TRIM_BYTES`` of free heap stays resident rather than going back to the
-system. Results do not change. It is left alone where the process already chose: another allocator
+That is not enough for large steps: the heap fragments (a freed block under a small live one, the
+next large request does not fit its hole, the heap grows, every new page faults in). So torch's CPU
+allocator is also wrapped by ``paged_hf::keep_large_blocks`` (paged_hf/execution/csrc/cpu_allocator.cpp):
+blocks of 256 KiB and more in size classes, a freed block kept for the next request of its class,
+up to ``keep_bytes()`` (a W-mixed run at a 4,096-token budget: 341,000 faults and 4.7 s in the
+kernel before, on a virtual machine where a fault costs ~13 us). The cost is memory: up to
+``TRIM_BYTES`` of free heap and ``keep_bytes()`` of kept blocks stay resident rather than going back
+to the system (``release()`` gives the kept blocks back; ``Engine.sleep`` calls it). Results do not change. It is left alone where the process already chose: another allocator
 preloaded (tcmalloc, jemalloc, mimalloc), glibc's malloc tuned through ``GLIBC_TUNABLES`` or
 ``MALLOC_*`` variables, or ``PAGED_HF_CPU_MALLOC=0``; and it needs glibc (no-op elsewhere).
 ``EngineConfig(cpu_tune_malloc=False)`` turns it off for an engine.
@@ -24,13 +30,15 @@ import ctypes.util
 import logging
 import os
 
+import torch
+
 logger = logging.getLogger("paged_hf")
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
 MMAP_BYTES = 32 << 20  # glibc's largest mmap threshold on 64-bit (HEAP_MAX_SIZE / 2)
 TRIM_BYTES = 256 << 20
 _OTHER_ALLOCATORS = ("tcmalloc", "jemalloc", "mimalloc")
-_state: dict = {"tuned": None, "why": None}
+_state: dict = {"tuned": None, "why": None, "kept_blocks": False}
 
 
 def reason_to_leave_alone() -> str | None:
@@ -60,8 +68,37 @@ def _glibc() -> ctypes.CDLL | None:
         return None
 
 
+def keep_bytes() -> int:
+    """The most bytes of freed large blocks kept for the next step: ``PAGED_HF_CPU_KEEP_BYTES``, or
+    1 GiB, at most an eighth of the memory available when first asked."""
+    env = os.environ.get("PAGED_HF_CPU_KEEP_BYTES")
+    if env is not None:
+        return max(0, int(env))
+    try:
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        available = 8 << 30
+    return min(1 << 30, available // 8)
+
+
+def _keep_large_blocks() -> bool:
+    """torch's CPU allocator wrapped so a step's freed large blocks serve the next step (the C++ op)."""
+    from .backends import cpu_paged_attention
+    if not cpu_paged_attention.load():
+        return False
+    return bool(torch.ops.paged_hf.keep_large_blocks(keep_bytes()))
+
+
+def release() -> int:
+    """Give the kept large blocks back to the system; returns the bytes given back."""
+    if not _state.get("kept_blocks"):
+        return 0
+    return int(torch.ops.paged_hf.trim_kept_blocks())
+
+
 def tune() -> bool:
-    """Set glibc's thresholds once per process; True when they are set (now or before)."""
+    """Set glibc's thresholds and keep large blocks, once per process; True when the thresholds are set
+    (now or before)."""
     if _state["tuned"] is not None:
         return _state["tuned"]
     why = reason_to_leave_alone()
@@ -72,7 +109,7 @@ def tune() -> bool:
         and bool(libc.mallopt(M_TRIM_THRESHOLD, TRIM_BYTES))
     if why is None and not ok:
         why = "mallopt refused the thresholds"
-    _state.update(tuned=ok, why=why)
+    _state.update(tuned=ok, why=why, kept_blocks=bool(ok and _keep_large_blocks()))
     if ok:
         logger.debug("paged_hf: glibc malloc keeps freed memory for the next step (mmap threshold %d MiB, "
                      "trim threshold %d MiB)", MMAP_BYTES >> 20, TRIM_BYTES >> 20)
@@ -82,5 +119,6 @@ def tune() -> bool:
 
 
 def status() -> dict:
-    """Whether ``tune`` set the thresholds (None: not asked yet), and if not, why."""
+    """Whether ``tune`` set the thresholds (None: not asked yet), and if not, why; whether large blocks
+    are kept (``kept_blocks``)."""
     return dict(_state)

@@ -151,6 +151,8 @@ class ModelRunner:
         self.asleep = True
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+        elif self.config.cpu_tune_malloc:  # the freed KV tensors, not kept for the next step
+            cpu_malloc.release()
 
     def wake_up(self) -> None:
         if self.asleep:
