@@ -97,7 +97,7 @@ def test_seeded_rows_draw_the_same_tokens_alone_or_in_a_batch():
 def test_greedy_max_op_is_torch_max(threads):
     """``paged_hf::greedy_max`` (the sampler's greedy pick on a CPU) against ``torch.max(dim=-1)``: the same
     maximum and first index on random rows, ties, a row of a narrow vocabulary (no full vector), rows with
-    NaN (NaN out), +inf and all -inf, and rows through a strided view."""
+    NaN (NaN out), +inf and all -inf, rows through a strided view, and bf16 rows read as they are."""
     from paged_hf.execution.backends import cpu_paged_attention as cpa
     from paged_hf.execution.sampler import _row_max
 
@@ -115,7 +115,7 @@ def test_greedy_max_op_is_torch_max(threads):
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        for logits in (x, x[:, :11], x[::2, 3:]):
+        for logits in (x, x[:, :11], x[::2, 3:], x.bfloat16(), x[::2, 3:].bfloat16()):
             best, idx = torch.ops.paged_hf.greedy_max(logits.contiguous() if logits.shape[1] == 11 else logits)
             want_best, want_idx = logits.max(dim=-1)
             assert torch.equal(best.isnan(), want_best.isnan())
@@ -126,3 +126,24 @@ def test_greedy_max_op_is_torch_max(threads):
             assert torch.equal(got[1][finite], want_idx[finite])
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_plain_greedy_batch_takes_the_fast_path_and_the_same_tokens():
+    """Rows that are greedy, without logprobs and with nothing to ban this step pick from the logits as they
+    are (bf16 included: no fp32 copy); the tokens and failures are the full path's. A row that needs its
+    processors (a repetition penalty, EOS still banned, logprobs) sends the batch the full way."""
+    from paged_hf.execution import sampler
+
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, 300, generator=gen).bfloat16()
+    logits[2, 17] = float("nan")
+    logits[4] = float("-inf")
+    plain = [Request(f"r{i}", [1, 2, 3], SamplingParams(max_new_tokens=4)) for i in range(6)]
+    assert all(sampler._plain_greedy(r) for r in plain)
+    fast = sample(logits, plain)
+    full = sampler.sample(logits.float(), plain, mask=lambda lg, err: None)  # a mask forces the full path
+    assert fast.tokens == full.tokens and fast.errors.keys() == full.errors.keys() == {2, 4}
+    assert fast.tokens[0] == int(logits[0].float().argmax())
+    for params in (SamplingParams(repetition_penalty=1.3), SamplingParams(logprobs=2),
+                   SamplingParams(min_new_tokens=3, stop_token_ids=(7,))):
+        assert not sampler._plain_greedy(Request("x", [1, 2], params))

@@ -31,6 +31,10 @@ class SampleResult:
 def sample(logits: torch.Tensor, requests: list[Request], mask: Callable | None = None) -> SampleResult:
     """logits: [B, V] (one row per request, any dtype) -> one token per request. ``mask(logits,
     errors)``: structured outputs' grammar masks, applied after the per-request processors."""
+    if mask is None and all(_plain_greedy(r) for r in requests):
+        fast = _greedy_as_they_are(logits)
+        if fast is not None:
+            return fast
     logits = logits.float()
     raw = logits
     logits = logits.clone()
@@ -83,6 +87,35 @@ def sample(logits: torch.Tensor, requests: list[Request], mask: Callable | None 
                 errors[i] = f"logprobs failed: {type(e).__name__}: {e}"
                 token_list[i] = None
     return SampleResult(token_list, logprobs, errors)
+
+
+def _plain_greedy(req: Request) -> bool:
+    """Greedy, no logprobs, and no processor that would change its row this step."""
+    p = req.params
+    if not p.is_greedy or p.logprobs is not None or p.repetition_penalty != 1.0 or p.suppress_tokens:
+        return False
+    if p.begin_suppress_tokens and req.num_output_tokens == 0:
+        return False
+    if req.num_output_tokens < p.min_new_tokens and (p.stop_token_ids or not p.ignore_eos and req.eos_token_ids):
+        return False
+    return True
+
+
+def _greedy_as_they_are(logits: torch.Tensor) -> SampleResult | None:
+    """Every row greedy and unprocessed: each row's first maximum, read from the logits as they are
+    (the same tokens as the full path's fp32 copy gives: bf16 values are exact in fp32); None where the
+    C++ op does not serve these logits."""
+    if not (logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.bfloat16) and logits.dim() == 2
+            and logits.shape[1] > 0 and logits.stride(1) == 1 and cpu_paged_attention.load()):
+        return None
+    best, tokens = torch.ops.paged_hf.greedy_max(logits)
+    token_list: list[int | None] = torch.where(torch.isfinite(best), tokens, -1).tolist()
+    errors: dict[int, str] = {}
+    for row, tok in enumerate(token_list):
+        if tok < 0:
+            errors[row] = "its logits are not finite (NaN or inf), or every token was excluded"
+            token_list[row] = None
+    return SampleResult(token_list, [None] * len(token_list), errors)
 
 
 def _row_max(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
