@@ -22,6 +22,11 @@ DEFAULT_CPU_KV_BYTES = 1 << 30  # 1 GiB of KV unless told otherwise
 # their throughput (benchmarks/bench_variants.py, README "Measured"). On CUDA there is no cap by
 # default: a GPU step's cost hardly grows with its prefill rows, and no GPU measurement says otherwise.
 DEFAULT_CPU_MAX_PREFILL_TOKENS_WHILE_DECODING = 128
+# The step budget of a blocking batch call on a CPU when max_num_batched_tokens is not set (models
+# without recurrent state): nobody waits on a token there, and wider steps run the linear layers
+# nearer their best rate (Intel Xeon with AMX, 2 threads, SmolLM2 bf16: W-mixed 1.12x, W-prefix-long
+# 1.11x against 512; 4096 gave less, 1.08x / 1.09x; benchmarks/bench_variants.py, docs/measurements.md).
+DEFAULT_CPU_BATCH_CALL_TOKENS = 2048
 
 
 @dataclass

@@ -572,9 +572,39 @@ def test_a_batch_call_lifts_the_auto_prefill_cap_and_streaming_keeps_it():
         outs = run(engine)
         return engine._stats.step_log[1]["tokens"], [o.token_ids for o in outs]
 
-    batch, tokens = second_step(lambda e: e.generate(prompts, params))
-    streamed, streamed_tokens = second_step(lambda e: e.generate(prompts, params, on_token=lambda *_: None))
+    budget = {"max_num_batched_tokens": 512}  # set: a batch call keeps it (the next test)
+    batch, tokens = second_step(lambda e: e.generate(prompts, params), **budget)
+    streamed, streamed_tokens = second_step(lambda e: e.generate(prompts, params, on_token=lambda *_: None), **budget)
     explicit, explicit_tokens = second_step(lambda e: e.generate(prompts, params),
-                                            max_prefill_tokens_while_decoding=128)
+                                            max_prefill_tokens_while_decoding=128, **budget)
     assert batch > 129 and streamed <= 129 and explicit <= 129, (batch, streamed, explicit)
     assert tokens == streamed_tokens == explicit_tokens
+
+
+def test_a_batch_call_on_a_cpu_takes_wider_steps_unless_the_budget_is_set():
+    """A blocking ``generate`` on a CPU steps up to DEFAULT_CPU_BATCH_CALL_TOKENS (2048) tokens where
+    ``max_num_batched_tokens`` was left unset; streaming keeps 512, a budget set is kept, and a hybrid (its
+    state checkpoints follow the budget) keeps 512. The tokens are the same every way."""
+    from paged_hf.config import DEFAULT_CPU_BATCH_CALL_TOKENS, DEFAULT_MAX_NUM_BATCHED_TOKENS
+
+    model = make_tiny_model("llama")
+    prompts = tiny_prompts(model.config.vocab_size, 6, 300, seed=2)
+    params = paged_hf.SamplingParams(max_new_tokens=3, ignore_eos=True)
+
+    def first_step(run, **options):
+        engine = paged_hf.Engine(model, **options)
+        outs = run(engine)
+        return engine._stats.step_log[0]["tokens"], [o.token_ids for o in outs]
+
+    batch, tokens = first_step(lambda e: e.generate(prompts, params))
+    streamed, streamed_tokens = first_step(lambda e: e.generate(prompts, params, on_token=lambda *_: None))
+    explicit, explicit_tokens = first_step(lambda e: e.generate(prompts, params), max_num_batched_tokens=512)
+    assert batch == min(DEFAULT_CPU_BATCH_CALL_TOKENS, 6 * 300) > DEFAULT_MAX_NUM_BATCHED_TOKENS, batch
+    assert streamed == explicit == DEFAULT_MAX_NUM_BATCHED_TOKENS, (streamed, explicit)
+    assert tokens == streamed_tokens == explicit_tokens
+    from paged_hf.model.support import build_tiny_model
+
+    hybrid = build_tiny_model("lfm2")
+    engine = paged_hf.Engine(hybrid)
+    engine.generate(tiny_prompts(hybrid.config.vocab_size, 3, 300, seed=3), params)
+    assert engine._stats.step_log[0]["tokens"] <= DEFAULT_MAX_NUM_BATCHED_TOKENS

@@ -110,7 +110,8 @@ class BatchCalls:
         """The scheduler's policy for a blocking batch call, where nobody watches tokens arrive and
         only the whole call's time counts: with ``max_prefill_tokens_while_decoding="auto"``, prompt
         chunks are not capped while others decode (1.2x on W-mixed; a decode may wait for a whole
-        step budget of prefill). ``generate``, ``score`` and ``score_rolling`` (and so
+        step budget of prefill), and on a CPU, where ``max_num_batched_tokens`` was not set, a step
+        takes up to ``DEFAULT_CPU_BATCH_CALL_TOKENS`` (2048) tokens. ``generate``, ``score`` and ``score_rolling`` (and so
         ``generate_dataset``, the lm-eval backend, a patched ``generate`` without a streamer) run in
         it; a background engine, ``on_token`` callbacks and stepping by hand keep the cap."""
         before = self.scheduler.batch_call

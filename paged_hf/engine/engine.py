@@ -27,7 +27,7 @@ from ..cache.block_manager import BlockManager
 from ..cache.coherence import WeightsWatch
 from ..cache.kv_groups import most_blocks
 from ..cache.state_slots import StateSlots
-from ..config import DEFAULT_CPU_KV_BYTES, EngineConfig
+from ..config import DEFAULT_CPU_BATCH_CALL_TOKENS, DEFAULT_CPU_KV_BYTES, EngineConfig
 from ..execution.runner import ModelRunner, cache_groups
 from ..requests.request import FinishReason, Request
 from ..requests.sampling_params import SamplingParams
@@ -86,14 +86,20 @@ class Engine(Admission, StepLoop, OutputAssembly, BatchCalls):
         self._weights = WeightsWatch(model)
         self._adapters = self._weights.adapter_state()
         slots = StateSlots(self.config.max_num_seqs, self._num_checkpoints) if self.state_layout is not None else None
+        # a blocking batch call on a CPU takes wider steps, unless the budget was set (or the model keeps
+        # recurrent state, whose checkpoints follow the budget)
+        batch_budget = DEFAULT_CPU_BATCH_CALL_TOKENS if (
+            "max_num_batched_tokens" not in config and self.state_layout is None
+            and next(model.parameters()).device.type == "cpu") else None
         # a hybrid's prompts are checkpointed every step budget's worth of tokens (and at their last full block)
         self.kv = BlockManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching, self._cache_key(),
                                slots, checkpoint_interval=self.config.max_num_batched_tokens, groups=self.groups,
-                               step_tokens=self.config.max_num_batched_tokens)
+                               step_tokens=max(self.config.max_num_batched_tokens, batch_budget or 0))
         self.scheduler = Scheduler(self.kv, self.config.max_num_batched_tokens, self.config.max_num_seqs,
                                    self.config.preemption_mode, self.config.max_prefill_tokens_while_decoding,
                                    continues_chunks=self.state_layout is None or self.state_layout.continues_chunks)
         self.scheduler.lift_cap_in_batch_calls = auto_prefill_cap
+        self.scheduler.batch_call_budget = batch_budget
         self.runner = ModelRunner(model, self.config, num_blocks, self.layout, self.state_layout,
                                   slots.total if slots is not None else 0, groups=self.groups)
         # requests by id until collected or aborted; samples 1..n-1 of n > 1 live on their root

@@ -57,6 +57,7 @@ class Scheduler:
         # a blocking batch call runs (``Engine.batch_call``) and the cap was "auto": no cap meanwhile
         self.batch_call = False
         self.lift_cap_in_batch_calls = False
+        self.batch_call_budget: int | None = None  # the step budget inside a batch call, where set
         self.continues_chunks = continues_chunks
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order; the tail is preempted first
@@ -95,7 +96,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(scheduled=[])
         chosen: dict[Request, int] = {}
-        budget = self.max_num_batched_tokens
+        budget = self.batch_call_budget if self.batch_call and self.batch_call_budget else self.max_num_batched_tokens
 
         # 1. running requests: decodes first (one token each), then unfinished prefills
         decodes = [r for r in self.running if r.num_pending_tokens == 1]
