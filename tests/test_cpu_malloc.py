@@ -150,3 +150,40 @@ def test_the_option_is_checked():
     from paged_hf.config import EngineConfig
     with pytest.raises(ValueError, match="cpu_tune_malloc"):
         EngineConfig(cpu_tune_malloc="yes")
+
+
+LRU = r"""
+import json, resource, sys
+import torch
+sys.path.insert(0, sys.argv[1])
+from paged_hf.execution import cpu_malloc
+assert cpu_malloc.tune() and torch.ops.paged_hf.keep_large_blocks(48 << 20)  # a 48 MiB cap
+def flt():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+def churn(mib, n, rounds):
+    before = flt()
+    for _ in range(rounds):
+        xs = [torch.ones(mib << 18) for _ in range(n)]  # mib MiB of fp32 each
+        del xs
+    return flt() - before
+churn(10, 4, 1)                    # 40 MiB kept in 10-MiB classes
+old = torch.ops.paged_hf.kept_blocks_stats()[0]
+churn(13, 3, 1)                    # 13 MiB blocks: the 10 MiB ones kept longest go first
+after = torch.ops.paged_hf.kept_blocks_stats()[0]
+print(json.dumps({"old": old, "after": after, "faults": churn(13, 3, 5),
+                  "trimmed": torch.ops.paged_hf.trim_kept_blocks(), "left": torch.ops.paged_hf.kept_blocks_stats()[0]}))
+"""
+
+
+@needs_glibc
+def test_kept_blocks_make_room_for_the_classes_a_step_asks_for_now():
+    """Past the cap the blocks kept longest go back first: a step whose token count moved (other size
+    classes) keeps its own blocks, and they serve it again without faults; trim gives everything back."""
+    res = subprocess.run([sys.executable, "-c", LRU, str(Path(__file__).parent)], capture_output=True, text=True,
+                         timeout=300, cwd=ROOT, env={k: v for k, v in os.environ.items() if k != "PAGED_HF_CPU_MALLOC"})
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = json.loads(res.stdout.strip().splitlines()[-1])
+    assert got["old"] == 40 << 20, got
+    assert got["after"] == 3 * (14 << 20), got  # three 14-MiB-class blocks; the 10 MiB ones evicted
+    assert got["faults"] < 100, got  # 5 rounds of 3 x 13 MiB served from the kept blocks
+    assert got["trimmed"] == got["after"] and got["left"] == 0, got

@@ -293,25 +293,33 @@ class PackedLinears:
 
 
 class _FusedState:
-    """A sibling group's packed concatenated weight, and the last input it computed with its output."""
+    """A sibling group's packed concatenated weight, and the input it computed with its output until
+    every sibling took its slice (then let go: a layer's output is not kept to the end of the step)."""
 
     def __init__(self, packed: PackedWeight, weights: list, widths: list[int]) -> None:
         self.packed, self.weights = packed, weights
         self.bounds = [sum(widths[:i]) for i in range(len(widths) + 1)]
         self.x: torch.Tensor | None = None
         self.out: torch.Tensor | None = None
+        self.served: set[int] = set()
 
 
 def _fused_forward_for(module: torch.nn.Linear, state: _FusedState, i: int):
     lo, hi = state.bounds[i], state.bounds[i + 1]
+    n = len(state.weights)
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         if x.dtype != state.packed.dtype or not x.is_contiguous() or module.weight is not state.weights[i]:
             return F.linear(x, module.weight, module.bias)
-        if x is not state.x:  # the first sibling called on this input computes them all
+        if x is not state.x or i in state.served:  # the first sibling called on this input computes them all
             state.out = state.packed(x)
             state.x = x
-        return state.out[..., lo:hi]
+            state.served = set()
+        out = state.out[..., lo:hi]
+        state.served.add(i)
+        if len(state.served) == n:
+            state.x = state.out = None
+        return out
 
     return forward
 

@@ -7,16 +7,20 @@
 // the hole, the heap grows, and every new page is a fault (zeroed by the kernel; ~13 us a page on a
 // virtual machine here: a W-mixed run with a 4,096-token budget spent 4.7 s of 12 s in the kernel).
 // Blocks of 256 KiB and more are handed out here in size classes (powers of two in quarter steps,
-// 64-byte aligned), and a freed block waits in its class for the next request of that class, up to
-// a cap on the bytes kept (beyond it, blocks go back to the system). Smaller requests go to the
-// allocator that was installed before. Data pointers stay "simple" (context == pointer), as torch's
+// 64-byte aligned), and a freed block waits in its class for the next request of that class (or of
+// the two classes below it), up to a cap on the bytes kept: past it the blocks kept longest go back
+// to the system first (the step's token count moves, and with it the classes it asks for). Smaller
+// requests go to the allocator that was installed before. Data pointers stay "simple" (context == pointer), as torch's
 // own CPU allocator's are. Results do not change; memory kept free is at most the cap.
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
 #include <c10/core/impl/alloc_cpu.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <iterator>
+#include <list>
 #include <mutex>
 #include <unordered_map>
 #include <vector>
@@ -43,15 +47,21 @@ class KeptBlocks final : public c10::Allocator {
 
   c10::DataPtr allocate(size_t n) override {
     if (n < LARGE) return base_->allocate(n);
-    const size_t size = size_class(n);
+    size_t size = size_class(n);
     void* p = nullptr;
     {
       std::lock_guard<std::mutex> g(mu_);
-      auto it = free_.find(size);
-      if (it != free_.end() && !it->second.empty()) {
-        p = it->second.back();
-        it->second.pop_back();
-        kept_ -= size;
+      // its own class, else one or two classes up (at most 1.5x the bytes)
+      for (size_t c = size, k = 0; k < 3 && p == nullptr; ++k, c = size_class(c + 1)) {
+        auto it = free_.find(c);
+        if (it != free_.end() && !it->second.empty()) {
+          auto node = it->second.back();
+          it->second.pop_back();
+          p = node->second;
+          size = c;
+          lru_.erase(node);
+          kept_ -= c;
+        }
       }
     }
     if (p == nullptr) p = c10::alloc_cpu(size);
@@ -71,22 +81,33 @@ class KeptBlocks final : public c10::Allocator {
   static void release(void* p) { instance()->put_back(p); }
 
   void put_back(void* p) {
-    std::unique_lock<std::mutex> g(mu_);
-    auto it = live_.find(p);
-    if (it == live_.end()) {  // not one of ours: cannot happen, but never leak or double-free
-      g.unlock();
-      c10::free_cpu(p);
-      return;
+    std::vector<void*> out;  // blocks given back to the system, outside the lock
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      auto it = live_.find(p);
+      if (it == live_.end()) {  // not one of ours: cannot happen, but never leak or double-free
+        out.push_back(p);
+      } else {
+        const size_t size = it->second;
+        live_.erase(it);
+        if (size > cap_) {
+          out.push_back(p);
+        } else {
+          while (kept_ + size > cap_ && !lru_.empty()) {  // the longest kept first
+            const auto [old_size, old_p] = lru_.front();
+            auto& list = free_[old_size];
+            list.erase(std::find(list.begin(), list.end(), lru_.begin()));
+            lru_.pop_front();
+            kept_ -= old_size;
+            out.push_back(old_p);
+          }
+          lru_.emplace_back(size, p);
+          free_[size].push_back(std::prev(lru_.end()));
+          kept_ += size;
+        }
+      }
     }
-    const size_t size = it->second;
-    live_.erase(it);
-    if (kept_ + size <= cap_) {
-      free_[size].push_back(p);
-      kept_ += size;
-      return;
-    }
-    g.unlock();
-    c10::free_cpu(p);
+    for (void* b : out) c10::free_cpu(b);
   }
 
   // Give every kept block back to the system; returns the bytes given back.
@@ -95,10 +116,11 @@ class KeptBlocks final : public c10::Allocator {
     int64_t bytes = 0;
     {
       std::lock_guard<std::mutex> g(mu_);
-      for (auto& [size, list] : free_) {
-        bytes += static_cast<int64_t>(size * list.size());
-        blocks.insert(blocks.end(), list.begin(), list.end());
+      for (auto& [size, p] : lru_) {
+        bytes += static_cast<int64_t>(size);
+        blocks.push_back(p);
       }
+      lru_.clear();
       free_.clear();
       kept_ = 0;
     }
@@ -126,8 +148,10 @@ class KeptBlocks final : public c10::Allocator {
  private:
   c10::Allocator* base_;
   std::mutex mu_;
+  using Kept = std::list<std::pair<size_t, void*>>;  // (size class, block), the longest kept first
   std::unordered_map<void*, size_t> live_;
-  std::unordered_map<size_t, std::vector<void*>> free_;
+  Kept lru_;
+  std::unordered_map<size_t, std::vector<Kept::iterator>> free_;  // each class's kept blocks, newest last
   size_t kept_ = 0;
   size_t cap_ = size_t(1) << 30;
 };
