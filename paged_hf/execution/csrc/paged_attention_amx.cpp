@@ -45,12 +45,15 @@ constexpr int64_t MAX_HEADS = 4;    // kv heads a decode's item spans
 constexpr int64_t TILE_FLOATS = ROWS * ROWS;
 
 // Tile registers (macros: the tile intrinsics paste their number into the instruction). Every tile
-// is 16 rows of 64 bytes. Pass 1: S^T (two, alternating blocks), K, Q^T. Pass 2: P and V (two each,
+// is 16 rows of 64 bytes. Pass 1: S^T, K and Q^T, two of each for alternate blocks (tiles are not
+// renamed: a load into a tile waits for the product that reads it). Pass 2: P and V (two each,
 // alternating), O (four: 64 dims a sweep).
 #define T_S0 0
 #define T_S1 3
-#define T_K 1
-#define T_Q 2
+#define T_K0 1
+#define T_K1 4
+#define T_Q0 2
+#define T_Q1 5
 #define T_P0 0
 #define T_P1 3
 #define T_V0 1
@@ -195,21 +198,21 @@ void run_chunk(int64_t c, const RowSet& rs, const Problem& p, const c10::BFloat1
   const uint32_t* qt = w.qt.data();
   for (int64_t i = 0; i < nb; ++i) {
     const int64_t b = b_begin + i;
-#define SCORES(TS)                                                                   \
+#define SCORES(TS, TK, TQ)                                                           \
   TILE_ZERO(TS);                                                                     \
   for (int64_t hh = 0; hh < rs.nh; ++hh) {                                           \
     const c10::BFloat16* kb = k_cache + page(hh, b) * Dk;                            \
     for (int64_t d = 0; d < Dk / 32; ++d) {                                          \
-      TILE_LOAD(T_K, kb + 32 * d, Dk * 2);                                           \
-      TILE_LOAD(T_Q, qt + (hh * (Dk / 2) + 16 * d) * ROWS, ROWS * 4);                \
-      TILE_DP(TS, T_K, T_Q);                                                         \
+      TILE_LOAD(TK, kb + 32 * d, Dk * 2);                                            \
+      TILE_LOAD(TQ, qt + (hh * (Dk / 2) + 16 * d) * ROWS, ROWS * 4);                 \
+      TILE_DP(TS, TK, TQ);                                                           \
     }                                                                                \
   }                                                                                  \
   TILE_STORE(TS, sb + i * TILE_FLOATS, ROWS * 4);
     if (i & 1) {
-      SCORES(T_S1)
+      SCORES(T_S1, T_K1, T_Q1)
     } else {
-      SCORES(T_S0)
+      SCORES(T_S0, T_K0, T_Q0)
     }
 #undef SCORES
   }
