@@ -295,6 +295,46 @@ def test_bf16_a_window_s_freed_blocks_do_not_move_its_rows(window, bf16_path):
         run_op(q, k_cache, v_cache, held, d ** -0.5, window, 0.0, offsets=[1, 0, 0])
 
 
+@pytest.mark.skipif(not cpa.amx_built(), reason="the AMX path takes pages smaller than 16 tokens; this CPU has no AMX")
+@pytest.mark.parametrize("page", [4, 8, 2])
+def test_amx_pages_smaller_than_a_tile_give_the_rows_16_token_pages_give(page):
+    """The AMX path gathers each tile's 16 keys from pages of 2, 4 or 8 tokens (lm-eval's default is 4): the
+    same rows, bit for bit, as the same K/V in 16-token pages, for prompt chunks, decodes, decodes sharing two
+    whole chunks, and a window whose freed pages leave the table starting mid-tile."""
+    gen = torch.Generator().manual_seed(page)
+    hkv, d, per = 2, 64, 16 // page
+    n16 = 120
+    k16 = torch.randn(n16, hkv, 16, d, generator=gen).bfloat16()
+    v16 = torch.randn(n16, hkv, 16, d, generator=gen).bfloat16()
+    # the same tokens in small pages: 16-token page b is small pages b*per .. b*per + per - 1, shuffled
+    k_small = k16.view(n16, hkv, per, page, d).transpose(1, 2).reshape(n16 * per, hkv, page, d)
+    v_small = v16.view(n16, hkv, per, page, d).transpose(1, 2).reshape(n16 * per, hkv, page, d)
+    shuffle = torch.randperm(n16 * per, generator=gen)
+    where = torch.empty_like(shuffle)
+    where[shuffle] = torch.arange(n16 * per)
+    k_small, v_small = k_small[shuffle].contiguous(), v_small[shuffle].contiguous()
+
+    def small(blocks16, kv):  # the small pages holding the first kv tokens of those 16-token pages
+        pages = [int(where[b * per + j]) for b in blocks16 for j in range(per)]
+        return pages[:-(-kv // page)]
+
+    free = torch.randperm(n16, generator=gen).tolist()
+    shared = [free.pop() for _ in range(33)]
+    seqs16 = [(0, 40, 300, [free.pop() for _ in range(19)])]
+    seqs16 += [(40 + i, 1, 530 + 11 * i, shared + [free.pop() for _ in range(-(-(530 + 11 * i) // 16) - 33)])
+               for i in range(5)]
+    q = torch.randn(45, hkv * 3, d, generator=gen).bfloat16()
+    want = run_op(q, k16, v16, seqs16, d ** -0.5, 0, 0.0)
+    got = run_op(q, k_small, v_small, [(s, ql, kv, small(b, kv)) for s, ql, kv, b in seqs16], d ** -0.5, 0, 0.0)
+    assert torch.equal(got, want)
+    # a window of 100 over a 300-token prompt chunk: freed small pages up to the first one its first query reads
+    first = (300 - 40 - 100 + 1) // page
+    pages = small(seqs16[0][3], 300)
+    windowed = run_op(q[:40], k_small, v_small, [(0, 40, 300 - first * page, pages[first:])], d ** -0.5, 100, 0.0,
+                      offsets=[first * page])
+    assert torch.equal(windowed, run_op(q[:40], k16, v16, [seqs16[0]], d ** -0.5, 100, 0.0))
+
+
 def test_bf16_nan_in_a_page_reaches_no_other_sequence(bf16_path):
     """NaN in a page's unused slots (past a sequence's last token: what a failed request can leave in a
     reused page) and in every K/V of another sequence (one whose activations blew up) leave the other
@@ -369,9 +409,16 @@ def test_kernel_backend_agrees_with_the_torch_backend(dtype, window, softcap):
         got = ker.attend(layer, q, k, v, 0.3, window, softcap)
         assert torch.equal(ker.kv[2 * layer], ref.kv[2 * layer]) and torch.equal(ker.kv[2 * layer + 1],
                                                                                  ref.kv[2 * layer + 1])
-        tol = 2e-5 if dtype == torch.float32 else 3e-2  # the torch path rounds scores and probs to bf16
+        # the torch path rounds scores and probs to bf16; where the kernel takes the 520-token prompt too (bf16
+        # in 4-token pages on the AMX path) that rounding meets the kernel's fp32 softmax on a long row (the
+        # float64-reference tests above hold the kernel itself to 1.6e-2)
+        tol = 2e-5 if dtype == torch.float32 else (5e-2 if ker._bf16_path else 3e-2)
         torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
-        assert ker._groups[0].torch_kind == "long" and len(ker._groups[0].args[0]) == sum(takes), "the kernel served what it takes"
+        if ker._bf16_path:  # bf16 in 4-token pages on the AMX path: every sequence, the long prompt too
+            assert ker._groups[0].torch_kind is None and len(ker._groups[0].args[0]) == len(specs)
+        else:
+            assert ker._groups[0].torch_kind == "long" and len(ker._groups[0].args[0]) == sum(takes), \
+                "the kernel served what it takes"
 
 
 def test_on_the_bf16_path_the_kernel_attends_every_sequence():
@@ -384,7 +431,9 @@ def test_on_the_bf16_path_the_kernel_attends_every_sequence():
     ker = cpa.CpuPagedBackend(2, n_blocks, bs, hkv, d, torch.bfloat16, "cpu")
     assert ker._bf16_path is fast
     assert cpa.CpuPagedBackend(2, n_blocks, bs, hkv, 48, torch.bfloat16, "cpu")._bf16_path is False  # 48 % 32
-    assert cpa.CpuPagedBackend(2, n_blocks, 8, hkv, d, torch.bfloat16, "cpu")._bf16_path is False
+    # 8-token blocks: the AMX path takes pages of any size dividing 16, the AVX-512 one 16 only
+    assert cpa.CpuPagedBackend(2, n_blocks, 8, hkv, d, torch.bfloat16, "cpu")._bf16_path is cpa.amx_built()
+    assert cpa.CpuPagedBackend(2, n_blocks, 12, hkv, d, torch.bfloat16, "cpu")._bf16_path is False
     assert cpa.CpuPagedBackend(2, n_blocks, bs, hkv, d, torch.float32, "cpu")._bf16_path is False
     if not fast:
         pytest.skip("this CPU has no AVX512-BF16: the bf16 path is not built")

@@ -123,9 +123,11 @@ struct AmxScratch {
   std::vector<uint32_t> p;   // [heads][CHUNK / 2][16 rows][16 pairs of keys]: P of each head's rows
   std::vector<uint32_t> vp;  // [heads][CHUNK][8 pairs of keys][Dv]: V interleaved (the unpack's dim order)
   std::vector<float> o, oc;  // [16][Dv]: the rows' accumulators, and a chunk's
+  std::vector<c10::BFloat16> k;  // [2][heads][16][Dk]: a tile's K rows gathered from smaller pages
   explicit AmxScratch(const Problem& pr)
       : qt(MAX_HEADS * pr.k_dim / 2 * ROWS), s(CHUNK * TILE_FLOATS), p(MAX_HEADS * CHUNK / 2 * TILE_FLOATS),
-        vp(MAX_HEADS * (CHUNK + 1) * 8 * pr.v_dim), o(ROWS * pr.v_dim), oc(ROWS * pr.v_dim) {}
+        vp(MAX_HEADS * (CHUNK + 1) * 8 * pr.v_dim), o(ROWS * pr.v_dim), oc(ROWS * pr.v_dim),
+        k(2 * MAX_HEADS * BS * pr.k_dim) {}
 };
 
 inline __m512 exp_vec(__m512 x) { return Vec(x).exp_u20(); }
@@ -156,13 +158,14 @@ inline void rows_of_pairs(const __m512i* w, uint32_t* p, int64_t stride) {
   }
 }
 
-// A block's V as 8 rows of key pairs interleaved; keys from n on (and every key when vb is null) are zeros
-inline void interleave_v(const uint16_t* vb, int64_t n, int64_t Dv, uint32_t* vp) {
+// 16 keys' V rows (null: a key past the context, or freed) as 8 rows of key pairs interleaved
+inline void interleave_v(const uint16_t* const* rows, int64_t Dv, uint32_t* vp) {
   for (int64_t i = 0; i < 8; ++i) {
+    const uint16_t* r0 = rows[2 * i];
+    const uint16_t* r1 = rows[2 * i + 1];
     for (int64_t c = 0; c < Dv / 32; ++c) {
-      const __m512i v0 = vb && 2 * i < n ? _mm512_loadu_si512(vb + 2 * i * Dv + 32 * c) : _mm512_setzero_si512();
-      const __m512i v1 = vb && 2 * i + 1 < n ? _mm512_loadu_si512(vb + (2 * i + 1) * Dv + 32 * c)
-                                             : _mm512_setzero_si512();
+      const __m512i v0 = r0 ? _mm512_loadu_si512(r0 + 32 * c) : _mm512_setzero_si512();
+      const __m512i v1 = r1 ? _mm512_loadu_si512(r1 + 32 * c) : _mm512_setzero_si512();
       _mm512_storeu_si512(vp + i * Dv + 32 * c, _mm512_unpacklo_epi16(v0, v1));
       _mm512_storeu_si512(vp + i * Dv + 32 * c + 16, _mm512_unpackhi_epi16(v0, v1));
     }
@@ -177,31 +180,51 @@ struct RowSet {
   int64_t nh = 0;                        // kv heads: each reads its own pages
   int64_t head[MAX_HEADS];
   __mmask16 head_rows[MAX_HEADS];
-  const int32_t* blocks = nullptr;       // the block table (SHARED: its first source's)
-  int64_t offset = 0;                    // blocks of the sequence before the table's first (freed)
+  const int32_t* blocks = nullptr;       // the page table (SHARED: its first source's)
+  int64_t offset = 0;                    // tokens of the sequence before the table's first page (freed)
   int64_t lo = 0, hi = 0;                // keys [lo, hi) some row sees, relative to the table
 };
 
 void run_chunk(int64_t c, const RowSet& rs, const Problem& p, const c10::BFloat16* k_cache,
                const c10::BFloat16* v_cache, AmxScratch& w, __m512& m, __m512& l, bool fresh) {
-  const int64_t Dk = p.k_dim, Dv = p.v_dim;
-  // the chunk's blocks, relative to the table, that some row sees
-  const int64_t b_begin = std::max(c * CHUNK - rs.offset, rs.lo / BS);
-  const int64_t b_end = std::min((c + 1) * CHUNK - rs.offset, (rs.hi + BS - 1) / BS);
-  const int64_t nb = b_end - b_begin;
+  const int64_t Dk = p.k_dim, Dv = p.v_dim, PG = p.block_size;
+  // the chunk's tiles of 16 keys (at the sequence's own positions 16t .. 16t + 15) that some row sees;
+  // a tile's first key, relative to the table, is 16t - offset
+  const int64_t t_begin = std::max(c * CHUNK, (rs.offset + rs.lo) / BS);
+  const int64_t t_end = std::min((c + 1) * CHUNK, (rs.offset + rs.hi - 1) / BS + 1);
+  const int64_t nb = t_end - t_begin;
   if (nb <= 0) return;
-  const auto page = [&](int64_t hh, int64_t b) {
-    return (static_cast<int64_t>(rs.blocks[b]) * p.kv_heads + rs.head[hh]) * BS;
+  // a tile is one page where pages are 16 tokens at a multiple of 16 (the tile loads read it in place);
+  // else its rows are gathered from the pages that hold them
+  const bool whole_pages = PG == BS && rs.offset % BS == 0;
+  const auto row_of = [&](const c10::BFloat16* cache, int64_t D, int64_t hh, int64_t key) -> const c10::BFloat16* {
+    if (key < 0 || key >= rs.hi) return nullptr;  // freed, or past every row's last key
+    const int64_t page = (static_cast<int64_t>(rs.blocks[key / PG]) * p.kv_heads + rs.head[hh]) * PG + key % PG;
+    return cache + page * D;
   };
-  // pass 1: S^T of every block (alternating tiles, so one block's store overlaps the next's products)
+  c10::BFloat16* kg = w.k.data();  // gathered K: [2 (alternate tiles)][heads][16][Dk]
+  const auto k_tile = [&](int64_t hh, int64_t i) -> const c10::BFloat16* {
+    const int64_t j0 = (t_begin + i) * BS - rs.offset;
+    if (whole_pages) return row_of(k_cache, Dk, hh, j0) ? row_of(k_cache, Dk, hh, j0) : k_cache;  // masked if absent
+    c10::BFloat16* dst = kg + ((i % 2) * MAX_HEADS + hh) * BS * Dk;
+    for (int64_t j = 0; j < BS; ++j) {
+      const c10::BFloat16* src = row_of(k_cache, Dk, hh, j0 + j);
+      if (src) {
+        std::memcpy(dst + j * Dk, src, Dk * 2);
+      } else {
+        std::memset(dst + j * Dk, 0, Dk * 2);
+      }
+    }
+    return dst;
+  };
+  // pass 1: S^T of every tile
   float* sb = w.s.data();
   const uint32_t* qt = w.qt.data();
   for (int64_t i = 0; i < nb; ++i) {
-    const int64_t b = b_begin + i;
 #define SCORES(TS, TK, TQ)                                                           \
   TILE_ZERO(TS);                                                                     \
   for (int64_t hh = 0; hh < rs.nh; ++hh) {                                           \
-    const c10::BFloat16* kb = k_cache + page(hh, b) * Dk;                            \
+    const c10::BFloat16* kb = k_tile(hh, i);                                         \
     for (int64_t d = 0; d < Dk / 32; ++d) {                                          \
       TILE_LOAD(TK, kb + 32 * d, Dk * 2);                                            \
       TILE_LOAD(TQ, qt + (hh * (Dk / 2) + 16 * d) * ROWS, ROWS * 4);                 \
@@ -223,11 +246,11 @@ void run_chunk(int64_t c, const RowSet& rs, const Problem& p, const c10::BFloat1
   const float pre = p.softcap > 0 ? 1.f : p.scale;
   __m512 mc = neg_inf;
   for (int64_t i = 0; i < nb; ++i) {
-    const int64_t j0 = (b_begin + i) * BS;
+    const int64_t j0 = (t_begin + i) * BS - rs.offset;
     float* si = sb + i * TILE_FLOATS;
     for (int j = 0; j < ROWS; ++j) {
       const __m512i key = _mm512_set1_epi32(static_cast<int32_t>(j0 + j));
-      __mmask16 v = _mm512_cmp_epi32_mask(key, posv, _MM_CMPINT_LE);
+      __mmask16 v = j0 + j >= 0 ? _mm512_cmp_epi32_mask(key, posv, _MM_CMPINT_LE) : 0;
       if (p.window > 0) v &= _mm512_cmp_epi32_mask(key, first_seen, _MM_CMPINT_NLT);  // pos - key < window
       __m512 x = _mm512_mul_ps(_mm512_loadu_ps(si + ROWS * j), _mm512_set1_ps(pre));
       if (p.softcap > 0) x = softcap_vec(Vec(x), p.scale / p.softcap, p.softcap);
@@ -261,14 +284,17 @@ void run_chunk(int64_t c, const RowSet& rs, const Problem& p, const c10::BFloat1
     // row r of pair of blocks i / 2: dwords [8 * (i % 2), 8 * (i % 2) + 8) are this block's pairs
     uint32_t* rows = pb + (i / 2) * TILE_FLOATS + 8 * (i % 2);
     rows_of_pairs(pairs, rows, ROWS);
+    const int64_t j0 = (t_begin + i) * BS - rs.offset;
     for (int64_t hh = 0; hh < rs.nh; ++hh) {
-      const int64_t b = b_begin + i, n = std::min<int64_t>(BS, rs.hi - b * BS);
-      interleave_v(reinterpret_cast<const uint16_t*>(v_cache + page(hh, b) * Dv), n, Dv, vp + hh * v_head + i * 8 * Dv);
+      const uint16_t* rows_v[BS];
+      for (int64_t j = 0; j < BS; ++j) rows_v[j] = reinterpret_cast<const uint16_t*>(row_of(v_cache, Dv, hh, j0 + j));
+      interleave_v(rows_v, Dv, vp + hh * v_head + i * 8 * Dv);
     }
   }
-  if (nb % 2) {  // the last pair's second block: zero P and V
+  if (nb % 2) {  // the last pair's second tile: zero P and V
     for (int64_t r = 0; r < ROWS; ++r) std::memset(pb + (nb / 2) * TILE_FLOATS + r * ROWS + 8, 0, 8 * 4);
-    for (int64_t hh = 0; hh < rs.nh; ++hh) interleave_v(nullptr, 0, Dv, vp + hh * v_head + nb * 8 * Dv);
+    const uint16_t* none[BS] = {};
+    for (int64_t hh = 0; hh < rs.nh; ++hh) interleave_v(none, Dv, vp + hh * v_head + nb * 8 * Dv);
   }
   if (rs.nh > 1) {  // each head's copy of P: its own rows, zeros for the others' (head 0's last: in place)
     for (int64_t hh = rs.nh - 1; hh >= 0; --hh) {
@@ -372,7 +398,7 @@ void run_item_amx(const AmxItem& it, const int32_t* seqs, const Problem& p, cons
     rs.head_rows[0] = 0xFFFF;
     const int64_t s0 = seqs[it.first];
     rs.blocks = p.kv_indices + p.kv_indptr[s0];
-    rs.offset = p.kv_offset ? p.kv_offset[s0] / BS : 0;
+    rs.offset = p.kv_offset ? p.kv_offset[s0] : 0;
     for (int64_t k = 0; k < it.n_src; ++k) {
       const int64_t seq = seqs[it.first + k], pos = p.kv_len[seq] - 1;
       for (int64_t g = 0; g < G; ++g) {
@@ -384,11 +410,11 @@ void run_item_amx(const AmxItem& it, const int32_t* seqs, const Problem& p, cons
       rs.lo = std::min(rs.lo, window_lo(pos));
       rs.hi = std::max(rs.hi, pos + 1);
     }
-    rs.hi = std::min<int64_t>(rs.hi, it.c_hi * CHUNK * BS - rs.offset * BS);  // its chunks' keys only
+    rs.hi = std::min<int64_t>(rs.hi, it.c_hi * CHUNK * BS - rs.offset);  // its chunks' keys only
   } else {  // kv heads [h0, h0 + nh) x tokens [t0, t1) x query heads [g0, g0 + ng): rows (head, token, q head)
     const int64_t seq = it.seq, L = p.kv_len[seq], ql = p.q_len[seq];
     rs.blocks = p.kv_indices + p.kv_indptr[seq];
-    rs.offset = p.kv_offset ? p.kv_offset[seq] / BS : 0;
+    rs.offset = p.kv_offset ? p.kv_offset[seq] : 0;
     rs.nh = it.nh;
     for (int64_t hh = 0; hh < it.nh; ++hh) {
       rs.head[hh] = it.h0 + hh;
@@ -422,8 +448,8 @@ void run_item_amx(const AmxItem& it, const int32_t* seqs, const Problem& p, cons
     l = _mm512_load_ps(lf);
     fresh = false;
   }
-  const int64_t c_first = std::max<int64_t>(it.c_lo, (rs.offset * BS + rs.lo) / (CHUNK * BS));
-  const int64_t c_last = (rs.offset * BS + rs.hi - 1) / (CHUNK * BS);
+  const int64_t c_first = std::max<int64_t>(it.c_lo, (rs.offset + rs.lo) / (CHUNK * BS));
+  const int64_t c_last = (rs.offset + rs.hi - 1) / (CHUNK * BS);
   for (int64_t c = c_first; c <= c_last && rs.hi > rs.lo; ++c) {
     run_chunk(c, rs, p, k_cache, v_cache, w, m, l, fresh);
     fresh = false;
@@ -455,7 +481,8 @@ void run_item_amx(const AmxItem& it, const int32_t* seqs, const Problem& p, cons
   }
 }
 
-// Decodes whose tables begin with the same pages, as groups of at most `cap` sharing the most chunks:
+// Decodes whose tables begin with the same pages, as groups of at most `cap` sharing the most chunks
+// (the pages a group shares up to the last whole 256-key chunk in them):
 // returns (members, chunks they share) for groups that share at least one whole chunk.
 std::vector<std::pair<std::vector<int32_t>, int32_t>> shared_groups(const Problem& p, std::vector<int32_t> decodes,
                                                                      int64_t cap) {
@@ -469,7 +496,7 @@ std::vector<std::pair<std::vector<int32_t>, int32_t>> shared_groups(const Proble
     const int64_t n = std::min(n_blocks(a), n_blocks(b)) - 1;
     int64_t k = 0;
     while (k < n && table(a)[k] == table(b)[k]) ++k;
-    return static_cast<int32_t>(k / CHUNK);
+    return static_cast<int32_t>(k * p.block_size / (CHUNK * BS));
   };
   std::vector<std::pair<std::vector<int32_t>, int32_t>> groups;
   for (size_t i = 0; i < decodes.size();) {
@@ -513,7 +540,7 @@ void run_parallel(int64_t n, const F& body) {
 bool amx_ready(const Problem& p) {
   const char* env = std::getenv("PAGED_HF_CPU_AMX");
   if (env != nullptr && env[0] == '0') return false;
-  return p.block_size == BS && p.k_dim % 32 == 0 && p.v_dim % 32 == 0 && p.k_dim <= 512 && p.v_dim <= 512 &&
+  return BS % p.block_size == 0 && p.k_dim % 32 == 0 && p.v_dim % 32 == 0 && p.k_dim <= 512 && p.v_dim <= 512 &&
          amx_permitted();
 }
 
