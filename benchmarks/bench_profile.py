@@ -4,7 +4,8 @@ Two passes over the same workload on a fresh engine each:
 1. timing pass: the engine's parts are wrapped from here (paged_hf's files are not touched)
    and timed with perf_counter per step: scheduler.schedule, build_step_metadata,
    backend.copy_blocks + backend.plan, the model forward (attention, i.e. backend.attend,
-   broken out of it), sample, scheduler.update + mark_computed + stats. "Overhead" is step
+   broken out of it, and on a CPU the packed linear layers' GEMMs), sample, scheduler.update +
+   mark_computed + stats. "Overhead" is step
    time outside the model forward: the part that does not shrink with faster kernels.
 2. torch.profiler pass: the top ops by self CPU time.
 """
@@ -19,7 +20,7 @@ import torch
 
 import bench_systems as S
 
-PARTS = ("schedule", "metadata", "plan", "forward", "attention", "sample", "update", "other")
+PARTS = ("schedule", "metadata", "plan", "forward", "attention", "linear", "sample", "update", "other")
 
 
 class StepTimer:
@@ -89,6 +90,9 @@ def instrument(engine: Any, timer: StepTimer) -> list[Callable[[], None]]:
             undo.append(timer.wrap(backend, name, "plan"))
     if hasattr(backend, "attend"):
         undo.append(timer.wrap(backend, "attend", "attention"))
+    if engine.runner.packed is not None:  # the linear layers' GEMMs on packed weights (a CPU)
+        from paged_hf.execution import cpu_linear
+        undo.append(timer.wrap(cpu_linear.PackedWeight, "__call__", "linear"))
     return undo
 
 
@@ -133,7 +137,7 @@ def format_summary(title: str, s: dict) -> str:
     parts = ", ".join(f"{p} {s['share'][p]:.1%}" for p in PARTS)
     return (f"{title}: {s['steps']} steps, {s['step_time_s']:.2f}s, mean {s['mean_step_ms']:.1f} ms/step, "
             f"{s['tokens']} tokens\n    outside the forward (schedule+metadata+plan+sample+update+other): "
-            f"{s['overhead_share']:.1%}\n    {parts}  (attention is inside forward)")
+            f"{s['overhead_share']:.1%}\n    {parts}  (attention and linear are inside forward)")
 
 
 def decode_steps(model: Any, backend: str, n: int, ctx: int, steps: int, pool: list[int], seed: int = 0) -> dict:

@@ -4,6 +4,7 @@ generation through it against transformers on all nine families in fp32 and bf16
 chunked prefill, prefix hits), and the fallback when it cannot be built."""
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -83,6 +84,25 @@ def bf16_path(request, monkeypatch):
     return request.param
 
 
+def bf16_pages(seed: int, n_blocks: int, hkv: int, d: int, bs: int = 16):
+    """Random bf16 K/V pages and a ``take(n)`` that hands out n unused page ids in random order."""
+    gen = torch.Generator().manual_seed(seed)
+    k_cache = torch.randn(n_blocks, hkv, bs, d, generator=gen).bfloat16()
+    v_cache = torch.randn(n_blocks, hkv, bs, d, generator=gen).bfloat16()
+    free = torch.randperm(n_blocks, generator=gen).tolist()
+    return gen, k_cache, v_cache, lambda n: [free.pop() for _ in range(n)]
+
+
+@contextlib.contextmanager
+def torch_threads(n: int):
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 @st.composite
 def problems(draw):
     hkv = draw(st.sampled_from([1, 2, 3]))
@@ -157,18 +177,9 @@ def test_bf16_rows_are_the_same_however_the_step_is_laid_out(threads, group, sof
     another chunking, gives); a step of decodes (all kv heads an item), some sharing 3 blocks, some nothing,
     or each decode alone (an item per kv head). Seeded requests sample the same tokens in any batch only
     while this holds. And the float64 reference's within bf16."""
-    gen = torch.Generator().manual_seed(threads * 7 + group)
     hkv, d, bs = 3, 64, 16
-    k_cache = torch.randn(300, hkv, bs, d, generator=gen).bfloat16()
-    v_cache = torch.randn(300, hkv, bs, d, generator=gen).bfloat16()
-    free = torch.randperm(300, generator=gen).tolist()
-
-    def take(n):
-        return [free.pop() for _ in range(n)]
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    gen, k_cache, v_cache, take = bf16_pages(threads * 7 + group, 300, hkv, d)
+    with torch_threads(threads):
         # a prompt of 37 tokens over 40 cached, as one chunk, and as 37 decodes of one token each
         blocks = take(-(-77 // bs))
         q = torch.randn(37, hkv * group, d, generator=gen).bfloat16()
@@ -184,8 +195,6 @@ def test_bf16_rows_are_the_same_however_the_step_is_laid_out(threads, group, sof
         alone = torch.cat([run_op(q[i:i + 1], k_cache, v_cache, [(0, 1, kv, b)], d ** -0.5, 0, softcap)
                            for i, (_, _, kv, b) in enumerate(seqs)])
         assert torch.equal(together, alone)
-    finally:
-        torch.set_num_threads(before)
     want = reference(q, k_cache, v_cache, seqs, d ** -0.5, 0, softcap)
     torch.testing.assert_close(together.double(), want, atol=1.6e-2, rtol=1.6e-2)
 
@@ -197,15 +206,8 @@ def test_bf16_decodes_sharing_their_first_blocks_match_a_float64_reference(threa
     with prefix caching: a run of 20 sharing 3 blocks, tables that part after one block, a context ending
     exactly on the shared blocks' end and one a token past it, a pair, and decodes sharing nothing, all
     against the float64 reference."""
-    gen = torch.Generator().manual_seed(threads * 10 + group)
     hkv, d, bs = 2, 64, 16
-    n_blocks = 400
-    k_cache = torch.randn(n_blocks, hkv, bs, d, generator=gen).bfloat16()
-    v_cache = torch.randn(n_blocks, hkv, bs, d, generator=gen).bfloat16()
-    free = torch.randperm(n_blocks, generator=gen).tolist()
-
-    def take(n):
-        return [free.pop() for _ in range(n)]
+    gen, k_cache, v_cache, take = bf16_pages(threads * 10 + group, 400, hkv, d)
 
     prefix_a, prefix_b, prefix_c = take(3), take(2), take(1)
     lens_tables = []
@@ -220,12 +222,8 @@ def test_bf16_decodes_sharing_their_first_blocks_match_a_float64_reference(threa
     lens_tables += [(33 + 11 * i, take(-(-(33 + 11 * i) // bs))) for i in range(5)]  # nothing shared
     seqs = [(i, 1, kv, blocks) for i, (kv, blocks) in enumerate(lens_tables)]
     q = torch.randn(len(seqs), hkv * group, d, generator=gen).bfloat16()
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         got = run_op(q, k_cache, v_cache, seqs, d ** -0.5, 0, softcap)
-    finally:
-        torch.set_num_threads(before)
     want = reference(q, k_cache, v_cache, seqs, d ** -0.5, 0, softcap)
     torch.testing.assert_close(got.double(), want, atol=1.6e-2, rtol=1.6e-2)
 
@@ -237,18 +235,9 @@ def test_bf16_long_contexts_are_the_same_however_the_step_is_laid_out(threads, g
     one chunk, as two (100 + 200) and as 300 decodes; 14 decodes whose tables share 40 blocks (two whole
     chunks, computed once for all of them there) together and each alone, beside decodes sharing nothing.
     Bit for bit, and within bf16 of the float64 reference."""
-    gen = torch.Generator().manual_seed(threads * 3 + group)
     hkv, d, bs = 2, 64, 16
-    k_cache = torch.randn(800, hkv, bs, d, generator=gen).bfloat16()
-    v_cache = torch.randn(800, hkv, bs, d, generator=gen).bfloat16()
-    free = torch.randperm(800, generator=gen).tolist()
-
-    def take(n):
-        return [free.pop() for _ in range(n)]
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    gen, k_cache, v_cache, take = bf16_pages(threads * 3 + group, 800, hkv, d)
+    with torch_threads(threads):
         blocks = take(-(-760 // bs))
         q = torch.randn(300, hkv * group, d, generator=gen).bfloat16()
         whole = run_op(q, k_cache, v_cache, [(0, 300, 760, blocks)], d ** -0.5, 0, 0.0)
@@ -263,8 +252,6 @@ def test_bf16_long_contexts_are_the_same_however_the_step_is_laid_out(threads, g
         alone = torch.cat([run_op(q[i:i + 1], k_cache, v_cache, [(0, 1, kv, b)], d ** -0.5, 0, 0.0)
                            for i, (_, _, kv, b) in enumerate(seqs)])
         assert torch.equal(together, alone)
-    finally:
-        torch.set_num_threads(before)
     want = reference(q, k_cache, v_cache, seqs, d ** -0.5, 0, 0.0)
     torch.testing.assert_close(together.double(), want, atol=1.6e-2, rtol=1.6e-2)
 
@@ -339,16 +326,13 @@ def test_bf16_nan_in_a_page_reaches_no_other_sequence(bf16_path):
     """NaN in a page's unused slots (past a sequence's last token: what a failed request can leave in a
     reused page) and in every K/V of another sequence (one whose activations blew up) leave the other
     sequences' rows as they are with clean pages, decodes sharing chunks with each other included."""
-    gen = torch.Generator().manual_seed(5)
     hkv, d, bs = 2, 64, 16
-    k_cache = torch.randn(300, hkv, bs, d, generator=gen).bfloat16()
-    v_cache = torch.randn(300, hkv, bs, d, generator=gen).bfloat16()
-    free = torch.randperm(300, generator=gen).tolist()
-    shared = [free.pop() for _ in range(33)]
-    seqs = [(i, 1, 530 + 9 * i, shared + [free.pop() for _ in range(-(-(530 + 9 * i) // bs) - 33)]) for i in range(6)]
-    bad = [free.pop() for _ in range(-(-541 // bs))]
+    gen, k_cache, v_cache, take = bf16_pages(5, 300, hkv, d)
+    shared = take(33)
+    seqs = [(i, 1, 530 + 9 * i, shared + take(-(-(530 + 9 * i) // bs) - 33)) for i in range(6)]
+    bad = take(-(-541 // bs))
     seqs.append((6, 1, 541, shared + bad[33:]))  # shares the chunks, its own pages all NaN
-    seqs.append((7, 20, 90, [free.pop() for _ in range(6)]))  # a prompt chunk beside them
+    seqs.append((7, 20, 90, take(6)))  # a prompt chunk beside them
     q = torch.randn(27, hkv * 3, d, generator=gen).bfloat16()
     clean = run_op(q, k_cache, v_cache, seqs, d ** -0.5, 0, 0.0)
     k_dirty, v_dirty = k_cache.clone(), v_cache.clone()
