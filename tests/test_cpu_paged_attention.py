@@ -176,7 +176,9 @@ def test_bf16_rows_are_the_same_however_the_step_is_laid_out(threads, group, sof
     chunk (tiles of several tokens) or as one decode per token (what a recompute after preemption, or
     another chunking, gives); a step of decodes (all kv heads an item), some sharing 3 blocks, some nothing,
     or each decode alone (an item per kv head). Seeded requests sample the same tokens in any batch only
-    while this holds. And the float64 reference's within bf16."""
+    while this holds. (A decode's few rows take the AVX-512 kernel's dims-in-lanes scores, a tile's many
+    rows its keys-in-lanes scores: the two must add in the same order.) And the float64 reference's within
+    bf16."""
     hkv, d, bs = 3, 64, 16
     gen, k_cache, v_cache, take = bf16_pages(threads * 7 + group, 300, hkv, d)
     with torch_threads(threads):

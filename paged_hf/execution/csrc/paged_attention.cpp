@@ -17,7 +17,7 @@
 // to fp32 once per item and block). Items are handed to threads dynamically, longest first. On the
 // bf16 path a decode's item takes all of its kv heads when the step has sequences enough to keep
 // every thread busy (a block's heads are one contiguous run of the page), and each block's pages are
-// prefetched while the block before is computed (see run_item_bf16).
+// prefetched while the block before is computed (see blocks_bf16).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/cpu/vec/functional.h>
@@ -256,180 +256,368 @@ void run_item(const Item& it, const Problem& p, const T* query, const T* k_cache
 #if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
 // bf16 caches on CPUs with AVX512-BF16, 16-token blocks, head dims a multiple of 32: the same
 // algorithm with bf16 pair dot products (vdpbf16ps, fp32 accumulation) and no fp32 copies of K/V.
-//   scores: per row and key, partial sums of q . k_j over pairs of dims, reduced by dots16's tree;
+//   scores: pair dot products in one fixed order of fp32 sums, computed with a row's dims in lanes
+//        for a few rows and with keys in lanes (K transposed once a block) for a tile of many,
+//        four rows sharing each load (see scores_row_dims);
 //   P V: each pair of keys' V rows interleaved (vpunpck{l,h}wd) so one vdpbf16ps adds
 //        p_j v_j + p_j+1 v_j+1 for 16 dims; P is rounded to bf16 for that product (as the torch
 //        path and SDPA round it), its sum and the accumulator stay fp32. The accumulator's dims come
 //        out in the unpack's lane order and are put back in order once, at the end.
 constexpr bool HAVE_BF16_PATH = true;
 
-inline __m512 tree16(__m512* a) {
-  __m512 t[8], u[4];
-  for (int i = 0; i < 8; ++i)
-    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
-  for (int i = 0; i < 4; ++i) {
-    const __m512d x = _mm512_castps_pd(t[2 * i]), y = _mm512_castps_pd(t[2 * i + 1]);
-    u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
-  }
-  const __m512 w0 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88), _mm512_shuffle_f32x4(u[0], u[1], 0xDD));
-  const __m512 w1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x88), _mm512_shuffle_f32x4(u[2], u[3], 0xDD));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, 0x88), _mm512_shuffle_f32x4(w0, w1, 0xDD));
+inline int32_t pair_at(const uint16_t* q, int64_t i) {  // dims (2i, 2i + 1) as one 32-bit lane
+  int32_t v;
+  std::memcpy(&v, q + 2 * i, sizeof v);
+  return v;
 }
 
-// acc[r + k] = acc[r + k] * corr[r + k] + P[r + k] V for k < N rows that see the same keys
-// [j_beg, j_end) of a block; P as bf16 pairs, V as interleaved pairs of keys (see run_item_bf16).
-template <int N, int MAXC>
-inline void pv_rows(int64_t r, int64_t j_beg, int64_t j_end, int64_t nacc, int64_t Dv, const float* corr,
+// acc[r + k] = acc[r + k] * corr[r + k] + P[r + k] V over accumulator vectors [c0, c0 + C) (16 dims
+// each), for k < N rows that see the same keys [j_beg, j_end) of a block; P as bf16 pairs, V as
+// interleaved pairs of keys (see interleave_v). N rows share each V load; with N and C known to the
+// compiler the accumulators stay in registers. A row's arithmetic is the same for any N and C.
+template <int N, int C>
+inline void pv_rows(int64_t r, int64_t j_beg, int64_t j_end, int64_t c0, int64_t Dv, const float* corr,
                     const uint16_t* pr, const __m512i* vp, float* acc) {
-  __m512 o[N][MAXC];
+  __m512 o[N][C];
   for (int k = 0; k < N; ++k) {
     const __m512 cv = _mm512_set1_ps(corr[r + k]);
-    for (int64_t c = 0; c < nacc; ++c) o[k][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + (r + k) * Dv + 16 * c), cv);
+    for (int c = 0; c < C; ++c) o[k][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + (r + k) * Dv + 16 * (c0 + c)), cv);
   }
   for (int64_t i = j_beg / 2; i < (j_end + 1) / 2; ++i) {
     __m512bh pv[N];
-    for (int k = 0; k < N; ++k)
-      pv[k] = (__m512bh)_mm512_set1_epi32(static_cast<int>(reinterpret_cast<const uint32_t*>(pr + 16 * (r + k))[i]));
-    const __m512i* vpi = vp + i * (Dv / 32) * 2;
-    for (int64_t c = 0; c < nacc; ++c) {
+    for (int k = 0; k < N; ++k) pv[k] = (__m512bh)_mm512_set1_epi32(pair_at(pr + 16 * (r + k), i));
+    const __m512i* vpi = vp + i * (Dv / 32) * 2 + c0;
+    for (int c = 0; c < C; ++c) {
       const __m512bh v = (__m512bh)_mm512_loadu_si512(vpi + c);
       for (int k = 0; k < N; ++k) o[k][c] = _mm512_dpbf16_ps(o[k][c], pv[k], v);
     }
   }
   for (int k = 0; k < N; ++k)
-    for (int64_t c = 0; c < nacc; ++c) _mm512_storeu_ps(acc + (r + k) * Dv + 16 * c, o[k][c]);
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + (r + k) * Dv + 16 * (c0 + c), o[k][c]);
+}
+
+// pv_rows over all Dv / 16 accumulator vectors (an even count), four at a time
+template <int N>
+inline void pv_rows_all(int64_t r, int64_t j_beg, int64_t j_end, int64_t Dv, const float* corr, const uint16_t* pr,
+                        const __m512i* vp, float* acc) {
+  const int64_t nacc = Dv / 16;
+  int64_t c0 = 0;
+  for (; c0 + 4 <= nacc; c0 += 4) pv_rows<N, 4>(r, j_beg, j_end, c0, Dv, corr, pr, vp, acc);
+  if (c0 < nacc) pv_rows<N, 2>(r, j_beg, j_end, c0, Dv, corr, pr, vp, acc);
 }
 
 inline bool bf16_path(const Problem& p) {
   return p.block_size == 16 && p.k_dim % 32 == 0 && p.v_dim % 32 == 0 && p.v_dim <= 512;
 }
 
-void run_item_bf16(const Item& it, const Problem& p, const c10::BFloat16* query, const c10::BFloat16* k_cache,
-                   const c10::BFloat16* v_cache, c10::BFloat16* out, Scratch& w) {
-  const int64_t G = p.group, Dk = p.k_dim, Dv = p.v_dim, bs = 16;
-  const int64_t n_tok = it.t1 - it.t0, RH = n_tok * G, H = it.heads, R = RH * H, nacc = Dv / 16;
-  const int64_t L = p.kv_len[it.seq], ql = p.q_len[it.seq];
-  const int64_t first_pos = L - ql + it.t0, last_pos = L - ql + it.t1 - 1;
+// An item's rows on the bf16 path, r = h * RH + t * G + g (its kv heads in turn, each with its tokens'
+// query heads): their queries as bf16 [R][Dk] and softmax state (accumulators [R][Dv], max, sum).
+struct RowsBf16 {
+  uint16_t* q;
+  float *acc, *m, *l;
+};
+
+inline RowsBf16 rows_at(Scratch& w, int64_t row0, const Problem& p) {
+  return {reinterpret_cast<uint16_t*>(w.q.data()) + row0 * p.k_dim, w.acc.data() + row0 * p.v_dim, w.m.data() + row0,
+          w.l.data() + row0};
+}
+
+void load_rows_bf16(const Item& it, const Problem& p, const c10::BFloat16* query, const RowsBf16& st) {
+  const int64_t G = p.group, Dk = p.k_dim, n_tok = it.t1 - it.t0, RH = n_tok * G, R = RH * it.heads;
   const int64_t row0 = p.q_start[it.seq] + it.t0;
-  float* acc = w.acc.data();
-  float* m = w.m.data();
-  float* l = w.l.data();
-  // rows r = h * RH + t * G + g: the item's kv heads in turn (h counted from it.head), each with its
-  // tokens' query heads. Scratch reused as bf16: the rows' queries [R][Dk], interleaved V pairs [8][Dv]x2
-  uint16_t* qb = reinterpret_cast<uint16_t*>(w.q.data());
-  __m512i* vp = reinterpret_cast<__m512i*>(w.vf.data());
-  for (int64_t h = 0; h < H; ++h)
+  for (int64_t h = 0; h < it.heads; ++h)
     for (int64_t t = 0; t < n_tok; ++t)
       for (int64_t g = 0; g < G; ++g)
-        std::memcpy(qb + h * RH * Dk + (t * G + g) * Dk,
+        std::memcpy(st.q + h * RH * Dk + (t * G + g) * Dk,
                     query + (row0 + t) * p.q_stride_t + ((it.head + h) * G + g) * p.q_stride_h, Dk * sizeof(uint16_t));
-  std::fill(acc, acc + R * Dv, 0.f);
-  std::fill(m, m + R, NEG_INF);
-  std::fill(l, l + R, 0.f);
+  std::fill(st.acc, st.acc + R * p.v_dim, 0.f);
+  std::fill(st.m, st.m + R, NEG_INF);
+  std::fill(st.l, st.l + R, 0.f);
+}
+
+// The 16 reductions of a[0..15] as one vector (lane k: a[k]'s 16 lanes, in the same order for every
+// k): transpose-and-combine, 45 shuffles and ops for 16 rows instead of a horizontal reduction each.
+template <typename Op>
+inline __m512 reduce16(const __m512* a, Op op) {
+  __m512 t[8], u[4];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [A0 B0 A1 B1] of rows 2i, 2i+1
+    t[i] = op(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {  // per lane: rows 4i..4i+3
+    const __m512d x = _mm512_castps_pd(t[2 * i]), y = _mm512_castps_pd(t[2 * i + 1]);
+    u[i] = op(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  const __m512 w0 = op(_mm512_shuffle_f32x4(u[0], u[1], 0x88), _mm512_shuffle_f32x4(u[0], u[1], 0xDD));
+  const __m512 w1 = op(_mm512_shuffle_f32x4(u[2], u[3], 0x88), _mm512_shuffle_f32x4(u[2], u[3], 0xDD));
+  return op(_mm512_shuffle_f32x4(w0, w1, 0x88), _mm512_shuffle_f32x4(w0, w1, 0xDD));
+}
+
+// K page kb's 16 keys with their dims in pairs: kt[i] holds dims (2i, 2i + 1) of every key, one 32-bit
+// lane a key (Dk / 32 transposes of 16 x 16 32-bit lanes: unpack 32, unpack 64, two 128-bit shuffles).
+inline void transpose_k(const uint16_t* kb, int64_t Dk, __m512i* kt) {
+  for (int64_t c = 0; c < Dk / 32; ++c) {
+    __m512i r[16], t[16];
+    for (int j = 0; j < 16; ++j) r[j] = _mm512_loadu_si512(kb + j * Dk + 32 * c);
+    for (int j = 0; j < 8; ++j) {
+      t[2 * j] = _mm512_unpacklo_epi32(r[2 * j], r[2 * j + 1]);
+      t[2 * j + 1] = _mm512_unpackhi_epi32(r[2 * j], r[2 * j + 1]);
+    }
+    for (int k = 0; k < 4; ++k) {  // r[4k + e], per 128-bit lane L: element 4L + e of keys 4k..4k+3
+      r[4 * k] = _mm512_unpacklo_epi64(t[4 * k], t[4 * k + 2]);
+      r[4 * k + 1] = _mm512_unpackhi_epi64(t[4 * k], t[4 * k + 2]);
+      r[4 * k + 2] = _mm512_unpacklo_epi64(t[4 * k + 1], t[4 * k + 3]);
+      r[4 * k + 3] = _mm512_unpackhi_epi64(t[4 * k + 1], t[4 * k + 3]);
+    }
+    for (int e = 0; e < 4; ++e) {  // the 4 x 4 transpose of 128-bit lanes
+      const __m512i v0 = _mm512_shuffle_i32x4(r[e], r[4 + e], 0x44), v1 = _mm512_shuffle_i32x4(r[e], r[4 + e], 0xEE);
+      const __m512i v2 = _mm512_shuffle_i32x4(r[8 + e], r[12 + e], 0x44);
+      const __m512i v3 = _mm512_shuffle_i32x4(r[8 + e], r[12 + e], 0xEE);
+      _mm512_storeu_si512(kt + 16 * c + e, _mm512_shuffle_i32x4(v0, v2, 0x88));
+      _mm512_storeu_si512(kt + 16 * c + 4 + e, _mm512_shuffle_i32x4(v0, v2, 0xDD));
+      _mm512_storeu_si512(kt + 16 * c + 8 + e, _mm512_shuffle_i32x4(v1, v3, 0x88));
+      _mm512_storeu_si512(kt + 16 * c + 12 + e, _mm512_shuffle_i32x4(v1, v3, 0xDD));
+    }
+  }
+}
+
+// The scores of a row: q . k_j for the 16 keys of a block, in one fixed order of fp32 sums that both
+// layouts below compute, bit for bit: chain l (l < 16) adds the pair dot products of dim pairs
+// l, l + 16, l + 32, ... in turn (vdpbf16ps from 0), and the 16 chains are added as reduce16 adds
+// the lanes of a vector: S_L = (c_4L + c_4L+2) + (c_4L+1 + c_4L+3), then (S_0 + S_1) + (S_2 + S_3).
+//   scores_row_dims: the row's dims in lanes, a vector of chains per key, reduced by reduce16
+//     (its shuffles are per row: the choice for a few rows);
+//   scores_rows_keys: keys in lanes over the block's K transposed (transpose_k, once per block and
+//     head), a vector of 16 keys per chain, the chains added as vectors; N rows share each load of
+//     K^T (the choice for a tile of many rows).
+// Which one a row takes is free: a row's scores do not depend on how the step is laid out.
+inline __m512 scores_row_dims(const uint16_t* q, int64_t Dk, const uint16_t* kb) {
+  __m512 a[16];
+  for (int j = 0; j < 16; ++j) a[j] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < Dk; d += 32) {
+    const __m512bh qv = (__m512bh)_mm512_loadu_si512(q + d);
+    for (int j = 0; j < 16; ++j) a[j] = _mm512_dpbf16_ps(a[j], qv, (__m512bh)_mm512_loadu_si512(kb + j * Dk + d));
+  }
+  return reduce16(a, [](__m512 x, __m512 y) { return _mm512_add_ps(x, y); });
+}
+
+// `next` prefetches its share for steps pf0 .. pf0 + 3.
+template <int N>
+inline void scores_rows_keys(const uint16_t* q, int64_t Dk, const __m512i* kt, __m512* x, const PagePrefetch& next,
+                             int64_t pf0) {
+  __m512 s01[N], s2[N];
+  for (int L = 0; L < 4; ++L) {
+    next.row(pf0 + L);
+    __m512 c[N][4];
+    for (int k = 0; k < N; ++k)
+      for (int e = 0; e < 4; ++e) c[k][e] = _mm512_setzero_ps();
+    for (int64_t cc = 0; cc < Dk / 32; ++cc) {
+      for (int e = 0; e < 4; ++e) {
+        const int64_t i = 16 * cc + 4 * L + e;  // the pair of dims
+        const __m512bh kv = (__m512bh)_mm512_loadu_si512(kt + i);
+        for (int k = 0; k < N; ++k)
+          c[k][e] = _mm512_dpbf16_ps(c[k][e], (__m512bh)_mm512_set1_epi32(pair_at(q + k * Dk, i)), kv);
+      }
+    }
+    for (int k = 0; k < N; ++k) {
+      const __m512 sl = _mm512_add_ps(_mm512_add_ps(c[k][0], c[k][2]), _mm512_add_ps(c[k][1], c[k][3]));
+      if (L == 0) s01[k] = sl;
+      if (L == 1) s01[k] = _mm512_add_ps(s01[k], sl);
+      if (L == 2) s2[k] = sl;
+      if (L == 3) x[k] = _mm512_add_ps(s01[k], _mm512_add_ps(s2[k], sl));
+    }
+  }
+}
+
+// Rows of a kv head from which a block's K is transposed for scores_rows_keys
+constexpr int64_t KEYS_IN_LANES_ROWS = 5;
+
+inline int64_t score_steps(int64_t RH) { return RH >= KEYS_IN_LANES_ROWS ? (RH + 3) / 4 * 4 : RH; }
+
+// A block's scores for one kv head's RH rows (queries q) against K page kb, row r seeing keys
+// [vis_lo[r], vis_hi[r]) (others -inf), into sc [RH][16]. `next`, started for score_steps(RH)
+// steps, prefetches a page a few lines at a time over the computation.
+inline void scores_bf16(const Problem& p, int64_t RH, const uint16_t* q, const uint16_t* kb, const int32_t* vis_lo,
+                        const int32_t* vis_hi, const PagePrefetch& next, float* sc, Scratch& w) {
+  const int64_t Dk = p.k_dim;
+  __m512i* kt = reinterpret_cast<__m512i*>(w.kf.data());  // [Dk / 2] pairs of dims, a key a lane
   const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const __m512 pre = _mm512_set1_ps(p.softcap > 0 ? 1.f : p.scale);
+  const auto finish = [&](int64_t r, __m512 x) {  // scale, softcap, mask; into sc
+    x = _mm512_mul_ps(x, pre);
+    if (p.softcap > 0) x = softcap_vec(Vec(x), p.scale / p.softcap, p.softcap);
+    const __mmask16 vis = _mm512_cmp_epi32_mask(iota, _mm512_set1_epi32(vis_lo[r]), _MM_CMPINT_NLT) &
+                          _mm512_cmp_epi32_mask(iota, _mm512_set1_epi32(vis_hi[r]), _MM_CMPINT_LT);
+    _mm512_storeu_ps(sc + 16 * r, _mm512_mask_blend_ps(vis, _mm512_set1_ps(NEG_INF), x));
+  };
+  if (RH < KEYS_IN_LANES_ROWS) {
+    for (int64_t r = 0; r < RH; ++r) {
+      next.row(r);
+      finish(r, scores_row_dims(q + r * Dk, Dk, kb));
+    }
+    return;
+  }
+  transpose_k(kb, Dk, kt);
+  int64_t r = 0;
+  for (; r + 4 <= RH; r += 4) {
+    __m512 x[4];
+    scores_rows_keys<4>(q + r * Dk, Dk, kt, x, next, r);
+    for (int k = 0; k < 4; ++k) finish(r + k, x[k]);
+  }
+  const int64_t rest = RH - r;  // 0 to 3 rows, together
+  __m512 x[3];
+  if (rest == 3) scores_rows_keys<3>(q + r * Dk, Dk, kt, x, next, r);
+  if (rest == 2) scores_rows_keys<2>(q + r * Dk, Dk, kt, x, next, r);
+  if (rest == 1) scores_rows_keys<1>(q + r * Dk, Dk, kt, x, next, r);
+  for (int64_t k = 0; k < rest; ++k) finish(r + k, x[k]);
+}
+
+// The online softmax update of R rows (state m, l) from a block's scores sc [R][16]: corr [R] the
+// rescale of each accumulator, P [R][16] rounded to bf16. Sixteen rows at a time (a partial group
+// padded), their maxima, rescales and sums as vectors of rows; every step is lane-wise or per row,
+// so a row's result does not depend on the rows beside it. Rows that see no key of the block
+// (vis_hi <= vis_lo) keep their state.
+inline void softmax_bf16(int64_t R, const float* sc, const int32_t* vis_lo, const int32_t* vis_hi, float* m,
+                         float* l, float* corr, uint16_t* pr) {
+  const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const auto add = [](__m512 a, __m512 b) { return _mm512_add_ps(a, b); };
+  const auto max = [](__m512 a, __m512 b) { return _mm512_max_ps(a, b); };
+  for (int64_t r0 = 0; r0 < R; r0 += 16) {
+    const int64_t nr = std::min<int64_t>(16, R - r0);
+    __m512 x[16], e[16];
+    __mmask16 vis[16];
+    __mmask16 active = 0;
+    for (int64_t k = 0; k < 16; ++k) {
+      const int64_t r = r0 + k;
+      if (k >= nr || vis_hi[r] <= vis_lo[r]) {
+        x[k] = _mm512_set1_ps(NEG_INF);
+        vis[k] = 0;
+        continue;
+      }
+      active |= static_cast<__mmask16>(1u << k);
+      x[k] = _mm512_loadu_ps(sc + 16 * r);
+      vis[k] = _mm512_cmp_epi32_mask(iota, _mm512_set1_epi32(vis_lo[r]), _MM_CMPINT_NLT) &
+               _mm512_cmp_epi32_mask(iota, _mm512_set1_epi32(vis_hi[r]), _MM_CMPINT_LT);
+    }
+    if (active == 0) continue;
+    const __m512 m_old = _mm512_mask_loadu_ps(_mm512_set1_ps(NEG_INF), active, m + r0);
+    const __m512 m_new = _mm512_max_ps(m_old, reduce16(x, max));
+    // exp(m_old - m_new), 0 on a row's first visible block (m_old -inf)
+    const __mmask16 seen = _mm512_cmp_ps_mask(m_old, _mm512_set1_ps(NEG_INF), _CMP_NEQ_OQ);
+    const __m512 cr = _mm512_maskz_mov_ps(seen, Vec(_mm512_sub_ps(m_old, m_new)).exp_u20());
+    alignas(64) float mn[16];
+    _mm512_store_ps(mn, m_new);
+    for (int64_t k = 0; k < 16; ++k) {
+      if (vis[k] == 0) {
+        e[k] = _mm512_setzero_ps();
+        continue;
+      }
+      e[k] = _mm512_maskz_mov_ps(vis[k], Vec(_mm512_sub_ps(x[k], _mm512_set1_ps(mn[k]))).exp_u20());
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + 16 * (r0 + k)), (__m256i)_mm512_cvtneps_pbh(e[k]));
+    }
+    const __m512 l_old = _mm512_maskz_loadu_ps(active, l + r0);
+    _mm512_mask_storeu_ps(m + r0, active, m_new);
+    _mm512_mask_storeu_ps(corr + r0, active, cr);
+    _mm512_mask_storeu_ps(l + r0, active, _mm512_add_ps(_mm512_mul_ps(l_old, cr), reduce16(e, add)));
+  }
+}
+
+// V page vb's n rows as interleaved pairs of keys (a missing partner reads as 0) in vp
+inline void interleave_v(const uint16_t* vb, int64_t n, int64_t Dv, __m512i* vp) {
+  for (int64_t i = 0; i < (n + 1) / 2; ++i) {
+    const int64_t j = 2 * i;
+    for (int64_t c = 0; c < Dv / 32; ++c) {
+      const __m512i v0 = _mm512_loadu_si512(vb + j * Dv + 32 * c);
+      const __m512i v1 = j + 1 < n ? _mm512_loadu_si512(vb + (j + 1) * Dv + 32 * c) : _mm512_setzero_si512();
+      _mm512_storeu_si512(vp + (i * Dv / 32 + c) * 2, _mm512_unpacklo_epi16(v0, v1));
+      _mm512_storeu_si512(vp + (i * Dv / 32 + c) * 2 + 1, _mm512_unpackhi_epi16(v0, v1));
+    }
+  }
+}
+
+// acc = acc * corr + P V for one kv head's RH rows (corr [RH], P [RH][16] from softmax_bf16, V pairs vp
+// from interleave_v)
+inline void pv_bf16(int64_t Dv, int64_t RH, const int32_t* vis_lo, const int32_t* vis_hi, const float* corr,
+                    const uint16_t* pr, const __m512i* vp, float* acc) {
+  for (int64_t r = 0; r < RH;) {
+    if (vis_hi[r] <= vis_lo[r]) {
+      ++r;
+      continue;
+    }
+    int64_t n = 1;  // rows from r on (at most 4) that see the same keys
+    while (n < 4 && r + n < RH && vis_lo[r + n] == vis_lo[r] && vis_hi[r + n] == vis_hi[r]) ++n;
+    const int64_t jb = vis_lo[r], je = vis_hi[r];
+    if (n == 4) pv_rows_all<4>(r, jb, je, Dv, corr, pr, vp, acc);
+    if (n == 3) pv_rows_all<3>(r, jb, je, Dv, corr, pr, vp, acc);
+    if (n == 2) pv_rows_all<2>(r, jb, je, Dv, corr, pr, vp, acc);
+    if (n == 1) pv_rows_all<1>(r, jb, je, Dv, corr, pr, vp, acc);
+    r += n;
+  }
+}
+
+// The item's blocks, into its rows' state. Each block in three passes over the rows (scores of each
+// kv head, the softmax of all of them, P V of each head) rather than one row at a time: a row's work
+// is a long chain of dependent steps (dot products, max, exp, P V), and short passes let the CPU
+// overlap the independent rows of one pass.
+void blocks_bf16(const Item& it, const Problem& p, const RowsBf16& st, const c10::BFloat16* k_cache,
+                 const c10::BFloat16* v_cache, Scratch& w) {
+  const int64_t G = p.group, Dk = p.k_dim, Dv = p.v_dim, bs = 16;
+  const int64_t n_tok = it.t1 - it.t0, RH = n_tok * G, H = it.heads, R = RH * H;
+  const int64_t L = p.kv_len[it.seq], ql = p.q_len[it.seq];
+  const int64_t first_pos = L - ql + it.t0, last_pos = L - ql + it.t1 - 1;
+  __m512i* vp = reinterpret_cast<__m512i*>(w.vf.data());  // interleaved V pairs [8][Dv]x2
+  float* sc = w.s.data();                                 // [R][16] scores
+  float* corr = w.corr.data();                            // [R] rescale of the accumulators
+  uint16_t* pr = w.p16.data();                            // [R][16] P in bf16
   const int64_t lo = p.window > 0 ? std::max<int64_t>(0, first_pos - p.window + 1) : 0;
   const int64_t hi = last_pos + 1;
   const int32_t* blocks = p.kv_indices + p.kv_indptr[it.seq];
-  // Each block in three passes over a head's rows (scores, softmax, P V) rather than one row at a
-  // time: a row's work is a long chain of dependent steps (dot products, reduction tree, max, exp,
-  // P V), and short passes let the CPU overlap the independent rows of one pass.
-  float* sc = w.s.data();                                  // [RH][16] scores
-  float* corr = w.corr.data();                             // [R] rescale of the accumulator
-  uint16_t* pr = w.p16.data();                             // [RH][16] P in bf16
-  int32_t* vis_lo = w.vis.data();                          // [RH] visible keys [lo, hi) of the block
-  int32_t* vis_hi = vis_lo + RH;
+  int32_t* vis_lo = w.vis.data();  // [R] visible keys [lo, hi) of the block, the same for every head
+  int32_t* vis_hi = vis_lo + R;
   const auto page_of = [&](int64_t blk, int64_t h) {
     return (static_cast<int64_t>(blocks[blk]) * p.kv_heads + it.head + h) * bs;
   };
   PagePrefetch next;
   for (int64_t blk = lo / bs; blk * bs < hi; ++blk) {
     const int64_t j0 = blk * bs, n = std::min(bs, hi - j0);
-    // which keys of the block each token's rows see (the same for every head)
     bool any = false;
-    for (int64_t r = 0; r < RH; ++r) {
-      const int64_t pos = first_pos + r / G;
-      const int64_t j_end = std::min<int64_t>(n, pos - j0 + 1);
-      const int64_t j_beg = p.window > 0 ? std::max<int64_t>(0, pos - p.window + 1 - j0) : 0;
-      vis_lo[r] = static_cast<int32_t>(j_beg);
-      vis_hi[r] = static_cast<int32_t>(j_end);
+    for (int64_t t = 0; t < n_tok; ++t) {
+      const int64_t pos = first_pos + t;
+      const int32_t j_end = static_cast<int32_t>(std::min<int64_t>(n, pos - j0 + 1));
+      const int32_t j_beg = static_cast<int32_t>(p.window > 0 ? std::max<int64_t>(0, pos - p.window + 1 - j0) : 0);
+      std::fill(vis_lo + t * G, vis_lo + (t + 1) * G, j_beg);
+      std::fill(vis_hi + t * G, vis_hi + (t + 1) * G, j_end);
       any |= j_end > j_beg;
     }
     if (!any) continue;
+    for (int64_t h = 1; h < H; ++h) {
+      std::copy(vis_lo, vis_lo + RH, vis_lo + h * RH);
+      std::copy(vis_hi, vis_hi + RH, vis_hi + h * RH);
+    }
     for (int64_t h = 0; h < H; ++h) {
-      const int64_t page = page_of(blk, h);
-      const uint16_t* kb = reinterpret_cast<const uint16_t*>(k_cache + page * Dk);
-      const uint16_t* vb = reinterpret_cast<const uint16_t*>(v_cache + page * Dv);
       if ((blk + 1) * bs < hi) {  // this head's page of the next block, while this one computes
         const int64_t np = page_of(blk + 1, h);
         next.start(reinterpret_cast<const char*>(k_cache + np * Dk), reinterpret_cast<const char*>(v_cache + np * Dv),
-                   bs * Dk * 2, bs * Dv * 2, RH);
+                   bs * Dk * 2, bs * Dv * 2, score_steps(RH));
       } else {
         next.k = nullptr;
       }
-      const uint16_t* qh = qb + h * RH * Dk;
-      float* acc_h = acc + h * RH * Dv;
-      float* m_h = m + h * RH;
-      float* l_h = l + h * RH;
-      // pass 1: scores of the visible keys (others -inf)
-      for (int64_t r = 0; r < RH; ++r) {
-        next.row(r);
-        const int64_t j_beg = vis_lo[r], j_end = vis_hi[r];
-        if (j_end <= j_beg) continue;
-        __m512 a[16];
-        for (int j = 0; j < 16; ++j) a[j] = _mm512_setzero_ps();
-        const uint16_t* qr = qh + r * Dk;
-        for (int64_t d = 0; d < Dk; d += 32) {
-          const __m512bh qv = (__m512bh)_mm512_loadu_si512(qr + d);
-          for (int j = 0; j < 16; ++j)
-            a[j] = _mm512_dpbf16_ps(a[j], qv, (__m512bh)_mm512_loadu_si512(kb + j * Dk + d));
-        }
-        __m512 x = _mm512_mul_ps(tree16(a), _mm512_set1_ps(p.softcap > 0 ? 1.f : p.scale));
-        if (p.softcap > 0) x = softcap_vec(Vec(x), p.scale / p.softcap, p.softcap);
-        const __mmask16 vis = _mm512_cmp_epi32_mask(iota, _mm512_set1_epi32(static_cast<int>(j_beg)), _MM_CMPINT_NLT) &
-                              _mm512_cmp_epi32_mask(iota, _mm512_set1_epi32(static_cast<int>(j_end)), _MM_CMPINT_LT);
-        _mm512_storeu_ps(sc + 16 * r, _mm512_mask_blend_ps(vis, _mm512_set1_ps(NEG_INF), x));
-      }
-      // pass 2: online softmax update, P rounded to bf16
-      for (int64_t r = 0; r < RH; ++r) {
-        if (vis_hi[r] <= vis_lo[r]) continue;
-        const __m512 x = _mm512_loadu_ps(sc + 16 * r);
-        const float m_new = std::max(m_h[r], _mm512_reduce_max_ps(x));
-        corr[r] = std::exp(m_h[r] - m_new);
-        const __mmask16 vis = _mm512_cmp_epi32_mask(iota, _mm512_set1_epi32(vis_lo[r]), _MM_CMPINT_NLT) &
-                              _mm512_cmp_epi32_mask(iota, _mm512_set1_epi32(vis_hi[r]), _MM_CMPINT_LT);
-        const __m512 e = _mm512_maskz_mov_ps(vis, Vec(_mm512_sub_ps(x, _mm512_set1_ps(m_new))).exp_u20());
-        l_h[r] = l_h[r] * corr[r] + _mm512_reduce_add_ps(e);
-        m_h[r] = m_new;
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + 16 * r), (__m256i)_mm512_cvtneps_pbh(e));
-      }
-      // V's pairs of keys interleaved (a missing partner reads as 0), then pass 3: acc = acc * corr + P V
-      const int64_t n_pairs = (n + 1) / 2;
-      for (int64_t i = 0; i < n_pairs; ++i) {
-        const int64_t j = 2 * i;
-        for (int64_t c = 0; c < Dv / 32; ++c) {
-          const __m512i v0 = _mm512_loadu_si512(vb + j * Dv + 32 * c);
-          const __m512i v1 = j + 1 < n ? _mm512_loadu_si512(vb + (j + 1) * Dv + 32 * c) : _mm512_setzero_si512();
-          _mm512_storeu_si512(vp + (i * Dv / 32 + c) * 2, _mm512_unpacklo_epi16(v0, v1));
-          _mm512_storeu_si512(vp + (i * Dv / 32 + c) * 2 + 1, _mm512_unpackhi_epi16(v0, v1));
-        }
-      }
-      for (int64_t r = 0; r < RH;) {
-        if (vis_hi[r] <= vis_lo[r]) {
-          ++r;
-        } else if (nacc <= 8 && r + 1 < RH && vis_lo[r] == vis_lo[r + 1] && vis_hi[r] == vis_hi[r + 1]) {
-          pv_rows<2, 8>(r, vis_lo[r], vis_hi[r], nacc, Dv, corr, pr, vp, acc_h);  // two rows share each V load
-          r += 2;
-        } else {
-          pv_rows<1, 32>(r, vis_lo[r], vis_hi[r], nacc, Dv, corr, pr, vp, acc_h);
-          ++r;
-        }
-      }
+      scores_bf16(p, RH, st.q + h * RH * Dk, reinterpret_cast<const uint16_t*>(k_cache + page_of(blk, h) * Dk),
+                  vis_lo, vis_hi, next, sc + h * RH * 16, w);
+    }
+    softmax_bf16(R, sc, vis_lo, vis_hi, st.m, st.l, corr, pr);
+    for (int64_t h = 0; h < H; ++h) {
+      interleave_v(reinterpret_cast<const uint16_t*>(v_cache + page_of(blk, h) * Dv), n, Dv, vp);
+      pv_bf16(Dv, RH, vis_lo, vis_hi, corr + h * RH, pr + h * RH * 16, vp, st.acc + h * RH * Dv);
     }
   }
+}
+
+void write_rows_bf16(const Item& it, const Problem& p, const RowsBf16& st, c10::BFloat16* out) {
+  const int64_t G = p.group, Dv = p.v_dim, RH = (it.t1 - it.t0) * G, R = RH * it.heads;
+  const int64_t row0 = p.q_start[it.seq] + it.t0;
   for (int64_t r = 0; r < R; ++r) {
     const int64_t h = r / RH, t = (r % RH) / G, g = r % G;
-    const float* ar = acc + r * Dv;
-    const float inv = l[r] > 0 ? 1.f / l[r] : 0.f;
+    const float* ar = st.acc + r * Dv;
+    const float inv = st.l[r] > 0 ? 1.f / st.l[r] : 0.f;
     alignas(64) float tmp[512];
     for (int64_t c = 0; c < Dv / 32; ++c)  // acc[2c] lane e <-> d = 32c + 8(e/4) + e%4; acc[2c+1]: + 4
       for (int e = 0; e < 16; ++e) {
@@ -439,15 +627,27 @@ void run_item_bf16(const Item& it, const Problem& p, const c10::BFloat16* query,
     from_f32(tmp, out + (row0 + t) * p.o_stride_t + ((it.head + h) * G + g) * p.o_stride_h, Dv);
   }
 }
+
+void run_item_bf16(const Item& it, const Problem& p, const c10::BFloat16* query, const c10::BFloat16* k_cache,
+                   const c10::BFloat16* v_cache, c10::BFloat16* out, Scratch& w) {
+  const RowsBf16 st = rows_at(w, 0, p);
+  load_rows_bf16(it, p, query, st);
+  blocks_bf16(it, p, st, k_cache, v_cache, w);
+  write_rows_bf16(it, p, st, out);
+}
+
 #else
 constexpr bool HAVE_BF16_PATH = false;
 #endif
 
 template <typename T>
-inline void run_one(const Item& it, const Problem& p, const T* q, const T* kc, const T* vc, T* o, Scratch& w) {
+inline void run_one(const Item& it, const Problem& p, const T* q, const T* kc, const T* vc,
+                    T* o, Scratch& w) {
 #if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    if (bf16_path(p)) return run_item_bf16(it, p, q, kc, vc, o, w);
+    if (bf16_path(p)) {
+      return run_item_bf16(it, p, q, kc, vc, o, w);
+    }
   }
 #endif
   run_item(it, p, q, kc, vc, o, w);
@@ -473,7 +673,8 @@ void run_all(const std::vector<Item>& items, int64_t max_rows, const Problem& p,
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     Scratch w;
     w.reserve(max_rows, p);
-    for (int64_t k = next.fetch_add(1); k < n_items; k = next.fetch_add(1)) run_one(items[k], p, q, kc, vc, o, w);
+    for (int64_t k = next.fetch_add(1); k < n_items; k = next.fetch_add(1))
+      run_one(items[k], p, q, kc, vc, o, w);
   });
 }
 
