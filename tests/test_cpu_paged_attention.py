@@ -284,12 +284,11 @@ def test_bf16_a_window_s_freed_blocks_do_not_move_its_rows(window, bf16_path):
         run_op(q, k_cache, v_cache, held, d ** -0.5, window, 0.0, offsets=[1, 0, 0])
 
 
-@pytest.mark.skipif(not cpa.amx_built(), reason="the AMX path takes pages smaller than 16 tokens; this CPU has no AMX")
 @pytest.mark.parametrize("page", [4, 8, 2])
-def test_amx_pages_smaller_than_a_tile_give_the_rows_16_token_pages_give(page):
-    """The AMX path gathers each tile's 16 keys from pages of 2, 4 or 8 tokens (lm-eval's default is 4): the
-    same rows, bit for bit, as the same K/V in 16-token pages, for prompt chunks, decodes, decodes sharing two
-    whole chunks, and a window whose freed pages leave the table starting mid-tile."""
+def test_bf16_pages_smaller_than_16_give_the_rows_16_token_pages_give(page, bf16_path):
+    """Both bf16 paths gather each block's (AMX: tile's) 16 keys from pages of 2, 4 or 8 tokens (lm-eval's
+    default is 4): the same rows, bit for bit, as the same K/V in 16-token pages, for prompt chunks, decodes,
+    decodes sharing two whole chunks, and a window whose freed pages leave the table starting mid-block."""
     gen = torch.Generator().manual_seed(page)
     hkv, d, per = 2, 64, 16 // page
     n16 = 120
@@ -408,7 +407,7 @@ def test_kernel_backend_agrees_with_the_torch_backend(dtype, window, softcap):
 
 
 def test_on_the_bf16_path_the_kernel_attends_every_sequence():
-    """bf16, 16-token blocks, head dims multiples of 32, an AVX512-BF16 build: long prompts and long
+    """bf16, blocks dividing 16 tokens, head dims multiples of 32, an AVX512-BF16 build: long prompts and long
     chunks over cached context go to the kernel too (it beats SDPA there), and agree with the torch path."""
     bs, hq, hkv, d = 16, 6, 2, 64
     specs = [(1, 40), (600, 600), (300, 700), (40, 40), (1, 333)]
@@ -417,8 +416,8 @@ def test_on_the_bf16_path_the_kernel_attends_every_sequence():
     ker = cpa.CpuPagedBackend(2, n_blocks, bs, hkv, d, torch.bfloat16, "cpu")
     assert ker._bf16_path is fast
     assert cpa.CpuPagedBackend(2, n_blocks, bs, hkv, 48, torch.bfloat16, "cpu")._bf16_path is False  # 48 % 32
-    # 8-token blocks: the AMX path takes pages of any size dividing 16, the AVX-512 one 16 only
-    assert cpa.CpuPagedBackend(2, n_blocks, 8, hkv, d, torch.bfloat16, "cpu")._bf16_path is cpa.amx_built()
+    # 8-token blocks: both bf16 paths take pages of any size dividing 16
+    assert cpa.CpuPagedBackend(2, n_blocks, 8, hkv, d, torch.bfloat16, "cpu")._bf16_path is fast
     assert cpa.CpuPagedBackend(2, n_blocks, 12, hkv, d, torch.bfloat16, "cpu")._bf16_path is False
     assert cpa.CpuPagedBackend(2, n_blocks, bs, hkv, d, torch.float32, "cpu")._bf16_path is False
     if not fast:

@@ -209,15 +209,13 @@ def amx_built() -> bool:
 
 def bf16_path(layout: KVLayout, block_size: int, dtype: torch.dtype) -> bool:
     """Whether every layer runs one of the kernel's bf16 paths, which attend sequences of any length:
-    bf16 caches, head dims multiples of 32 up to 512, and 16-token blocks built for AVX512-BF16
-    (``bf16_path`` in paged_attention.cpp), or blocks of any size dividing 16 on the AMX path
-    (``amx_ready`` in paged_attention_amx.cpp)."""
+    bf16 caches, head dims multiples of 32 up to 512, and blocks of any size dividing 16 (smaller pages
+    gathered 16 keys at a time), built for AVX512-BF16 (``bf16_path`` in paged_attention.cpp) or for
+    AMX (``amx_ready`` in paged_attention_amx.cpp)."""
     if dtype != torch.bfloat16 or not all(s.k_dim % 32 == 0 and s.v_dim % 32 == 0 and s.v_dim <= 512
                                           and s.k_dim <= 512 for s in layout.layers):
         return False
-    if block_size == 16 and "-mavx512bf16" in compile_flags():
-        return True
-    return amx_built() and 16 % block_size == 0 and os.environ.get("PAGED_HF_CPU_AMX", "1") != "0"
+    return 16 % block_size == 0 and "-mavx512bf16" in compile_flags()
 
 
 class CpuPagedBackend(TorchBackend):

@@ -102,18 +102,21 @@ constexpr bool HAVE_DOTS16 = false;
 struct Scratch {
   std::vector<float> q, acc, s, m, l, kf, vf, corr;
   std::vector<int32_t> vis;
-  std::vector<uint16_t> p16;
+  std::vector<uint16_t> p16, kg, vg;
   void reserve(int64_t rows, const Problem& p) {
+    const int64_t keys = std::max<int64_t>(16, p.block_size);  // of a block (the bf16 path's: 16)
     corr.resize(rows);
     vis.resize(2 * rows);
     p16.resize(rows * 16);
     q.resize(rows * p.k_dim);
     acc.resize(rows * p.v_dim);
-    s.resize(rows * p.block_size);
+    s.resize(rows * keys);
     m.resize(rows);
     l.resize(rows);
-    kf.resize(p.block_size * p.k_dim);
-    vf.resize(p.block_size * p.v_dim);
+    kf.resize(keys * p.k_dim);
+    vf.resize(keys * p.v_dim);
+    kg.resize(16 * p.k_dim);
+    vg.resize(16 * p.v_dim);
   }
 };
 
@@ -306,8 +309,8 @@ inline void pv_rows_all(int64_t r, int64_t j_beg, int64_t j_end, int64_t Dv, con
   if (c0 < nacc) pv_rows<N, 2>(r, j_beg, j_end, c0, Dv, corr, pr, vp, acc);
 }
 
-inline bool bf16_path(const Problem& p) {
-  return p.block_size == 16 && p.k_dim % 32 == 0 && p.v_dim % 32 == 0 && p.v_dim <= 512;
+inline bool bf16_path(const Problem& p) {  // pages of 16 tokens, or of fewer gathered in 16s
+  return 16 % p.block_size == 0 && p.k_dim % 32 == 0 && p.v_dim % 32 == 0 && p.v_dim <= 512;
 }
 
 // An item's rows on the bf16 path, r = h * RH + t * G + g (its kv heads in turn, each with its tokens'
@@ -553,39 +556,60 @@ inline void pv_bf16(int64_t Dv, int64_t RH, const int32_t* vis_lo, const int32_t
   }
 }
 
-// The item's blocks, into its rows' state. Each block in three passes over the rows (scores of each
-// kv head, the softmax of all of them, P V of each head) rather than one row at a time: a row's work
-// is a long chain of dependent steps (dot products, max, exp, P V), and short passes let the CPU
-// overlap the independent rows of one pass.
+// The item's blocks of 16 keys, into its rows' state. Each block in three passes over the rows
+// (scores of each kv head, the softmax of all of them, P V of each head) rather than one row at a
+// time: a row's work is a long chain of dependent steps (dot products, max, exp, P V), and short
+// passes let the CPU overlap the independent rows of one pass.
+// Positions count from the sequence's start (kv_offset: the tokens of freed pages before the
+// table's first), so a block is the same 16 keys whatever a window freed and whatever the page
+// size. Pages smaller than 16 tokens (lm-eval's are 4) are gathered 16 keys at a time, K and V
+// (a page the block lacks reads as zeros: before the table's first, or past the keys).
 void blocks_bf16(const Item& it, const Problem& p, const RowsBf16& st, const c10::BFloat16* k_cache,
                  const c10::BFloat16* v_cache, Scratch& w) {
-  const int64_t G = p.group, Dk = p.k_dim, Dv = p.v_dim, bs = 16;
+  const int64_t G = p.group, Dk = p.k_dim, Dv = p.v_dim, bs = p.block_size, per = 16 / bs;
   const int64_t n_tok = it.t1 - it.t0, RH = n_tok * G, H = it.heads, R = RH * H;
   const int64_t L = p.kv_len[it.seq], ql = p.q_len[it.seq];
-  const int64_t first_pos = L - ql + it.t0, last_pos = L - ql + it.t1 - 1;
+  const int64_t off = p.kv_offset != nullptr ? p.kv_offset[it.seq] : 0;
+  const int64_t first_pos = off + L - ql + it.t0, last_pos = off + L - ql + it.t1 - 1;
   __m512i* vp = reinterpret_cast<__m512i*>(w.vf.data());  // interleaved V pairs [8][Dv]x2
   float* sc = w.s.data();                                 // [R][16] scores
   float* corr = w.corr.data();                            // [R] rescale of the accumulators
   uint16_t* pr = w.p16.data();                            // [R][16] P in bf16
-  const int64_t lo = p.window > 0 ? std::max<int64_t>(0, first_pos - p.window + 1) : 0;
+  const int64_t lo = std::max<int64_t>(off, p.window > 0 ? first_pos - p.window + 1 : 0);
   const int64_t hi = last_pos + 1;
   const int32_t* blocks = p.kv_indices + p.kv_indptr[it.seq];
   int32_t* vis_lo = w.vis.data();  // [R] visible keys [lo, hi) of the block, the same for every head
   int32_t* vis_hi = vis_lo + R;
-  const auto page_of = [&](int64_t blk, int64_t h) {
-    return (static_cast<int64_t>(blocks[blk]) * p.kv_heads + it.head + h) * bs;
+  const auto page_of = [&](int64_t pos, int64_t h) {  // first row of the page holding position pos
+    return (static_cast<int64_t>(blocks[(pos - off) / bs]) * p.kv_heads + it.head + h) * bs;
+  };
+  // the 16 K or V rows of block blk for head h (cache: k or v, D its dim): the page itself, or its pages
+  // gathered into scratch
+  const auto rows_of = [&](const c10::BFloat16* cache, int64_t D, int64_t blk, int64_t h, uint16_t* scratch) {
+    const auto at = [&](int64_t pos) { return reinterpret_cast<const uint16_t*>(cache + page_of(pos, h) * D); };
+    if (per == 1) return at(16 * blk);
+    for (int64_t s = 0; s < per; ++s) {
+      const int64_t pos = 16 * blk + s * bs;
+      if (pos < off || pos >= hi) {
+        std::memset(scratch + s * bs * D, 0, bs * D * sizeof(uint16_t));
+      } else {
+        std::memcpy(scratch + s * bs * D, at(pos), bs * D * sizeof(uint16_t));
+      }
+    }
+    return static_cast<const uint16_t*>(scratch);
   };
   PagePrefetch next;
-  for (int64_t blk = lo / bs; blk * bs < hi; ++blk) {
-    const int64_t j0 = blk * bs, n = std::min(bs, hi - j0);
+  for (int64_t blk = lo / 16; blk * 16 < hi; ++blk) {
+    const int64_t j0 = blk * 16, n = std::min<int64_t>(16, hi - j0);
     bool any = false;
     for (int64_t t = 0; t < n_tok; ++t) {
       const int64_t pos = first_pos + t;
       const int32_t j_end = static_cast<int32_t>(std::min<int64_t>(n, pos - j0 + 1));
-      const int32_t j_beg = static_cast<int32_t>(p.window > 0 ? std::max<int64_t>(0, pos - p.window + 1 - j0) : 0);
-      std::fill(vis_lo + t * G, vis_lo + (t + 1) * G, j_beg);
+      const int32_t j_beg = static_cast<int32_t>(std::max<int64_t>(0, lo - j0));
+      const int32_t j_win = static_cast<int32_t>(p.window > 0 ? std::max<int64_t>(0, pos - p.window + 1 - j0) : 0);
+      std::fill(vis_lo + t * G, vis_lo + (t + 1) * G, std::max(j_beg, j_win));
       std::fill(vis_hi + t * G, vis_hi + (t + 1) * G, j_end);
-      any |= j_end > j_beg;
+      any |= j_end > std::max(j_beg, j_win);
     }
     if (!any) continue;
     for (int64_t h = 1; h < H; ++h) {
@@ -593,19 +617,20 @@ void blocks_bf16(const Item& it, const Problem& p, const RowsBf16& st, const c10
       std::copy(vis_hi, vis_hi + RH, vis_hi + h * RH);
     }
     for (int64_t h = 0; h < H; ++h) {
-      if ((blk + 1) * bs < hi) {  // this head's page of the next block, while this one computes
-        const int64_t np = page_of(blk + 1, h);
+      if (per == 1 && (blk + 1) * 16 < hi) {  // this head's page of the next block, while this one computes
+        const int64_t np = page_of(16 * (blk + 1), h);
         next.start(reinterpret_cast<const char*>(k_cache + np * Dk), reinterpret_cast<const char*>(v_cache + np * Dv),
-                   bs * Dk * 2, bs * Dv * 2, score_steps(RH));
+                   16 * Dk * 2, 16 * Dv * 2, score_steps(RH));
       } else {
         next.k = nullptr;
       }
-      scores_bf16(p, RH, st.q + h * RH * Dk, reinterpret_cast<const uint16_t*>(k_cache + page_of(blk, h) * Dk),
-                  vis_lo, vis_hi, next, sc + h * RH * 16, w);
+      scores_bf16(p, RH, st.q + h * RH * Dk, rows_of(k_cache, Dk, blk, h, w.kg.data()), vis_lo, vis_hi, next,
+                  sc + h * RH * 16, w);
     }
     softmax_bf16(R, sc, vis_lo, vis_hi, st.m, st.l, corr, pr);
     for (int64_t h = 0; h < H; ++h) {
-      interleave_v(reinterpret_cast<const uint16_t*>(v_cache + page_of(blk, h) * Dv), n, Dv, vp);
+      const uint16_t* vb = rows_of(v_cache, Dv, blk, h, w.vg.data());
+      interleave_v(vb, n, Dv, vp);
       pv_bf16(Dv, RH, vis_lo, vis_hi, corr + h * RH, pr + h * RH * 16, vp, st.acc + h * RH * Dv);
     }
   }
