@@ -71,6 +71,22 @@ inline float dot(const float* a, const float* b, int64_t n) {
 }
 
 #if defined(CPU_CAPABILITY_AVX512)
+// The 16 reductions of a[0..15] as one vector (lane k: a[k]'s 16 lanes, in the same order for every
+// k): transpose-and-combine, 45 shuffles and ops for 16 rows instead of a horizontal reduction each.
+template <typename Op>
+inline __m512 reduce16(const __m512* a, Op op) {
+  __m512 t[8], u[4];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [A0 B0 A1 B1] of rows 2i, 2i+1
+    t[i] = op(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {  // per lane: rows 4i..4i+3
+    const __m512d x = _mm512_castps_pd(t[2 * i]), y = _mm512_castps_pd(t[2 * i + 1]);
+    u[i] = op(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  const __m512 w0 = op(_mm512_shuffle_f32x4(u[0], u[1], 0x88), _mm512_shuffle_f32x4(u[0], u[1], 0xDD));
+  const __m512 w1 = op(_mm512_shuffle_f32x4(u[2], u[3], 0x88), _mm512_shuffle_f32x4(u[2], u[3], 0xDD));
+  return op(_mm512_shuffle_f32x4(w0, w1, 0x88), _mm512_shuffle_f32x4(w0, w1, 0xDD));
+}
+
 // The 16 dot products q . k_j (k_j = rows of kf, stride dk, dk % 16 == 0) as one vector: one
 // partial-sum vector per key, then a transpose-and-add tree (45 shuffles and adds for 16 keys
 // instead of a horizontal sum each).
@@ -81,16 +97,7 @@ inline Vec dots16(const float* q, const float* kf, int64_t dk) {
     const __m512 qv = _mm512_loadu_ps(q + d);
     for (int j = 0; j < 16; ++j) a[j] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(kf + j * dk + d), a[j]);
   }
-  __m512 t[8], u[4];
-  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [A0 B0 A1 B1], partials of keys 2i, 2i+1
-    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
-  for (int i = 0; i < 4; ++i) {  // per lane: keys 4i..4i+3
-    const __m512d x = _mm512_castps_pd(t[2 * i]), y = _mm512_castps_pd(t[2 * i + 1]);
-    u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
-  }
-  const __m512 w0 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88), _mm512_shuffle_f32x4(u[0], u[1], 0xDD));
-  const __m512 w1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x88), _mm512_shuffle_f32x4(u[2], u[3], 0xDD));
-  return Vec(_mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, 0x88), _mm512_shuffle_f32x4(w0, w1, 0xDD)));
+  return Vec(reduce16(a, [](__m512 x, __m512 y) { return _mm512_add_ps(x, y); }));
 }
 constexpr bool HAVE_DOTS16 = true;
 #else
@@ -336,22 +343,6 @@ void load_rows_bf16(const Item& it, const Problem& p, const c10::BFloat16* query
   std::fill(st.acc, st.acc + R * p.v_dim, 0.f);
   std::fill(st.m, st.m + R, NEG_INF);
   std::fill(st.l, st.l + R, 0.f);
-}
-
-// The 16 reductions of a[0..15] as one vector (lane k: a[k]'s 16 lanes, in the same order for every
-// k): transpose-and-combine, 45 shuffles and ops for 16 rows instead of a horizontal reduction each.
-template <typename Op>
-inline __m512 reduce16(const __m512* a, Op op) {
-  __m512 t[8], u[4];
-  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [A0 B0 A1 B1] of rows 2i, 2i+1
-    t[i] = op(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
-  for (int i = 0; i < 4; ++i) {  // per lane: rows 4i..4i+3
-    const __m512d x = _mm512_castps_pd(t[2 * i]), y = _mm512_castps_pd(t[2 * i + 1]);
-    u[i] = op(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
-  }
-  const __m512 w0 = op(_mm512_shuffle_f32x4(u[0], u[1], 0x88), _mm512_shuffle_f32x4(u[0], u[1], 0xDD));
-  const __m512 w1 = op(_mm512_shuffle_f32x4(u[2], u[3], 0x88), _mm512_shuffle_f32x4(u[2], u[3], 0xDD));
-  return op(_mm512_shuffle_f32x4(w0, w1, 0x88), _mm512_shuffle_f32x4(w0, w1, 0xDD));
 }
 
 // K page kb's 16 keys with their dims in pairs: kt[i] holds dims (2i, 2i + 1) of every key, one 32-bit
