@@ -264,8 +264,9 @@ void run_item(const Item& it, const Problem& p, const T* query, const T* k_cache
 }
 
 #if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
-// bf16 caches on CPUs with AVX512-BF16, 16-token blocks, head dims a multiple of 32: the same
-// algorithm with bf16 pair dot products (vdpbf16ps, fp32 accumulation) and no fp32 copies of K/V.
+// bf16 caches on CPUs with AVX512-BF16, pages of 16 tokens (or of a size dividing 16, gathered in
+// blocks of 16 keys), head dims a multiple of 32: the same algorithm with bf16 pair dot products
+// (vdpbf16ps, fp32 accumulation) and no fp32 copies of K/V.
 //   scores: pair dot products in one fixed order of fp32 sums, computed with a row's dims in lanes
 //        for a few rows and with keys in lanes (K transposed once a block) for a tile of many,
 //        four rows sharing each load (see scores_row_dims);
@@ -274,6 +275,13 @@ void run_item(const Item& it, const Problem& p, const T* query, const T* k_cache
 //        path and SDPA round it), its sum and the accumulator stay fp32. The accumulator's dims come
 //        out in the unpack's lane order and are put back in order once, at the end.
 constexpr bool HAVE_BF16_PATH = true;
+
+// lanes [lo, hi) of a block's 16 keys
+inline __mmask16 lanes_in(int32_t lo, int32_t hi) {
+  const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  return _mm512_cmp_epi32_mask(iota, _mm512_set1_epi32(lo), _MM_CMPINT_NLT) &
+         _mm512_cmp_epi32_mask(iota, _mm512_set1_epi32(hi), _MM_CMPINT_LT);
+}
 
 inline int32_t pair_at(const uint16_t* q, int64_t i) {  // dims (2i, 2i + 1) as one 32-bit lane
   int32_t v;
@@ -327,9 +335,8 @@ struct RowsBf16 {
   float *acc, *m, *l;
 };
 
-inline RowsBf16 rows_at(Scratch& w, int64_t row0, const Problem& p) {
-  return {reinterpret_cast<uint16_t*>(w.q.data()) + row0 * p.k_dim, w.acc.data() + row0 * p.v_dim, w.m.data() + row0,
-          w.l.data() + row0};
+inline RowsBf16 rows_in(Scratch& w) {
+  return {reinterpret_cast<uint16_t*>(w.q.data()), w.acc.data(), w.m.data(), w.l.data()};
 }
 
 void load_rows_bf16(const Item& it, const Problem& p, const c10::BFloat16* query, const RowsBf16& st) {
@@ -433,14 +440,11 @@ inline void scores_bf16(const Problem& p, int64_t RH, const uint16_t* q, const u
                         const int32_t* vis_hi, const PagePrefetch& next, float* sc, Scratch& w) {
   const int64_t Dk = p.k_dim;
   __m512i* kt = reinterpret_cast<__m512i*>(w.kf.data());  // [Dk / 2] pairs of dims, a key a lane
-  const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   const __m512 pre = _mm512_set1_ps(p.softcap > 0 ? 1.f : p.scale);
   const auto finish = [&](int64_t r, __m512 x) {  // scale, softcap, mask; into sc
     x = _mm512_mul_ps(x, pre);
     if (p.softcap > 0) x = softcap_vec(Vec(x), p.scale / p.softcap, p.softcap);
-    const __mmask16 vis = _mm512_cmp_epi32_mask(iota, _mm512_set1_epi32(vis_lo[r]), _MM_CMPINT_NLT) &
-                          _mm512_cmp_epi32_mask(iota, _mm512_set1_epi32(vis_hi[r]), _MM_CMPINT_LT);
-    _mm512_storeu_ps(sc + 16 * r, _mm512_mask_blend_ps(vis, _mm512_set1_ps(NEG_INF), x));
+    _mm512_storeu_ps(sc + 16 * r, _mm512_mask_blend_ps(lanes_in(vis_lo[r], vis_hi[r]), _mm512_set1_ps(NEG_INF), x));
   };
   if (RH < KEYS_IN_LANES_ROWS) {
     for (int64_t r = 0; r < RH; ++r) {
@@ -471,7 +475,6 @@ inline void scores_bf16(const Problem& p, int64_t RH, const uint16_t* q, const u
 // (vis_hi <= vis_lo) keep their state.
 inline void softmax_bf16(int64_t R, const float* sc, const int32_t* vis_lo, const int32_t* vis_hi, float* m,
                          float* l, float* corr, uint16_t* pr) {
-  const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   const auto add = [](__m512 a, __m512 b) { return _mm512_add_ps(a, b); };
   const auto max = [](__m512 a, __m512 b) { return _mm512_max_ps(a, b); };
   for (int64_t r0 = 0; r0 < R; r0 += 16) {
@@ -488,8 +491,7 @@ inline void softmax_bf16(int64_t R, const float* sc, const int32_t* vis_lo, cons
       }
       active |= static_cast<__mmask16>(1u << k);
       x[k] = _mm512_loadu_ps(sc + 16 * r);
-      vis[k] = _mm512_cmp_epi32_mask(iota, _mm512_set1_epi32(vis_lo[r]), _MM_CMPINT_NLT) &
-               _mm512_cmp_epi32_mask(iota, _mm512_set1_epi32(vis_hi[r]), _MM_CMPINT_LT);
+      vis[k] = lanes_in(vis_lo[r], vis_hi[r]);
     }
     if (active == 0) continue;
     const __m512 m_old = _mm512_mask_loadu_ps(_mm512_set1_ps(NEG_INF), active, m + r0);
@@ -593,14 +595,15 @@ void blocks_bf16(const Item& it, const Problem& p, const RowsBf16& st, const c10
   for (int64_t blk = lo / 16; blk * 16 < hi; ++blk) {
     const int64_t j0 = blk * 16, n = std::min<int64_t>(16, hi - j0);
     bool any = false;
+    const int64_t held = std::max<int64_t>(0, off - j0);  // keys of the block before the table's first
     for (int64_t t = 0; t < n_tok; ++t) {
       const int64_t pos = first_pos + t;
       const int32_t j_end = static_cast<int32_t>(std::min<int64_t>(n, pos - j0 + 1));
-      const int32_t j_beg = static_cast<int32_t>(std::max<int64_t>(0, lo - j0));
-      const int32_t j_win = static_cast<int32_t>(p.window > 0 ? std::max<int64_t>(0, pos - p.window + 1 - j0) : 0);
-      std::fill(vis_lo + t * G, vis_lo + (t + 1) * G, std::max(j_beg, j_win));
+      const int32_t j_beg =
+          static_cast<int32_t>(std::max<int64_t>(held, p.window > 0 ? pos - p.window + 1 - j0 : 0));
+      std::fill(vis_lo + t * G, vis_lo + (t + 1) * G, j_beg);
       std::fill(vis_hi + t * G, vis_hi + (t + 1) * G, j_end);
-      any |= j_end > std::max(j_beg, j_win);
+      any |= j_end > j_beg;
     }
     if (!any) continue;
     for (int64_t h = 1; h < H; ++h) {
@@ -646,7 +649,7 @@ void write_rows_bf16(const Item& it, const Problem& p, const RowsBf16& st, c10::
 
 void run_item_bf16(const Item& it, const Problem& p, const c10::BFloat16* query, const c10::BFloat16* k_cache,
                    const c10::BFloat16* v_cache, c10::BFloat16* out, Scratch& w) {
-  const RowsBf16 st = rows_at(w, 0, p);
+  const RowsBf16 st = rows_in(w);
   load_rows_bf16(it, p, query, st);
   blocks_bf16(it, p, st, k_cache, v_cache, w);
   write_rows_bf16(it, p, st, out);
@@ -657,13 +660,10 @@ constexpr bool HAVE_BF16_PATH = false;
 #endif
 
 template <typename T>
-inline void run_one(const Item& it, const Problem& p, const T* q, const T* kc, const T* vc,
-                    T* o, Scratch& w) {
+inline void run_one(const Item& it, const Problem& p, const T* q, const T* kc, const T* vc, T* o, Scratch& w) {
 #if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    if (bf16_path(p)) {
-      return run_item_bf16(it, p, q, kc, vc, o, w);
-    }
+    if (bf16_path(p)) return run_item_bf16(it, p, q, kc, vc, o, w);
   }
 #endif
   run_item(it, p, q, kc, vc, o, w);
@@ -689,8 +689,7 @@ void run_all(const std::vector<Item>& items, int64_t max_rows, const Problem& p,
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     Scratch w;
     w.reserve(max_rows, p);
-    for (int64_t k = next.fetch_add(1); k < n_items; k = next.fetch_add(1))
-      run_one(items[k], p, q, kc, vc, o, w);
+    for (int64_t k = next.fetch_add(1); k < n_items; k = next.fetch_add(1)) run_one(items[k], p, q, kc, vc, o, w);
   });
 }
 
