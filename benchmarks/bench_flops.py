@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from bench_workloads import Workload
+from paged_hf.execution.cpu_linear import native_bf16
 
 
 @dataclass
@@ -82,7 +83,7 @@ def needed_work(w: Workload, geo: Geometry) -> dict:
 
 def fp32_for_bf16() -> bool:
     """Whether bf16 GEMMs here are fastest as fp32 ones (a CPU whose oneDNN has no bf16 matmul)."""
-    return not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return not native_bf16()
 
 
 def _matmul(w: torch.Tensor):

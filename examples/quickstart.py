@@ -39,6 +39,7 @@ if "OMP_WAIT_POLICY" not in os.environ and others_busy_now():
 import torch  # noqa: E402
 
 import paged_hf
+from paged_hf.execution import cpu_linear
 from paged_hf.frontends.models import load_default_model
 
 QUESTIONS = [
@@ -97,7 +98,7 @@ def main() -> None:
     args = ap.parse_args()
 
     if args.dtype == "auto":
-        native_bf16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        native_bf16 = cpu_linear.native_bf16()  # in hardware: oneDNN emulates it on other AVX-512 CPUs
         args.dtype = "bfloat16" if native_bf16 else "float32"
         if not native_bf16:
             print("dtype float32: this CPU has no bf16 matmul (no AVX-512 bf16 or AMX), where torch's bf16 matmul "

@@ -3,6 +3,9 @@ ways: oneDNN's bf16 matmul (``F.linear``'s results bit for bit; only where this 
 copies (within one bf16 rounding of ``F.linear``; runs on any CPU, the default where bf16 matmuls are
 slow); fp32 models on oneDNN's fp32 matmul (within fp32 rounding). Only inside engine steps, packed
 again when the weights change."""
+import os
+import platform
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -28,6 +31,21 @@ def test_the_default_way_follows_the_cpu():
     if not NATIVE:
         with pytest.raises(ValueError, match="no bf16 matmul"):
             paged_hf.Engine(make_tiny_model("llama", dtype=torch.bfloat16), cpu_packed_weights="onednn", **SMALL)
+
+
+def _cpuinfo_flags() -> set[str]:
+    with open("/proc/cpuinfo") as f:
+        return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64" or not os.path.exists("/proc/cpuinfo"), reason="x86 Linux only")
+def test_bf16_is_native_only_with_bf16_instructions():
+    # torch calls bf16 supported on any AVX-512 CPU; oneDNN's bf16 matmul is only fast with these
+    flags = _cpuinfo_flags()
+    hardware = "avx512_bf16" in flags or "amx_bf16" in flags
+    assert cpu_linear.native_bf16() == (hardware and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    if not hardware:
+        assert not NATIVE
 
 
 @needs_onednn

@@ -47,6 +47,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import platform
 from typing import Iterator
 
 import torch
@@ -61,8 +62,8 @@ _CHECKED: dict[str, bool] = {}
 
 def mode(dtype: torch.dtype, device: torch.device, wanted: bool | str = True) -> str | None:
     """How this model's linears are packed (``wanted``: ``cpu_packed_weights``). bf16: ``"onednn"`` where
-    this CPU's oneDNN does bf16 and gives ``F.linear``'s results exactly, else ``"fp32"`` where that gives
-    them within one bf16 rounding; fp32: ``"fp32"`` where oneDNN's fp32 matmul gives ``F.linear``'s results
+    this CPU multiplies bf16 in hardware (``native_bf16``) and oneDNN gives ``F.linear``'s results
+    exactly, else ``"fp32"`` where that gives them within one bf16 rounding; fp32: ``"fp32"`` where oneDNN's fp32 matmul gives ``F.linear``'s results
     within fp32 rounding (each checked once per process). None for other dtypes and devices, or when
     turned off (``wanted=False``, ``PAGED_HF_PACKED_LINEAR=0``). Asking for ``"onednn"`` where it cannot
     serve (no bf16 matmul here, or an fp32 model) raises."""
@@ -74,12 +75,28 @@ def mode(dtype: torch.dtype, device: torch.device, wanted: bool | str = True) ->
             raise ValueError("cpu_packed_weights='onednn' is oneDNN's bf16 matmul, and this model is fp32; "
                              "use True or 'fp32'")
         return FP32 if _checked(FP32, dtype) else None
-    if wanted != FP32 and _checked(ONEDNN, dtype):
+    if wanted != FP32 and native_bf16() and _checked(ONEDNN, dtype):
         return ONEDNN
     if wanted == ONEDNN:
         raise ValueError("cpu_packed_weights='onednn': this CPU's oneDNN has no bf16 matmul that gives F.linear's "
                          "results (no AVX-512 bf16 or AMX); use True (the fp32 way here) or 'fp32'")
     return FP32 if _checked(FP32, dtype) else None
+
+
+def native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 in hardware, so that oneDNN's bf16 matmul is the fast way: AVX-512
+    bf16 or AMX on x86 (oneDNN's own word elsewhere). oneDNN also runs bf16 on AVX-512 CPUs without
+    them (torch calls bf16 supported there), converting to fp32 inside its kernels: an Intel Xeon with
+    AVX-512 but no bf16 extensions, 2 threads, ran SmolLM2's GEMMs at 41-59 GFLOP/s that way from 8
+    rows on, and at 102-273 as fp32 copies (benchmarks/bench_cpu_linear.py; docs/measurements.md), and
+    there its results at one row were not ``F.linear``'s bit for bit."""
+    if not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+        return False
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return True
+    cpu = torch.cpu
+    return bool(getattr(cpu, "_is_avx512_bf16_supported", lambda: False)()
+                or getattr(cpu, "_is_amx_tile_supported", lambda: False)())
 
 
 def supported(dtype: torch.dtype, device: torch.device) -> bool:
