@@ -72,7 +72,7 @@ def run_op(q, k_cache, v_cache, seqs, scale, window, softcap, out=None, offsets=
     return out
 
 
-# The bf16 paths of 16-token blocks this CPU runs: AVX512-BF16 pair dot products, and on CPUs with AMX
+# The bf16 paths of 16-token blocks this CPU runs: AVX-512 pair dot products, and on CPUs with AMX
 # the tile path (paged_attention_amx.cpp), which PAGED_HF_CPU_AMX=0 turns off. Tests of bf16 layouts run
 # on each; on a CPU without AMX only the first exists (there is nothing else to test there).
 BF16_PATHS = ["avx512"] + (["amx"] if cpa.amx_built() else [])
@@ -147,7 +147,7 @@ def test_op_matches_a_float64_reference(problem):
 @pytest.mark.parametrize("dk,dv", [(64, 64), (128, 32), (32, 96), (32, 256)])
 @pytest.mark.parametrize("window,softcap", [(0, 0.0), (13, 0.0), (0, 30.0), (21, 10.0)])
 def test_bf16_16_token_blocks_match_a_float64_reference(dk, dv, window, softcap, bf16_path):
-    """The shapes the bf16 pair-dot-product path takes on CPUs with AVX512-BF16 (16-token blocks, head
+    """The shapes the bf16 pair-dot-product path takes on AVX-512 CPUs (16-token blocks, head
     dims multiples of 32): decodes and chunks of up to 32 tokens, odd lengths (a key without a partner
     in the last pair), windows that start inside a block."""
     gen = torch.Generator().manual_seed(dk + dv + window)
@@ -407,12 +407,13 @@ def test_kernel_backend_agrees_with_the_torch_backend(dtype, window, softcap):
 
 
 def test_on_the_bf16_path_the_kernel_attends_every_sequence():
-    """bf16, blocks dividing 16 tokens, head dims multiples of 32, an AVX512-BF16 build: long prompts and long
-    chunks over cached context go to the kernel too (it beats SDPA there), and agree with the torch path."""
+    """bf16, blocks dividing 16 tokens, head dims multiples of 32, an AVX-512 build (its pair dot products
+    emulated without AVX512-BF16): long prompts and long chunks over cached context go to the kernel too
+    (it beats SDPA there), and agree with the torch path."""
     bs, hq, hkv, d = 16, 6, 2, 64
     specs = [(1, 40), (600, 600), (300, 700), (40, 40), (1, 333)]
     n_blocks = sum(-(-kv // bs) for _, kv in specs) + 2
-    fast = "-mavx512bf16" in cpa.compile_flags()
+    fast = "-DCPU_CAPABILITY=AVX512" in cpa.compile_flags()
     ker = cpa.CpuPagedBackend(2, n_blocks, bs, hkv, d, torch.bfloat16, "cpu")
     assert ker._bf16_path is fast
     assert cpa.CpuPagedBackend(2, n_blocks, bs, hkv, 48, torch.bfloat16, "cpu")._bf16_path is False  # 48 % 32
@@ -421,7 +422,7 @@ def test_on_the_bf16_path_the_kernel_attends_every_sequence():
     assert cpa.CpuPagedBackend(2, n_blocks, 12, hkv, d, torch.bfloat16, "cpu")._bf16_path is False
     assert cpa.CpuPagedBackend(2, n_blocks, bs, hkv, d, torch.float32, "cpu")._bf16_path is False
     if not fast:
-        pytest.skip("this CPU has no AVX512-BF16: the bf16 path is not built")
+        pytest.skip("this CPU has no AVX-512: the bf16 path is not built")
     meta = step_metadata(specs, bs, torch.randperm(n_blocks, generator=torch.Generator().manual_seed(0)).tolist())
     ref = TorchBackend(2, n_blocks, bs, hkv, d, torch.bfloat16, "cpu")
     gen = torch.Generator().manual_seed(1)

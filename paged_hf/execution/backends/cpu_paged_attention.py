@@ -210,12 +210,13 @@ def amx_built() -> bool:
 def bf16_path(layout: KVLayout, block_size: int, dtype: torch.dtype) -> bool:
     """Whether every layer runs one of the kernel's bf16 paths, which attend sequences of any length:
     bf16 caches, head dims multiples of 32 up to 512, and blocks of any size dividing 16 (smaller pages
-    gathered 16 keys at a time), built for AVX512-BF16 (``bf16_path`` in paged_attention.cpp) or for
-    AMX (``amx_ready`` in paged_attention_amx.cpp)."""
+    gathered 16 keys at a time), built for AVX-512 (``bf16_path`` in paged_attention.cpp: bf16 pair dot
+    products, emulated by fp32 FMAs without AVX512-BF16) or for AMX (``amx_ready`` in
+    paged_attention_amx.cpp)."""
     if dtype != torch.bfloat16 or not all(s.k_dim % 32 == 0 and s.v_dim % 32 == 0 and s.v_dim <= 512
                                           and s.k_dim <= 512 for s in layout.layers):
         return False
-    return 16 % block_size == 0 and "-mavx512bf16" in compile_flags()
+    return 16 % block_size == 0 and "-DCPU_CAPABILITY=AVX512" in compile_flags()
 
 
 class CpuPagedBackend(TorchBackend):

@@ -107,7 +107,7 @@ constexpr bool HAVE_DOTS16 = false;
 
 // Per-thread scratch, sized for the largest item.
 struct Scratch {
-  std::vector<float> q, acc, s, m, l, kf, vf, corr;
+  std::vector<float> q, qs, acc, s, m, l, kf, vf, corr, pf;
   std::vector<int32_t> vis;
   std::vector<uint16_t> p16, kg, vg;
   void reserve(int64_t rows, const Problem& p) {
@@ -115,7 +115,9 @@ struct Scratch {
     corr.resize(rows);
     vis.resize(2 * rows);
     p16.resize(rows * 16);
+    pf.resize(rows * 16);
     q.resize(rows * p.k_dim);
+    qs.resize(rows * p.k_dim);
     acc.resize(rows * p.v_dim);
     s.resize(rows * keys);
     m.resize(rows);
@@ -263,10 +265,10 @@ void run_item(const Item& it, const Problem& p, const T* query, const T* k_cache
   }
 }
 
-#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
-// bf16 caches on CPUs with AVX512-BF16, pages of 16 tokens (or of a size dividing 16, gathered in
-// blocks of 16 keys), head dims a multiple of 32: the same algorithm with bf16 pair dot products
-// (vdpbf16ps, fp32 accumulation) and no fp32 copies of K/V.
+#if defined(CPU_CAPABILITY_AVX512)
+// bf16 caches on AVX-512 CPUs, pages of 16 tokens (or of a size dividing 16, gathered in blocks of 16
+// keys), head dims a multiple of 32: the same algorithm with bf16 pair dot products (vdpbf16ps, fp32
+// accumulation; two fp32 FMAs on CPUs without AVX512-BF16, see dp_pairs) and no fp32 copies of K/V.
 //   scores: pair dot products in one fixed order of fp32 sums, computed with a row's dims in lanes
 //        for a few rows and with keys in lanes (K transposed once a block) for a tile of many,
 //        four rows sharing each load (see scores_row_dims);
@@ -275,6 +277,32 @@ void run_item(const Item& it, const Problem& p, const T* query, const T* k_cache
 //        path and SDPA round it), its sum and the accumulator stay fp32. The accumulator's dims come
 //        out in the unpack's lane order and are put back in order once, at the end.
 constexpr bool HAVE_BF16_PATH = true;
+
+// acc + a.b over each 32-bit lane's pair of bf16 values (vdpbf16ps: the high halves' product added
+// first, then the low halves'). Without AVX512-BF16 (Skylake to Ice Lake Xeons; a hypervisor may
+// hide it too) the same two products as fp32 FMAs: a bf16 value is the top half of an fp32 one, and
+// the product of two is exact in fp32, so each step is one rounding of the sum, as the instruction
+// is documented to round (it also flushes denormals; these do not).
+inline __m512 high_halves(__m512i x) {  // each lane's high bf16 as fp32
+  return _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u))));
+}
+inline __m512 low_halves(__m512i x) { return _mm512_castsi512_ps(_mm512_slli_epi32(x, 16)); }
+
+inline __m512 dp_pairs(__m512 acc, __m512i a, __m512i b) {
+#if defined(__AVX512BF16__)
+  return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
+#else
+  return _mm512_fmadd_ps(low_halves(a), low_halves(b), _mm512_fmadd_ps(high_halves(a), high_halves(b), acc));
+#endif
+}
+
+// P as P V reads it: bf16, as vdpbf16ps takes it (and as SDPA rounds it); without AVX512-BF16 the
+// fp32 values themselves, which the FMAs take as they are (the rounding would cost work, not save it)
+#if defined(__AVX512BF16__)
+using PVal = uint16_t;
+#else
+using PVal = float;
+#endif
 
 // lanes [lo, hi) of a block's 16 keys
 inline __mmask16 lanes_in(int32_t lo, int32_t hi) {
@@ -295,20 +323,33 @@ inline int32_t pair_at(const uint16_t* q, int64_t i) {  // dims (2i, 2i + 1) as 
 // compiler the accumulators stay in registers. A row's arithmetic is the same for any N and C.
 template <int N, int C>
 inline void pv_rows(int64_t r, int64_t j_beg, int64_t j_end, int64_t c0, int64_t Dv, const float* corr,
-                    const uint16_t* pr, const __m512i* vp, float* acc) {
+                    const PVal* pr, const __m512i* vp, float* acc) {
   __m512 o[N][C];
   for (int k = 0; k < N; ++k) {
     const __m512 cv = _mm512_set1_ps(corr[r + k]);
     for (int c = 0; c < C; ++c) o[k][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + (r + k) * Dv + 16 * (c0 + c)), cv);
   }
   for (int64_t i = j_beg / 2; i < (j_end + 1) / 2; ++i) {
-    __m512bh pv[N];
-    for (int k = 0; k < N; ++k) pv[k] = (__m512bh)_mm512_set1_epi32(pair_at(pr + 16 * (r + k), i));
     const __m512i* vpi = vp + i * (Dv / 32) * 2 + c0;
+#if defined(__AVX512BF16__)
+    __m512i pv[N];
+    for (int k = 0; k < N; ++k) pv[k] = _mm512_set1_epi32(pair_at(pr + 16 * (r + k), i));
     for (int c = 0; c < C; ++c) {
-      const __m512bh v = (__m512bh)_mm512_loadu_si512(vpi + c);
-      for (int k = 0; k < N; ++k) o[k][c] = _mm512_dpbf16_ps(o[k][c], pv[k], v);
+      const __m512i v = _mm512_loadu_si512(vpi + c);
+      for (int k = 0; k < N; ++k) o[k][c] = dp_pairs(o[k][c], pv[k], v);
     }
+#else  // dp_pairs' order (key 2i + 1's product first) with fp32 P
+    __m512 ph[N], pl[N];
+    for (int k = 0; k < N; ++k) {
+      ph[k] = _mm512_set1_ps(pr[16 * (r + k) + 2 * i + 1]);
+      pl[k] = _mm512_set1_ps(pr[16 * (r + k) + 2 * i]);
+    }
+    for (int c = 0; c < C; ++c) {
+      const __m512i v = _mm512_loadu_si512(vpi + c);
+      const __m512 vh = high_halves(v), vl = low_halves(v);
+      for (int k = 0; k < N; ++k) o[k][c] = _mm512_fmadd_ps(pl[k], vl, _mm512_fmadd_ps(ph[k], vh, o[k][c]));
+    }
+#endif
   }
   for (int k = 0; k < N; ++k)
     for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + (r + k) * Dv + 16 * (c0 + c), o[k][c]);
@@ -316,7 +357,7 @@ inline void pv_rows(int64_t r, int64_t j_beg, int64_t j_end, int64_t c0, int64_t
 
 // pv_rows over all Dv / 16 accumulator vectors (an even count), four at a time
 template <int N>
-inline void pv_rows_all(int64_t r, int64_t j_beg, int64_t j_end, int64_t Dv, const float* corr, const uint16_t* pr,
+inline void pv_rows_all(int64_t r, int64_t j_beg, int64_t j_end, int64_t Dv, const float* corr, const PVal* pr,
                         const __m512i* vp, float* acc) {
   const int64_t nacc = Dv / 16;
   int64_t c0 = 0;
@@ -330,13 +371,15 @@ inline bool bf16_path(const Problem& p) {  // pages of 16 tokens, or of fewer ga
 
 // An item's rows on the bf16 path, r = h * RH + t * G + g (its kv heads in turn, each with its tokens'
 // query heads): their queries as bf16 [R][Dk] and softmax state (accumulators [R][Dv], max, sum).
+// Without AVX512-BF16 also the queries' pairs split into fp32 halves, qs [R][Dk]: a row's high halves
+// (pair i at i), then its low halves (at Dk / 2 + i), which scores_rows_keys broadcasts as they are.
 struct RowsBf16 {
   uint16_t* q;
-  float *acc, *m, *l;
+  float *qs, *acc, *m, *l;
 };
 
 inline RowsBf16 rows_in(Scratch& w) {
-  return {reinterpret_cast<uint16_t*>(w.q.data()), w.acc.data(), w.m.data(), w.l.data()};
+  return {reinterpret_cast<uint16_t*>(w.q.data()), w.qs.data(), w.acc.data(), w.m.data(), w.l.data()};
 }
 
 void load_rows_bf16(const Item& it, const Problem& p, const c10::BFloat16* query, const RowsBf16& st) {
@@ -347,6 +390,14 @@ void load_rows_bf16(const Item& it, const Problem& p, const c10::BFloat16* query
       for (int64_t g = 0; g < G; ++g)
         std::memcpy(st.q + h * RH * Dk + (t * G + g) * Dk,
                     query + (row0 + t) * p.q_stride_t + ((it.head + h) * G + g) * p.q_stride_h, Dk * sizeof(uint16_t));
+#if !defined(__AVX512BF16__)
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t c = 0; c < Dk / 32; ++c) {
+      const __m512i x = _mm512_loadu_si512(st.q + r * Dk + 32 * c);
+      _mm512_storeu_ps(st.qs + r * Dk + 16 * c, high_halves(x));
+      _mm512_storeu_ps(st.qs + r * Dk + Dk / 2 + 16 * c, low_halves(x));
+    }
+#endif
   std::fill(st.acc, st.acc + R * p.v_dim, 0.f);
   std::fill(st.m, st.m + R, NEG_INF);
   std::fill(st.l, st.l + R, 0.f);
@@ -394,16 +445,17 @@ inline __m512 scores_row_dims(const uint16_t* q, int64_t Dk, const uint16_t* kb)
   __m512 a[16];
   for (int j = 0; j < 16; ++j) a[j] = _mm512_setzero_ps();
   for (int64_t d = 0; d < Dk; d += 32) {
-    const __m512bh qv = (__m512bh)_mm512_loadu_si512(q + d);
-    for (int j = 0; j < 16; ++j) a[j] = _mm512_dpbf16_ps(a[j], qv, (__m512bh)_mm512_loadu_si512(kb + j * Dk + d));
+    const __m512i qv = _mm512_loadu_si512(q + d);
+    for (int j = 0; j < 16; ++j) a[j] = dp_pairs(a[j], qv, _mm512_loadu_si512(kb + j * Dk + d));
   }
   return reduce16(a, [](__m512 x, __m512 y) { return _mm512_add_ps(x, y); });
 }
 
-// `next` prefetches its share for steps pf0 .. pf0 + 3.
+// `next` prefetches its share for steps pf0 .. pf0 + 3. qs: the rows' split queries (see RowsBf16),
+// read without AVX512-BF16 only.
 template <int N>
-inline void scores_rows_keys(const uint16_t* q, int64_t Dk, const __m512i* kt, __m512* x, const PagePrefetch& next,
-                             int64_t pf0) {
+inline void scores_rows_keys(const uint16_t* q, const float* qs, int64_t Dk, const __m512i* kt, __m512* x,
+                             const PagePrefetch& next, int64_t pf0) {
   __m512 s01[N], s2[N];
   for (int L = 0; L < 4; ++L) {
     next.row(pf0 + L);
@@ -413,9 +465,16 @@ inline void scores_rows_keys(const uint16_t* q, int64_t Dk, const __m512i* kt, _
     for (int64_t cc = 0; cc < Dk / 32; ++cc) {
       for (int e = 0; e < 4; ++e) {
         const int64_t i = 16 * cc + 4 * L + e;  // the pair of dims
-        const __m512bh kv = (__m512bh)_mm512_loadu_si512(kt + i);
-        for (int k = 0; k < N; ++k)
-          c[k][e] = _mm512_dpbf16_ps(c[k][e], (__m512bh)_mm512_set1_epi32(pair_at(q + k * Dk, i)), kv);
+        const __m512i kv = _mm512_loadu_si512(kt + i);
+#if defined(__AVX512BF16__)
+        for (int k = 0; k < N; ++k) c[k][e] = dp_pairs(c[k][e], _mm512_set1_epi32(pair_at(q + k * Dk, i)), kv);
+#else  // dp_pairs with the queries' halves split once an item: two FMAs, each broadcasting from memory
+        const __m512 kh = high_halves(kv), kl = low_halves(kv);
+        for (int k = 0; k < N; ++k) {
+          c[k][e] = _mm512_fmadd_ps(_mm512_set1_ps(qs[k * Dk + i]), kh, c[k][e]);
+          c[k][e] = _mm512_fmadd_ps(_mm512_set1_ps(qs[k * Dk + Dk / 2 + i]), kl, c[k][e]);
+        }
+#endif
       }
     }
     for (int k = 0; k < N; ++k) {
@@ -428,16 +487,24 @@ inline void scores_rows_keys(const uint16_t* q, int64_t Dk, const __m512i* kt, _
   }
 }
 
-// Rows of a kv head from which a block's K is transposed for scores_rows_keys
+// Rows of a kv head from which a block's K is transposed for scores_rows_keys. Without AVX512-BF16
+// from one: there a row's dims in lanes would split each K vector into halves again for every row,
+// and keys in lanes split K^T once for four rows (decodes 64 x (512 + U[20,300]) 1.98 -> 1.60 ms per
+// layer, 2 threads, an Intel Xeon without it; docs/measurements.md).
+#if defined(__AVX512BF16__)
 constexpr int64_t KEYS_IN_LANES_ROWS = 5;
+#else
+constexpr int64_t KEYS_IN_LANES_ROWS = 1;
+#endif
 
 inline int64_t score_steps(int64_t RH) { return RH >= KEYS_IN_LANES_ROWS ? (RH + 3) / 4 * 4 : RH; }
 
-// A block's scores for one kv head's RH rows (queries q) against K page kb, row r seeing keys
+// A block's scores for one kv head's RH rows (queries q, split qs) against K page kb, row r seeing keys
 // [vis_lo[r], vis_hi[r]) (others -inf), into sc [RH][16]. `next`, started for score_steps(RH)
 // steps, prefetches a page a few lines at a time over the computation.
-inline void scores_bf16(const Problem& p, int64_t RH, const uint16_t* q, const uint16_t* kb, const int32_t* vis_lo,
-                        const int32_t* vis_hi, const PagePrefetch& next, float* sc, Scratch& w) {
+inline void scores_bf16(const Problem& p, int64_t RH, const uint16_t* q, const float* qs, const uint16_t* kb,
+                        const int32_t* vis_lo, const int32_t* vis_hi, const PagePrefetch& next, float* sc,
+                        Scratch& w) {
   const int64_t Dk = p.k_dim;
   __m512i* kt = reinterpret_cast<__m512i*>(w.kf.data());  // [Dk / 2] pairs of dims, a key a lane
   const __m512 pre = _mm512_set1_ps(p.softcap > 0 ? 1.f : p.scale);
@@ -457,14 +524,14 @@ inline void scores_bf16(const Problem& p, int64_t RH, const uint16_t* q, const u
   int64_t r = 0;
   for (; r + 4 <= RH; r += 4) {
     __m512 x[4];
-    scores_rows_keys<4>(q + r * Dk, Dk, kt, x, next, r);
+    scores_rows_keys<4>(q + r * Dk, qs + r * Dk, Dk, kt, x, next, r);
     for (int k = 0; k < 4; ++k) finish(r + k, x[k]);
   }
   const int64_t rest = RH - r;  // 0 to 3 rows, together
   __m512 x[3];
-  if (rest == 3) scores_rows_keys<3>(q + r * Dk, Dk, kt, x, next, r);
-  if (rest == 2) scores_rows_keys<2>(q + r * Dk, Dk, kt, x, next, r);
-  if (rest == 1) scores_rows_keys<1>(q + r * Dk, Dk, kt, x, next, r);
+  if (rest == 3) scores_rows_keys<3>(q + r * Dk, qs + r * Dk, Dk, kt, x, next, r);
+  if (rest == 2) scores_rows_keys<2>(q + r * Dk, qs + r * Dk, Dk, kt, x, next, r);
+  if (rest == 1) scores_rows_keys<1>(q + r * Dk, qs + r * Dk, Dk, kt, x, next, r);
   for (int64_t k = 0; k < rest; ++k) finish(r + k, x[k]);
 }
 
@@ -474,7 +541,7 @@ inline void scores_bf16(const Problem& p, int64_t RH, const uint16_t* q, const u
 // so a row's result does not depend on the rows beside it. Rows that see no key of the block
 // (vis_hi <= vis_lo) keep their state.
 inline void softmax_bf16(int64_t R, const float* sc, const int32_t* vis_lo, const int32_t* vis_hi, float* m,
-                         float* l, float* corr, uint16_t* pr) {
+                         float* l, float* corr, PVal* pr) {
   const auto add = [](__m512 a, __m512 b) { return _mm512_add_ps(a, b); };
   const auto max = [](__m512 a, __m512 b) { return _mm512_max_ps(a, b); };
   for (int64_t r0 = 0; r0 < R; r0 += 16) {
@@ -507,7 +574,11 @@ inline void softmax_bf16(int64_t R, const float* sc, const int32_t* vis_lo, cons
         continue;
       }
       e[k] = _mm512_maskz_mov_ps(vis[k], Vec(_mm512_sub_ps(x[k], _mm512_set1_ps(mn[k]))).exp_u20());
+#if defined(__AVX512BF16__)
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + 16 * (r0 + k)), (__m256i)_mm512_cvtneps_pbh(e[k]));
+#else
+      _mm512_storeu_ps(pr + 16 * (r0 + k), e[k]);
+#endif
     }
     const __m512 l_old = _mm512_maskz_loadu_ps(active, l + r0);
     _mm512_mask_storeu_ps(m + r0, active, m_new);
@@ -532,7 +603,7 @@ inline void interleave_v(const uint16_t* vb, int64_t n, int64_t Dv, __m512i* vp)
 // acc = acc * corr + P V for one kv head's RH rows (corr [RH], P [RH][16] from softmax_bf16, V pairs vp
 // from interleave_v)
 inline void pv_bf16(int64_t Dv, int64_t RH, const int32_t* vis_lo, const int32_t* vis_hi, const float* corr,
-                    const uint16_t* pr, const __m512i* vp, float* acc) {
+                    const PVal* pr, const __m512i* vp, float* acc) {
   for (int64_t r = 0; r < RH;) {
     if (vis_hi[r] <= vis_lo[r]) {
       ++r;
@@ -567,7 +638,11 @@ void blocks_bf16(const Item& it, const Problem& p, const RowsBf16& st, const c10
   __m512i* vp = reinterpret_cast<__m512i*>(w.vf.data());  // interleaved V pairs [8][Dv]x2
   float* sc = w.s.data();                                 // [R][16] scores
   float* corr = w.corr.data();                            // [R] rescale of the accumulators
-  uint16_t* pr = w.p16.data();                            // [R][16] P in bf16
+#if defined(__AVX512BF16__)
+  PVal* pr = w.p16.data();  // [R][16] P (see PVal)
+#else
+  PVal* pr = w.pf.data();
+#endif
   const int64_t lo = std::max<int64_t>(off, p.window > 0 ? first_pos - p.window + 1 : 0);
   const int64_t hi = last_pos + 1;
   const int32_t* blocks = p.kv_indices + p.kv_indptr[it.seq];
@@ -618,7 +693,7 @@ void blocks_bf16(const Item& it, const Problem& p, const RowsBf16& st, const c10
       } else {
         next.k = nullptr;
       }
-      scores_bf16(p, RH, st.q + h * RH * Dk, rows_of(k_cache, Dk, blk, h, w.kg.data()), vis_lo, vis_hi, next,
+      scores_bf16(p, RH, st.q + h * RH * Dk, st.qs + h * RH * Dk, rows_of(k_cache, Dk, blk, h, w.kg.data()), vis_lo, vis_hi, next,
                   sc + h * RH * 16, w);
     }
     softmax_bf16(R, sc, vis_lo, vis_hi, st.m, st.l, corr, pr);
@@ -661,7 +736,7 @@ constexpr bool HAVE_BF16_PATH = false;
 
 template <typename T>
 inline void run_one(const Item& it, const Problem& p, const T* q, const T* kc, const T* vc, T* o, Scratch& w) {
-#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
+#if defined(CPU_CAPABILITY_AVX512)
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
     if (bf16_path(p)) return run_item_bf16(it, p, q, kc, vc, o, w);
   }
@@ -695,7 +770,7 @@ void run_all(const std::vector<Item>& items, int64_t max_rows, const Problem& p,
 
 // Whether this problem runs run_item_bf16 (items of several kv heads); the generic path takes one head an item.
 inline bool uses_bf16_path(const Problem& p, at::ScalarType dtype) {
-#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
+#if defined(CPU_CAPABILITY_AVX512)
   return dtype == at::kBFloat16 && bf16_path(p);
 #else
   return false;
