@@ -52,7 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--paged-args", default="", help="extra model_args for paged_hf, e.g. max_num_batched_tokens=1024")
     parser.add_argument("--tasks-dir", default=None, help="where to write the tasks (default: a temp dir)")
-    parser.add_argument("--out", default="bench_eval.json")
+    parser.add_argument("--out", default=None,
+                        help="JSON path (default benchmarks/results/eval-<date-time>.json, as bench.py)")
     parser.add_argument("--quick", action="store_true", help="20 questions, 10 prompts, one round")
     args = parser.parse_args(argv)
     if args.quick:
@@ -124,8 +125,10 @@ def main(argv: list[str] | None = None) -> int:
                       "torch": torch.__version__, "lm_eval": lm_eval.__version__ if hasattr(lm_eval, "__version__")
                       else "0.4.13", "date": time.strftime("%Y-%m-%d %H:%M")},
            "rows": rows}
-    Path(args.out).write_text(json.dumps(out, indent=2, default=str))
-    print(f"wrote {args.out}")
+    path = Path(args.out) if args.out else HERE / "results" / f"eval-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=2, default=str))
+    print(f"wrote {path}")
     return 0
 
 
