@@ -8,7 +8,6 @@ cached ones.
 """
 from __future__ import annotations
 
-from collections import deque
 from typing import Iterable
 
 from .prefix_index import RadixPrefixIndex
@@ -24,7 +23,10 @@ class BlockPool:
         self.block_size = block_size
         self.index = index
         self.refcount = [0] * num_blocks
-        self._free: deque[int] = deque(range(num_blocks))
+        # a stack: a freed block is the next one handed out, so a run keeps writing the pages it
+        # has touched (warm in cache, and on a CPU no fresh page of the pool faulted in:
+        # execution/cpu_kv_memory.py); the lowest ids go first
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))
         self._is_free = [True] * num_blocks
         self.evictions = 0
 
@@ -53,10 +55,10 @@ class BlockPool:
         if n > len(self._free):
             evicted = self.index.evict(n - len(self._free))
             self.evictions += len(evicted)
-            for b in evicted:
+            for b in reversed(evicted):  # onto the stack so that they come off least recently used first
                 assert self.refcount[b] == 0, f"evicted block {b} still has refcount {self.refcount[b]}"
                 self._release(b)
-        out = [self._free.popleft() for _ in range(n)]
+        out = [self._free.pop() for _ in range(n)]
         for b in out:
             self._is_free[b] = False
             self.refcount[b] = 1
