@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from ...cache.kv_groups import CacheGroup, SlabPlaces
+from .. import cpu_kv_memory
 from ..kv_geometry import KVLayout, LayerSpec, as_layout
 from ..metadata import GroupTables, StepMetadata
 from .swap import SwapMixin
@@ -118,11 +119,14 @@ class TorchBackend(SwapMixin):
         places = SlabPlaces.of(groups, self.layout.num_layers)
         self.groups, self.group_of, slab_of = places.groups, places.group_of, places.slab_of
         self.kv_slabs = []  # K and V of each slab
+        on_cpu = torch.device(device).type == "cpu"
         for layer in places.slab_layers:
             spec = self.layout.layers[layer]
             for dim in (spec.k_dim, spec.v_dim):
-                self.kv_slabs.append(torch.zeros(num_blocks, spec.kv_heads, block_size, dim, dtype=dtype,
-                                                 device=device))
+                shape = (num_blocks, spec.kv_heads, block_size, dim)
+                # on a CPU, zero pages faulted in when first written (cpu_kv_memory.py)
+                self.kv_slabs.append(cpu_kv_memory.zeros(shape, dtype) if on_cpu
+                                     else torch.zeros(shape, dtype=dtype, device=device))
         self.kv = [self.kv_slabs[2 * slab_of[i] + kv] for i in range(self.layout.num_layers) for kv in (0, 1)]
         self._rows = [c.view(-1, c.shape[-1]) for c in self.kv]  # one row per (block, head, offset)
         self.device = torch.device(device)
