@@ -57,7 +57,8 @@ def test_the_onednn_weight_is_f_linear_bit_for_bit(rows):
     x = torch.randn(1, rows, 576, generator=g).bfloat16()
     for bias in (None, b):  # packed for 64 rows, used at any
         packed = cpu_linear.PackedWeight(cpu_linear.ONEDNN, [w], None if bias is None else [bias], batch_hint=64)
-        assert torch.equal(packed(x), F.linear(x, w, bias))
+        assert torch.equal(packed(x), F.linear(x, w, bias))  # [1, T, K]: the op takes its rows' view
+        assert torch.equal(packed(x[0]), F.linear(x[0], w, bias))
 
 
 @pytest.mark.parametrize("rows", [1, 3, 16, 64, 300])

@@ -191,12 +191,17 @@ class PackedWeight:
         self.bias = bias
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.how == ONEDNN:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         if self.one_row_in_bf16 and x.numel() == x.shape[-1]:
             parts = [F.linear(x, w, b) for w, b in zip(self.weights, self.biases or [None] * len(self.weights))]
             return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
-        return torch.ops.mkldnn._linear_pointwise(x.float(), self.packed, self.bias, "none", [], "").to(self.dtype)
+        # the rows as a matrix: the same GEMM, ~10 us a call less than a [1, T, K] input costs the op
+        # (a lone decode's step makes 121 of them; the same bits: tests/test_cpu_linear.py)
+        rows = x.view(-1, x.shape[-1]) if x.dim() != 2 else x
+        if self.how == ONEDNN:
+            out = torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
+        else:
+            out = torch.ops.mkldnn._linear_pointwise(rows.float(), self.packed, self.bias, "none", [], "").to(self.dtype)
+        return out if x.dim() == 2 else out.view(*x.shape[:-1], out.shape[-1])
 
 
 def find_siblings(model: torch.nn.Module, modules: list[torch.nn.Linear]) -> list[list[torch.nn.Linear]]:
@@ -250,28 +255,41 @@ class PackedLinears:
         self.siblings = find_siblings(model, self.modules) if fuse else []
         self.fused: list[list[torch.nn.Linear]] = []  # the sibling groups packed as one GEMM
         self._states: list[_FusedState] = []
+        self._weights: dict[tuple[int, ...], PackedWeight] = {}
         self._forwards: list | None = None
 
     def reset(self) -> None:
         """Forget the packed copies (the weights changed); the next step packs them again."""
         self._forwards = None
-        self._states = []
+        self._states, self._weights = [], {}
 
     def _packed(self, modules: list[torch.nn.Linear]) -> PackedWeight:
         biases = None if modules[0].bias is None else [m.bias for m in modules]
         return PackedWeight(self.how, [m.weight for m in modules], biases, self.batch_hint)
 
+    def weight_for(self, modules: list[torch.nn.Linear]) -> "PackedWeight | None":
+        """The packed weight a step computes ``modules`` with: a fused group's (in its order), or one
+        module's; None where they are not packed so (valid while the block of ``active`` runs)."""
+        return self._weights.get(tuple(map(id, modules)))
+
     def _pack(self) -> list:
         fused: dict[torch.nn.Module, object] = {}
-        self.fused, self._states = [], []
+        self.fused, self._states, self._weights = [], [], {}
         for group in self.siblings:
             state = self._fuse(group)
             if state is not None:
                 self.fused.append(group)
                 self._states.append(state)
+                self._weights[tuple(map(id, group))] = state.packed
                 for i, m in enumerate(group):
                     fused[m] = _fused_forward_for(m, state, i)
-        return [(m, fused.get(m) or _forward_for(m, self._packed([m]))) for m in self.modules]
+        out = []
+        for m in self.modules:
+            if m not in fused:
+                packed = self._weights[(id(m),)] = self._packed([m])
+                fused[m] = _forward_for(m, packed)
+            out.append((m, fused[m]))
+        return out
 
     def _fuse(self, group: list[torch.nn.Linear]) -> "_FusedState | None":
         """One packed GEMM for ``group``, if it gives each module's own packed result bit for bit."""
