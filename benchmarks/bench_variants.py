@@ -52,6 +52,7 @@ DEFAULT_VARIANTS = tuple(VARIANTS)
 for _name, _cfg in {"packed weights off": {"cpu_packed_weights": False},
                     "fused projections off": {"cpu_fused_projections": False},
                     "fused ops off": {"cpu_fused_ops": False},
+                    "compact layers off": {"cpu_compact_layers": False},
                     "prefill cap 64": {"max_prefill_tokens_while_decoding": 64},
                     "prefill cap 128": {"max_prefill_tokens_while_decoding": 128},
                     "prefill cap 256": {"max_prefill_tokens_while_decoding": 256},

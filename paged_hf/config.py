@@ -64,6 +64,9 @@ class EngineConfig:
     # on a CPU: RMSNorm, SiLU-and-multiply and rotary embedding as one C++ op each, where checked on the
     # model to give its modules' outputs (paged_hf/execution/fused_ops.py)
     cpu_fused_ops: bool = True
+    # with fused ops and fused projections: a pre-norm decoder layer checked on the model to be the canonical
+    # block runs as one compact function, its own code's ops without its Python (paged_hf/execution/compact_layers.py)
+    cpu_compact_layers: bool = True
     # on a CPU: glibc's malloc keeps a step's freed temporaries mapped, and torch's CPU allocator keeps
     # freed large blocks, for the next step instead of faulting them in again (process-wide, once;
     # paged_hf/execution/cpu_malloc.py)
@@ -100,7 +103,7 @@ class EngineConfig:
         if not (isinstance(self.cpu_packed_weights, bool) or self.cpu_packed_weights in ("onednn", "fp32")):
             raise ValueError(f"cpu_packed_weights={self.cpu_packed_weights!r}, must be True, False, 'onednn' or 'fp32'")
         for name in ("enable_prefix_caching", "use_cuda_graphs", "keep_every_kv_block",
-                     "cpu_fused_projections", "cpu_fused_ops", "cpu_tune_malloc"):
+                     "cpu_fused_projections", "cpu_fused_ops", "cpu_compact_layers", "cpu_tune_malloc"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r}, must be True or False")
         if self.backend not in ("auto", "torch", "flashinfer"):

@@ -13,7 +13,7 @@ import torch
 
 from ..config import EngineConfig
 from ..requests.request import Request
-from . import cpu_linear, cpu_malloc, fused_ops
+from . import compact_layers, cpu_linear, cpu_malloc, fused_ops
 from .attention import active_backend
 from .backends import select_backend
 from .cuda_graphs import DecodeAccelerator, wants_decode_accelerator
@@ -125,6 +125,10 @@ class ModelRunner:
                                "cpu_packed_weights=False silences this.", why,
                                "up to 5x" if how == cpu_linear.FP32 and self.dtype == torch.bfloat16 else "~10-50%")
                 self.packed = None
+        self.compact = None
+        if config.cpu_compact_layers and self.fused_ops is not None and self.packed is not None:
+            with eval_modes(model):
+                self.compact = compact_layers.CompactLayers(model, self.fused_ops, self.packed, layout)
 
     def _allocate(self) -> None:
         """The KV tensors (through the backend), the state slots and the decode accelerator."""
@@ -192,7 +196,8 @@ class ModelRunner:
                                    [req.pending_checkpoints for req, _ in scheduled])
             mixers = self.mixers.active(plan)
         with active_backend(self.backend), (self.packed.active() if self.packed else contextlib.nullcontext()), \
-                (self.fused_ops.active() if self.fused_ops else contextlib.nullcontext()), mixers:
+                (self.fused_ops.active() if self.fused_ops else contextlib.nullcontext()), \
+                (self.compact.active() if self.compact else contextlib.nullcontext()), mixers:
             out = self.model(input_ids=meta.input_ids[None], position_ids=meta.positions[None],
                              use_cache=False, logits_to_keep=meta.logits_indices)
         logits = out.logits[0]

@@ -1,0 +1,223 @@
+"""Pre-norm decoder layers as one compact function each, during engine steps on a CPU.
+
+At decode sizes a step's ops are small and the Python around them is not: one Llama layer's forward
+makes ~400 Python calls (a dozen module calls, decorators, the attention interface's lookup, the
+config's attribute chain, the packed linears' and fused ops' own checks), ~5 ms of a lone sequence's
+24 ms decode step for SmolLM2-135M and ~4.5 ms of 32 sequences' 46 on a Zen 4. Where a layer is the
+canonical pre-norm block
+
+    h   = x + o_proj(attention(rope(q), rope(k), v)),   q, k, v = q/k/v_proj(norm_1(x))
+    out = h + down_proj(silu(gate_proj(norm_2(h))) * up_proj(norm_2(h)))
+
+with both norms and the MLP served by the fused ops (fused_ops.py) and the projections by packed
+GEMMs, q/k/v and gate/up each fused into one (cpu_linear.py), the step calls those ops itself: the
+same ops on the same tensors in the same order as the layer's own code makes them, so the same bits.
+
+A layer is served only where the engine checked it when built, on the model itself: its own forward
+and the compact one, both with the fused ops and packed weights in place and attention answered by
+a recording stand-in, give equal outputs bit for bit, hand attention equal q, k and v, and make the
+same attention call (layer, scale, window, softcap). Anything else in a layer (a per-head q/k norm,
+another norm, a residual multiplier, a window passed differently) makes one of those differ, and the
+layer runs its own code. So does a layer called otherwise than the engine calls it (an attention
+mask, another batch size or dtype), and a layer any of whose modules has hooks, looked at every step
+(transformers' output-recording hooks included: the layer's own code runs them). ``cpu_compact_layers
+=False`` turns it off.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any, Iterator
+
+import torch
+
+from . import attention
+from .cpu_linear import PackedLinears, PackedWeight
+from .fused_ops import FusedOps, _eps, _rms_norm, _silu_and_mul
+
+logger = logging.getLogger("paged_hf")
+# hooks every module runs (torch.nn.modules.module.register_module_forward_hook): where torch keeps
+# them elsewhere, say there are some (the layers run their own code)
+_global_hooks = getattr(torch.nn.modules.module, "_has_any_global_hook", lambda: True)
+
+
+class _Plan:
+    """One layer's modules and what its compact forward calls (``weights``: None until packed)."""
+
+    def __init__(self, layer: torch.nn.Module, dtype: torch.dtype) -> None:
+        self.layer, self.dtype = layer, dtype
+        attn, mlp = layer.self_attn, layer.mlp
+        self.attn, self.mlp = attn, mlp
+        self.norm_1, self.norm_2 = layer.input_layernorm, layer.post_attention_layernorm
+        self.qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
+        self.gate_up = [mlp.gate_proj, mlp.up_proj]
+        self.head_dim = attn.head_dim
+        widths = [m.out_features for m in self.qkv]
+        self.q_end, self.k_end = widths[0], widths[0] + widths[1]
+        self.modules = list(layer.modules())
+        self.call: tuple | None = None  # (scaling, sliding_window, softcap): what its own code passed attention
+        # made from the packed set (CompactLayers._refresh): q/k/v, o, gate/up and down's packed weights,
+        # the norms' weights and epsilons, the MLP's width, the forward installed during steps
+        self.weights: tuple[PackedWeight, PackedWeight, PackedWeight, PackedWeight] | None = None
+        self.norm_1_weight = self.norm_2_weight = None
+        self.eps_1 = self.eps_2 = 0.0
+        self.intermediate = 0
+        self.forward: Any = None
+
+    def hooked(self) -> bool:
+        # forward hooks only: backward hooks do nothing under inference mode, where steps run
+        return any(m._forward_hooks or m._forward_pre_hooks for m in self.modules)
+
+
+def _structure(layer: torch.nn.Module, dtype: torch.dtype, norms: set[int], mlps: set[int], fused: list[list],
+               rope_files: set[str]) -> _Plan | None:
+    """A plan for ``layer`` where its parts are the ones the compact forward calls, else None."""
+    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    n1, n2 = getattr(layer, "input_layernorm", None), getattr(layer, "post_attention_layernorm", None)
+    if attn is None or mlp is None or id(mlp) not in mlps or id(n1) not in norms or id(n2) not in norms:
+        return None
+    if type(attn).__module__ not in rope_files:  # its rotary function: the fused op's, as in its own steps
+        return None
+    if not all(isinstance(getattr(attn, n, None), torch.nn.Linear) for n in ("q_proj", "k_proj", "v_proj", "o_proj")):
+        return None
+    if not isinstance(getattr(attn, "head_dim", None), int) or not isinstance(getattr(attn, "scaling", None), float):
+        return None
+    groups = {tuple(map(id, g)) for g in fused}
+    if (tuple(map(id, (attn.q_proj, attn.k_proj, attn.v_proj))) not in groups
+            or tuple(map(id, (mlp.gate_proj, mlp.up_proj))) not in groups):
+        return None
+    return _Plan(layer, dtype)
+
+
+def _forward(plan: _Plan, stock: Any, hidden_states: torch.Tensor, *args: Any,
+             attention_mask: Any = None, position_embeddings: Any = None, **kwargs: Any) -> torch.Tensor:
+    """The layer's step: its own code's ops and calls, made directly (see the module docstring)."""
+    if (args or attention_mask is not None or position_embeddings is None or hidden_states.dim() != 3
+            or hidden_states.shape[0] != 1 or hidden_states.dtype != plan.dtype or not hidden_states.is_contiguous()):
+        return stock(hidden_states, *args, attention_mask=attention_mask, position_embeddings=position_embeddings,
+                     **kwargs)
+    qkv_w, o_w, gate_up_w, down_w = plan.weights
+    shape = (*hidden_states.shape[:-1], -1, plan.head_dim)
+    x = _rms_norm(hidden_states, plan.norm_1_weight, plan.eps_1, False)
+    qkv = qkv_w(x)
+    q = qkv[..., :plan.q_end].view(shape).transpose(1, 2)
+    k = qkv[..., plan.q_end:plan.k_end].view(shape).transpose(1, 2)
+    v = qkv[..., plan.k_end:].view(shape).transpose(1, 2)
+    cos, sin = position_embeddings
+    q_out, k_out = torch.empty_like(q), torch.empty_like(k)
+    torch.ops.paged_hf.rotary(q, cos, sin, q_out)
+    torch.ops.paged_hf.rotary(k, cos, sin, k_out)
+    scaling, window, softcap = plan.call
+    out, _ = attention.paged_attention_forward(plan.attn, q_out, k_out, v, None, scaling=scaling,
+                                               sliding_window=window, softcap=softcap)
+    h = hidden_states + o_w(out.reshape(*hidden_states.shape[:-1], -1).contiguous())
+    gate_up = gate_up_w(_rms_norm(h, plan.norm_2_weight, plan.eps_2, False))
+    width = plan.intermediate
+    return h + down_w(_silu_and_mul(gate_up[..., :width], gate_up[..., width:]))
+
+
+class _Recorder:
+    """Attention during the check: records each call (its q, k, v and arguments) and answers with
+    plain causal attention, so that what follows it in the layer is checked too."""
+
+    def __init__(self, layout: Any) -> None:
+        self.layout = layout
+        self.calls: list = []
+
+    def attend(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               scaling: float | None, sliding_window: int | None = None, softcap: float | None = None,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
+        self.calls.append((layer_idx, scaling, sliding_window, softcap, sinks is None,
+                           query.clone(), key.clone(), value.clone()))
+        groups = query.shape[1] // key.shape[1]
+        k, v = (t.float().repeat_interleave(groups, dim=1) for t in (key, value))
+        scores = query.float() @ k.transpose(-1, -2) * (scaling or query.shape[-1] ** -0.5)
+        n = scores.shape[-1]
+        scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+        return (scores.softmax(-1) @ v).to(query.dtype).transpose(1, 2)
+
+
+def _same_calls(a: list, b: list) -> bool:
+    return len(a) == len(b) == 1 and a[0][:5] == b[0][:5] and a[0][4] \
+        and all(torch.equal(x, y) for x, y in zip(a[0][5:], b[0][5:]))
+
+
+class CompactLayers:
+    """The model's decoder layers that run compactly in CPU steps (checked on the model when built)."""
+
+    def __init__(self, model: torch.nn.Module, fused: FusedOps, packed: PackedLinears, layout: Any) -> None:
+        self.fused, self.packed = fused, packed
+        self.plans: list[_Plan] = []
+        self._packed_forwards: Any = None  # the packed linears' set the plans' weights come from
+        if not fused.rope_sites:
+            return
+        norms = {id(m) for m, gemma in fused.norms if not gemma}
+        mlps = {id(m) for m in fused.mlps}
+        rope_files = {site[0] for site in fused.rope_sites}
+        candidates = [_structure(m, fused.dtype, norms, mlps, packed.siblings, rope_files) for m in model.modules()]
+        if any(candidates):
+            self.plans = self._checked([p for p in candidates if p], layout)
+
+    def _refresh(self) -> None:
+        """The plans' packed weights, norm weights and epsilons (made again when the packed set is)."""
+        if self._packed_forwards is self.packed._forwards:
+            return
+        for p in self.plans:
+            p.weights = (self.packed.weight_for(p.qkv), self.packed.weight_for([p.attn.o_proj]),
+                         self.packed.weight_for(p.gate_up), self.packed.weight_for([p.mlp.down_proj]))
+            p.norm_1_weight, p.norm_2_weight = p.norm_1.weight.detach(), p.norm_2.weight.detach()
+            p.eps_1, p.eps_2 = _eps(p.norm_1), _eps(p.norm_2)
+            p.intermediate = p.mlp.gate_proj.out_features
+            stock = type(p.layer).forward.__get__(p.layer)
+            p.forward = lambda *a, _p=p, _stock=stock, **k: _forward(_p, _stock, *a, **k)
+        self._packed_forwards = self.packed._forwards
+
+    def _checked(self, candidates: list[_Plan], layout: Any) -> list[_Plan]:
+        recorder = _Recorder(layout)
+        g = torch.Generator().manual_seed(3)
+        kept = []
+        with torch.inference_mode(), attention.active_backend(recorder), self.packed.active(), self.fused.active():
+            self.plans = candidates
+            self._refresh()
+            for p in candidates:
+                try:
+                    if self._matches(p, recorder, g):
+                        kept.append(p)
+                except Exception as e:  # noqa: BLE001 - another signature: its own code serves it
+                    logger.debug("paged_hf: %s runs its own code: %s: %s", type(p.layer).__name__, type(e).__name__, e)
+        self._packed_forwards = None  # made again on the first step
+        return kept
+
+    def _matches(self, p: _Plan, recorder: _Recorder, g: torch.Generator) -> bool:
+        hidden = p.norm_1.weight.shape[0]
+        if p.hooked() or any(w is None for w in p.weights):
+            return False
+        x = (torch.randn(1, 7, hidden, generator=g) * 2).to(p.dtype)
+        cos, sin = (torch.randn(1, 7, p.head_dim, generator=g).to(p.dtype) for _ in range(2))
+        kwargs = dict(attention_mask=None, position_ids=torch.arange(3, 10)[None], position_embeddings=(cos, sin))
+        recorder.calls = []
+        expected = p.layer(x, **kwargs)
+        own = recorder.calls
+        if not isinstance(expected, torch.Tensor) or len(own) != 1:
+            return False
+        p.call = own[0][1:4]
+        recorder.calls = []
+        got = _forward(p, None, x, **kwargs)
+        return expected.shape == got.shape and torch.equal(got, expected) and _same_calls(own, recorder.calls)
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        """Inside the packed linears' and fused ops' ``active``: each served layer, unless hooked now or
+        replaced by someone, runs compactly for the block."""
+        self._refresh()
+        installed = []
+        try:
+            for p in self.plans if not _global_hooks() else ():
+                d = p.layer.__dict__
+                if "forward" not in d and not p.hooked():
+                    d["forward"] = p.forward
+                    installed.append(d)
+            yield
+        finally:
+            for d in installed:
+                del d["forward"]

@@ -1,0 +1,109 @@
+"""Compact decoder layers (paged_hf/execution/compact_layers.py): the layers the engine checked to be
+the canonical pre-norm block run as one function during CPU steps, with their own code's results bit
+for bit; every other layer, and a hooked one, runs its own code."""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.models.llama import modeling_llama as llama
+
+import paged_hf
+from oracle import assert_logprobs_close
+from tiny_models import SLIDING_WINDOW, make_tiny_model, tiny_prompts
+
+PARAMS = paged_hf.SamplingParams(max_new_tokens=10, logprobs=2, ignore_eos=True)
+
+
+def _prompts(model, seed=5):
+    # the longest well past the window of mistral's and qwen2's sliding layers
+    return tiny_prompts(model.config.vocab_size, 4, [5, 12, 30, 10 * SLIDING_WINDOW], seed=seed)
+
+
+def _served(engine) -> int:
+    compact = engine.runner.compact
+    return 0 if compact is None else len(compact.plans)
+
+
+def _same(a, b) -> None:
+    for x, y in zip(a, b, strict=True):
+        assert x.token_ids == y.token_ids
+        assert x.completions[0].logprobs == y.completions[0].logprobs  # exactly: the same ops on the same tensors
+
+
+@pytest.mark.parametrize("family,dtype", [("llama", torch.bfloat16), ("llama", torch.float32),
+                                          ("llama_mqa", torch.bfloat16), ("mistral", torch.bfloat16),
+                                          ("qwen2", torch.float32)])
+def test_served_layers_give_their_own_codes_results(family, dtype):
+    """Every layer served (Mistral's sliding layers, Qwen2's q/k/v biases and its full and sliding
+    layers included), the outputs and logprobs those of the same engine without compact layers, and
+    in fp32 the reference's within its tolerance."""
+    model = make_tiny_model(family, dtype=dtype)
+    engine = paged_hf.Engine(model)
+    assert _served(engine) == model.config.num_hidden_layers
+    prompts = _prompts(model)
+    got = engine.generate(prompts, PARAMS)
+    _same(got, paged_hf.Engine(model, cpu_compact_layers=False).generate(prompts, PARAMS))
+    if dtype == torch.float32:
+        for p, out in zip(prompts, got):
+            assert_logprobs_close(model, p, out.token_ids, out.completions[0].logprobs, what=family)
+    assert not any("forward" in m.__dict__ for m in model.modules()), "a layer kept a step's forward"
+
+
+class _HalvedLayer(llama.LlamaDecoderLayer):
+    """A Llama layer whose output is scaled: the structure of the canonical block, other math."""
+
+    def forward(self, hidden_states, **kwargs):
+        return super().forward(hidden_states, **kwargs) * 0.5
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma3_text", "phi3"])
+def test_layers_of_other_math_run_their_own_code(family):
+    """Qwen3's per-head q/k norms pass the structural look and fail the check on the model;
+    Gemma 3's four norms a layer and Phi-3's fused projections fail the look."""
+    assert _served(paged_hf.Engine(make_tiny_model(family, dtype=torch.bfloat16))) == 0
+
+
+def test_a_layer_whose_output_differs_is_found_by_the_check():
+    model = make_tiny_model("llama")
+    model.model.layers[1].__class__ = _HalvedLayer
+    engine = paged_hf.Engine(model)
+    assert [p.layer for p in engine.runner.compact.plans] == [model.model.layers[0]]
+    prompts = _prompts(model)
+    for p, out in zip(prompts, engine.generate(prompts, PARAMS)):
+        assert_logprobs_close(model, p, out.token_ids, out.completions[0].logprobs, what="halved layer")
+
+
+def test_a_hooked_layer_runs_its_own_code_and_its_hooks():
+    model = make_tiny_model("llama", dtype=torch.bfloat16)
+    engine = paged_hf.Engine(model)
+    plain = paged_hf.Engine(model, cpu_compact_layers=False)
+    prompts = _prompts(model)
+    seen: list[int] = []
+    handle = model.model.layers[1].mlp.register_forward_hook(lambda m, args, out: seen.append(out.shape[1]))
+    try:
+        hooked = engine.generate(prompts, PARAMS)
+    finally:
+        handle.remove()
+    assert len(seen) >= PARAMS.max_new_tokens and sum(seen) >= sum(map(len, prompts))  # every step's tokens
+    steps = len(seen)
+    _same(hooked, plain.generate(prompts, PARAMS))
+    _same(engine.generate(prompts, PARAMS), hooked)
+    assert len(seen) == steps
+
+
+def test_weight_updates_reach_the_compact_layers():
+    """In-place updates (an optimizer's) and a replaced norm weight: the next generation is the one a
+    fresh engine on the new weights gives."""
+    model = make_tiny_model("llama", dtype=torch.bfloat16)
+    engine = paged_hf.Engine(model)
+    prompts = _prompts(model)
+    before = engine.generate(prompts, PARAMS)
+    layer = model.model.layers[0]
+    with torch.no_grad():
+        layer.mlp.down_proj.weight.mul_(-1.5)
+        layer.self_attn.q_proj.weight.mul_(2.0)
+    layer.post_attention_layernorm.weight = torch.nn.Parameter(layer.post_attention_layernorm.weight.detach() * 3)
+    after = engine.generate(prompts, PARAMS)
+    assert [o.token_ids for o in after] != [o.token_ids for o in before]
+    assert _served(engine) == 2
+    _same(after, paged_hf.Engine(model, cpu_compact_layers=False).generate(prompts, PARAMS))
