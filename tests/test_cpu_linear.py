@@ -152,6 +152,8 @@ def test_a_weight_update_is_packed_again(how):
     reference = paged_hf.Engine(model, cpu_packed_weights=how, **SMALL).generate(prompts, params)  # packed afresh
     assert [o.completions[0].logprobs for o in after] == [o.completions[0].logprobs for o in reference]
     assert [o.completions[0].logprobs for o in after] != [o.completions[0].logprobs for o in before]
+    # packed again with its fused groups, their bit-for-bit check not made again (one entry per group)
+    assert engine.runner.packed.fused and len(engine.runner.packed._fusable) == len(engine.runner.packed.siblings)
 
 
 def test_an_fp32_model_runs_on_packed_fp32_weights_within_fp32_rounding():

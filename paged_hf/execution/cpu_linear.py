@@ -256,6 +256,7 @@ class PackedLinears:
         self.fused: list[list[torch.nn.Linear]] = []  # the sibling groups packed as one GEMM
         self._states: list[_FusedState] = []
         self._weights: dict[tuple[int, ...], PackedWeight] = {}
+        self._fusable: dict[tuple, bool] = {}  # per group and shapes: whether one GEMM gives the parts' bits
         self._forwards: list | None = None
 
     def reset(self) -> None:
@@ -292,17 +293,25 @@ class PackedLinears:
         return out
 
     def _fuse(self, group: list[torch.nn.Linear]) -> "_FusedState | None":
-        """One packed GEMM for ``group``, if it gives each module's own packed result bit for bit."""
+        """One packed GEMM for ``group``, if it gives each module's own packed result bit for bit.
+
+        Checked once per group and shapes: a GEMM's order of sums follows its shapes, not its values,
+        so packing again for new weights (each step of a training loop) skips the check, ~80% of
+        the packing's time (SmolLM2: 0.21 of 0.26 s)."""
         if group[0].bias is not None and any(m.bias.dtype != self.dtype for m in group):
             return None
+        key = tuple((id(m), tuple(m.weight.shape), m.weight.dtype, m.bias is None) for m in group)
         with torch.no_grad():
             whole = self._packed(group)
-            parts = [self._packed([m]) for m in group]
-            g = torch.Generator().manual_seed(0)
-            for rows in (1, 5, 40):
-                x = torch.randn(1, rows, group[0].in_features, generator=g).to(self.dtype)
-                if not torch.equal(whole(x), torch.cat([part(x) for part in parts], dim=-1)):
-                    return None
+            if key not in self._fusable:
+                parts = [self._packed([m]) for m in group]
+                g = torch.Generator().manual_seed(0)
+                self._fusable[key] = all(
+                    torch.equal(whole(x), torch.cat([part(x) for part in parts], dim=-1))
+                    for x in (torch.randn(1, rows, group[0].in_features, generator=g).to(self.dtype)
+                              for rows in (1, 5, 40)))
+        if not self._fusable[key]:
+            return None
         return _FusedState(whole, [m.weight for m in group], [m.out_features for m in group])
 
     @contextlib.contextmanager
