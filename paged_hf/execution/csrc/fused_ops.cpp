@@ -23,6 +23,7 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 
 namespace {
@@ -157,28 +158,36 @@ void silu_and_mul_rows(const at::Tensor& gate, const at::Tensor& up, at::Tensor&
 template <typename T>
 void rotary_rows(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& out) {
   const int64_t b = x.size(0), heads = x.size(1), t = x.size(2), d = x.size(3), half = d / 2;
+  const int64_t xs0 = x.stride(0), xs1 = x.stride(1), xs2 = x.stride(2);
+  const int64_t cs0 = cos.stride(0), cs1 = cos.stride(1), ss0 = sin.stride(0), ss1 = sin.stride(1);
+  const int64_t os0 = out.stride(0), os1 = out.stride(1), os2 = out.stride(2);
   const T *xp = x.data_ptr<T>(), *cp = cos.data_ptr<T>(), *sp = sin.data_ptr<T>();
   T* op = out.data_ptr<T>();
-  at::parallel_for(0, b * heads * t, 64, [&](int64_t begin, int64_t end) {
+  // token by token, its heads in turn: q and k are views of one projection's [T, heads * D] rows, so
+  // a token's heads lie side by side (head by head, each row was a cache line of its own: SmolLM2's
+  // q and k at 900 tokens 187 -> 155 us), and its cos and sin are read once for all of them
+  at::parallel_for(0, b * t, std::max<int64_t>(1, 64 / heads), [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t bi = item / (heads * t), hi = item / t % heads, ti = item % t;
-      const T* row = xp + bi * x.stride(0) + hi * x.stride(1) + ti * x.stride(2);
-      const T* c = cp + bi * cos.stride(0) + ti * cos.stride(1);
-      const T* s = sp + bi * sin.stride(0) + ti * sin.stride(1);
-      T* dst = op + bi * out.stride(0) + hi * out.stride(1) + ti * out.stride(2);
-      // rotate_half(x) = cat(-x[half:], x[:half]); each product rounded, then the sum
-      int64_t i = 0;
-      if (half % VL == 0) {
-        for (; i < d; i += VL) {
-          Vec rot = i < half ? load_f32(row + i + half).neg() : load_f32(row + i - half);
-          store_from_f32(dst + i, round_to<T>(load_f32(row + i) * load_f32(c + i)) + round_to<T>(rot * load_f32(s + i)));
+      const int64_t bi = item / t, ti = item % t;
+      const T* c = cp + bi * cs0 + ti * cs1;
+      const T* s = sp + bi * ss0 + ti * ss1;
+      for (int64_t hi = 0; hi < heads; ++hi) {
+        const T* row = xp + bi * xs0 + hi * xs1 + ti * xs2;
+        T* dst = op + bi * os0 + hi * os1 + ti * os2;
+        // rotate_half(x) = cat(-x[half:], x[:half]); each product rounded, then the sum
+        int64_t i = 0;
+        if (half % VL == 0) {
+          for (; i < d; i += VL) {
+            Vec rot = i < half ? load_f32(row + i + half).neg() : load_f32(row + i - half);
+            store_from_f32(dst + i, round_to<T>(load_f32(row + i) * load_f32(c + i)) + round_to<T>(rot * load_f32(s + i)));
+          }
         }
-      }
-      for (; i < d; ++i) {
-        float rot = i < half ? -static_cast<float>(row[i + half]) : static_cast<float>(row[i - half]);
-        float a = round_to<T>(static_cast<float>(row[i]) * static_cast<float>(c[i]));
-        float bb = round_to<T>(rot * static_cast<float>(s[i]));
-        dst[i] = static_cast<T>(a + bb);
+        for (; i < d; ++i) {
+          float rot = i < half ? -static_cast<float>(row[i + half]) : static_cast<float>(row[i - half]);
+          float a = round_to<T>(static_cast<float>(row[i]) * static_cast<float>(c[i]));
+          float bb = round_to<T>(rot * static_cast<float>(s[i]));
+          dst[i] = static_cast<T>(a + bb);
+        }
       }
     }
   });
