@@ -214,7 +214,7 @@ class CompactLayers:
         try:
             for p in self.plans if not _global_hooks() else ():
                 d = p.layer.__dict__
-                if "forward" not in d and not p.hooked():
+                if "forward" not in d and p.weights is not None and None not in p.weights and not p.hooked():
                     d["forward"] = p.forward
                     installed.append(d)
             yield
