@@ -33,7 +33,7 @@ import torch
 
 from . import attention
 from .cpu_linear import PackedLinears, PackedWeight
-from .fused_ops import FusedOps, _eps, _rms_norm, _silu_and_mul
+from .fused_ops import FusedOps, _eps, _rms_norm, _rotary, _silu_and_mul
 
 logger = logging.getLogger("paged_hf")
 # hooks every module runs (torch.nn.modules.module.register_module_forward_hook): where torch keeps
@@ -55,22 +55,27 @@ class _Plan:
         widths = [m.out_features for m in self.qkv]
         self.q_end, self.k_end = widths[0], widths[0] + widths[1]
         self.modules = list(layer.modules())
+        self.eps_1, self.eps_2 = _eps(self.norm_1), _eps(self.norm_2)
+        self.intermediate = mlp.gate_proj.out_features
         self.call: tuple | None = None  # (scaling, sliding_window, softcap): what its own code passed attention
         # made from the packed set (CompactLayers._refresh): q/k/v, o, gate/up and down's packed weights,
-        # the norms' weights and epsilons, the MLP's width, the forward installed during steps
-        self.weights: tuple[PackedWeight, PackedWeight, PackedWeight, PackedWeight] | None = None
+        # the norms' weights
+        self.weights: tuple[PackedWeight | None, ...] | None = None
         self.norm_1_weight = self.norm_2_weight = None
-        self.eps_1 = self.eps_2 = 0.0
-        self.intermediate = 0
-        self.forward: Any = None
+        stock = type(layer).forward.__get__(layer)
+        self.forward = lambda *a, **k: _forward(self, stock, *a, **k)  # installed during steps
+
+    def ready(self) -> bool:
+        """Whether every GEMM it calls is packed (so in the current packed set)."""
+        return self.weights is not None and None not in self.weights
 
     def hooked(self) -> bool:
         # forward hooks only: backward hooks do nothing under inference mode, where steps run
         return any(m._forward_hooks or m._forward_pre_hooks for m in self.modules)
 
 
-def _structure(layer: torch.nn.Module, dtype: torch.dtype, norms: set[int], mlps: set[int], fused: list[list],
-               rope_files: set[str]) -> _Plan | None:
+def _structure(layer: torch.nn.Module, dtype: torch.dtype, norms: set[int], mlps: set[int],
+               groups: set[tuple[int, ...]], rope_files: set[str]) -> _Plan | None:
     """A plan for ``layer`` where its parts are the ones the compact forward calls, else None."""
     attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
     n1, n2 = getattr(layer, "input_layernorm", None), getattr(layer, "post_attention_layernorm", None)
@@ -82,7 +87,6 @@ def _structure(layer: torch.nn.Module, dtype: torch.dtype, norms: set[int], mlps
         return None
     if not isinstance(getattr(attn, "head_dim", None), int) or not isinstance(getattr(attn, "scaling", None), float):
         return None
-    groups = {tuple(map(id, g)) for g in fused}
     if (tuple(map(id, (attn.q_proj, attn.k_proj, attn.v_proj))) not in groups
             or tuple(map(id, (mlp.gate_proj, mlp.up_proj))) not in groups):
         return None
@@ -104,9 +108,7 @@ def _forward(plan: _Plan, stock: Any, hidden_states: torch.Tensor, *args: Any,
     k = qkv[..., plan.q_end:plan.k_end].view(shape).transpose(1, 2)
     v = qkv[..., plan.k_end:].view(shape).transpose(1, 2)
     cos, sin = position_embeddings
-    q_out, k_out = torch.empty_like(q), torch.empty_like(k)
-    torch.ops.paged_hf.rotary(q, cos, sin, q_out)
-    torch.ops.paged_hf.rotary(k, cos, sin, k_out)
+    q_out, k_out = _rotary(q, k, cos, sin)
     scaling, window, softcap = plan.call
     out, _ = attention.paged_attention_forward(plan.attn, q_out, k_out, v, None, scaling=scaling,
                                                sliding_window=window, softcap=softcap)
@@ -154,22 +156,19 @@ class CompactLayers:
         norms = {id(m) for m, gemma in fused.norms if not gemma}
         mlps = {id(m) for m in fused.mlps}
         rope_files = {site[0] for site in fused.rope_sites}
-        candidates = [_structure(m, fused.dtype, norms, mlps, packed.siblings, rope_files) for m in model.modules()]
+        groups = {tuple(map(id, g)) for g in packed.siblings}
+        candidates = [_structure(m, fused.dtype, norms, mlps, groups, rope_files) for m in model.modules()]
         if any(candidates):
             self.plans = self._checked([p for p in candidates if p], layout)
 
     def _refresh(self) -> None:
-        """The plans' packed weights, norm weights and epsilons (made again when the packed set is)."""
+        """The plans' packed weights and norm weights (taken again when the packed set is made again)."""
         if self._packed_forwards is self.packed._forwards:
             return
         for p in self.plans:
             p.weights = (self.packed.weight_for(p.qkv), self.packed.weight_for([p.attn.o_proj]),
                          self.packed.weight_for(p.gate_up), self.packed.weight_for([p.mlp.down_proj]))
             p.norm_1_weight, p.norm_2_weight = p.norm_1.weight.detach(), p.norm_2.weight.detach()
-            p.eps_1, p.eps_2 = _eps(p.norm_1), _eps(p.norm_2)
-            p.intermediate = p.mlp.gate_proj.out_features
-            stock = type(p.layer).forward.__get__(p.layer)
-            p.forward = lambda *a, _p=p, _stock=stock, **k: _forward(_p, _stock, *a, **k)
         self._packed_forwards = self.packed._forwards
 
     def _checked(self, candidates: list[_Plan], layout: Any) -> list[_Plan]:
@@ -190,7 +189,7 @@ class CompactLayers:
 
     def _matches(self, p: _Plan, recorder: _Recorder, g: torch.Generator) -> bool:
         hidden = p.norm_1.weight.shape[0]
-        if p.hooked() or any(w is None for w in p.weights):
+        if p.hooked() or not p.ready():
             return False
         x = (torch.randn(1, 7, hidden, generator=g) * 2).to(p.dtype)
         cos, sin = (torch.randn(1, 7, p.head_dim, generator=g).to(p.dtype) for _ in range(2))
@@ -214,7 +213,7 @@ class CompactLayers:
         try:
             for p in self.plans if not _global_hooks() else ():
                 d = p.layer.__dict__
-                if "forward" not in d and p.weights is not None and None not in p.weights and not p.hooked():
+                if "forward" not in d and p.ready() and not p.hooked():
                     d["forward"] = p.forward
                     installed.append(d)
             yield

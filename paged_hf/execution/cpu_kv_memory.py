@@ -35,7 +35,7 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A contiguous zero CPU tensor of ``shape``, page aligned: an anonymous mapping where
     ``lazy()`` and it spans a megabyte or more, else ``torch.zeros``."""
     numel = math.prod(shape)
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    nbytes = numel * dtype.itemsize
     if nbytes < SMALL or not lazy():
         return torch.zeros(shape, dtype=dtype)
     region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS,

@@ -202,12 +202,17 @@ def _rope(original: Callable) -> Callable:
         if not (kernel_seams.setting("rotary") and not args and kwargs.get("unsqueeze_dim", 1) == 1
                 and set(kwargs) <= {"unsqueeze_dim"} and _rope_fits(q, k, cos, sin)):
             return original(q, k, cos, sin, *args, **kwargs)
-        q_out, k_out = torch.empty_like(q), torch.empty_like(k)
-        torch.ops.paged_hf.rotary(q, cos, sin, q_out)
-        torch.ops.paged_hf.rotary(k, cos, sin, k_out)
-        return q_out, k_out
+        return _rotary(q, k, cos, sin)
     apply_rotary_pos_emb.__wrapped__ = original
     return apply_rotary_pos_emb
+
+
+def _rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``paged_hf::rotary`` on q and k (inputs ``_rope_fits`` took)."""
+    q_out, k_out = torch.empty_like(q), torch.empty_like(k)
+    torch.ops.paged_hf.rotary(q, cos, sin, q_out)
+    torch.ops.paged_hf.rotary(k, cos, sin, k_out)
+    return q_out, k_out
 
 
 def _rope_fits(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
