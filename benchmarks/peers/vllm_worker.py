@@ -43,7 +43,7 @@ def main() -> None:
             prompts = [TokensPrompt(prompt_token_ids=p) for p, _ in cmd["requests"]]
             params = [SamplingParams(max_tokens=n, min_tokens=n, ignore_eos=True, temperature=0.0, detokenize=False)
                       for _, n in cmd["requests"]]
-            # every run starts from an empty prefix cache, as paged_hf's fresh engine per row does
+            # every run starts from an empty prefix cache, as paged_hf's kept engine does (bench.kept_engine)
             # (a previous round's identical prompts would otherwise be served from cache)
             llm.reset_prefix_cache()
             t0 = time.perf_counter()
