@@ -214,9 +214,8 @@ def run_system(system: str, batch: int | None, base, eng_model, w: W.Workload, a
         return args._peers["vllm_cpu"].run(w, warm)
     if system in ("paged_hf", "paged_hf_torch"):
         engine = kept_engine(args, system, eng_model, engine_cfg)
-        run = args._engine_runs = getattr(args, "_engine_runs", 0) + 1  # request ids stay taken on a kept engine
-        S.run_paged(engine, warm, tag=f"warm{run}-")
-        res = S.run_paged(engine, w, tag=f"b{run}-")
+        S.run_paged(engine, warm, tag="warm")
+        res = S.run_paged(engine, w)
         res.extra["engine_config"] = {k: getattr(engine.config, k) for k in
                                       ("block_size", "max_num_batched_tokens", "max_num_seqs", "num_blocks",
                                        "max_prefill_tokens_while_decoding", "backend")}
