@@ -49,6 +49,31 @@ def test_served_layers_give_their_own_codes_results(family, dtype):
     assert not any("forward" in m.__dict__ for m in model.modules()), "a layer kept a step's forward"
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_partial_rotary_layers_are_served_at_the_width_a_step_hands_them(dtype):
+    """GLM-4-MoE (partial_rotary_factor 0.5: cos and sin half a head wide): its dense layers are
+    checked at that width and served, with the results of the engine without compact layers or
+    fused ops, and in fp32 the reference's. (Checked at the full head only, a step handed the op a
+    half-width cos and every request failed.)"""
+    from paged_hf.model.support import build_tiny_model
+
+    model = build_tiny_model("glm4_moe").to(dtype)
+    paged_hf.patch(model)
+    engine = paged_hf.Engine(model)
+    head_dim = model.model.layers[0].self_attn.head_dim
+    assert engine.runner.fused_ops.rope_widths == {head_dim, head_dim // 2}
+    assert _served(engine) == model.config.first_k_dense_replace >= 1
+    prompts = _prompts(model)
+    got = engine.generate(prompts, PARAMS)
+    assert all(o.error is None for o in got)
+    _same(got, paged_hf.Engine(model, cpu_compact_layers=False).generate(prompts, PARAMS))
+    plain = paged_hf.Engine(model, cpu_fused_ops=False).generate(prompts, PARAMS)
+    assert [o.token_ids for o in got] == [o.token_ids for o in plain]
+    if dtype == torch.float32:
+        for p, out in zip(prompts, got):
+            assert_logprobs_close(model, p, out.token_ids, out.completions[0].logprobs, what="glm4_moe")
+
+
 class _HalvedLayer(llama.LlamaDecoderLayer):
     """A Llama layer whose output is scaled: the structure of the canonical block, other math."""
 

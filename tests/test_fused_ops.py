@@ -14,6 +14,7 @@ import sys
 import pytest
 import torch
 from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+from transformers.models.glm4_moe import modeling_glm4_moe as glm4_moe
 from transformers.models.llama import modeling_llama as llama
 
 import paged_hf
@@ -67,10 +68,31 @@ def test_rotary_is_llamas_on_the_attention_modules_views(dtype, head_dim):
     k = torch.randn(1, 11, 2, head_dim, generator=g).to(dtype).transpose(1, 2)
     cos, sin = (torch.randn(1, 11, head_dim, generator=g).to(dtype) for _ in range(2))
     expected = llama.apply_rotary_pos_emb(q, k, cos, sin)
-    with fused_ops.kernel_seams.switch("rotary", True):
-        got = fused_ops._rope(llama.apply_rotary_pos_emb)(q, k, cos, sin)
-    for a, b in zip(got, expected):
+    for a, b in zip(fused_ops._rotary(q, k, cos, sin), expected):
         assert torch.equal(a, b) and a.stride() == b.stride()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 16])
+def test_partial_rotary_is_glm4_moes_on_a_fused_projections_views(dtype, head_dim):
+    """GLM-4-MoE rotates the first part of each head (partial_rotary_factor) and passes the rest
+    through: the op does the same at every width, on q and k as views of one projection's rows, and
+    the wrapper serves exactly the widths it was checked at. Llama's function, which cannot take a
+    partial cos, is not served at one."""
+    site = (glm4_moe.__name__, "apply_rotary_pos_emb")
+    original = glm4_moe.apply_rotary_pos_emb
+    g = torch.Generator().manual_seed(head_dim)
+    for width in (head_dim, head_dim // 2, 4):
+        assert fused_ops._rope_matches(site, dtype, head_dim, width)
+        q, k, cos, sin = fused_ops._rope_inputs(dtype, head_dim, width, True, g)
+        expected = original(q, k, cos, sin)
+        with fused_ops.kernel_seams.switch("rotary", True):
+            wrapped = fused_ops._rope(original)(q, k, cos, sin)
+        for got in (fused_ops._rotary(q, k, cos, sin), wrapped):
+            assert all(torch.equal(a, b) for a, b in zip(got, expected))
+    assert fused_ops._checked_widths[original] >= {head_dim, head_dim // 2, 4}
+    assert not fused_ops._rope_matches((llama.__name__, "apply_rotary_pos_emb"), dtype, head_dim, head_dim // 2)
+    assert head_dim // 2 not in fused_ops._checked_widths.get(llama.apply_rotary_pos_emb, ())
 
 
 def test_other_math_is_left_to_its_own_code():
@@ -123,3 +145,64 @@ def test_a_dtype_the_ops_do_not_take_is_left_to_the_modules():
     assert engine.runner.fused_ops.describe() == "0 RMSNorms, 0 gated MLPs, 0 rotary functions"
     out = engine.generate([[5, 6, 7]], paged_hf.SamplingParams(max_new_tokens=3, ignore_eos=True))[0]
     assert out.error is None and len(out.token_ids) == 3
+
+
+def _attention_families() -> dict[str, list[str]]:
+    """The support sweep's causal-LM types grouped by attention family: types whose attention
+    modules' ``forward`` and modeling file's rotary function have the same source are one family."""
+    import hashlib
+    import inspect
+
+    from paged_hf.model import support
+
+    families: dict[str, list[str]] = {}
+    for model_type in support.causal_lm_types():
+        try:
+            model = support.build_tiny_model(model_type)
+        except Exception:  # noqa: BLE001 - no tiny model: not in the sweep either
+            continue
+        attention = sorted({type(m) for m in model.modules() if type(m).__name__.endswith("Attention")},
+                           key=lambda c: c.__name__)
+        rope = getattr(sys.modules[type(model).__module__], fused_ops.ROPE_NAME, None)
+        sources = [inspect.getsource(c.forward) for c in attention] + [inspect.getsource(rope) if rope else ""]
+        families.setdefault(hashlib.sha1("".join(sources).encode()).hexdigest(), []).append(model_type)
+    return families
+
+
+def test_every_attention_family_of_the_sweep_gives_the_same_step_with_the_fused_ops_on_and_off():
+    """One representative of each attention family that patch takes: its prompts' prefill and a
+    decode step with the fused ops (and the compact layers) on give the tokens and logprobs of the
+    engine with them off (fp32, 1e-4). A fused op the check approved must never fail in a step."""
+    import warnings
+
+    from paged_hf.model import support
+    from paged_hf.model.capability import UnsupportedModelError
+
+    params = paged_hf.SamplingParams(max_new_tokens=2, logprobs=5, ignore_eos=True)
+    ran, served, problems = [], {"rotary": 0, "compact": 0}, []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for members in _attention_families().values():
+            model = support.build_tiny_model(members[0])
+            try:
+                paged_hf.patch(model)
+            except UnsupportedModelError:
+                continue
+            prompts = support.prompt_ids(model)
+            fused_engine = paged_hf.Engine(model)
+            found = fused_engine.runner.fused_ops
+            served["rotary"] += bool(found and found.rope_sites)
+            served["compact"] += bool(fused_engine.runner.compact and fused_engine.runner.compact.plans)
+            fused = fused_engine.generate(prompts, params)
+            plain = paged_hf.Engine(model, cpu_fused_ops=False).generate(prompts, params)
+            ran.append(members[0])
+            for a, b in zip(fused, plain):
+                if a.error or b.error or a.token_ids != b.token_ids:
+                    problems.append(f"{members}: {a.error or b.error or (a.token_ids, b.token_ids)}")
+                    break
+                gap = max(abs(x[0] - y[0]) for x, y in zip(a.completions[0].logprobs, b.completions[0].logprobs))
+                if gap > 1e-4:
+                    problems.append(f"{members}: logprobs {gap:.2e} apart")
+                    break
+    assert not problems, problems
+    assert len(ran) >= 60 and served["rotary"] >= 30 and served["compact"] >= 5, (len(ran), served)

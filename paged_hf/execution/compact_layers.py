@@ -44,8 +44,8 @@ _global_hooks = getattr(torch.nn.modules.module, "_has_any_global_hook", lambda:
 class _Plan:
     """One layer's modules and what its compact forward calls (``weights``: None until packed)."""
 
-    def __init__(self, layer: torch.nn.Module, dtype: torch.dtype) -> None:
-        self.layer, self.dtype = layer, dtype
+    def __init__(self, layer: torch.nn.Module, dtype: torch.dtype, rope_widths: frozenset[int]) -> None:
+        self.layer, self.dtype, self.rope_widths = layer, dtype, rope_widths
         attn, mlp = layer.self_attn, layer.mlp
         self.attn, self.mlp = attn, mlp
         self.norm_1, self.norm_2 = layer.input_layernorm, layer.post_attention_layernorm
@@ -75,7 +75,7 @@ class _Plan:
 
 
 def _structure(layer: torch.nn.Module, dtype: torch.dtype, norms: set[int], mlps: set[int],
-               groups: set[tuple[int, ...]], rope_files: set[str]) -> _Plan | None:
+               groups: set[tuple[int, ...]], rope_files: set[str], rope_widths: frozenset[int]) -> _Plan | None:
     """A plan for ``layer`` where its parts are the ones the compact forward calls, else None."""
     attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
     n1, n2 = getattr(layer, "input_layernorm", None), getattr(layer, "post_attention_layernorm", None)
@@ -90,13 +90,13 @@ def _structure(layer: torch.nn.Module, dtype: torch.dtype, norms: set[int], mlps
     if (tuple(map(id, (attn.q_proj, attn.k_proj, attn.v_proj))) not in groups
             or tuple(map(id, (mlp.gate_proj, mlp.up_proj))) not in groups):
         return None
-    return _Plan(layer, dtype)
+    return _Plan(layer, dtype, rope_widths)
 
 
 def _forward(plan: _Plan, stock: Any, hidden_states: torch.Tensor, *args: Any,
              attention_mask: Any = None, position_embeddings: Any = None, **kwargs: Any) -> torch.Tensor:
     """The layer's step: its own code's ops and calls, made directly (see the module docstring)."""
-    if (args or attention_mask is not None or position_embeddings is None or hidden_states.dim() != 3
+    if (args or attention_mask is not None or not _rope_checked(plan, position_embeddings) or hidden_states.dim() != 3
             or hidden_states.shape[0] != 1 or hidden_states.dtype != plan.dtype or not hidden_states.is_contiguous()):
         return stock(hidden_states, *args, attention_mask=attention_mask, position_embeddings=position_embeddings,
                      **kwargs)
@@ -116,6 +116,15 @@ def _forward(plan: _Plan, stock: Any, hidden_states: torch.Tensor, *args: Any,
     gate_up = gate_up_w(_rms_norm(h, plan.norm_2_weight, plan.eps_2, False))
     width = plan.intermediate
     return h + down_w(_silu_and_mul(gate_up[..., :width], gate_up[..., width:]))
+
+
+def _rope_checked(plan: _Plan, position_embeddings: Any) -> bool:
+    """cos and sin of a width the rotary op was checked at (partial rotary: less than the head)."""
+    if not isinstance(position_embeddings, tuple) or len(position_embeddings) != 2:
+        return False
+    cos = position_embeddings[0]
+    return isinstance(cos, torch.Tensor) and cos.dim() == 3 and cos.shape[-1] in plan.rope_widths \
+        and cos.dtype == plan.dtype
 
 
 class _Recorder:
@@ -157,7 +166,8 @@ class CompactLayers:
         mlps = {id(m) for m in fused.mlps}
         rope_files = {site[0] for site in fused.rope_sites}
         groups = {tuple(map(id, g)) for g in packed.siblings}
-        candidates = [_structure(m, fused.dtype, norms, mlps, groups, rope_files) for m in model.modules()]
+        candidates = [_structure(m, fused.dtype, norms, mlps, groups, rope_files, fused.rope_widths)
+                      for m in model.modules()]
         if any(candidates):
             self.plans = self._checked([p for p in candidates if p], layout)
 
@@ -191,18 +201,21 @@ class CompactLayers:
         hidden = p.norm_1.weight.shape[0]
         if p.hooked() or not p.ready():
             return False
-        x = (torch.randn(1, 7, hidden, generator=g) * 2).to(p.dtype)
-        cos, sin = (torch.randn(1, 7, p.head_dim, generator=g).to(p.dtype) for _ in range(2))
-        kwargs = dict(attention_mask=None, position_ids=torch.arange(3, 10)[None], position_embeddings=(cos, sin))
-        recorder.calls = []
-        expected = p.layer(x, **kwargs)
-        own = recorder.calls
-        if not isinstance(expected, torch.Tensor) or len(own) != 1:
-            return False
-        p.call = own[0][1:4]
-        recorder.calls = []
-        got = _forward(p, None, x, **kwargs)
-        return expected.shape == got.shape and torch.equal(got, expected) and _same_calls(own, recorder.calls)
+        for width in sorted(p.rope_widths):  # each rotary width a step may hand it
+            x = (torch.randn(1, 7, hidden, generator=g) * 2).to(p.dtype)
+            cos, sin = (torch.randn(1, 7, width, generator=g).to(p.dtype) for _ in range(2))
+            kwargs = dict(attention_mask=None, position_ids=torch.arange(3, 10)[None], position_embeddings=(cos, sin))
+            recorder.calls = []
+            expected = p.layer(x, **kwargs)
+            own = recorder.calls
+            if not isinstance(expected, torch.Tensor) or len(own) != 1 or own[0][1:4] != (p.call or own[0][1:4]):
+                return False
+            p.call = own[0][1:4]
+            recorder.calls = []
+            got = _forward(p, None, x, **kwargs)
+            if not (expected.shape == got.shape and torch.equal(got, expected) and _same_calls(own, recorder.calls)):
+                return False
+        return bool(p.rope_widths)
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:

@@ -10,12 +10,15 @@ paged_hf's C++ ops (paged_hf/execution/csrc/fused_ops.cpp) stand in for them, on
   - a gated MLP (``gate_proj``, ``up_proj``, ``down_proj``, SiLU) runs its own three linears (so the
     fused gate/up GEMM still applies) around ``paged_hf::silu_and_mul``;
   - the ``apply_rotary_pos_emb`` of the attention modules' modeling files (transformers' kernel
-    seam for rotary embeddings) answers with ``paged_hf::rotary`` for the full-width, one-batch,
-    ``unsqueeze_dim=1`` calls, and with the original for any other (paged_hf/execution/kernel_seams.py).
+    seam for rotary embeddings) answers with ``paged_hf::rotary`` for one-batch, ``unsqueeze_dim=1``
+    calls at a rotary width it was checked at (the full head, or the first part of it: partial
+    rotary), and with the original for any other (paged_hf/execution/kernel_seams.py).
 Each is used only where it was checked when the engine was built, on the model itself: the
-module's (or function's) own output against the fused op's on random inputs of the model's
-shapes and dtype, equal within one rounding of the dtype (bf16: bit-identical in practice; fp32:
-the order of one sum). Outside a step the modules are untouched. ``cpu_fused_ops=False`` turns it off.
+module's (or function's) own output against the fused op's on random inputs laid out as a step
+hands them (rows of a packed ``[1, T]`` batch; q and k as views of one fused projection; the
+widths the model's rotary embeddings give), equal within one rounding of the dtype (bf16:
+bit-identical in practice; fp32: the order of one sum). Outside a step the modules are untouched.
+``cpu_fused_ops=False`` turns it off.
 """
 from __future__ import annotations
 
@@ -64,9 +67,14 @@ class FusedOps:
                     self.norms.append((module, style))
             elif _looks_like_gated_mlp(module) and _checked(_mlp_matches, module, dtype):
                 self.mlps.append(module)
+        # the rotary widths a step hands the rotary functions (cos's last dimension): where every
+        # site checks out at each of them, the compact layers may call the op directly
+        self.rope_widths: frozenset[int] = frozenset()
         if head_dim is not None and head_dim % 2 == 0:
+            widths = _rotary_widths(model, head_dim)
             sites = {site for m in model.modules() for site in kernel_seams.functions_named(m, ROPE_NAME, ROPE_PARAMS)}
-            self.rope_sites = sorted(site for site in sites if _rope_matches(site, dtype, head_dim))
+            self.rope_sites = sorted(site for site in sites if all(_rope_matches(site, dtype, head_dim, w) for w in widths))
+            self.rope_widths = frozenset(widths) if self.rope_sites else frozenset()
 
     def describe(self) -> str:
         return f"{len(self.norms)} RMSNorms, {len(self.mlps)} gated MLPs, {len(self.rope_sites)} rotary functions"
@@ -196,11 +204,16 @@ def _mlp_matches(module: torch.nn.Module, dtype: torch.dtype) -> bool:
 
 
 # ---- rotary embedding ---------------------------------------------------------------------------
+# rotary function -> the widths (cos's last dimension) at which it was checked to give the op's outputs
+_checked_widths: dict[Callable, set[int]] = {}
+
+
 def _rope(original: Callable) -> Callable:
     def apply_rotary_pos_emb(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                              *args: Any, **kwargs: Any) -> Any:
         if not (kernel_seams.setting("rotary") and not args and kwargs.get("unsqueeze_dim", 1) == 1
-                and set(kwargs) <= {"unsqueeze_dim"} and _rope_fits(q, k, cos, sin)):
+                and set(kwargs) <= {"unsqueeze_dim"} and _rope_fits(q, k, cos, sin)
+                and cos.shape[-1] in _checked_widths.get(original, ())):
             return original(q, k, cos, sin, *args, **kwargs)
         return _rotary(q, k, cos, sin)
     apply_rotary_pos_emb.__wrapped__ = original
@@ -223,30 +236,59 @@ def _rope_fits(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
     if q.dim() != 4 or k.dim() != 4 or cos.dim() != 3 or cos.shape != sin.shape:
         return False
     b, _, length, width = q.shape
-    return (k.shape[0] == b and k.shape[2:] == q.shape[2:] and tuple(cos.shape) == (b, length, width)
-            and width % 2 == 0 and q.dtype in (torch.float32, torch.bfloat16, torch.float16))
+    rotated = cos.shape[-1]
+    return (k.shape[0] == b and k.shape[2:] == q.shape[2:] and tuple(cos.shape) == (b, length, rotated)
+            and rotated <= width and rotated % 2 == 0 and q.dtype in (torch.float32, torch.bfloat16, torch.float16))
 
 
-def _rope_matches(site: kernel_seams.Site, dtype: torch.dtype, head_dim: int) -> bool:
-    """The function at ``site`` gives the fused op's outputs on inputs shaped as the engine's
-    (q and k transposed views of [1, T, heads, D], cos and sin [1, T, D])."""
+def _rotary_widths(model: torch.nn.Module, head_dim: int) -> set[int]:
+    """The widths of the cos / sin the model's rotary embeddings make (two per inverse frequency),
+    and the full head: the widths to check the rotary functions at."""
+    widths = {head_dim}
+    for module in model.modules():
+        if "rotary" in type(module).__name__.lower():
+            widths.update(2 * buf.numel() for name, buf in module.named_buffers(recurse=False)
+                          if name.endswith("inv_freq") and "original" not in name and 0 < 2 * buf.numel() <= head_dim)
+    return widths
+
+
+def _rope_inputs(dtype: torch.dtype, head_dim: int, width: int, fused: bool,
+                 g: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """q, k, cos, sin as a step hands them: q and k transposed views of [1, T, heads, D], each its
+    own projection's or (``fused``) side by side in one projection's rows; cos and sin [1, T, width]."""
+    t, q_heads, k_heads = 7, 4, 2
+    if fused:
+        qk = torch.randn(1, t, (q_heads + k_heads + k_heads) * head_dim, generator=g).to(dtype)
+        q = qk[..., :q_heads * head_dim].view(1, t, q_heads, head_dim)
+        k = qk[..., q_heads * head_dim:(q_heads + k_heads) * head_dim].view(1, t, k_heads, head_dim)
+    else:
+        q = torch.randn(1, t, q_heads, head_dim, generator=g).to(dtype)
+        k = torch.randn(1, t, k_heads, head_dim, generator=g).to(dtype)
+    cos, sin = (torch.randn(1, t, width, generator=g).to(dtype) for _ in range(2))
+    return q.transpose(1, 2), k.transpose(1, 2), cos, sin
+
+
+def _rope_matches(site: kernel_seams.Site, dtype: torch.dtype, head_dim: int, width: int) -> bool:
+    """The function at ``site`` gives the fused op's outputs at rotary ``width`` on inputs laid out
+    as a step's (``_rope_inputs``); recorded for the function's wrapper."""
     import sys
 
     original = getattr(sys.modules[site[0]], site[1])
     g = torch.Generator().manual_seed(2)
-    q = torch.randn(1, 7, 4, head_dim, generator=g).to(dtype).transpose(1, 2)
-    k = torch.randn(1, 7, 2, head_dim, generator=g).to(dtype).transpose(1, 2)
-    cos, sin = (torch.randn(1, 7, head_dim, generator=g).to(dtype) for _ in range(2))
-    try:
-        with torch.no_grad():
-            expected = original(q, k, cos, sin)
-            with kernel_seams.switch("rotary", True):
-                got = _rope(original)(q, k, cos, sin)
-    except Exception as e:  # noqa: BLE001 - another signature or math: its own code serves it
-        logger.debug("paged_hf: %s.%s is not served by the fused rotary op: %s", *site, e)
-        return False
-    return (isinstance(expected, tuple) and len(expected) == 2
-            and all(isinstance(e, torch.Tensor) and _close(a, e) for a, e in zip(got, expected)))
+    for fused in (False, True):
+        q, k, cos, sin = _rope_inputs(dtype, head_dim, width, fused, g)
+        try:
+            with torch.no_grad():
+                expected = original(q, k, cos, sin)
+                got = _rotary(q, k, cos, sin) if _rope_fits(q, k, cos, sin) else None
+        except Exception as e:  # noqa: BLE001 - another signature or math: its own code serves it
+            logger.debug("paged_hf: %s.%s is not served by the fused rotary op at width %d: %s", *site, width, e)
+            return False
+        if got is None or not (isinstance(expected, tuple) and len(expected) == 2
+                               and all(isinstance(e, torch.Tensor) and _close(a, e) for a, e in zip(got, expected))):
+            return False
+    _checked_widths.setdefault(original, set()).add(width)
+    return True
 
 
 def _close(got: torch.Tensor, expected: torch.Tensor) -> bool:

@@ -11,7 +11,8 @@
 //       llama-style (gemma false): out = weight * to_dtype(x_f32 * rsqrt(mean(x_f32^2) + eps))
 //       gemma-style (gemma true):  out = to_dtype(x_f32 * rsqrt(mean(x_f32^2) + eps) * (1 + weight_f32))
 //   silu_and_mul(gate [N, I], up [N, I], out [N, I])      out = to_dtype(silu(gate)) * up
-//   rotary(x [B, H, T, D], cos [B, T, D], sin [B, T, D], out)  out = x * cos + rotate_half(x) * sin
+//   rotary(x [B, H, T, D], cos [B, T, R], sin [B, T, R], out)   R <= D, even: the first R of each row
+//       rotated, out = x * cos + rotate_half(x) * sin, the other D - R passed through (partial rotary)
 // Rows may be strided (x of rotary is q or k transposed, gate and up are slices of one GEMM's
 // output); the last dimension is contiguous. Arithmetic in fp32, each intermediate rounded to the
 // dtype where transformers' code rounds it (this file is built with -ffp-contract=off).
@@ -157,7 +158,8 @@ void silu_and_mul_rows(const at::Tensor& gate, const at::Tensor& up, at::Tensor&
 
 template <typename T>
 void rotary_rows(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& out) {
-  const int64_t b = x.size(0), heads = x.size(1), t = x.size(2), d = x.size(3), half = d / 2;
+  const int64_t b = x.size(0), heads = x.size(1), t = x.size(2), width = x.size(3);
+  const int64_t d = cos.size(2), half = d / 2;  // the rotated part: the first d of each row
   const int64_t xs0 = x.stride(0), xs1 = x.stride(1), xs2 = x.stride(2);
   const int64_t cs0 = cos.stride(0), cs1 = cos.stride(1), ss0 = sin.stride(0), ss1 = sin.stride(1);
   const int64_t os0 = out.stride(0), os1 = out.stride(1), os2 = out.stride(2);
@@ -188,6 +190,7 @@ void rotary_rows(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& s
           float bb = round_to<T>(rot * static_cast<float>(s[i]));
           dst[i] = static_cast<T>(a + bb);
         }
+        std::copy(row + d, row + width, dst + d);
       }
     }
   });
@@ -239,7 +242,7 @@ void rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, a
   check_rows(sin, 3, "rotary's sin");
   check_rows(out, 4, "rotary's output");
   TORCH_CHECK(out.sizes() == x.sizes() && cos.sizes() == sin.sizes() && cos.size(0) == x.size(0) &&
-                  cos.size(1) == x.size(2) && cos.size(2) == x.size(3) && x.size(3) % 2 == 0 &&
+                  cos.size(1) == x.size(2) && cos.size(2) <= x.size(3) && cos.size(2) % 2 == 0 &&
                   cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type() &&
                   out.scalar_type() == x.scalar_type(),
               "paged_hf::rotary: bad shapes or dtypes");
