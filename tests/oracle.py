@@ -84,3 +84,25 @@ def incremental_logprobs(reference: torch.nn.Module, prompt: list[int], generate
     from paged_hf.model.support import incremental_logits
 
     return torch.log_softmax(incremental_logits(reference, prompt, generated), dim=-1)
+
+
+@torch.no_grad()
+def processed_violations(reference: torch.nn.Module, row: list[int], prompt: list[int], generated: list[int],
+                         processors: list, tol: float = FP32_TOL) -> list[tuple[int, int, int, float]]:
+    """As ``teacher_forced_violations``, against the reference's logits after transformers' own logits
+    ``processors``, called as its generate calls them: on ``row`` (the prompt as the caller padded
+    it) followed by the tokens generated so far."""
+    if not generated:
+        return []
+    from transformers import LogitsProcessorList
+
+    ids = torch.tensor([prompt + generated])
+    logits = reference(input_ids=ids, use_cache=False).logits[0, len(prompt) - 1:].float()
+    processors = LogitsProcessorList(processors)
+    bad = []
+    for i, tok in enumerate(generated):
+        scores = processors(torch.tensor([row + generated[:i]]), logits[i:i + 1].clone())[0]
+        gap = float(scores.max() - scores[tok])
+        if gap > tol:
+            bad.append((i, tok, int(scores.argmax()), gap))
+    return bad

@@ -157,12 +157,16 @@ def test_a_refused_model_is_left_as_it_was():
     assert id(model.config) not in attention._fallback_impl
 
 
-def test_forced_eos_in_the_generation_config_is_refused_naming_it():
-    """BART-family generation configs force EOS at max_length; the engine refuses rather than ignore it."""
+def test_forced_eos_in_the_generation_config_is_honoured():
+    """BART-family generation configs force EOS at max_length: transformers' own processor runs it on
+    the call's rows (it was refused; never ignored)."""
+    reference = make_tiny_model("llama")
     model = paged_hf.patch(make_tiny_model("llama"))
-    model.generation_config.forced_eos_token_id = 2
-    with pytest.raises(NotImplementedError, match="forced_eos_token_id=2 is not supported"):
-        model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=3)
+    for m in (reference, model):
+        m.generation_config.forced_eos_token_id = 2
+    ids = torch.tensor([[5, 6, 7]])
+    out = model.generate(ids, max_new_tokens=3)
+    assert out[0, -1] == 2 and torch.equal(out, reference.generate(ids, max_new_tokens=3))
 
 
 def test_a_mask_the_module_built_itself_fails_the_step_instead_of_being_dropped():

@@ -244,17 +244,66 @@ def test_return_dict_and_streamer():
     assert [c[0] for c in streamer.chunks[1:]] == seq[5:]
 
 
-@pytest.mark.parametrize("option", [{"num_beams": 2}, {"penalty_alpha": 0.6, "top_k": 4},
-                                    {"output_scores": True, "return_dict_in_generate": True},
-                                    {"no_repeat_ngram_size": 2}])
+@pytest.mark.parametrize("penalties", [dict(encoder_repetition_penalty=3.0),
+                                       dict(encoder_repetition_penalty=0.4, repetition_penalty=1.3)])
+def test_encoder_repetition_penalty_is_transformers_on_the_padded_rows(penalties):
+    """transformers applies it to a decoder-only model's input_ids as the caller padded them (the
+    pad token favoured too), before the repetition penalty: each token is the argmax of transformers'
+    own processors' scores, and the penalty changes the tokens (it was once silently ignored)."""
+    from transformers import EncoderRepetitionPenaltyLogitsProcessor, RepetitionPenaltyLogitsProcessor
+
+    from oracle import processed_violations
+
+    reference = make_tiny_model("llama")
+    model = paged_hf.patch(make_tiny_model("llama"))
+    prompts = tiny_prompts(reference.config.vocab_size, 3, [4, 9, 17], seed=6)
+    ids, mask = left_pad(prompts)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, do_sample=False, **penalties)
+    plain = model.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, do_sample=False)
+    expected = reference.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, do_sample=False, **penalties)
+    assert not torch.equal(out, plain), "the penalty changed nothing: this test would not see it ignored"
+    width = ids.shape[1]
+    for i, (prompt, gen) in enumerate(zip(prompts, generated_rows(out, width))):
+        row = ids[i].tolist()
+        processors = [EncoderRepetitionPenaltyLogitsProcessor(penalties["encoder_repetition_penalty"],
+                                                              torch.tensor([row]))]
+        if "repetition_penalty" in penalties:
+            processors.append(RepetitionPenaltyLogitsProcessor(penalties["repetition_penalty"],
+                                                               prompt_ignore_length=torch.tensor([width - len(prompt)])))
+        assert not processed_violations(reference, row, prompt, gen, processors), f"row {i}"
+    same = sum(torch.equal(a, b) for a, b in zip(out, expected))
+    assert same >= 2, f"only {same} of 3 rows are transformers' tokens exactly"
+
+
+def test_encoder_repetition_penalty_on_the_engine_is_the_prompts():
+    """Engine API: SamplingParams(encoder_repetition_penalty=...) favours the prompt's tokens; the
+    processed logprobs are transformers' processor's scores' log-softmax."""
+    from transformers import EncoderRepetitionPenaltyLogitsProcessor
+
+    model = make_tiny_model("llama")
+    prompt = tiny_prompts(model.config.vocab_size, 1, [11], seed=7)[0]
+    params = paged_hf.SamplingParams(max_new_tokens=4, encoder_repetition_penalty=2.5, logprobs=3,
+                                     logprobs_mode="processed", ignore_eos=True)
+    out = paged_hf.Engine(model).generate([prompt], params)[0]
+    processor = EncoderRepetitionPenaltyLogitsProcessor(2.5, torch.tensor([prompt]))
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + out.token_ids])).logits[0, len(prompt) - 1:-1].float()
+    for i, (chosen, top) in enumerate(out.completions[0].logprobs):
+        expected = torch.log_softmax(processor(None, logits[i:i + 1].clone())[0], dim=-1)
+        assert abs(chosen - float(expected[out.token_ids[i]])) < 1e-4
+        assert all(abs(v - float(expected[t])) < 1e-4 for t, v in top.items())
+    with pytest.raises(ValueError, match="encoder_repetition_penalty"):
+        paged_hf.SamplingParams(encoder_repetition_penalty=0.0)
+
+
+@pytest.mark.parametrize("option", [{"num_beams": 2}, {"penalty_alpha": 0.6, "top_k": 4}, {"guidance_scale": 2.0},
+                                    {"output_attentions": True, "return_dict_in_generate": True},
+                                    {"dola_layers": "low"}])
 def test_options_it_cannot_honour_raise(option):
     model = paged_hf.patch(make_tiny_model("llama"))
     ids = torch.tensor([[5, 6, 7]])
     with pytest.raises(NotImplementedError, match=next(iter(option))):
         model.generate(ids, max_new_tokens=3, **option)
-    from transformers import StoppingCriteriaList, MaxLengthCriteria
-    with pytest.raises(NotImplementedError, match="stopping_criteria"):
-        model.generate(ids, max_new_tokens=3, stopping_criteria=StoppingCriteriaList([MaxLengthCriteria(5)]))
 
 
 def test_large_batch_is_admitted_as_the_pool_allows():

@@ -221,3 +221,29 @@ def test_benchmark_script_runs_both_systems(tiny_dir, tmp_path):
     tokens, ref = rows["phf_mc"]["prefill_tokens"], rows["phf_mc"]["reference_tokens"]
     assert ref["one_context_per_question_plus_choices"] <= tokens["paged_hf"] < ref["one_context_per_choice"]
     assert "| multiple choice, 4 x 4 (loglikelihood) |" in proc.stdout and "prefill tokens" in proc.stdout
+
+
+def test_lm_evals_own_hf_backend_on_a_patched_model_object(tiny_dir, task_manager):
+    """Existing code that builds lm-eval's HF backend on a model object (``HFLM(pretrained=model)``):
+    its generate_until passes lm-eval's stop-sequence criteria to ``model.generate``; on a patched
+    model every request's text is the unpatched model's."""
+    from lm_eval.models.huggingface import HFLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tm, _ = task_manager
+    tok = AutoTokenizer.from_pretrained(tiny_dir)
+    results = {}
+    for name in ("unpatched", "patched"):
+        model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32)
+        if name == "patched":
+            paged_hf.patch(model)
+        threads = torch.get_num_threads()
+        try:
+            results[name] = lm_eval.simple_evaluate(model=HFLM(pretrained=model, tokenizer=tok, batch_size=4),
+                                                    tasks=["phf_gen"], task_manager=tm, log_samples=True)
+        finally:
+            torch.set_num_threads(threads)
+    ours, theirs = results["patched"], results["unpatched"]
+    assert metrics(ours, "phf_gen") == metrics(theirs, "phf_gen")
+    assert [s["resps"] for s in ours["samples"]["phf_gen"]] == [s["resps"] for s in theirs["samples"]["phf_gen"]]
+    assert any(s["resps"][0][0] for s in ours["samples"]["phf_gen"])

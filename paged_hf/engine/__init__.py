@@ -6,6 +6,7 @@
   outputs.py    Completion / RequestOutput, assembled from a finished request
   batch.py      the blocking calls: generate, score, score_rolling, run_until_done
   scheduler.py  waiting / running queues, token budget, chunked prefill, preemption
+  call_group.py one generate call's rows in lock-step: stopping criteria, joint token choice
   scoring.py    loglikelihood of continuations, rolling loglikelihood, prompt logprobs
   binding.py    what patching leaves on a model for the engine (the engine never imports the model side)
 """

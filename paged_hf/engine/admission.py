@@ -37,9 +37,11 @@ class Admission:
         return self._add(self._new_id(request_id), prompt, params, eos_token_ids)
 
     def _add(self, rid: str, prompt: Any, params: SamplingParams | None,
-             eos_token_ids: frozenset[int] | None = None, stop_strings: StopStrings | None = None) -> str:
+             eos_token_ids: frozenset[int] | None = None, stop_strings: StopStrings | None = None,
+             encoder_token_ids: tuple[int, ...] | None = None) -> str:
         """``stop_strings``: a matcher of the caller's making (``model.generate``'s, with
-        transformers' semantics) instead of one for ``params.stop``."""
+        transformers' semantics) instead of one for ``params.stop``; ``encoder_token_ids``: the
+        tokens ``encoder_repetition_penalty`` favours instead of the prompt's."""
         check_still_patched(self.model, self._patch_state)
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
@@ -62,6 +64,9 @@ class Admission:
         req.generator = self._generator(params, 0)
         req.stop_strings = stop_strings if stop_strings is not None else self._stop_strings(params)
         req.grammar = self._grammar(rid, params)
+        if encoder_token_ids is not None:
+            self._check_token_ids(rid, list(encoder_token_ids), "encoder_token_ids")
+            req.encoder_token_ids = tuple(encoder_token_ids)
         if params.prompt_logprobs is not None:
             req.score_targets, req.score_start = ids[1:], 0
         return self._queue(req)

@@ -103,7 +103,7 @@ class Scheduler:
         prefills = [r for r in self.running if r.num_pending_tokens > 1]
         prefill_room: int | None = None  # set once the decodes are placed
         for req in decodes + prefills:
-            if req.status is not RequestStatus.RUNNING or budget == 0:
+            if req.status is not RequestStatus.RUNNING or budget == 0 or _held(req):
                 continue
             prefill = req.num_pending_tokens > 1
             if prefill and prefill_room is None:
@@ -116,7 +116,7 @@ class Scheduler:
             if n == 0:
                 continue
             while not self.kv.allocate_slots(req, n, out.block_copies):
-                victim = self.running[-1]
+                victim = self._victim()
                 budget += chosen.pop(victim, 0)
                 self._preempt(victim, out)
                 out.preempted.append(victim)
@@ -135,6 +135,9 @@ class Scheduler:
             prefill_room = self._prefill_room(budget, decoding=bool(chosen))
         while self.waiting and min(budget, prefill_room) > 0 and not out.preempted:
             req = self.waiting[0]
+            if _held(req):  # its call's other rows first: it does not block the queue meanwhile
+                skipped.append(self.waiting.popleft())
+                continue
             if self.num_running_seqs() + req.seqs_when_running > self.max_num_seqs:
                 break
             swapped = req.swapped_tokens
@@ -155,6 +158,8 @@ class Scheduler:
                 n = self._no_lone_token(req, n)
             if not self.kv.allocate_slots(req, n, out.block_copies):
                 self.kv.free(req)
+                if not chosen and self._preempt_held(out):  # rows that wait on it hold the blocks it needs
+                    continue
                 break
             self.waiting.popleft()
             if swapped:
@@ -210,6 +215,25 @@ class Scheduler:
         if not pending or end > self.kv.hit_limit(req):
             return False
         return _block_keys(req, bs, end // bs)[-1] in pending
+
+    def _victim(self) -> Request:
+        """Who is preempted for blocks: a row held for its generate call's others (it is idle), else
+        the latest admitted."""
+        held = [r for r in self.running if _held(r)] if any(r.group is not None for r in self.running) else ()
+        return held[-1] if held else self.running[-1]
+
+    def _preempt_held(self, out: SchedulerOutput) -> bool:
+        """With nothing else to run, preempt a held row (recompute: it keeps its tokens) so that the
+        rows it waits for get blocks. False where none is held."""
+        held = [r for r in self.running if _held(r)]
+        if not held:
+            return False
+        self.preemption_mode, mode = "recompute", self.preemption_mode
+        try:
+            self._preempt(held[-1], out)
+        finally:
+            self.preemption_mode = mode
+        return True
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         """Free the request's blocks, keep its tokens, requeue it first. Its KV is recomputed on
@@ -283,6 +307,11 @@ class Scheduler:
             self.kv.free(child)
         parent.children = []
         parent.forked = False
+
+
+def _held(req: Request) -> bool:
+    """A row of a lock-step generate call that has its token for the call's next step."""
+    return req.group is not None and req.group.holds(req)
 
 
 def _block_keys(req: Request, block_size: int, n_blocks: int) -> list[tuple]:

@@ -23,6 +23,22 @@ from .scoring import score_step_rows
 logger = logging.getLogger("paged_hf")
 
 
+def _hand_joint_rows_to_their_groups(rows: list[Request], logits: torch.Tensor
+                                     ) -> tuple[list[Request], torch.Tensor, list[Any]]:
+    """Rows whose generate call picks its rows' tokens together (paged_hf/engine/call_group.py)
+    hand their logits to it; the rest are sampled here."""
+    joint = [i for i, r in enumerate(rows) if r.group is not None and r.group.chooses_tokens]
+    if not joint:
+        return rows, logits, []
+    groups = {}
+    for i in joint:
+        rows[i].group.offer(rows[i], logits[i])
+        groups[id(rows[i].group)] = rows[i].group
+    keep = [i for i in range(len(rows)) if rows[i].group is None or not rows[i].group.chooses_tokens]
+    return [rows[i] for i in keep], logits[torch.tensor(keep, dtype=torch.long, device=logits.device)], \
+        list(groups.values())
+
+
 class StepLoop:
     def step(self) -> tuple[dict[Request, int], list[Request]]:
         """One engine step; returns ({request: new token}, finished requests).
@@ -73,6 +89,7 @@ class StepLoop:
                     row_of += [i] * len(children)
             if len(rows) != len(meta.sampled_requests):
                 logits = logits[torch.tensor(row_of, device=logits.device)]
+            rows, logits, joint = _hand_joint_rows_to_their_groups(rows, logits)
             matchers = {i: r.grammar for i, r in enumerate(rows) if r.grammar is not None}
             result = sample(logits, rows, (lambda lg, errs: self.structured.apply(lg, matchers, errs))
                             if matchers else None)
@@ -102,11 +119,20 @@ class StepLoop:
             sampled[req] = tok
             if lp is not None:
                 req.logprobs.append(lp)
+        for group in joint:  # calls whose every row has its logits for the step pick their tokens now
+            chosen = group.choose()
+            if isinstance(chosen, dict):
+                sampled.update(chosen)
+                continue
+            for req, _, why in chosen:
+                req.error = f"request {req.request_id}: {why}"
+                failed.append(req)
         now = time.perf_counter()
         finished = sched.update(out, sampled, now)
         finished += self._finish_prefill_only(out, failed, now)
         failed += self._check_stop_strings(sampled, finished, now)
         failed += self._advance_grammars(sampled, finished, now)
+        failed += self._advance_call_groups([*sampled, *finished, *failed], finished, now)
         for req in failed:
             if not req.is_finished:
                 sched.finish(req, FinishReason.ERROR, now)
@@ -180,6 +206,21 @@ class StepLoop:
                 finished.append(req)
         return failed
 
+    def _advance_call_groups(self, touched: list[Request], finished: list[Request], now: float) -> list[Request]:
+        """Run the stopping criteria of the generate calls whose rows all have this step's token;
+        end the rows they stop. Returns the rows of calls whose criteria raised (they fail together)."""
+        failed = []
+        for group in {id(r.group): r.group for r in touched if r.group is not None}.values():
+            for req, reason, text in group.advance():
+                if reason is FinishReason.ERROR:
+                    req.error = f"request {req.request_id}: {text}"
+                    failed.append(req)
+                else:
+                    req.stop_reason = text
+                    self.scheduler.finish(req, reason, now)
+                    finished.append(req)
+        return failed
+
     def _swap_out(self, out: SchedulerOutput) -> None:
         """Copy preempted requests' KV to host memory before anything reuses their blocks. A copy
         that fails turns that request's preemption into a recompute one: same tokens, more work."""
@@ -212,6 +253,9 @@ class StepLoop:
         child.generator = self._generator(parent.params, k)
         child.stop_strings = parent.stop_strings.fresh() if parent.stop_strings is not None else None
         child.grammar = self.structured.matcher(*parent.params.constraint) if parent.grammar is not None else None
+        child.encoder_token_ids = parent.encoder_token_ids
+        if parent.group is not None:
+            parent.group.join_sample(parent, k, child)
         return child
 
 

@@ -1,6 +1,6 @@
 """Next-token choice for a batch of logits rows, each with its own SamplingParams.
 
-Order follows transformers' logits processors: repetition penalty, min-new-tokens EOS ban,
+Order follows transformers' logits processors: encoder repetition penalty, repetition penalty, min-new-tokens EOS ban,
 suppressed tokens, temperature, top-k, top-p, min-p; then inverse-CDF sampling. Logprobs are of the
 model's distribution, or (``logprobs_mode="processed"``) of the one the token was drawn from. A seeded request draws from its own
 torch.Generator, so it picks the same tokens alone or in any batch; unseeded ones share one draw
@@ -92,7 +92,8 @@ def sample(logits: torch.Tensor, requests: list[Request], mask: Callable | None 
 def _plain_greedy(req: Request) -> bool:
     """Greedy, no logprobs, and no processor that would change its row this step."""
     p = req.params
-    if not p.is_greedy or p.logprobs is not None or p.repetition_penalty != 1.0 or p.suppress_tokens:
+    if (not p.is_greedy or p.logprobs is not None or p.repetition_penalty != 1.0 or p.encoder_repetition_penalty != 1.0
+            or p.suppress_tokens):
         return False
     if p.begin_suppress_tokens and req.num_output_tokens == 0:
         return False
@@ -128,8 +129,14 @@ def _row_max(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _prepare_row(logits: torch.Tensor, row: int, req: Request) -> None:
-    """The per-request processors, in place on ``logits[row]``: repetition penalty, EOS ban."""
+    """The per-request processors, in place on ``logits[row]``: the penalties, EOS ban, suppressed tokens."""
     p = req.params
+    if p.encoder_repetition_penalty != 1.0:  # transformers' EncoderRepetitionPenaltyLogitsProcessor's arithmetic
+        inverse = 1 / p.encoder_repetition_penalty
+        ids = req.encoder_token_ids if req.encoder_token_ids is not None else req.prompt_ids
+        seen = torch.tensor(sorted(set(ids)), device=logits.device)
+        vals = logits[row, seen]
+        logits[row, seen] = torch.where(vals < 0, vals * inverse, vals / inverse)
     if p.repetition_penalty != 1.0:
         seen = torch.tensor(sorted(set(req.token_ids)), device=logits.device)
         vals = logits[row, seen]

@@ -7,6 +7,7 @@ NotImplementedError naming the option: never a silently different result.
 """
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -16,20 +17,9 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from ..engine.binding import patch_state
 from ..requests.detokenizer import StopStrings
 from ..requests.sampling_params import SamplingParams
+from .generate_callbacks import plan_call
+from .generate_options import REFUSED_SETTINGS
 
-# Settings that change the result and have no equivalent in the engine, with the value at
-# which they do nothing.
-_UNSUPPORTED_SETTINGS = {
-    "num_beams": 1, "num_beam_groups": 1, "diversity_penalty": 0.0, "penalty_alpha": None,
-    "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "top_h": None,
-    "no_repeat_ngram_size": 0, "bad_words_ids": None, "force_words_ids": None, "constraints": None,
-    "sequence_bias": None,
-    "forced_bos_token_id": None, "forced_eos_token_id": None, "exponential_decay_length_penalty": None,
-    "guidance_scale": None, "prompt_lookup_num_tokens": None,
-    "assistant_early_exit": None, "dola_layers": None, "watermarking_config": None, "token_healing": None,
-    "max_time": None, "output_scores": False, "output_logits": False, "output_attentions": False,
-    "output_hidden_states": False, "remove_invalid_values": False,
-}
 # model.generate(..., paged_hf_json_schema=... | paged_hf_regex=... | paged_hf_choice=[...] | paged_hf_grammar=...)
 STRUCTURED_KEYWORDS = ("json_schema", "regex", "choice", "grammar")
 _UNSUPPORTED_MODEL_KWARGS = ("inputs_embeds", "past_key_values", "cache", "position_ids", "token_type_ids",
@@ -44,9 +34,7 @@ def paged_generate(self: torch.nn.Module, inputs: torch.Tensor | None = None,
                    assistant_model: Any = None, streamer: Any = None, negative_prompt_ids: Any = None,
                    negative_prompt_attention_mask: Any = None, custom_generate: Any = None,
                    **kwargs: Any) -> torch.Tensor | GenerateDecoderOnlyOutput:
-    for name, value in (("logits_processor", logits_processor), ("stopping_criteria", stopping_criteria),
-                        ("prefix_allowed_tokens_fn", prefix_allowed_tokens_fn),
-                        ("assistant_model", assistant_model), ("negative_prompt_ids", negative_prompt_ids),
+    for name, value in (("assistant_model", assistant_model), ("negative_prompt_ids", negative_prompt_ids),
                         ("custom_generate", custom_generate)):
         if value is not None and not (isinstance(value, list) and len(value) == 0):
             raise NotImplementedError(f"paged_hf generate: {name} is not supported; unpatch the model to use it")
@@ -68,11 +56,11 @@ def paged_generate(self: torch.nn.Module, inputs: torch.Tensor | None = None,
                                   "supported yet; paged_hf runs the text path of multimodal models (text-only input_ids)")
     if bad:
         raise NotImplementedError(f"paged_hf generate: argument(s) {bad} are not supported")
-    for name, neutral in _UNSUPPORTED_SETTINGS.items():
-        value = getattr(gc, name, None)
-        if value is not None and value != neutral:
-            raise NotImplementedError(f"paged_hf generate: {name}={value!r} is not supported "
-                                      "(beam search, assisted decoding, custom processors and scores are not)")
+    refused = [f"{name}={getattr(gc, name, None)!r}" for name, neutral in REFUSED_SETTINGS.items()
+               if getattr(gc, name, None) not in neutral]
+    if refused:
+        raise NotImplementedError(f"paged_hf generate: {', '.join(refused)}: not supported (beam search, assisted "
+                                  "decoding, contrastive search, guidance and watermarking are not)")
 
     batch, padded_len = input_ids.shape
     eos = gc.eos_token_id
@@ -83,6 +71,13 @@ def paged_generate(self: torch.nn.Module, inputs: torch.Tensor | None = None,
         if gc.pad_token_id is not None and gc.pad_token_id not in eos_list:
             attention_mask = (input_ids != gc.pad_token_id).long()  # transformers infers it the same way
     params = _sampling_params(gc, padded_len)
+    # transformers favours every id of the rows as they are, pad included, and ignores the penalty
+    # (with a warning) where an id is negative
+    encoder_rows = params.encoder_repetition_penalty != 1.0 and bool((input_ids >= 0).all())
+    if params.encoder_repetition_penalty != 1.0 and not encoder_rows:
+        warnings.warn("Passing `encoder_repetition_penalty` requires some form of `input_ids` to be passed to "
+                      "`generate`, ignoring the argument.", UserWarning, stacklevel=2)
+        params = params.with_(encoder_repetition_penalty=1.0)
     if constraint:
         params = params.with_(**constraint)
         params.validate("paged_hf generate")
@@ -94,6 +89,10 @@ def paged_generate(self: torch.nn.Module, inputs: torch.Tensor | None = None,
                          "generate(..., stop_strings=..., tokenizer=tokenizer), as transformers requires")
     if streamer is not None and batch * params.n != 1:
         raise NotImplementedError("paged_hf generate: a streamer needs a batch of one sequence")
+    plan = plan_call(self, gc, input_ids, attention_mask, params, pad, eos_list, tokenizer, logits_processor,
+                     stopping_criteria, prefix_allowed_tokens_fn)
+    group, params, eos_list = plan.group, plan.params, plan.eos
+    encoder_rows = encoder_rows and not plan.joint  # transformers' own processor does it in a joint call
 
     state = patch_state(self)
     if state is None:
@@ -107,8 +106,11 @@ def paged_generate(self: torch.nn.Module, inputs: torch.Tensor | None = None,
                 # stop on the generation config's EOS, as transformers does; stop strings as its
                 # StopStringCriteria: on special tokens' text too, and beginning in the prompt
                 stops = StopStrings(tokenizer, stop_strings, include=True, context_ids=prompt,
-                                    skip_special_tokens=False) if stop_strings else None
-                rids.append(engine._add(engine._new_id(None), prompt, params, frozenset(eos_list), stops))
+                                    skip_special_tokens=False) if stop_strings and plan.native_stops else None
+                encoder_ids = tuple(input_ids[i].tolist()) if encoder_rows else None
+                rids.append(engine._add(engine._new_id(None), prompt, params, frozenset(eos_list), stops, encoder_ids))
+                if group is not None:
+                    group.join(engine.requests[rids[-1]], i * params.n)
             except (ValueError, TypeError) as e:
                 raise ValueError(f"paged_hf generate: row {i}: {e}") from e
         if streamer is not None:
@@ -120,11 +122,18 @@ def paged_generate(self: torch.nn.Module, inputs: torch.Tensor | None = None,
     except BaseException:
         engine.abort_all(rids)
         raise
+    if group is not None and group.error is not None:  # the caller's criterion raised: so does its call
+        raise group.error
     failed = [(i, out.error) for i, out in enumerate(outputs) if out.error is not None]
     if failed:  # a tensor has no per-row errors: the call fails, naming the rows
         raise RuntimeError(f"paged_hf generate: {len(failed)} row(s) failed: "
                            + "; ".join(f"row {i}: {err}" for i, err in failed[:3]))
 
+    if plan.joint:  # its rows as transformers' loop left them, pad after each finished row
+        sequences = group.sequences().to(input_ids.device)
+        if gc.return_dict_in_generate:
+            return GenerateDecoderOnlyOutput(sequences=sequences, scores=group.scores, logits=group.logits)
+        return sequences
     rows = [c.token_ids for out in outputs for c in out.completions]
     width = max(len(r) for r in rows)
     new = torch.full((len(rows), width), pad, dtype=input_ids.dtype)

@@ -89,6 +89,12 @@ class Request:
     cache_namespace: Any = None  # prefix-cache namespace it was admitted under (the weights' generation)
     stop_strings: "StopStrings | None" = None  # matches params.stop in the output as it grows
     grammar: Any = None  # structured outputs: its grammar matcher (paged_hf/engine/structured.py)
+    # the tokens encoder_repetition_penalty favours: None, the prompt's; patched generate's, the row
+    # as the caller padded it, pad included (transformers penalises its input_ids as they are)
+    encoder_token_ids: tuple[int, ...] | None = None
+    # the generate call it is a row of, where that call's callbacks need its rows in lock-step
+    # (paged_hf/engine/call_group.py); the scheduler holds a row its group is not ready to move on
+    group: Any = None
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     # Scoring: the logprob of token score_targets[i] comes from the logits of position
     # score_start + i (prompt_logprobs: the prompt's own tokens 1.. from positions 0..; a scoring

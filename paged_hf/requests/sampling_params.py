@@ -46,6 +46,9 @@ class SamplingParams:
     top_p: float = 1.0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
+    # transformers' encoder_repetition_penalty (its "hallucination penalty"): above 1 favours the
+    # prompt's tokens (a logit < 0 times 1/penalty, one > 0 divided by it), before repetition_penalty
+    encoder_repetition_penalty: float = 1.0
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
@@ -122,6 +125,10 @@ class SamplingParams:
         if not _finite(self.repetition_penalty) or \
                 not MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY:
             raise bad("repetition_penalty", self.repetition_penalty,
+                      f"in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}] (1 disables)")
+        if not _finite(self.encoder_repetition_penalty) or \
+                not MIN_REPETITION_PENALTY <= self.encoder_repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise bad("encoder_repetition_penalty", self.encoder_repetition_penalty,
                       f"in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}] (1 disables)")
         if not _is_int(self.n) or self.n < 1:
             raise bad("n", self.n, "an integer >= 1")
@@ -206,8 +213,9 @@ class SamplingParams:
             kw["top_k"] = int(gc.top_k or 0)
             kw["top_p"] = 1.0 if gc.top_p is None else float(gc.top_p)
             kw["min_p"] = float(getattr(gc, "min_p", None) or 0.0)
-        if getattr(gc, "repetition_penalty", None) is not None:
-            kw["repetition_penalty"] = float(gc.repetition_penalty)
+        for name in ("repetition_penalty", "encoder_repetition_penalty"):
+            if getattr(gc, name, None) is not None:
+                kw[name] = float(getattr(gc, name))
         for name in ("suppress_tokens", "begin_suppress_tokens"):
             if getattr(gc, name, None):
                 kw[name] = tuple(getattr(gc, name))

@@ -1,0 +1,167 @@
+"""Existing ``generate`` code on a patched model: what stopping criteria and scores cost, and lm-eval's
+HF backend built on a model object.
+
+    python benchmarks/bench_generate_calls.py            # SmolLM2-135M bf16: 64 calls x 4 prompts; 100 prompts
+    python benchmarks/bench_generate_calls.py --quick    # 16 calls, 20 prompts, one round
+
+1. ``calls``: 64 ``model.generate`` calls one after another, each a left-padded batch of 4 few-shot
+   prompts (lm-eval's phf_gen task), greedy, at most 32 new tokens. Patched: plain; with lm-eval's
+   own ``stop_sequences_criteria`` (its ``MultiTokenEOSCriteria`` for "\\n\\n" and "Q:"); with
+   ``output_scores=True, return_dict_in_generate=True``; with both. Unpatched transformers with the
+   criteria. Systems interleaved round by round; medians. The cost of a feature: its wall time over
+   plain's, and that per engine step (the engine's step count over the calls).
+2. ``lm-eval``: ``HFLM(pretrained=model, tokenizer=tok, batch_size=16)`` on a patched model against
+   the same on an unpatched copy, ``generate_until`` on N 5-shot prompts: wall time and metrics.
+
+A table to stdout, everything to ``--out`` as JSON. No assertion on time anywhere.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+
+def _prompts(n: int) -> list[str]:
+    from eval_tasks import write_tasks
+
+    directory = Path(tempfile.mkdtemp(prefix="paged_hf_calls_"))
+    write_tasks(directory, n_mc=1, n_gen=n)
+    shots = [json.loads(line) for line in (directory / "gen_train.jsonl").read_text().splitlines()][:5]
+    tests = [json.loads(line) for line in (directory / "gen_test.jsonl").read_text().splitlines()]
+    few = "".join(f"Q: {r['question']}\nA: {r['answer']}\n\n" for r in shots)
+    return [f"{few}Q: {r['question']}\nA:" for r in tests]
+
+
+def bench_calls(model, patched, tok, n_calls: int, rounds: int) -> dict:
+    from lm_eval.models.utils_hf import stop_sequences_criteria
+
+    import paged_hf
+
+    prompts = _prompts(n_calls * 4)
+    tok.padding_side = "left"
+    batches = [tok(prompts[i * 4:(i + 1) * 4], return_tensors="pt", padding=True) for i in range(n_calls)]
+    common = dict(max_new_tokens=32, do_sample=False, pad_token_id=tok.pad_token_id)
+
+    def criteria(b):
+        return {"stopping_criteria": stop_sequences_criteria(tok, ["\n\n", "Q:"], b.input_ids.shape[1], 4)}
+
+    scores = {"output_scores": True, "return_dict_in_generate": True}
+    systems = {
+        "transformers + criteria": (model, lambda b: criteria(b)),
+        "paged_hf": (patched, lambda b: {}),
+        "paged_hf + criteria": (patched, lambda b: criteria(b)),
+        "paged_hf + scores": (patched, lambda b: scores),
+        "paged_hf + criteria + scores": (patched, lambda b: {**criteria(b), **scores}),
+    }
+    engine = paged_hf.engine_for(patched)
+    times: dict[str, list[float]] = {s: [] for s in systems}
+    steps: dict[str, int] = {}
+    tokens: dict[str, int] = {}
+    for _ in range(rounds):
+        for name, (m, extra) in systems.items():
+            before = engine.stats()["steps"]
+            engine.reset_prefix_cache()
+            start, new = time.perf_counter(), 0
+            for b in batches:
+                out = m.generate(b.input_ids, attention_mask=b.attention_mask, **common, **extra(b))
+                seq = out.sequences if hasattr(out, "sequences") else out
+                new += int((seq[:, b.input_ids.shape[1]:] != tok.pad_token_id).sum())
+            times[name].append(time.perf_counter() - start)
+            steps[name], tokens[name] = engine.stats()["steps"] - before, new
+            print(f"  {name}: {times[name][-1]:.1f} s, {new} new tokens, {steps[name]} engine steps", flush=True)
+    median = {s: statistics.median(t) for s, t in times.items()}
+    plain = median["paged_hf"]
+    rows = []
+    for name in systems:
+        extra_ms = (median[name] - plain) / steps[name] * 1e3 if name.startswith("paged_hf +") and steps[name] else None
+        rows.append({"system": name, "median_s": median[name], "times_s": times[name], "new_tokens": tokens[name],
+                     "engine_steps": steps[name], "vs_plain": median[name] / plain, "extra_ms_per_step": extra_ms,
+                     "speedup_vs_transformers": median["transformers + criteria"] / median[name]})
+    return {"calls": n_calls, "batch": 4, "rounds": rounds, "rows": rows}
+
+
+def bench_lm_eval(model, patched, tok, n_gen: int, rounds: int) -> dict:
+    import lm_eval
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+
+    from eval_tasks import write_tasks
+
+    directory = Path(tempfile.mkdtemp(prefix="paged_hf_eval_tasks_"))
+    write_tasks(directory, n_mc=1, n_gen=n_gen)
+    tm = TaskManager(include_path=str(directory), include_defaults=False)
+    threads = torch.get_num_threads()
+    systems = {"HFLM, unpatched": HFLM(pretrained=model, tokenizer=tok, batch_size=16),
+               "HFLM, patched": HFLM(pretrained=patched, tokenizer=tok, batch_size=16)}
+    torch.set_num_threads(threads)
+    times: dict[str, list[float]] = {s: [] for s in systems}
+    metrics: dict[str, dict] = {}
+    for _ in range(rounds):
+        for name, lm in systems.items():
+            start = time.perf_counter()
+            res = lm_eval.simple_evaluate(model=lm, tasks=["phf_gen"], task_manager=tm, verbosity="WARNING")
+            times[name].append(time.perf_counter() - start)
+            torch.set_num_threads(threads)
+            metrics[name] = {k.split(",")[0]: float(v) for k, v in res["results"]["phf_gen"].items()
+                             if "," in k and "stderr" not in k}
+            print(f"  {name}: {times[name][-1]:.1f} s {metrics[name]}", flush=True)
+    median = {s: statistics.median(t) for s, t in times.items()}
+    return {"prompts": n_gen, "median_s": median, "times_s": times, "metrics": metrics,
+            "speedup": median["HFLM, unpatched"] / median["HFLM, patched"]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--calls", type=int, default=64)
+    parser.add_argument("--n-gen", type=int, default=100)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--quick", action="store_true", help="16 calls, 20 prompts, one round")
+    parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/calls-<date-time>.json)")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.calls, args.n_gen, args.rounds = 16, 20, 1
+
+    import paged_hf
+    from paged_hf.frontends.models import load_default_model
+
+    model, tok = load_default_model(dtype=getattr(torch, args.dtype))
+    patched = paged_hf.patch(copy.deepcopy(model))
+    print(f"SmolLM2-135M ({args.dtype}), {torch.get_num_threads()} threads", flush=True)
+    calls = bench_calls(model, patched, tok, args.calls, args.rounds)
+    evaluation = bench_lm_eval(model, patched, tok, args.n_gen, args.rounds)
+
+    print(f"\n| {calls['calls']} generate calls x {calls['batch']} prompts | median s | vs paged_hf plain "
+          "| extra ms per engine step | speedup vs transformers |")
+    print("| --- | --- | --- | --- | --- |")
+    for r in calls["rows"]:
+        extra = "" if r["extra_ms_per_step"] is None else f"{r['extra_ms_per_step']:.2f}"
+        print(f"| {r['system']} | {r['median_s']:.1f} | {r['vs_plain']:.2f}x | {extra} | {r['speedup_vs_transformers']:.2f}x |")
+    print(f"\n| lm-eval HFLM on a model object, generate_until, {evaluation['prompts']} prompts | median s | metrics |")
+    print("| --- | --- | --- |")
+    for name, s in evaluation["median_s"].items():
+        print(f"| {name} | {s:.1f} | {evaluation['metrics'][name]} |")
+    print(f"speedup: {evaluation['speedup']:.2f}x")
+    out = {"config": {"dtype": args.dtype, "threads": torch.get_num_threads(), "machine": platform.processor(),
+                      "date": time.strftime("%Y-%m-%d %H:%M")}, "calls": calls, "lm_eval": evaluation}
+    path = Path(args.out) if args.out else HERE / "results" / f"calls-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=2, default=str))
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
