@@ -1,16 +1,21 @@
 """Existing ``generate`` code on a patched model: what stopping criteria and scores cost, and lm-eval's
 HF backend built on a model object.
 
-    python benchmarks/bench_generate_calls.py            # SmolLM2-135M bf16: 64 calls x 4 prompts; 100 prompts
-    python benchmarks/bench_generate_calls.py --quick    # 16 calls, 20 prompts, one round
+    python benchmarks/bench_generate_calls.py            # SmolLM2-135M bf16: 64 calls x 4 prompts; 32 x 4 beams; 100 prompts
+    python benchmarks/bench_generate_calls.py --quick    # 16 calls, 8 x 4 beams, 20 prompts, one round
+    python benchmarks/bench_generate_calls.py --dtype float32   # fp32: the same tokens as transformers, not near-ties
 
 1. ``calls``: 64 ``model.generate`` calls one after another, each a left-padded batch of 4 few-shot
    prompts (lm-eval's phf_gen task), greedy, at most 32 new tokens. Patched: plain; with lm-eval's
    own ``stop_sequences_criteria`` (its ``MultiTokenEOSCriteria`` for "\\n\\n" and "Q:"); with
    ``output_scores=True, return_dict_in_generate=True``; with both. Unpatched transformers with the
-   criteria. Systems interleaved round by round; medians. The cost of a feature: its wall time over
-   plain's, and that per engine step (the engine's step count over the calls).
-2. ``lm-eval``: ``HFLM(pretrained=model, tokenizer=tok, batch_size=16)`` on a patched model against
+   criteria. Systems interleaved round by round; medians. Calls with the criteria stop early (fewer
+   tokens, fewer steps), so their cost is measured on criteria that never stop (a stop sequence
+   the model never writes): the same tokens and steps as plain, the criteria called every step.
+2. ``beams``: one ``generate`` call of 32 few-shot prompts x 4 beams (at most 32 new tokens), patched
+   against transformers' own beam search: wall time, the same sequences or not, and the KV blocks
+   the beams held at peak against what one copy per beam would take.
+3. ``lm-eval``: ``HFLM(pretrained=model, tokenizer=tok, batch_size=16)`` on a patched model against
    the same on an unpatched copy, ``generate_until`` on N 5-shot prompts: wall time and metrics.
 
 A table to stdout, everything to ``--out`` as JSON. No assertion on time anywhere.
@@ -54,14 +59,15 @@ def bench_calls(model, patched, tok, n_calls: int, rounds: int) -> dict:
     batches = [tok(prompts[i * 4:(i + 1) * 4], return_tensors="pt", padding=True) for i in range(n_calls)]
     common = dict(max_new_tokens=32, do_sample=False, pad_token_id=tok.pad_token_id)
 
-    def criteria(b):
-        return {"stopping_criteria": stop_sequences_criteria(tok, ["\n\n", "Q:"], b.input_ids.shape[1], 4)}
+    def criteria(b, until=("\n\n", "Q:")):
+        return {"stopping_criteria": stop_sequences_criteria(tok, list(until), b.input_ids.shape[1], 4)}
 
     scores = {"output_scores": True, "return_dict_in_generate": True}
     systems = {
         "transformers + criteria": (model, lambda b: criteria(b)),
         "paged_hf": (patched, lambda b: {}),
         "paged_hf + criteria": (patched, lambda b: criteria(b)),
+        "paged_hf + criteria that never stop": (patched, lambda b: criteria(b, ("@@never@@",))),
         "paged_hf + scores": (patched, lambda b: scores),
         "paged_hf + criteria + scores": (patched, lambda b: {**criteria(b), **scores}),
     }
@@ -82,14 +88,47 @@ def bench_calls(model, patched, tok, n_calls: int, rounds: int) -> dict:
             steps[name], tokens[name] = engine.stats()["steps"] - before, new
             print(f"  {name}: {times[name][-1]:.1f} s, {new} new tokens, {steps[name]} engine steps", flush=True)
     median = {s: statistics.median(t) for s, t in times.items()}
-    plain = median["paged_hf"]
+    plain_step = median["paged_hf"] / steps["paged_hf"]
     rows = []
     for name in systems:
-        extra_ms = (median[name] - plain) / steps[name] * 1e3 if name.startswith("paged_hf +") and steps[name] else None
+        per_step = median[name] / steps[name] if steps[name] else None
         rows.append({"system": name, "median_s": median[name], "times_s": times[name], "new_tokens": tokens[name],
-                     "engine_steps": steps[name], "vs_plain": median[name] / plain, "extra_ms_per_step": extra_ms,
+                     "engine_steps": steps[name], "ms_per_step": None if per_step is None else per_step * 1e3,
+                     "extra_ms_per_step": None if per_step is None else (per_step - plain_step) * 1e3,
+                     "out_tok_s": tokens[name] / median[name],
                      "speedup_vs_transformers": median["transformers + criteria"] / median[name]})
     return {"calls": n_calls, "batch": 4, "rounds": rounds, "rows": rows}
+
+
+def bench_beams(model, patched, tok, n_prompts: int, rounds: int) -> dict:
+    import paged_hf
+
+    tok.padding_side = "left"
+    batch = tok(_prompts(n_prompts), return_tensors="pt", padding=True)
+    kw = dict(attention_mask=batch.attention_mask, max_new_tokens=32, num_beams=4, do_sample=False,
+              pad_token_id=tok.pad_token_id)
+    engine = paged_hf.engine_for(patched)
+    times: dict[str, list[float]] = {"transformers": [], "paged_hf": []}
+    outs = {}
+    for _ in range(rounds):
+        for name, m in (("transformers", model), ("paged_hf", patched)):
+            engine.reset_prefix_cache()
+            engine._stats.peak_blocks_used = engine._stats.peak_blocks_shared = 0
+            start = time.perf_counter()
+            outs[name] = m.generate(batch.input_ids, **kw)
+            times[name].append(time.perf_counter() - start)
+            print(f"  beams {name}: {times[name][-1]:.1f} s", flush=True)
+    stats = engine.stats()
+    lengths = batch.attention_mask.sum(dim=1).tolist()
+    longest = outs["paged_hf"].shape[1] - batch.input_ids.shape[1]
+    bs = stats["block_size"]
+    one_copy_per_beam = sum(4 * -(-(n + longest) // bs) for n in lengths)
+    median = {s: statistics.median(t) for s, t in times.items()}
+    same = sum(torch.equal(a, b) for a, b in zip(outs["paged_hf"], outs["transformers"]))
+    return {"prompts": n_prompts, "beams": 4, "median_s": median, "times_s": times,
+            "speedup": median["transformers"] / median["paged_hf"], "same_sequences": f"{same} of {n_prompts}",
+            "peak_blocks_used": stats["peak_blocks_used"], "peak_blocks_shared": stats["peak_blocks_shared"],
+            "blocks_one_copy_per_beam": one_copy_per_beam}
 
 
 def bench_lm_eval(model, patched, tok, n_gen: int, rounds: int) -> dict:
@@ -127,12 +166,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--calls", type=int, default=64)
     parser.add_argument("--n-gen", type=int, default=100)
+    parser.add_argument("--beam-prompts", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="16 calls, 20 prompts, one round")
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/calls-<date-time>.json)")
     args = parser.parse_args(argv)
     if args.quick:
-        args.calls, args.n_gen, args.rounds = 16, 20, 1
+        args.calls, args.n_gen, args.beam_prompts, args.rounds = 16, 20, 8, 1
 
     import paged_hf
     from paged_hf.frontends.models import load_default_model
@@ -141,21 +181,30 @@ def main(argv: list[str] | None = None) -> int:
     patched = paged_hf.patch(copy.deepcopy(model))
     print(f"SmolLM2-135M ({args.dtype}), {torch.get_num_threads()} threads", flush=True)
     calls = bench_calls(model, patched, tok, args.calls, args.rounds)
+    beams = bench_beams(model, patched, tok, args.beam_prompts, args.rounds)
     evaluation = bench_lm_eval(model, patched, tok, args.n_gen, args.rounds)
 
-    print(f"\n| {calls['calls']} generate calls x {calls['batch']} prompts | median s | vs paged_hf plain "
-          "| extra ms per engine step | speedup vs transformers |")
-    print("| --- | --- | --- | --- | --- |")
+    print(f"\n| {calls['calls']} generate calls x {calls['batch']} prompts | median s | new tokens | out tok/s "
+          "| engine steps | ms per step (over plain) | vs transformers + criteria |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for r in calls["rows"]:
-        extra = "" if r["extra_ms_per_step"] is None else f"{r['extra_ms_per_step']:.2f}"
-        print(f"| {r['system']} | {r['median_s']:.1f} | {r['vs_plain']:.2f}x | {extra} | {r['speedup_vs_transformers']:.2f}x |")
+        step = "" if r["ms_per_step"] is None else f"{r['ms_per_step']:.1f} ({r['extra_ms_per_step']:+.1f})"
+        print(f"| {r['system']} | {r['median_s']:.1f} | {r['new_tokens']} | {r['out_tok_s']:.0f} | {r['engine_steps']} "
+              f"| {step} | {r['speedup_vs_transformers']:.2f}x |")
+    print(f"\n| beam search, {beams['prompts']} prompts x 4 beams | transformers | paged_hf | speedup | same sequences "
+          "| KV blocks at peak (one copy per beam would take) |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    print(f"| one generate call | {beams['median_s']['transformers']:.1f} s | {beams['median_s']['paged_hf']:.1f} s "
+          f"| {beams['speedup']:.2f}x | {beams['same_sequences']} | {beams['peak_blocks_used']} "
+          f"({beams['blocks_one_copy_per_beam']}; {beams['peak_blocks_shared']} references shared) |")
     print(f"\n| lm-eval HFLM on a model object, generate_until, {evaluation['prompts']} prompts | median s | metrics |")
     print("| --- | --- | --- |")
     for name, s in evaluation["median_s"].items():
         print(f"| {name} | {s:.1f} | {evaluation['metrics'][name]} |")
     print(f"speedup: {evaluation['speedup']:.2f}x")
     out = {"config": {"dtype": args.dtype, "threads": torch.get_num_threads(), "machine": platform.processor(),
-                      "date": time.strftime("%Y-%m-%d %H:%M")}, "calls": calls, "lm_eval": evaluation}
+                      "date": time.strftime("%Y-%m-%d %H:%M")}, "calls": calls, "beams": beams,
+           "lm_eval": evaluation}
     path = Path(args.out) if args.out else HERE / "results" / f"calls-{time.strftime('%Y%m%d-%H%M%S')}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=2, default=str))

@@ -178,6 +178,32 @@ def test_select_backend_on_cuda_without_flashinfer(monkeypatch):
     _forget_flashinfer_backend()
 
 
+@pytest.mark.parametrize("error", [OSError("libcudart.so.13: cannot open shared object file"),
+                                   RuntimeError("tvm_ffi: the library was built for another ABI")])
+def test_select_backend_falls_back_when_flashinfer_fails_to_load(monkeypatch, error):
+    """Not only a missing package: a library that does not load (OSError, RuntimeError from
+    flashinfer or tvm_ffi) leaves 'auto' on torch with one warning naming it; quiet warns not."""
+    import builtins
+
+    _forget_flashinfer_backend()
+    real_import = builtins.__import__
+
+    def failing(name, *args, **kwargs):
+        if name == "flashinfer" or name.startswith("flashinfer."):
+            raise error
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", failing)
+    cuda = torch.device("cuda")
+    with pytest.warns(UserWarning, match=type(error).__name__) as record:
+        assert select_backend("auto", cuda, torch.bfloat16, 128) is TorchBackend
+    assert len([w for w in record if "paged_hf" in str(w.message)]) == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert select_backend("auto", cuda, torch.bfloat16, 128, quiet=True) is TorchBackend
+    _forget_flashinfer_backend()
+
+
 def test_select_backend_on_cuda_with_flashinfer(fake_flashinfer, monkeypatch):
     monkeypatch.setattr(fake_flashinfer, "SUPPORTED_DTYPES", (torch.float16, torch.bfloat16))
     monkeypatch.setattr(fake_flashinfer, "SUPPORTED_HEAD_DIMS", (64, 128, 256, 512))

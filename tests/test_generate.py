@@ -296,7 +296,8 @@ def test_encoder_repetition_penalty_on_the_engine_is_the_prompts():
         paged_hf.SamplingParams(encoder_repetition_penalty=0.0)
 
 
-@pytest.mark.parametrize("option", [{"num_beams": 2}, {"penalty_alpha": 0.6, "top_k": 4}, {"guidance_scale": 2.0},
+@pytest.mark.parametrize("option", [{"num_beam_groups": 2, "num_beams": 2, "diversity_penalty": 0.5},
+                                    {"penalty_alpha": 0.6, "top_k": 4}, {"guidance_scale": 2.0},
                                     {"output_attentions": True, "return_dict_in_generate": True},
                                     {"dola_layers": "low"}])
 def test_options_it_cannot_honour_raise(option):

@@ -147,3 +147,44 @@ def test_a_plain_greedy_batch_takes_the_fast_path_and_the_same_tokens():
     for params in (SamplingParams(repetition_penalty=1.3), SamplingParams(logprobs=2),
                    SamplingParams(min_new_tokens=3, stop_token_ids=(7,))):
         assert not sampler._plain_greedy(Request("x", [1, 2], params))
+
+
+def test_a_requests_own_logits_processors_run_after_the_penalties_and_before_the_warpers():
+    """SamplingParams(logits_processors=[f]): f(token_ids, logits) sees the prompt and the tokens so
+    far and the penalised fp32 row; what it returns is what the warpers and the draw see. One that
+    raises, or returns another shape, ends its own request; the others' tokens do not change."""
+    import paged_hf
+    from tiny_models import make_tiny_model
+
+    model = make_tiny_model("llama")
+    engine = paged_hf.Engine(model)
+    seen = []
+
+    def only_odd(token_ids, logits):
+        seen.append((list(token_ids), logits.dtype, logits.shape))
+        out = logits.clone()
+        out[0::2] = float("-inf")
+        return out
+
+    prompt = [5, 6, 7, 8]
+    params = paged_hf.SamplingParams(max_new_tokens=6, ignore_eos=True, logits_processors=[only_odd],
+                                     repetition_penalty=1.5)
+    out = engine.generate([prompt], params)[0]
+    assert all(t % 2 == 1 for t in out.token_ids)
+    assert [s[0] for s in seen] == [prompt + out.token_ids[:i] for i in range(6)]
+    assert seen[0][1:] == (torch.float32, (model.config.vocab_size,))
+    sampled = engine.generate([prompt], params.with_(temperature=1.0, top_k=5, seed=3))[0]
+    assert all(t % 2 == 1 for t in sampled.token_ids)
+
+    def raises(token_ids, logits):
+        raise RuntimeError("processor failed on purpose")
+
+    plain = paged_hf.SamplingParams(max_new_tokens=6, ignore_eos=True)
+    alone = engine.generate([[9, 10, 11]], plain)[0].token_ids
+    bad, wrong_shape, other = engine.generate(
+        [prompt, prompt, [9, 10, 11]],
+        [plain.with_(logits_processors=[raises]), plain.with_(logits_processors=[lambda ids, lg: lg[:3]]), plain])
+    assert bad.finish_reason == "error" and "on purpose" in bad.error
+    assert wrong_shape.finish_reason == "error" and "shape" in wrong_shape.error
+    assert other.error is None and other.token_ids == alone
+    assert engine.kv.pool.num_used == 0

@@ -339,6 +339,21 @@ class BlockManager:
         if self.state is not None:  # the sample continues from its parent's state
             self.state_copies.append((parent.state_slot, self.state.take(child)))
 
+    def reassign(self, pairs: list[tuple[Request, Request]]) -> None:
+        """Beam search: each ``(beam, parent)`` pair's beam gives back its blocks and takes its parent's,
+        as the parents hold them now, by reference (a shared partial block is copied on write)."""
+        held = [([list(t) for t in p.block_tables], list(p.kv_released), p.num_computed_tokens, p.num_tree_blocks,
+                 p.prefix_node, p.cache_namespace) for _, p in pairs]
+        for tables, _, _, _, node, _ in held:  # the parents' references first: a beam may be another's parent
+            self.pool.incref([b for t in tables for b in t if b >= 0])
+            if node is not None:
+                self.index.lock(node)
+        for beam, _ in pairs:
+            self.free(beam)
+        for (beam, _), (tables, released, computed, tree, node, namespace) in zip(pairs, held):
+            beam.block_tables, beam.kv_released, beam.num_computed_tokens = tables, released, computed
+            beam.num_tree_blocks, beam.prefix_node, beam.cache_namespace = tree, node, namespace
+
     def take_state_copies(self) -> list[tuple[int, int]]:
         copies, self.state_copies = self.state_copies, []
         return copies

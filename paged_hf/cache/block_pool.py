@@ -29,6 +29,9 @@ class BlockPool:
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
         self._is_free = [True] * num_blocks
         self.evictions = 0
+        # references beyond each block's first: the blocks that sharing (parallel samples, beams, a
+        # prefix two requests hold) saves, each of which would otherwise be a copy
+        self.shared_refs = 0
 
     @property
     def num_free(self) -> int:
@@ -70,6 +73,8 @@ class BlockPool:
                 raise RuntimeError(f"incref of free block {b}")
             if self.refcount[b] == 0 and self.index is not None:
                 self.index.used(b)
+            elif self.refcount[b] > 0:
+                self.shared_refs += 1
             self.refcount[b] += 1
 
     def decref(self, blocks: Iterable[int]) -> None:
@@ -78,6 +83,8 @@ class BlockPool:
         for b in blocks:
             if self.refcount[b] <= 0:
                 raise RuntimeError(f"block {b}: refcount underflow (double free)")
+            if self.refcount[b] > 1:
+                self.shared_refs -= 1
             self.refcount[b] -= 1
             if self.refcount[b] == 0:
                 if self.index is not None and self.index.holds(b):

@@ -7,6 +7,7 @@
   batch.py      the blocking calls: generate, score, score_rolling, run_until_done
   scheduler.py  waiting / running queues, token budget, chunked prefill, preemption
   call_group.py one generate call's rows in lock-step: stopping criteria, joint token choice
+  beam_group.py beam search as a call's group: transformers' search, beams sharing blocks
   scoring.py    loglikelihood of continuations, rolling loglikelihood, prompt logprobs
   binding.py    what patching leaves on a model for the engine (the engine never imports the model side)
 """

@@ -48,6 +48,7 @@ class EngineStats:
     generated_tokens: int = 0
     steps: int = 0
     peak_blocks_used: int = 0
+    peak_blocks_shared: int = 0  # references beyond a block's first, at the step with the most (blocks sharing saved)
     peak_bytes: int = 0  # KV pages and state slots held, at the step that held the most
     peak_running: int = 0  # sequences running in one step, at most
     kv_waste_sum: float = 0.0
@@ -304,6 +305,7 @@ class Engine(Admission, StepLoop, OutputAssembly, BatchCalls):
             "blocks_cached": pool.num_cached,
             "blocks_free": pool.num_free,
             "peak_blocks_used": s.peak_blocks_used,
+            "peak_blocks_shared": s.peak_blocks_shared,
             "kv_bytes_peak": s.peak_bytes,
             "peak_running": s.peak_running,
             "page_bytes": self.page_bytes,

@@ -264,6 +264,19 @@ class Scheduler:
         parent.children = list(children)
         parent.forked = True
 
+    def reassign(self, pairs: list[tuple[Request, Request]]) -> None:
+        """Beam search: each ``(beam, parent)`` pair's beam continues its parent's sequence: its tokens,
+        and its KV where both run (else the beam recomputes it when next scheduled)."""
+        moved = [(beam, parent) for beam, parent in pairs if beam is not parent]
+        tokens = {id(parent): list(parent.token_ids) for _, parent in moved}
+        both = [(b, p) for b, p in moved if b.status is RequestStatus.RUNNING and p.status is RequestStatus.RUNNING]
+        self.kv.reassign(both)
+        for beam, parent in moved:
+            if beam.status is RequestStatus.RUNNING and (beam, parent) not in both:
+                self.kv.free(beam)  # its parent was preempted: it computes the parent's KV again
+            beam.swapped_tokens, beam.swap_handle = 0, None
+            beam.token_ids = list(tokens[id(parent)])
+
     def update(self, out: SchedulerOutput, sampled: dict[Request, int], now: float) -> list[Request]:
         """Record this step's sampled tokens, cache newly full blocks, release finished requests."""
         finished = [req for req, token in sampled.items() if req.append_token(token, now)]

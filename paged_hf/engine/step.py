@@ -122,6 +122,9 @@ class StepLoop:
         for group in joint:  # calls whose every row has its logits for the step pick their tokens now
             chosen = group.choose()
             if isinstance(chosen, dict):
+                if getattr(group, "reassignments", None):  # beam search: each beam continues another's
+                    sched.reassign(group.reassignments)
+                    group.reassignments = []
                 sampled.update(chosen)
                 continue
             for req, _, why in chosen:
@@ -266,6 +269,7 @@ class StepLoop:
         s.steps += 1
         used = pool.num_used
         s.peak_blocks_used = max(s.peak_blocks_used, used)
+        s.peak_blocks_shared = max(s.peak_blocks_shared, pool.shared_refs)
         states = self.kv.state.num_used * self.state_layout.bytes_per_slot() if self.kv.state is not None else 0
         s.peak_bytes = max(s.peak_bytes, used * self.page_bytes + states)
         s.peak_running = max(s.peak_running, len(out.scheduled))

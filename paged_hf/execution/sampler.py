@@ -1,7 +1,8 @@
 """Next-token choice for a batch of logits rows, each with its own SamplingParams.
 
-Order follows transformers' logits processors: encoder repetition penalty, repetition penalty, min-new-tokens EOS ban,
-suppressed tokens, temperature, top-k, top-p, min-p; then inverse-CDF sampling. Logprobs are of the
+Order follows transformers' logits processors: encoder repetition penalty, repetition penalty,
+min-new-tokens EOS ban, suppressed tokens, the request's own logits processors, temperature, top-k,
+top-p, min-p; then inverse-CDF sampling. Logprobs are of the
 model's distribution, or (``logprobs_mode="processed"``) of the one the token was drawn from. A seeded request draws from its own
 torch.Generator, so it picks the same tokens alone or in any batch; unseeded ones share one draw
 per step from torch's default generator.
@@ -93,7 +94,7 @@ def _plain_greedy(req: Request) -> bool:
     """Greedy, no logprobs, and no processor that would change its row this step."""
     p = req.params
     if (not p.is_greedy or p.logprobs is not None or p.repetition_penalty != 1.0 or p.encoder_repetition_penalty != 1.0
-            or p.suppress_tokens):
+            or p.suppress_tokens or p.logits_processors):
         return False
     if p.begin_suppress_tokens and req.num_output_tokens == 0:
         return False
@@ -150,6 +151,13 @@ def _prepare_row(logits: torch.Tensor, row: int, req: Request) -> None:
     suppressed = [t for t in suppressed if t < logits.shape[1]]
     if suppressed:
         logits[row, suppressed] = float("-inf")
+    for processor in p.logits_processors:  # the caller's, after the built-in ones (transformers' order)
+        out = processor(list(req.token_ids), logits[row])
+        if not isinstance(out, torch.Tensor) or out.shape != logits[row].shape:
+            raise ValueError(f"logits processor {getattr(processor, '__name__', processor)!r} returned "
+                             f"{type(out).__name__} {tuple(getattr(out, 'shape', ()))}, not a tensor of shape "
+                             f"{tuple(logits[row].shape)}")
+        logits[row] = out
 
 
 def _draw_rows(logits: torch.Tensor, requests: list[Request], rows: list[int],

@@ -196,7 +196,9 @@ def fingerprint(model: Any, tokenizer: Any, engine: Any, dataset: Any, params: A
         "model": _model_fingerprint(model),
         "tokenizer": _tokenizer_fingerprint(tokenizer),
         "engine": {"max_model_len": int(engine.max_model_len), "eos_token_ids": sorted(int(t) for t in engine.eos_token_ids)},
-        "sampling_params": dataclasses.asdict(params),
+        "sampling_params": {**dataclasses.asdict(params), "logits_processors": [  # callables: by name
+            f"{getattr(f, '__module__', '')}.{getattr(f, '__qualname__', type(f).__qualname__)}"
+            for f in params.logits_processors]},
         "columns": columns,
         "dataset": {"fingerprint": dataset._fingerprint, "num_rows": len(dataset)},
     }, sort_keys=True))

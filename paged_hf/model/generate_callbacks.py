@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from transformers import EosTokenCriteria, GenerationConfig, LogitsProcessorList, MaxLengthCriteria, StoppingCriteriaList
 
+from ..engine.beam_group import BeamCallGroup
 from ..engine.call_group import CallGroup, JointCallGroup
 from ..requests.sampling_params import SamplingParams
 from .generate_options import JOINT_OUTPUTS, JOINT_SAMPLING_SETTINGS, JOINT_SETTINGS
@@ -34,7 +35,8 @@ class CallPlan:
 
 def joint_reasons(gc: GenerationConfig, logits_processor: Any, prefix_allowed_tokens_fn: Any) -> list[str]:
     """What makes a call pick its rows' tokens with transformers' processors (empty: the engine's own)."""
-    reasons = [f"{name}={getattr(gc, name)!r}" for name, neutral in JOINT_SETTINGS.items()
+    reasons = [f"num_beams={gc.num_beams}"] if (gc.num_beams or 1) > 1 else []
+    reasons += [f"{name}={getattr(gc, name)!r}" for name, neutral in JOINT_SETTINGS.items()
                if getattr(gc, name, neutral) not in (None, neutral)]
     if gc.do_sample:
         reasons += [f"{name}={getattr(gc, name)!r}" for name, neutral in JOINT_SAMPLING_SETTINGS.items()
@@ -77,9 +79,28 @@ def plan_call(model: torch.nn.Module, gc: GenerationConfig, input_ids: torch.Ten
         generation_config=gc, input_ids_seq_length=width, encoder_input_ids=input_ids,
         prefix_allowed_tokens_fn=prefix_allowed_tokens_fn, logits_processor=LogitsProcessorList(logits_processor or []),
         device=input_ids.device, model_kwargs={"attention_mask": attention_mask})
+    if (gc.num_beams or 1) > 1:
+        return _beam_plan(model, gc, input_ids, criteria, processors, max_new)
     group = JointCallGroup(input_ids, params.n, criteria, pad, pads, max_new, input_ids.device, processors,
                            bool(gc.do_sample), scores=bool(gc.return_dict_in_generate and gc.output_scores),
                            logits=bool(gc.return_dict_in_generate and gc.output_logits))
     # the group does everything transformers' loop does; each row only computes its logits
     rows = SamplingParams(max_new_tokens=max_new, n=params.n, ignore_eos=True)
     return CallPlan(group, rows, [], native_stops=False)
+
+
+def _beam_plan(model: torch.nn.Module, gc: GenerationConfig, input_ids: torch.Tensor, criteria: Any, processors: Any,
+               max_new: int) -> CallPlan:
+    """Beam search: each prompt's beams are the samples of one request (forked from its prompt's
+    blocks), and the group runs transformers' beam search over their logits (paged_hf/engine/beam_group.py)."""
+    from ..engine.binding import patch_state
+
+    state = patch_state(model)
+    if state is not None and state.state is not None:
+        raise NotImplementedError("paged_hf generate: beam search on a model with recurrent / convolution state "
+                                  "layers is not supported (a beam would have to copy its parent's state each step)")
+    gc.max_length = input_ids.shape[1] + max_new
+    group = BeamCallGroup(input_ids, criteria, processors, model, gc,
+                          scores=bool(gc.return_dict_in_generate and gc.output_scores),
+                          logits=bool(gc.return_dict_in_generate and gc.output_logits), device=input_ids.device)
+    return CallPlan(group, SamplingParams(max_new_tokens=max_new, n=gc.num_beams, ignore_eos=True), [], native_stops=False)

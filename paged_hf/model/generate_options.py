@@ -29,10 +29,11 @@ JOINT_SETTINGS = {
 }
 JOINT_SAMPLING_SETTINGS = {"typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "top_h": None}  # with do_sample
 JOINT_OUTPUTS = ("output_scores", "output_logits")  # with return_dict_in_generate
+BEAM_SETTINGS = ("num_beams", "early_stopping", "length_penalty")  # beam search: transformers' own, on shared blocks
 CRITERIA_SETTINGS = ("max_time",)
 # changes the result, not run here; with the values at which transformers does nothing
 REFUSED_SETTINGS = {
-    "num_beams": (1,), "num_beam_groups": (1,), "diversity_penalty": (0.0,), "penalty_alpha": (None, 0.0),
+    "num_beam_groups": (1,), "diversity_penalty": (0.0,), "penalty_alpha": (None, 0.0),
     "force_words_ids": (None,), "constraints": (None,), "guidance_scale": (None, 1.0),
     "prompt_lookup_num_tokens": (None,), "assistant_early_exit": (None,), "use_mtp": (None, False),
     "dola_layers": (None,), "watermarking_config": (None,), "token_healing": (None, False),
@@ -44,7 +45,6 @@ NO_EFFECT_SETTINGS = {
     "cache_config": "the cache is paged_hf's", "max_cache_len": "the cache is paged_hf's",
     "compile_config": "speed only", "disable_compile": "speed only", "low_memory": "speed only",
     "prefill_chunk_size": "speed only", "continuous_batching_config": "transformers' own batching",
-    "early_stopping": "beam search only", "length_penalty": "beam search only",
     "bos_token_id": "used without input_ids only", "decoder_start_token_id": "encoder-decoder models only",
     "is_assistant": "assisted decoding only", "num_assistant_tokens": "assisted decoding only",
     "num_assistant_tokens_schedule": "assisted decoding only", "assistant_confidence_threshold": "assisted decoding only",
@@ -68,6 +68,8 @@ def option_rows() -> dict[str, tuple[str, str]]:
     rows.update((name, (CALLBACKS, "")) for name in JOINT_SETTINGS)
     rows.update((name, (CALLBACKS, "with do_sample")) for name in JOINT_SAMPLING_SETTINGS)
     rows.update((name, (CALLBACKS, "with return_dict_in_generate")) for name in JOINT_OUTPUTS)
+    rows.update((name, (CALLBACKS, "beam search" if name == "num_beams" else "with num_beams > 1"))
+                for name in BEAM_SETTINGS)
     rows.update((name, (CRITERIA, "")) for name in CRITERIA_SETTINGS)
     rows.update((name, (REFUSED, "accepted at " + " / ".join(map(repr, neutral))))
                 for name, neutral in REFUSED_SETTINGS.items())

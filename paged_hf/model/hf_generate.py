@@ -12,8 +12,9 @@ from typing import Any
 
 import torch
 from transformers import GenerationConfig
-from transformers.generation.utils import GenerateDecoderOnlyOutput
+from transformers.generation.utils import GenerateBeamDecoderOnlyOutput, GenerateDecoderOnlyOutput
 
+from ..engine.beam_group import BeamCallGroup
 from ..engine.binding import patch_state
 from ..requests.detokenizer import StopStrings
 from ..requests.sampling_params import SamplingParams
@@ -129,6 +130,12 @@ def paged_generate(self: torch.nn.Module, inputs: torch.Tensor | None = None,
         raise RuntimeError(f"paged_hf generate: {len(failed)} row(s) failed: "
                            + "; ".join(f"row {i}: {err}" for i, err in failed[:3]))
 
+    if isinstance(group, BeamCallGroup):  # transformers' best hypotheses
+        sequences, scores, indices = group.result(gc.num_return_sequences or 1)
+        if gc.return_dict_in_generate:
+            return GenerateBeamDecoderOnlyOutput(sequences=sequences, sequences_scores=scores if gc.output_scores else None,
+                                                 scores=group.scores, logits=group.logits, beam_indices=indices)
+        return sequences
     if plan.joint:  # its rows as transformers' loop left them, pad after each finished row
         sequences = group.sequences().to(input_ids.device)
         if gc.return_dict_in_generate:

@@ -69,6 +69,11 @@ class SamplingParams:
     # token ids never generated, and ids not generated as the first token (transformers' options)
     suppress_tokens: tuple[int, ...] = ()
     begin_suppress_tokens: tuple[int, ...] = ()
+    # callables (token_ids, logits) -> logits, run in order on each step's fp32 logits row [vocab]
+    # after the penalties and bans above, before temperature / top-k / top-p / min-p (where
+    # transformers runs a generate call's logits_processor); token_ids: the prompt, then the tokens
+    # generated so far. One that raises, or returns another shape, ends its request alone.
+    logits_processors: tuple = ()
     # structured outputs (at most one; xgrammar, the "structured" extra): the output must match a
     # JSON schema (a dict or its JSON text), a regular expression, one of ``choice``, or an EBNF
     # grammar (xgrammar's dialect, root rule ``root``); the request stops when it is complete
@@ -84,6 +89,10 @@ class SamplingParams:
             if isinstance(self.choice, str):
                 raise ValueError(f"sampling params: choice={self.choice!r}, must be a list of strings")
             object.__setattr__(self, "choice", tuple(self.choice))
+        if callable(self.logits_processors):
+            object.__setattr__(self, "logits_processors", (self.logits_processors,))
+        elif not isinstance(self.logits_processors, tuple):
+            object.__setattr__(self, "logits_processors", tuple(self.logits_processors or ()))
         for name in ("suppress_tokens", "begin_suppress_tokens"):
             value = getattr(self, name)
             if value is None:
@@ -165,6 +174,8 @@ class SamplingParams:
         for name in ("suppress_tokens", "begin_suppress_tokens"):
             if any(not _is_int(t) or t < 0 for t in getattr(self, name)):
                 raise bad(name, getattr(self, name), "non-negative token ids")
+        if not all(callable(f) for f in self.logits_processors):
+            raise bad("logits_processors", self.logits_processors, "callables (token_ids, logits) -> logits")
         if self.cache_salt is not None and not isinstance(self.cache_salt, str):
             # 1, True and 1.0 are equal as dict keys: they would share one cache
             raise bad("cache_salt", self.cache_salt, "None or a str")

@@ -17,10 +17,11 @@ from .torch_backend import TorchBackend
 
 def select_backend(name: str, device: torch.device, dtype: torch.dtype | None = None,
                    layout: KVLayout | int | None = None, quiet: bool = False) -> type:
-    """The backend class for ``name``; 'auto' is FlashInfer on CUDA when it is installed and
-    supports the model's dtype and KV layout (``layout``: per-layer geometry, or a head_dim),
-    else torch (with one warning on CUDA, saying why); on CPU it is the paged attention kernel
-    when it builds, else torch (with one warning)."""
+    """The backend class for ``name``; 'auto' is FlashInfer on CUDA when it imports and supports
+    the model's dtype and KV layout (``layout``: per-layer geometry, or a head_dim), else torch
+    (with one warning on CUDA, saying why: an import that fails in any way, a missing package, a
+    library that does not load, counts); on CPU it is the paged attention kernel when it builds,
+    else torch (with one warning). ``quiet``: choose without warning (a caller that asks again)."""
     if name == "torch":
         return TorchBackend
     if name == "flashinfer":
@@ -35,14 +36,17 @@ def select_backend(name: str, device: torch.device, dtype: torch.dtype | None = 
     if device.type == "cuda":
         try:
             from .flashinfer_backend import FlashInferBackend, unsupported_reason
-        except ImportError as e:
-            warnings.warn(f"paged_hf: FlashInfer is not available ({e}); using the torch backend on CUDA, "
-                          "which is much slower. Install it with `pip install paged_hf[cuda]`.", stacklevel=3)
+        except Exception as e:  # noqa: BLE001 - ImportError, or an OSError / RuntimeError loading its libraries
+            if not quiet:
+                warnings.warn(f"paged_hf: FlashInfer is not available ({type(e).__name__}: {e}); using the torch "
+                              "backend on CUDA, which is much slower. Install it with `pip install paged_hf[cuda]`.",
+                              stacklevel=3)
             return TorchBackend
         reason = None if dtype is None or layout is None else unsupported_reason(dtype, layout)
         if reason is None:
             return FlashInferBackend
-        warnings.warn(f"paged_hf: using the torch backend on CUDA, which is much slower: {reason}", stacklevel=3)
+        if not quiet:
+            warnings.warn(f"paged_hf: using the torch backend on CUDA, which is much slower: {reason}", stacklevel=3)
     elif device.type == "cpu":
         from . import cpu_paged_attention
         if cpu_paged_attention.load():
