@@ -1,22 +1,25 @@
-"""The CUDA check of issue 5, in one run: correctness of the FlashInfer path, then throughput.
+"""The CUDA check: FlashInfer alone, then the FlashInfer path's correctness, then throughput.
 
-(a) agreement, on tiny llama / qwen3 / gemma2 models in bf16 (head_dim 128: FlashInfer's kernels
-    take 64/128/256/512): greedy generations with the FlashInfer backend (CUDA graphs on) and the
-    torch backend, each teacher-forced through plain transformers (the patched model's forward
-    outside a step is the model's own attention): the share of generated tokens that are
-    transformers' argmax at that position, and how long FlashInfer and torch agree token for token.
-(b) throughput, nano-vllm's workload: 256 requests, prompt and output lengths U[100, 1024], random
-    token ids, EOS ignored, temperature 0.6, Qwen3-0.6B's config with random weights, for
-    transformers' generate (one static batch), transformers' continuous batching (the manager
-    behind ``generate_batch``, so each request keeps its own output length), paged_hf eager and
-    paged_hf with CUDA graphs; plus decode step time at batch 64, eager against graphs.
-    The transformers runs are time-capped (--hf-max-time): a capped run reports the throughput of
-    the part it finished and says so in the table.
+Phases (``--phases``, each in a subprocess of its own, under ``--budget`` seconds in all; the report
+``OUT/gpu_check.json``, the log and ``summary.md`` rewritten after every phase, ``OUT`` = ``$OUT``):
+  env          versions, the device
+  smoke        benchmarks/gpu_smoke_flashinfer.py: FlashInfer's wrappers against fp32, before paged_hf
+  agreement    per family (``--families`` of llama, qwen3, gemma2: plain, q/k norms, window + soft-cap;
+               bf16, head_dim 128): greedy generations on the risky workload (shared prefixes, chunked
+               prefill and mixed steps at a 64-token budget, twelve output lengths so decode batches
+               shrink through the graph buckets with padding rows) with FlashInfer and CUDA graphs,
+               FlashInfer eager and torch, each teacher-forced through transformers, and how long each
+               agrees with torch token for token; the graph buckets each ran
+  hf_generate  transformers' generate, one static batch, time-capped (--hf-max-time)
+  hf_batch     transformers' continuous batching (the manager behind generate_batch), time-capped
+  eager/graphs paged_hf without and with CUDA graphs, nano-vllm's workload: N requests, prompt and
+               output lengths U[100, 1024], random ids, EOS ignored, temperature 0.6, unseeded,
+               Qwen3-0.6B's config with random weights
+  decode       engine step time at batch 64, eager against graphs
+``--call 1`` / ``--call 2``: the two device calls of the plan in gpu_check.sh's header.
 
-    python benchmarks/gpu_check.py --json gpu_check.json     # on the GPU (see gpu_check.sh)
-    python benchmarks/gpu_check.py --dry-run                 # tiny, on CPU: checks the script runs
-
-Prints a markdown table and writes JSON.
+    bash benchmarks/gpu_check.sh --call 1          # on the GPU (installs what is carried, then this)
+    python benchmarks/gpu_check.py --dry-run       # tiny, on CPU, FlashInfer's stand-in: every phase
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ import argparse
 import datetime
 import gc
 import json
+import os
 import platform
 import random
 import sys
@@ -53,9 +57,8 @@ class Setup:
     hf_max_time: float
     decode_batch: int
     decode_steps: int
-    agree_prompts: int
-    agree_new_tokens: int
     seed: int = 0
+    stand_in: bool = False  # dry run: FlashInfer's pure-torch stand-in (benchmarks/gpu_stand_in.py)
 
 
 @dataclass
@@ -89,6 +92,9 @@ def free_memory() -> None:
 
 
 # ---- models ---------------------------------------------------------------------------------------
+FAMILIES = ("llama", "qwen3", "gemma2")  # plain, per-head q/k norms, window + soft-cap
+
+
 def tiny_config(family: str, dry: bool):
     from transformers import Gemma2Config, LlamaConfig, Qwen3Config
 
@@ -161,40 +167,61 @@ def common_prefix_share(a: list[list[int]], b: list[list[int]]) -> float:
     return same / max(total, 1)
 
 
-def check_agreement(setup: Setup) -> list[dict[str, Any]]:
-    rows = []
-    backends = ["flashinfer", "torch"] if setup.device == "cuda" else ["torch"]
-    for i, family in enumerate(("llama", "qwen3", "gemma2")):
-        attn = "eager" if family == "gemma2" else "sdpa"
-        model = build_model(tiny_config(family, setup.dry_run), setup, seed=100 + i, attn=attn)
-        rng = random.Random(setup.seed + i)
-        vocab = model.config.vocab_size
-        prompts = [[rng.randrange(4, vocab) for _ in range(rng.randint(20, 60))] for _ in range(setup.agree_prompts)]
-        params = SamplingParams(max_new_tokens=setup.agree_new_tokens, ignore_eos=True)
-        row: dict[str, Any] = {"family": family, "dtype": str(setup.dtype).replace("torch.", "")}
-        outs = {}
-        for backend in backends:
-            try:
-                engine = paged_hf.Engine(model, backend=backend, num_blocks=1024, max_num_seqs=16,
-                                         max_num_batched_tokens=512, use_cuda_graphs=backend == "flashinfer")
-                outs[backend] = [o.token_ids for o in engine.generate(prompts, params)]
-                row[f"{backend}_backend"] = engine.stats()["backend"]
-                del engine
-                tf, gap = teacher_forced_agreement(model, prompts, outs[backend])
-                row[f"{backend}_teacher_forced"] = round(tf, 4)
-                row[f"{backend}_worst_logit_gap"] = round(gap, 4)
-            except Exception as e:  # noqa: BLE001 - reported, the run goes on
-                row[f"{backend}_error"] = f"{type(e).__name__}: {e}"
-                traceback.print_exc()
-        if "flashinfer" in outs and "torch" in outs:
-            row["flashinfer_vs_torch_prefix"] = round(common_prefix_share(outs["flashinfer"], outs["torch"]), 4)
-        if setup.device != "cuda":
-            row["flashinfer_skipped"] = "no CUDA device (dry run)"
-        rows.append(row)
-        log(f"agreement {row}")
-        del model
+AGREEMENT_VARIANTS = (("flashinfer graphs", "flashinfer", True), ("flashinfer eager", "flashinfer", False),
+                      ("torch", "torch", False))
+
+
+def agreement_workload(vocab: int, rng: random.Random, dry: bool) -> tuple[list[list[int]], list[int]]:
+    """The paths a kernel or graph fault hides in: six prompts sharing a 40-token prefix (prefix
+    hits), six of their own (20-150 tokens, longer than a step's budget: chunked prefill, steps that
+    mix prefill and decode), and twelve output lengths from 3 to 48 (dry run: 2 to 16), so the
+    decode batch shrinks through the graph buckets 8 -> 4 -> 2 -> 1 with padding rows."""
+    shared = [rng.randrange(4, vocab) for _ in range(40)]
+    longest = 60 if dry else 150
+    prompts = [shared + [rng.randrange(4, vocab) for _ in range(rng.randint(5, longest // 2))] for _ in range(6)]
+    prompts += [[rng.randrange(4, vocab) for _ in range(rng.randint(20, longest))] for _ in range(6)]
+    lengths = [2, 3, 4, 5, 6, 7, 8, 10, 12, 13, 14, 16] if dry else [3, 5, 7, 9, 12, 16, 20, 24, 30, 36, 42, 48]
+    return prompts, lengths
+
+
+def check_agreement(setup: Setup, family: str) -> dict[str, Any]:
+    """One family's greedy generations on the risky workload with FlashInfer and CUDA graphs, FlashInfer
+    eager (a kernel fault told from a graph fault) and torch: each teacher-forced through
+    transformers, and how long each agrees with torch token for token; the decode buckets run."""
+    attn = "eager" if family == "gemma2" else "sdpa"
+    model = build_model(tiny_config(family, setup.dry_run), setup, seed=100 + FAMILIES.index(family), attn=attn)
+    prompts, out_lens = agreement_workload(model.config.vocab_size, random.Random(setup.seed + FAMILIES.index(family)),
+                                           setup.dry_run)
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in out_lens]
+    row: dict[str, Any] = {"family": family, "dtype": str(setup.dtype).replace("torch.", ""), "prompts": len(prompts)}
+    outs = {}
+    flashinfer = setup.device == "cuda" or setup.stand_in
+    for name, backend, graphs in AGREEMENT_VARIANTS:
+        if backend == "flashinfer" and not flashinfer:
+            row[f"{name} skipped"] = "no CUDA device and no stand-in"
+            continue
+        try:
+            engine = paged_hf.Engine(model, backend=backend, block_size=16, num_blocks=1024, max_num_seqs=16,
+                                     max_num_batched_tokens=64, use_cuda_graphs=graphs)
+            outs[name] = [o.token_ids for o in engine.generate(prompts, params)]
+            stats = engine.stats()
+            accel = engine.runner.decode
+            tf, gap = teacher_forced_agreement(model, prompts, outs[name])
+            row[name] = {"backend": stats["backend"], "teacher_forced": round(tf, 4), "worst_logit_gap": round(gap, 4),
+                         "steps": stats["steps"], "prefix_hit_tokens": stats["prefix_hit_tokens"],
+                         "graph_steps_by_bucket": dict(sorted(accel.steps_by_bucket.items())) if accel else {}}
+            del engine
+        except Exception as e:  # noqa: BLE001 - reported, the other variants still run
+            row[name] = {"error": f"{type(e).__name__}: {e}"[:500]}
+            traceback.print_exc()
         free_memory()
-    return rows
+    for name in outs:
+        if name != "torch" and "torch" in outs:
+            row[name]["agrees_with_torch"] = round(common_prefix_share(outs[name], outs["torch"]), 4)
+    log(f"agreement {row}")
+    del model
+    free_memory()
+    return row
 
 
 # ---- (b) throughput ----------------------------------------------------------------------------------
@@ -281,6 +308,7 @@ def run_hf_continuous(setup: Setup, prompts, out_lens) -> Row:
 def paged_engine(model, setup: Setup, prompts, out_lens, graphs: bool, max_num_seqs: int | None = None):
     need = sum(-(-(len(p) + n) // 16) for p, n in zip(prompts, out_lens))
     return paged_hf.Engine(model, num_blocks=int(need * 1.1) + 64, block_size=16,
+                           backend="flashinfer" if setup.stand_in else "auto",
                            max_num_seqs=max_num_seqs or setup.max_num_seqs,
                            max_num_batched_tokens=setup.max_num_batched_tokens,
                            max_model_len=setup.max_len * 2 + 16, use_cuda_graphs=graphs,
@@ -291,8 +319,9 @@ def paged_engine(model, setup: Setup, prompts, out_lens, graphs: bool, max_num_s
 def run_paged(setup: Setup, prompts, out_lens, graphs: bool) -> Row:
     model = build_model(qwen3_06b_config(setup.dry_run), setup, seed=1)
     engine = paged_engine(model, setup, prompts, out_lens, graphs)
-    params = [SamplingParams(max_new_tokens=n, temperature=setup.temperature, ignore_eos=True, seed=i)
-              for i, n in enumerate(out_lens)]
+    # unseeded, as nano-vllm's workload: one draw per step for the batch (a seed per request costs a
+    # draw per row and shrinks what the graphs save)
+    params = [SamplingParams(max_new_tokens=n, temperature=setup.temperature, ignore_eos=True) for n in out_lens]
     warm_s = engine.warmup()  # kernels (FlashInfer JIT on a fresh machine), CUDA-graph capture
     sync(setup)
     t = time.perf_counter()
@@ -380,79 +409,165 @@ def table(rows: list[Row], base: str = "transformers generate") -> str:
     return "\n".join(lines)
 
 
+PHASES = ("env", "smoke", "agreement", "hf_generate", "hf_batch", "eager", "graphs", "decode")
+# The plan for a GPU lent for 15 minutes of device time, 10 at most a command (see the header).
+CALLS = {
+    "1": dict(phases=("env", "smoke", "agreement", "eager", "graphs"), families=("llama",), requests=128, fa2=True),
+    "2": dict(phases=("env", "agreement", "hf_generate", "hf_batch", "decode"), families=("gemma2", "qwen3"),
+              requests=128, fa2=True, hf_max_time=45.0),
+}
+
+
+def make_setup(args: argparse.Namespace) -> Setup:
+    if args.dry_run:
+        return Setup(device="cpu", dtype=torch.float32, dry_run=True, num_requests=6, min_len=4, max_len=16,
+                     token_range=500, temperature=0.6, max_num_seqs=8, max_num_batched_tokens=64, hf_max_time=60.0,
+                     decode_batch=4, decode_steps=3, stand_in=not args.no_stand_in)
+    return Setup(device="cuda", dtype=torch.bfloat16, dry_run=False, num_requests=args.requests, min_len=100,
+                 max_len=1024, token_range=10000, temperature=0.6, max_num_seqs=args.max_num_seqs,
+                 max_num_batched_tokens=args.max_num_batched_tokens, hf_max_time=args.hf_max_time,
+                 decode_batch=64, decode_steps=50)
+
+
+def run_phase(name: str, setup: Setup, args: argparse.Namespace) -> dict[str, Any]:
+    """One phase, in this process (the driver gives each its own: an illegal memory access
+    poisons the process it happens in)."""
+    if setup.stand_in:
+        import gpu_stand_in
+        gpu_stand_in.install()
+    if args.fa2 and not setup.dry_run:
+        from paged_hf.execution.backends import flashinfer_backend
+        flashinfer_backend.PREFILL_BACKEND, flashinfer_backend.DECODE_TENSOR_CORES = "fa2", True
+    if name == "env":
+        return {"environment": environment(setup), "setup": {k: str(v) for k, v in asdict(setup).items()}}
+    if name == "smoke":
+        import gpu_smoke_flashinfer
+        return {"smoke": gpu_smoke_flashinfer.run(setup.device, stand_in=setup.stand_in)}
+    if name == "agreement":
+        return {"agreement": [check_agreement(setup, f) for f in args.families.split(",")]}
+    prompts, out_lens = workload(setup)
+    if name == "decode":
+        decode: dict[str, Any] = {"batch": setup.decode_batch}
+        for graphs in (False, True):
+            decode["graphs" if graphs else "eager"] = decode_step_time(setup, graphs)
+        decode["speedup"] = decode["eager"] / decode["graphs"]
+        return {"decode_step": decode}
+    runs = {"hf_generate": ("transformers generate", run_hf_generate, ()),
+            "hf_batch": ("transformers generate_batch", run_hf_continuous, ()),
+            "eager": ("paged_hf eager", run_paged, (False,)), "graphs": ("paged_hf cuda graphs", run_paged, (True,))}
+    title, fn, extra = runs[name]
+    row = guarded(title, fn, setup, prompts, out_lens, *extra)
+    return {"throughput": [dict(asdict(row), tok_s=round(row.tok_s, 1))],
+            "workload": {"requests": len(prompts), "prompt_tokens": sum(map(len, prompts)),
+                         "output_tokens": sum(out_lens), "seeded": False}}
+
+
+def merge(report: dict[str, Any], part: dict[str, Any]) -> None:
+    for key, value in part.items():
+        if isinstance(value, list) and isinstance(report.get(key), list):
+            report[key] += value
+        else:
+            report[key] = value
+
+
+def summary(report: dict[str, Any]) -> str:
+    env = report.get("environment", {})
+    rows = [Row(**{k: v for k, v in r.items() if k != "tok_s"}) for r in report.get("throughput", [])]
+    lines = [f"## gpu_check {env.get('date', '')} on {env.get('gpu', 'CPU (dry run)')}", "", table(rows), ""]
+    lines += [f"smoke {report['smoke']}"] if "smoke" in report else []
+    lines += [f"agreement {r}" for r in report.get("agreement", [])]
+    lines += [f"decode step {report['decode_step']}"] if "decode_step" in report else []
+    lines += [f"phases {report.get('phases', {})}"]
+    return "\n".join(lines)
+
+
+def drive(args: argparse.Namespace, argv: list[str]) -> int:
+    """Each phase in a subprocess of its own, under what is left of ``--budget``; the report JSON and
+    the log rewritten under ``--out`` after every phase, so a run stopped at its limit keeps them."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    report: dict[str, Any] = {"dry_run": args.dry_run, "phases": {}}
+    json_path = Path(args.json) if args.json else out / "gpu_check.json"
+    started = time.perf_counter()
+    passthrough = [a for a in argv if a != "--dry-run"] + (["--dry-run"] if args.dry_run else [])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(Path(__file__).parent),
+                                                                   os.environ.get("PYTHONPATH")])))
+    status = 0
+    with open(out / "gpu_check.log", "a") as logfile:
+        for name in args.phases.split(","):
+            left = args.budget - (time.perf_counter() - started)
+            if left < 5:
+                report["phases"][name] = "not run: out of budget"
+                continue
+            log(f"phase {name} (at most {left:.0f} s)")
+            part_file = out / f"phase-{name}.json"
+            part_file.unlink(missing_ok=True)
+            t = time.perf_counter()
+            try:
+                proc = subprocess.run([sys.executable, __file__, *passthrough, "--phase", name, "--part", str(part_file)],
+                                      capture_output=True, text=True, timeout=left, env=env)
+                logfile.write(proc.stdout + proc.stderr)
+                sys.stdout.write(proc.stdout[-4000:])
+                ok = proc.returncode == 0 and part_file.exists()
+                how = "ok" if ok else f"failed (exit {proc.returncode}): {(proc.stderr or proc.stdout)[-300:]}"
+            except subprocess.TimeoutExpired as e:
+                ok, how = False, f"timed out after {left:.0f} s"
+                logfile.write(str(e.stdout or "") + str(e.stderr or ""))
+            if ok:
+                merge(report, json.loads(part_file.read_text()))
+            status = status or (0 if ok else 1)
+            report["phases"][name] = f"{how} in {time.perf_counter() - t:.1f} s"
+            report["total_seconds"] = round(time.perf_counter() - started, 1)
+            json_path.write_text(json.dumps(report, indent=2, default=str))
+            (out / "summary.md").write_text(summary(report) + "\n")
+            logfile.flush()
+    print()
+    print(summary(report))
+    print(f"wrote {json_path}")
+    return status
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--dry-run", action="store_true", help="tiny models and workload on CPU (float32)")
-    ap.add_argument("--json", default="gpu_check.json", help="where to write the report")
+    ap.add_argument("--dry-run", action="store_true", help="tiny models and workload on CPU (float32), FlashInfer's stand-in")
+    ap.add_argument("--no-stand-in", action="store_true", help="dry run without FlashInfer's stand-in (torch only)")
+    ap.add_argument("--call", choices=sorted(CALLS), help="one call of the plan in the header (phases, families, sizes)")
+    ap.add_argument("--phases", default=",".join(PHASES), help=f"comma-separated, in order, of {','.join(PHASES)}")
+    ap.add_argument("--families", default=",".join(FAMILIES), help=f"agreement families, of {','.join(FAMILIES)}")
+    ap.add_argument("--out", default=os.environ.get("OUT") or "gpu_check_out", help="report, log, summary (default $OUT)")
+    ap.add_argument("--json", default=None, help="the report's path (default OUT/gpu_check.json)")
+    ap.add_argument("--budget", type=float, default=540.0, help="seconds for all phases (each stops when it runs out)")
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--hf-max-time", type=float, default=90.0, help="cap on each transformers run, seconds")
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
     ap.add_argument("--fa2", action="store_true",
                     help="FlashInfer: FA2 prefill and tensor-core decode (fewer kernels to JIT-compile)")
-    ap.add_argument("--skip", default="", help="comma-separated: agreement,hf_generate,hf_batch,eager,graphs,decode")
+    ap.add_argument("--phase", help=argparse.SUPPRESS)
+    ap.add_argument("--part", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-
-    if args.dry_run:
-        setup = Setup(device="cpu", dtype=torch.float32, dry_run=True, num_requests=6, min_len=4, max_len=16,
-                      token_range=500, temperature=0.6, max_num_seqs=8, max_num_batched_tokens=64,
-                      hf_max_time=60.0, decode_batch=4, decode_steps=3, agree_prompts=2, agree_new_tokens=4)
-    else:
-        if not torch.cuda.is_available():
-            print("gpu_check: no CUDA device; use --dry-run on CPU", file=sys.stderr)
-            return 2
-        setup = Setup(device="cuda", dtype=torch.bfloat16, dry_run=False, num_requests=args.requests, min_len=100,
-                      max_len=1024, token_range=10000, temperature=0.6, max_num_seqs=args.max_num_seqs,
-                      max_num_batched_tokens=args.max_num_batched_tokens, hf_max_time=args.hf_max_time,
-                      decode_batch=64, decode_steps=50, agree_prompts=8, agree_new_tokens=48)
-    skip = set(filter(None, args.skip.split(",")))
-    if args.fa2 and not setup.dry_run:
-        from paged_hf.execution.backends import flashinfer_backend
-        flashinfer_backend.PREFILL_BACKEND, flashinfer_backend.DECODE_TENSOR_CORES = "fa2", True
-    started = time.perf_counter()
-    report: dict[str, Any] = {"dry_run": setup.dry_run, "environment": environment(setup),
-                              "setup": {k: str(v) for k, v in asdict(setup).items()}}
-    log(f"environment {report['environment']}")
-
-    report["agreement"] = [] if "agreement" in skip else check_agreement(setup)
-    prompts, out_lens = workload(setup)
-    report["workload"] = {"requests": len(prompts), "prompt_tokens": sum(map(len, prompts)),
-                          "output_tokens": sum(out_lens)}
-    rows = []
-    for key, name, fn, extra in (("hf_generate", "transformers generate", run_hf_generate, ()),
-                                 ("hf_batch", "transformers generate_batch", run_hf_continuous, ()),
-                                 ("eager", "paged_hf eager", run_paged, (False,)),
-                                 ("graphs", "paged_hf cuda graphs", run_paged, (True,))):
-        if key not in skip:
-            rows.append(guarded(name, fn, setup, prompts, out_lens, *extra))
-    report["throughput"] = [dict(asdict(r), tok_s=round(r.tok_s, 1)) for r in rows]
-    if "decode" not in skip:
-        decode = {}
-        for graphs in (False, True):
-            try:
-                decode["graphs" if graphs else "eager"] = decode_step_time(setup, graphs)
-            except Exception as e:  # noqa: BLE001
-                traceback.print_exc()
-                decode[("graphs" if graphs else "eager") + "_error"] = f"{type(e).__name__}: {e}"[:500]
-        if decode.get("eager") and decode.get("graphs"):
-            decode["speedup"] = decode["eager"] / decode["graphs"]
-        report["decode_step"] = {"batch": setup.decode_batch, **decode}
-        log(f"decode step at batch {setup.decode_batch}: {decode}")
-    report["total_seconds"] = round(time.perf_counter() - started, 1)
-
-    print()
-    print(f"## gpu_check {report['environment'].get('date')} on {report['environment'].get('gpu', 'CPU (dry run)')}")
-    print()
-    print(table(rows))
-    print()
-    for r in report["agreement"]:
-        print(f"agreement {r}")
-    if "decode_step" in report:
-        print(f"decode step at batch {setup.decode_batch}: {report['decode_step']}")
-    print(f"total {report['total_seconds']} s")
-    with open(args.json, "w") as f:
-        json.dump(report, f, indent=2, default=str)
-    print(f"wrote {args.json}")
+    if args.call:
+        plan = CALLS[args.call]
+        args.phases, args.families = ",".join(plan["phases"]), ",".join(plan["families"])
+        args.requests, args.fa2 = plan["requests"], plan["fa2"]
+        args.hf_max_time = plan.get("hf_max_time", args.hf_max_time)
+        argv = [a for a in argv if not a.startswith("--call")] + [
+            "--phases", args.phases, "--families", args.families, "--requests", str(args.requests),
+            "--hf-max-time", str(args.hf_max_time)] + (["--fa2"] if args.fa2 else [])
+    if not args.dry_run and not torch.cuda.is_available():
+        print("gpu_check: no CUDA device; use --dry-run on CPU", file=sys.stderr)
+        return 2
+    if args.phase is None:
+        return drive(args, argv)
+    setup = make_setup(args)
+    part = run_phase(args.phase, setup, args)
+    with open(args.part, "w") as f:
+        json.dump(part, f, indent=2, default=str)
     return 0
 
 

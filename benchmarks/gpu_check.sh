@@ -1,6 +1,22 @@
 #!/usr/bin/env bash
-# The CUDA check of issue 5 on a machine with an NVIDIA GPU and no network:
-#   bash benchmarks/gpu_check.sh [gpu_check.py options, e.g. --json out.json --fa2]
+# The CUDA check on a machine with an NVIDIA GPU and no network:
+#   bash benchmarks/gpu_check.sh [gpu_check.py options, e.g. --call 1]
+#
+# The plan for a lent GPU (15 minutes of device time in all, at most 10 a command; a fresh machine
+# starts in a minute or two). Fetch and size the carried set here first:
+#   bash benchmarks/fetch_gpu_wheels.sh            # benchmarks/wheels/, ~32 MiB of the 64 a call carries
+# Call 1 (timeout_s 360; expect ~2-3 min of FlashInfer JIT with --fa2 on 16 cores):
+#   run(command="bash benchmarks/gpu_check.sh --call 1", carry=["benchmarks/wheels"], timeout_s=360)
+#   -> env and versions; the FlashInfer-only smoke test (prefill over shuffled pages, decode on both
+#      kernels, a captured graph re-planned and replayed, against fp32); agreement on llama (graphs
+#      on and off, torch); paged_hf eager and graphs at 128 requests. No transformers baselines.
+# Call 2 (timeout_s 300, the kernels of call 1 compiled again unless carried):
+#   run(command="bash benchmarks/gpu_check.sh --call 2", carry=["benchmarks/wheels"], timeout_s=300)
+#   -> agreement on gemma2 (window + soft-cap) and qwen3; transformers' generate and generate_batch
+#      capped at 45 s; decode step time at batch 64, eager against graphs.
+# Every phase runs in a subprocess of its own; $OUT/gpu_check.json, gpu_check.log and summary.md
+# are rewritten after each, so a call stopped at its limit keeps what it finished. Without
+# flashinfer and tvm_ffi importable the script stops at once (ALLOW_TORCH_ONLY=1 runs anyway).
 #
 # It installs what is carried next to it in benchmarks/wheels/ (override with WHEELS=dir) into a
 # private target dir (SITE, default /tmp/paged_hf_site), installs this repository there too, then
@@ -56,10 +72,14 @@ import torch, transformers, paged_hf
 print("torch", torch.__version__, "cuda", torch.version.cuda,
       "device", torch.cuda.get_device_name() if torch.cuda.is_available() else None)
 print("transformers", transformers.__version__, "paged_hf", paged_hf.__file__)
-try:
-    import flashinfer
-    print("flashinfer", flashinfer.__version__)
-except Exception as e:  # the check still runs: the torch backend rows show what is missing
-    print("flashinfer NOT importable:", type(e).__name__, e)
 EOF
+dry=0
+for a in "$@"; do [[ "$a" == "--dry-run" ]] && dry=1; done
+if [[ $dry == 0 && "${ALLOW_TORCH_ONLY:-0}" != 1 ]]; then
+  # fail fast: a check without FlashInfer would time the torch backend for minutes and prove nothing
+  if ! "$PY" -c "import tvm_ffi, flashinfer; print('flashinfer', flashinfer.__version__, 'tvm_ffi ok')"; then
+    echo "gpu_check: flashinfer / tvm_ffi do not import (see above): stopping (ALLOW_TORCH_ONLY=1 to run anyway)" >&2
+    exit 3
+  fi
+fi
 exec "$PY" "$HERE/gpu_check.py" "$@"

@@ -545,20 +545,46 @@ def test_kv_budget_arithmetic():
 # ---- the GPU check script -------------------------------------------------------------------------
 def test_gpu_check_dry_run(tmp_path):
     """gpu_check.sh as the GPU machine runs it (offline install of this repository into a private
-    site, then gpu_check.py), with nothing carried and tiny sizes on CPU."""
-    out = tmp_path / "gpu_check.json"
+    site, then gpu_check.py, each phase in its own process), with nothing carried, tiny sizes on CPU
+    and FlashInfer's stand-in: the smoke test, agreement with graphs on and off and torch on the risky
+    workload (graph buckets 8 -> 1 with padding rows, prefix hits), the throughput rows and the decode
+    step; the report rewritten under the output folder after every phase."""
+    out = tmp_path / "out"
     (tmp_path / "wheels").mkdir()
     env = dict(os.environ, WHEELS=str(tmp_path / "wheels"), SITE=str(tmp_path / "site"), PYTHON=sys.executable)
-    result = subprocess.run(["bash", str(REPO / "benchmarks" / "gpu_check.sh"), "--dry-run", "--json", str(out)],
+    result = subprocess.run(["bash", str(REPO / "benchmarks" / "gpu_check.sh"), "--dry-run", "--out", str(out),
+                             "--families", "llama,gemma2"],
                             capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    report = json.loads(out.read_text())
-    assert report["dry_run"] is True
-    assert {r["family"] for r in report["agreement"]} == {"llama", "qwen3", "gemma2"}
+    report = json.loads((out / "gpu_check.json").read_text())
+    assert report["dry_run"] is True and all(v.startswith("ok") for v in report["phases"].values()), report["phases"]
+    assert list(report["phases"]) == ["env", "smoke", "agreement", "hf_generate", "hf_batch", "eager", "graphs", "decode"]
+    assert all(check["ok"] for check in report["smoke"]) and len(report["smoke"]) == 6
+    assert [r["family"] for r in report["agreement"]] == ["llama", "gemma2"]
+    for row in report["agreement"]:
+        graphs, eager, torch_row = row["flashinfer graphs"], row["flashinfer eager"], row["torch"]
+        assert graphs["backend"] == eager["backend"] == "flashinfer" and torch_row["backend"] == "torch"
+        assert graphs["agrees_with_torch"] == eager["agrees_with_torch"] == 1.0, row
+        assert {"1", "2", "4"} <= set(graphs["graph_steps_by_bucket"]) and not eager["graph_steps_by_bucket"]
+        assert graphs["prefix_hit_tokens"] > 0
     names = {r["name"] for r in report["throughput"]}
-    assert {"transformers generate", "transformers generate_batch", "paged_hf eager"} <= names
-    assert "| paged_hf eager" in result.stdout
+    assert {"transformers generate", "transformers generate_batch", "paged_hf eager", "paged_hf cuda graphs"} <= names
+    assert "| paged_hf eager" in result.stdout and (out / "summary.md").exists() and (out / "gpu_check.log").exists()
     assert f"paged_hf {tmp_path / 'site'}" in result.stdout  # the check ran the installed copy
+
+
+def test_gpu_check_stops_at_once_without_flashinfer(tmp_path):
+    """On a GPU run, a flashinfer that does not import stops the script before any timing."""
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "flashinfer.py").write_text("raise OSError('libcudart.so.13: cannot open shared object file')\n")
+    (tmp_path / "wheels").mkdir()
+    env = dict(os.environ, WHEELS=str(tmp_path / "wheels"), SITE=str(tmp_path / "site"), PYTHON=sys.executable,
+               PYTHONPATH=str(broken))
+    result = subprocess.run(["bash", str(REPO / "benchmarks" / "gpu_check.sh"), "--call", "1"],
+                            capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
+    assert result.returncode == 3, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "flashinfer / tvm_ffi do not import" in result.stderr and "libcudart" in result.stderr
 
 
 # ---- coherence: graphs hold weights' addresses -------------------------------------------------

@@ -138,6 +138,7 @@ class DecodeAccelerator:
         self._graph_factory = graph_factory or _CudaGraph
         self._graphs: dict[int, Any] = {}
         self._captured = False
+        self.steps_by_bucket: dict[int, int] = {}  # decode steps run per padded batch size (gpu_check reads it)
         if use_graphs:
             max_b = self.buckets[-1]
             # page ids of one padded step: each sequence's blocks (prefix blocks may repeat across
@@ -176,6 +177,7 @@ class DecodeAccelerator:
     def run(self, meta: StepMetadata) -> torch.Tensor:
         """Logits [len(meta.logits_indices), V] of a step that ``can_run``."""
         b = bucket_for(meta.num_seqs, self.buckets)
+        self.steps_by_bucket[b] = self.steps_by_bucket.get(b, 0) + 1
         padded = pad_decode_metadata(meta, b, self.pad_block)
         if not self.use_graphs:
             self.backend.plan(padded)
