@@ -8,7 +8,7 @@ import torch
 
 import paged_hf
 from oracle import assert_teacher_forced
-from tiny_models import EOS_ID, FAMILIES, PAD_ID, make_tiny_model, tiny_prompts
+from tiny_models import left_pad, EOS_ID, FAMILIES, PAD_ID, make_tiny_model, tiny_prompts
 
 # longer than the sliding window (8) and than several 4-token blocks; one prompt of one token
 PROMPT_LENGTHS = [1, 5, 19, 37]
@@ -17,16 +17,6 @@ CONFIGS = {
     "defaults": {},
     "chunked": {"block_size": 4, "max_num_batched_tokens": 16, "max_num_seqs": 8},
 }
-
-
-def left_pad(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(map(len, prompts))
-    ids = torch.full((len(prompts), width), PAD_ID)
-    mask = torch.zeros_like(ids)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p)
-        mask[i, width - len(p):] = 1
-    return ids, mask
 
 
 def generated_rows(out: torch.Tensor, width: int) -> list[list[int]]:

@@ -12,19 +12,9 @@ import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
 import paged_hf
-from tiny_models import PAD_ID, make_tiny_model, tiny_prompts
+from tiny_models import left_pad, PAD_ID, make_tiny_model, tiny_prompts
 
 EOS_SET = list(range(1, 512, 7))  # many EOS ids: beams finish at different lengths
-
-
-def left_pad(prompts):
-    width = max(map(len, prompts))
-    ids = torch.full((len(prompts), width), PAD_ID)
-    mask = torch.zeros_like(ids)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p)
-        mask[i, width - len(p):] = 1
-    return ids, mask
 
 
 @pytest.fixture(scope="module")
@@ -127,3 +117,27 @@ def test_beam_search_on_a_stateful_model_is_refused_naming_it():
     model = paged_hf.patch(build_tiny_model("qwen3_next"))
     with pytest.raises(NotImplementedError, match="beam search"):
         model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=3, num_beams=2)
+
+
+def test_the_engines_own_beam_search_is_transformers(pair):
+    """Engine.beam_search on token-id prompts of different lengths: per prompt, transformers' best
+    hypotheses (its sequences past the prompt, to their EOS) and scores, best first."""
+    reference, model, ids, mask = pair
+    engine = paged_hf.engine_for(model)
+    prompts = [row[m.bool()].tolist() for row, m in zip(ids, mask)]
+    got = engine.beam_search(prompts, num_beams=4, max_new_tokens=10, num_return_sequences=2, eos_token_ids=EOS_SET)
+    expected = reference.generate(ids, attention_mask=mask, max_new_tokens=10, num_beams=4, num_return_sequences=2,
+                                  eos_token_id=EOS_SET, pad_token_id=PAD_ID, do_sample=False,
+                                  return_dict_in_generate=True, output_scores=True)
+    width = ids.shape[1]
+    lengths = ((expected.beam_indices + 1).bool()).sum(dim=1).tolist()
+    for i, hypotheses in enumerate(got):
+        assert len(hypotheses) == 2
+        for k, (tokens, score) in enumerate(hypotheses):
+            j = 2 * i + k
+            assert tokens == expected.sequences[j, width:width + lengths[j]].tolist()
+            assert abs(score - float(expected.sequences_scores[j])) < 1e-4
+    assert any(h[0][0][-1] in EOS_SET for h in got), "some hypothesis ended on EOS"
+    assert engine.kv.pool.num_used == 0
+    with pytest.raises(ValueError, match="num_return_sequences"):
+        engine.beam_search(prompts, num_beams=2, num_return_sequences=3)

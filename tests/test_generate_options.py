@@ -22,7 +22,7 @@ from transformers.generation import CompileConfig
 import paged_hf
 from paged_hf.model import generate_options as options
 from paged_hf.model.hf_generate import _sampling_params
-from tiny_models import EOS_ID, PAD_ID, make_tiny_model, tiny_prompts
+from tiny_models import left_pad, EOS_ID, make_tiny_model, tiny_prompts
 
 MAX_NEW = 8
 README = Path(__file__).resolve().parents[1] / "README.md"
@@ -46,13 +46,8 @@ def test_the_readme_table_is_current():
 def setup(one_thread):
     reference = make_tiny_model("llama")
     model = paged_hf.patch(make_tiny_model("llama"))
-    prompts = tiny_prompts(reference.config.vocab_size, 3, [4, 7, 11], seed=11)
-    width = max(map(len, prompts))
-    ids = torch.full((3, width), PAD_ID)
-    mask = torch.zeros_like(ids)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p)
-        mask[i, width - len(p):] = 1
+    ids, mask = left_pad(tiny_prompts(reference.config.vocab_size, 3, [4, 7, 11], seed=11))
+    width = ids.shape[1]
     base = reference.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, do_sample=False,
                               output_scores=True, return_dict_in_generate=True)
     for step, scores in enumerate(base.scores):  # clear winners: exact comparisons are fair

@@ -14,7 +14,7 @@ import torch
 from transformers import InfNanRemoveLogitsProcessor, LogitsProcessor, LogitsProcessorList
 
 import paged_hf
-from tiny_models import EOS_ID, PAD_ID, make_tiny_model, tiny_prompts
+from tiny_models import left_pad, EOS_ID, make_tiny_model, tiny_prompts
 
 MAX_NEW = 12
 
@@ -45,16 +45,6 @@ class Raises(LogitsProcessor):
         if self.calls == self.at_call:
             raise ZeroDivisionError("processor failed on purpose")
         return scores
-
-
-def left_pad(prompts):
-    width = max(map(len, prompts))
-    ids = torch.full((len(prompts), width), PAD_ID)
-    mask = torch.zeros_like(ids)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p)
-        mask[i, width - len(p):] = 1
-    return ids, mask
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import torch
 from transformers import StoppingCriteria, StoppingCriteriaList, StopStringCriteria
 
 import paged_hf
-from tiny_models import EOS_ID, PAD_ID, make_tiny_model, tiny_prompts
+from tiny_models import left_pad, EOS_ID, PAD_ID, make_tiny_model, tiny_prompts
 
 MAX_NEW = 20
 
@@ -46,16 +46,6 @@ class Raises(StoppingCriteria):
         if self.calls == self.at_call:
             raise KeyError("criterion failed on purpose")
         return False
-
-
-def left_pad(prompts):
-    width = max(map(len, prompts))
-    ids = torch.full((len(prompts), width), PAD_ID)
-    mask = torch.zeros_like(ids)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p)
-        mask[i, width - len(p):] = 1
-    return ids, mask
 
 
 @torch.no_grad()

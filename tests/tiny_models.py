@@ -215,6 +215,17 @@ def tiny_prompts(
     ]
 
 
+def left_pad(prompts: Sequence[Sequence[int]], pad: int = PAD_ID) -> tuple[torch.Tensor, torch.Tensor]:
+    """``input_ids`` and ``attention_mask`` of prompts padded on the left, as a generate call gets them."""
+    width = max(map(len, prompts))
+    ids = torch.full((len(prompts), width), pad)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    return ids, mask
+
+
 @contextlib.contextmanager
 def probe_attention(model: PreTrainedModel) -> Iterator[list[dict[str, Any]]]:
     """Record every attention call of ``model`` while in the block.

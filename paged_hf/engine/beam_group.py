@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from ..requests.request import Request
+from ..requests.sampling_params import SamplingParams
 from .call_group import Ending, JointCallGroup
 
 
@@ -105,3 +106,50 @@ class BeamCallGroup(JointCallGroup):
         indices = s._flatten_beam_dim(self.beam_indices[:, :num_return_sequences, :])
         longest = int(((indices + 1).bool()).sum(dim=1).max())
         return sequences[:, :self.prompt_len + longest], scores, indices[:, :longest]
+
+
+def beam_search(engine: Any, prompts: list[Any], num_beams: int, max_new_tokens: int, num_return_sequences: int,
+                length_penalty: float, early_stopping: bool | str, eos_token_ids: Any,
+                logits_processors: Any) -> list[list[tuple[list[int], float]]]:
+    """``Engine.beam_search``: the prompts' beams through the engine, the search transformers' own
+    (the model's GenerationMixin helpers), its processors ``logits_processors`` on log-probabilities."""
+    from transformers import EosTokenCriteria, GenerationConfig, LogitsProcessorList, MaxLengthCriteria, \
+        StoppingCriteriaList
+
+    if engine.kv.state is not None:
+        raise NotImplementedError("beam search on a model with recurrent / convolution state layers is not supported")
+    if not 1 <= num_return_sequences <= num_beams or num_beams < 2:
+        raise ValueError(f"num_beams={num_beams} must be >= 2 and num_return_sequences={num_return_sequences} "
+                         "in [1, num_beams]")
+    ids = [engine._prompt_ids("beam search", p) for p in prompts]
+    eos = sorted(engine.eos_token_ids if eos_token_ids is None else set(eos_token_ids))
+    pad = eos[0] if eos else 0
+    width = max(map(len, ids))
+    rows = torch.tensor([[pad] * (width - len(p)) + p for p in ids])
+    gc = GenerationConfig(num_beams=num_beams, max_length=width + max_new_tokens, length_penalty=length_penalty,
+                          early_stopping=early_stopping, eos_token_id=eos or None, pad_token_id=pad,
+                          num_return_sequences=num_return_sequences, do_sample=False)
+    engine.model._prepare_special_tokens(gc, True, device="cpu")
+    criteria = StoppingCriteriaList([MaxLengthCriteria(gc.max_length)]
+                                    + ([EosTokenCriteria(gc._eos_token_tensor)] if eos else []))
+    group = BeamCallGroup(rows, criteria, LogitsProcessorList(list(logits_processors)), engine.model, gc,
+                          scores=False, logits=False, device=None)
+    params = SamplingParams(max_new_tokens=max_new_tokens, n=num_beams, ignore_eos=True)
+    rids: list[str] = []
+    try:
+        for i, p in enumerate(ids):
+            rids.append(engine._add(engine._new_id(None), p, params, frozenset()))
+            group.join(engine.requests[rids[-1]], i * num_beams)
+        outputs = engine.run_until_done(rids)
+    except BaseException:
+        engine.abort_all(rids)
+        raise
+    if group.error is not None:
+        raise group.error
+    failed = [out.error for out in outputs if out.error is not None]
+    if failed:
+        raise RuntimeError(f"beam search failed: {failed[0]}")
+    sequences, scores, indices = group.result(num_return_sequences)
+    lengths = ((indices + 1).bool()).sum(dim=1).tolist()
+    best = [(sequences[j, width:width + lengths[j]].tolist(), float(scores[j])) for j in range(sequences.shape[0])]
+    return [best[i * num_return_sequences:(i + 1) * num_return_sequences] for i in range(len(ids))]
