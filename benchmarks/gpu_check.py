@@ -412,10 +412,32 @@ def table(rows: list[Row], base: str = "transformers generate") -> str:
 PHASES = ("env", "smoke", "agreement", "hf_generate", "hf_batch", "eager", "graphs", "decode")
 # The plan for a GPU lent for 15 minutes of device time, 10 at most a command (see the header).
 CALLS = {
-    "1": dict(phases=("env", "smoke", "agreement", "eager", "graphs"), families=("llama",), requests=128, fa2=True),
+    # FA2 prefill (FA3's JIT is the slowest), the default decode kernel choice
+    "1": dict(phases=("env", "smoke", "agreement", "eager", "graphs"), families=("llama",), requests=128,
+              prefill="fa2", decode_tc="auto"),
     "2": dict(phases=("env", "agreement", "hf_generate", "hf_batch", "decode"), families=("gemma2", "qwen3"),
-              requests=128, fa2=True, hf_max_time=45.0),
+              requests=128, prefill="fa2", decode_tc="auto", hf_max_time=45.0),
 }
+
+
+def call_argv(argv: list[str]) -> list[str]:
+    """``argv`` with ``--call N`` (or ``--call=N``) replaced by that call's options; options given
+    after it still apply (argparse keeps the last)."""
+    out, i = [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--call" or arg.startswith("--call="):
+            name = arg.split("=", 1)[1] if "=" in arg else argv[i + 1]
+            i += 1 if "=" in arg else 2
+            plan = CALLS[name]
+            out += ["--phases", ",".join(plan["phases"]), "--families", ",".join(plan["families"]),
+                    "--requests", str(plan["requests"]), "--prefill-backend", plan["prefill"],
+                    "--decode-tensor-cores", plan["decode_tc"]]
+            out += ["--hf-max-time", str(plan["hf_max_time"])] if "hf_max_time" in plan else []
+            continue
+        out.append(arg)
+        i += 1
+    return out
 
 
 def make_setup(args: argparse.Namespace) -> Setup:
@@ -435,9 +457,12 @@ def run_phase(name: str, setup: Setup, args: argparse.Namespace) -> dict[str, An
     if setup.stand_in:
         import gpu_stand_in
         gpu_stand_in.install()
-    if args.fa2 and not setup.dry_run:
+    if args.fa2:
+        args.prefill_backend, args.decode_tensor_cores = "fa2", "on"
+    if not setup.dry_run:  # the kernels FlashInfer JIT-compiles: prefill and decode chosen apart
         from paged_hf.execution.backends import flashinfer_backend
-        flashinfer_backend.PREFILL_BACKEND, flashinfer_backend.DECODE_TENSOR_CORES = "fa2", True
+        flashinfer_backend.PREFILL_BACKEND = args.prefill_backend
+        flashinfer_backend.DECODE_TENSOR_CORES = {"auto": None, "on": True, "off": False}[args.decode_tensor_cores]
     if name == "env":
         return {"environment": environment(setup), "setup": {k: str(v) for k, v in asdict(setup).items()}}
     if name == "smoke":
@@ -547,18 +572,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
     ap.add_argument("--fa2", action="store_true",
-                    help="FlashInfer: FA2 prefill and tensor-core decode (fewer kernels to JIT-compile)")
+                    help="FlashInfer: FA2 prefill and tensor-core decode (--prefill-backend fa2 --decode-tensor-cores on)")
+    ap.add_argument("--prefill-backend", choices=("auto", "fa2", "fa3"), default="auto",
+                    help="FlashInfer's prefill kernels (auto: FA3 on Hopper, the slowest to JIT-compile)")
+    ap.add_argument("--decode-tensor-cores", choices=("auto", "on", "off"), default="auto",
+                    help="FlashInfer's decode kernel (auto: tensor cores where the GQA group exceeds 4)")
     ap.add_argument("--phase", help=argparse.SUPPRESS)
     ap.add_argument("--part", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.call:
-        plan = CALLS[args.call]
-        args.phases, args.families = ",".join(plan["phases"]), ",".join(plan["families"])
-        args.requests, args.fa2 = plan["requests"], plan["fa2"]
-        args.hf_max_time = plan.get("hf_max_time", args.hf_max_time)
-        argv = [a for a in argv if not a.startswith("--call")] + [
-            "--phases", args.phases, "--families", args.families, "--requests", str(args.requests),
-            "--hf-max-time", str(args.hf_max_time)] + (["--fa2"] if args.fa2 else [])
+        argv = call_argv(argv)
+        args = ap.parse_args(argv)
     if not args.dry_run and not torch.cuda.is_available():
         print("gpu_check: no CUDA device; use --dry-run on CPU", file=sys.stderr)
         return 2

@@ -5,7 +5,7 @@
 # The plan for a lent GPU (15 minutes of device time in all, at most 10 a command; a fresh machine
 # starts in a minute or two). Fetch and size the carried set here first:
 #   bash benchmarks/fetch_gpu_wheels.sh            # benchmarks/wheels/, ~32 MiB of the 64 a call carries
-# Call 1 (timeout_s 360; expect ~2-3 min of FlashInfer JIT with --fa2 on 16 cores):
+# Call 1 (timeout_s 360; expect ~2-3 min of FlashInfer JIT, FA2 prefill, on 16 cores):
 #   run(command="bash benchmarks/gpu_check.sh --call 1", carry=["benchmarks/wheels"], timeout_s=360)
 #   -> env and versions; the FlashInfer-only smoke test (prefill over shuffled pages, decode on both
 #      kernels, a captured graph re-planned and replayed, against fp32); agreement on llama (graphs

@@ -613,3 +613,17 @@ def test_captured_decode_graphs_follow_replaced_weights(fake_flashinfer, monkeyp
     assert accel._captured
     for prompt, out in zip(prompts, replaced):
         assert_teacher_forced(model, prompt, out.token_ids, what="after replacing a weight under CUDA graphs")
+
+
+def test_gpu_check_calls_expand_to_their_plan():
+    """``--call N`` stands for its plan's options (either spelling); options after it still win."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import gpu_check
+
+    for spelled in (["--call", "1"], ["--call=1"]):
+        argv = gpu_check.call_argv(["--dry-run", *spelled, "--requests", "8"])
+        assert argv[0] == "--dry-run" and "--call" not in " ".join(argv)
+        plan = gpu_check.CALLS["1"]
+        assert argv[argv.index("--phases") + 1] == ",".join(plan["phases"])
+        assert argv[argv.index("--prefill-backend") + 1] == "fa2" and argv[-2:] == ["--requests", "8"]
+    assert "--hf-max-time" in gpu_check.call_argv(["--call", "2"])
