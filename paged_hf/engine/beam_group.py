@@ -51,12 +51,10 @@ class BeamCallGroup(JointCallGroup):
         self.reassignments: list[tuple[Request, Request]] = []  # (beam, the beam it continues), this step's
 
     def choose(self) -> dict[Request, int] | list[Ending]:
-        if self.over or len(self.offered) < len(self.members) or None in self.members:
+        logits = self.take_offered(self.running.device)
+        if logits is None:
             return {}
         s, gc, b, k, cur = self.search, self.gc, self.batch, self.num_beams, self.cur_len
-        device = self.running.device
-        logits = torch.stack([self.offered[i] for i in range(len(self.members))]).to(device, torch.float32)
-        self.offered = {}
         try:
             flat = s._flatten_beam_dim(self.running[:, :, :cur])
             log_probs = self.processors(flat, torch.log_softmax(logits, dim=-1))

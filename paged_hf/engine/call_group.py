@@ -93,8 +93,8 @@ class CallGroup:
                     if self.pads_finished and not req.is_finished:
                         ending.append((req, FinishReason.STOP, STOP_REASON))
         if all(self.done):  # the call is over: rows that ran on past their own stop end with it
-            ending += [(req, FinishReason.STOP, STOP_REASON) for req in self.members
-                       if not req.is_finished and all(r is not req for r, _, _ in ending)]
+            stopped = {id(req) for req, _, _ in ending}
+            ending += [e for e in self._end_rest(FinishReason.STOP, STOP_REASON) if id(e[0]) not in stopped]
         return ending
 
     def _is_done(self, answer: Any) -> list[bool]:
@@ -104,10 +104,13 @@ class CallGroup:
         view = self.view[:, :self.width + self.steps]
         return view if self.device is None or self.device.type == "cpu" else view.to(self.device)
 
+    def _end_rest(self, reason: FinishReason, text: str | None) -> list[Ending]:
+        """Every row of the call that has not ended, to end with ``reason``."""
+        return [(req, reason, text) for req in self.members if req is not None and not req.is_finished]
+
     def _fail(self, error: BaseException, what: str) -> list[Ending]:
         self.error = error
-        why = f"its generate call's {what} raised {type(error).__name__}: {error}"
-        return [(req, FinishReason.ERROR, why) for req in self.members if req is not None and not req.is_finished]
+        return self._end_rest(FinishReason.ERROR, f"its generate call's {what} raised {type(error).__name__}: {error}")
 
     def _failed_rows(self) -> list[Ending]:
         """A row that failed or was aborted fails its call: a tensor result has no per-row errors,
@@ -116,8 +119,8 @@ class CallGroup:
                 if req is not None and req.finish_reason in (FinishReason.ERROR, FinishReason.ABORT)]
         if not lost:
             return []
-        why = f"row {self.row_of[id(lost[0])]} of its generate call ended: {lost[0].error or 'aborted'}"
-        return [(req, FinishReason.ERROR, why) for req in self.members if req is not None and not req.is_finished]
+        return self._end_rest(FinishReason.ERROR,
+                              f"row {self.row_of[id(lost[0])]} of its generate call ended: {lost[0].error or 'aborted'}")
 
 
 class JointCallGroup(CallGroup):
@@ -146,14 +149,21 @@ class JointCallGroup(CallGroup):
     def offer(self, req: Request, logits: torch.Tensor) -> None:
         self.offered[self.row_of[id(req)]] = logits
 
+    def take_offered(self, device: torch.device) -> torch.Tensor | None:
+        """The rows' logits for the step, fp32 ``[rows, vocab]`` on ``device``, once every row has
+        offered them (then they are taken); else None."""
+        if self.over or len(self.offered) < len(self.members) or None in self.members:
+            return None
+        logits = torch.stack([self.offered[i] for i in range(len(self.members))]).to(device, torch.float32)
+        self.offered = {}
+        return logits
+
     def choose(self) -> dict[Request, int] | list[Ending]:
         """Every row's token for the step, once every row has offered its logits (else nothing); the
         rows to end, where a callback raised."""
-        if self.over or len(self.offered) < len(self.members) or None in self.members:
+        raw = self.take_offered(self.device or torch.device("cpu"))
+        if raw is None:
             return {}
-        device = self.device or torch.device("cpu")
-        raw = torch.stack([self.offered[i] for i in range(len(self.members))]).to(device, torch.float32)
-        self.offered = {}
         try:
             scores = self.processors(self._input_ids(), raw.clone())
             if self.scores is not None:
@@ -177,9 +187,8 @@ class JointCallGroup(CallGroup):
         failed = self._failed_rows()
         if failed:
             return failed
-        ended = any(req.is_finished for req in self.members)  # its length: every row at once
-        if self.over or ended:
-            return [(req, FinishReason.STOP, STOP_REASON) for req in self.members if not req.is_finished]
+        if self.over or any(req.is_finished for req in self.members):  # its length: every row at once
+            return self._end_rest(FinishReason.STOP, STOP_REASON)
         return []
 
     def sequences(self) -> torch.Tensor:

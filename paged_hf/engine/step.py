@@ -27,14 +27,15 @@ def _hand_joint_rows_to_their_groups(rows: list[Request], logits: torch.Tensor
                                      ) -> tuple[list[Request], torch.Tensor, list[Any]]:
     """Rows whose generate call picks its rows' tokens together (paged_hf/engine/call_group.py)
     hand their logits to it; the rest are sampled here."""
-    joint = [i for i, r in enumerate(rows) if r.group is not None and r.group.chooses_tokens]
-    if not joint:
+    keep, groups = [], {}
+    for i, r in enumerate(rows):
+        if r.group is not None and r.group.chooses_tokens:
+            r.group.offer(r, logits[i])
+            groups[id(r.group)] = r.group
+        else:
+            keep.append(i)
+    if not groups:
         return rows, logits, []
-    groups = {}
-    for i in joint:
-        rows[i].group.offer(rows[i], logits[i])
-        groups[id(rows[i].group)] = rows[i].group
-    keep = [i for i in range(len(rows)) if rows[i].group is None or not rows[i].group.chooses_tokens]
     return [rows[i] for i in keep], logits[torch.tensor(keep, dtype=torch.long, device=logits.device)], \
         list(groups.values())
 

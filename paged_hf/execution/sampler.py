@@ -14,7 +14,7 @@ tokens are what they would have been without it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -132,16 +132,11 @@ def _row_max(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def _prepare_row(logits: torch.Tensor, row: int, req: Request) -> None:
     """The per-request processors, in place on ``logits[row]``: the penalties, EOS ban, suppressed tokens."""
     p = req.params
-    if p.encoder_repetition_penalty != 1.0:  # transformers' EncoderRepetitionPenaltyLogitsProcessor's arithmetic
-        inverse = 1 / p.encoder_repetition_penalty
+    if p.encoder_repetition_penalty != 1.0:  # transformers' EncoderRepetitionPenaltyLogitsProcessor: by 1 / penalty
         ids = req.encoder_token_ids if req.encoder_token_ids is not None else req.prompt_ids
-        seen = torch.tensor(sorted(set(ids)), device=logits.device)
-        vals = logits[row, seen]
-        logits[row, seen] = torch.where(vals < 0, vals * inverse, vals / inverse)
+        _penalise(logits, row, ids, 1 / p.encoder_repetition_penalty)
     if p.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(req.token_ids)), device=logits.device)
-        vals = logits[row, seen]
-        logits[row, seen] = torch.where(vals < 0, vals * p.repetition_penalty, vals / p.repetition_penalty)
+        _penalise(logits, row, req.token_ids, p.repetition_penalty)
     if req.num_output_tokens < p.min_new_tokens:
         banned = [t for t in set(p.stop_token_ids) | (set() if p.ignore_eos else set(req.eos_token_ids))
                   if t < logits.shape[1]]
@@ -158,6 +153,14 @@ def _prepare_row(logits: torch.Tensor, row: int, req: Request) -> None:
                              f"{type(out).__name__} {tuple(getattr(out, 'shape', ()))}, not a tensor of shape "
                              f"{tuple(logits[row].shape)}")
         logits[row] = out
+
+
+def _penalise(logits: torch.Tensor, row: int, ids: Sequence[int], factor: float) -> None:
+    """transformers' repetition-penalty arithmetic on ``logits[row]`` at ``ids``: a logit below 0
+    times ``factor``, any other divided by it."""
+    seen = torch.tensor(sorted(set(ids)), device=logits.device)
+    vals = logits[row, seen]
+    logits[row, seen] = torch.where(vals < 0, vals * factor, vals / factor)
 
 
 def _draw_rows(logits: torch.Tensor, requests: list[Request], rows: list[int],

@@ -131,14 +131,10 @@ class SamplingParams:
             raise bad("top_p", self.top_p, "in (0, 1]")
         if not _finite(self.min_p) or not 0 <= self.min_p <= 1:
             raise bad("min_p", self.min_p, "in [0, 1]")
-        if not _finite(self.repetition_penalty) or \
-                not MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY:
-            raise bad("repetition_penalty", self.repetition_penalty,
-                      f"in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}] (1 disables)")
-        if not _finite(self.encoder_repetition_penalty) or \
-                not MIN_REPETITION_PENALTY <= self.encoder_repetition_penalty <= MAX_REPETITION_PENALTY:
-            raise bad("encoder_repetition_penalty", self.encoder_repetition_penalty,
-                      f"in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}] (1 disables)")
+        for name in ("repetition_penalty", "encoder_repetition_penalty"):
+            value = getattr(self, name)
+            if not _finite(value) or not MIN_REPETITION_PENALTY <= value <= MAX_REPETITION_PENALTY:
+                raise bad(name, value, f"in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}] (1 disables)")
         if not _is_int(self.n) or self.n < 1:
             raise bad("n", self.n, "an integer >= 1")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
