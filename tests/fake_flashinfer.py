@@ -10,7 +10,10 @@ K/V writes, CUDA-graph buffers) can be checked on CPU against the torch backend:
 - logits ``q.k * sm_scale`` (default ``head_dim ** -0.5``), soft-capped as
   ``cap * tanh(logits / cap)``; GQA: query head h reads KV head ``h // (Hq / Hkv)``;
 - ``use_cuda_graph=True``: ``plan`` copies into the caller's buffers and ``run`` reads them, the
-  batch size is fixed by the buffers (as in FlashInfer, where the captured kernel reads them).
+  batch size is fixed by the buffers (as in FlashInfer, where the captured kernel reads them);
+- ``plan`` leaves its plan in the wrapper's int workspace (``_int_workspace_buffer``, as FlashInfer
+  does) and ``run`` fails when that buffer holds another wrapper's plan: wrappers that share one
+  (the backend shares it per variant) must never hold live plans at once.
 
 The constructor and ``plan`` signatures are FlashInfer 0.7's (keyword names checked), and the
 dtype / layout / index checks FlashInfer makes are made here too.
@@ -29,7 +32,15 @@ def _check_i32(name: str, t: torch.Tensor) -> None:
     assert isinstance(t, torch.Tensor) and t.dtype == torch.int32, f"{name} must be an int32 tensor, got {t!r}"
 
 
+_plans_made = iter(range(1, 1 << 62))
+
+
 class _Base:
+    def _init_workspace(self) -> None:
+        self._int_workspace_buffer = torch.zeros(8, dtype=torch.uint8)
+        self._pin_memory_int_workspace_buffer = torch.zeros(8, dtype=torch.uint8)
+        self._plan_id = 0
+
     def _store(self, indptr, indices, last_page_len, page_size, num_qo_heads, num_kv_heads, head_dim,
                window_left, logits_soft_cap, sm_scale, q_data_type, kv_data_type):
         for name, t in (("indptr", indptr), ("indices", indices), ("last_page_len", last_page_len)):
@@ -55,6 +66,8 @@ class _Base:
         self.q_data_type, self.kv_data_type = q_data_type, kv_data_type
         self.planned = True
         self.plan_count += 1
+        self._plan_id = next(_plans_made)
+        self._int_workspace_buffer.view(torch.int64)[0] = self._plan_id
 
     def _attend(self, q: torch.Tensor, cache: torch.Tensor, qo_indptr: list[int], causal: bool) -> torch.Tensor:
         # A kernel launch: the stand-in's host-side work is hidden from dispatch modes, so a test that
@@ -65,6 +78,8 @@ class _Base:
     def _reference_attention(self, q: torch.Tensor, cache: torch.Tensor, qo_indptr: list[int], causal: bool
                              ) -> torch.Tensor:
         assert self.planned, "run before plan"
+        assert int(self._int_workspace_buffer.view(torch.int64)[0]) == self._plan_id, \
+            "run after another wrapper planned into this wrapper's int workspace"
         assert q.dtype == self.q_data_type and cache.dtype == self.kv_data_type, (q.dtype, cache.dtype)
         assert q.dim() == 3 and q.shape[1:] == (self.num_qo_heads, self.head_dim), q.shape
         assert cache.dim() == 5 and cache.shape[1:] == (2, self.page_size, self.num_kv_heads, self.head_dim), cache.shape
@@ -105,6 +120,7 @@ class BatchDecodeWithPagedKVCacheWrapper(_Base):
                  backend="auto", jit_args=None):
         assert kv_layout == "NHD", kv_layout
         assert float_workspace_buffer.dtype == torch.uint8
+        self._init_workspace()
         self.use_cuda_graph = use_cuda_graph
         self.use_tensor_cores = use_tensor_cores
         self.planned = False
@@ -144,6 +160,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_Base):
                  variant_owns_mask=False):
         assert kv_layout == "NHD", kv_layout
         assert not use_cuda_graph, "the backend captures decode steps only"
+        self._init_workspace()
         self.use_cuda_graph = False
         self.planned = False
         self.plan_count = 0

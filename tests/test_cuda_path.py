@@ -25,7 +25,8 @@ from paged_hf.execution.backends import TorchBackend, select_backend
 from paged_hf.execution.backends.swap import swap_in, swap_out
 from paged_hf.execution.cuda_graphs import (DecodeAccelerator, _EagerGraph, bucket_for, decode_buckets, pad_decode_metadata,
                                   padding_metadata)
-from paged_hf.execution.cuda_memory import kv_budget_from_profile
+from paged_hf.execution.cuda_memory import (FLOAT_WORKSPACE_BYTES, INT_WORKSPACE_BYTES, MARGIN_BYTES, kv_budget_from_profile,
+                                           profile_forward, reserve_bytes)
 from paged_hf.execution.metadata import build_step_metadata
 from oracle import assert_teacher_forced
 from tiny_models import FAMILIES, make_tiny_model, tiny_prompts
@@ -352,6 +353,12 @@ def test_cuda_graph_decode_path(family, fake_flashinfer, monkeypatch):
     for (b, _), w in backend._graph.items():
         assert w._indptr_buf.data_ptr() == backend._graph_bufs.kv_indptr.data_ptr()
         assert w._indices_buf.data_ptr() == backend._graph_bufs.kv_indices.data_ptr()
+    # one int workspace per variant for all its wrappers (eager and every bucket): the stand-in fails
+    # a run whose workspace holds another wrapper's plan, so the tokens above also show they never clash
+    wrappers = [(v, w) for (_, v), w in backend._graph.items()] + [(v, w) for (_, v), w in backend._eager.items()]
+    workspaces = {v: {w._int_workspace_buffer.data_ptr() for u, w in wrappers if u == v} for v in backend.variants}
+    assert all(len(ptrs) == 1 for ptrs in workspaces.values()), workspaces
+    assert len({p for ptrs in workspaces.values() for p in ptrs}) == len(backend.variants)
 
 
 def test_warmup_captures_the_graphs_before_the_first_request(fake_flashinfer, monkeypatch):
@@ -538,8 +545,36 @@ def test_kv_budget_arithmetic():
     with pytest.raises(ValueError, match="gpu_memory_utilization=0.1"):
         kv_budget_from_profile(80 * gib, 0.1, 10 * gib, 0, reserve=0)
     from paged_hf.execution.cuda_memory import profile_kv_budget
+    engine = paged_hf.Engine(make_tiny_model("llama"), num_blocks=8)
     with pytest.raises(ValueError, match="CUDA device"):
-        profile_kv_budget(make_tiny_model("llama"), paged_hf.EngineConfig())
+        profile_kv_budget(engine.model, paged_hf.EngineConfig(), engine.layout)
+
+
+def test_kv_reserve_counts_workspaces_per_variant_and_the_graph_pool():
+    """Gemma 2 has two attention variants (sliding and full): two int workspaces, whatever the
+    number of graph buckets; GPT-2 scaled by layer index plans one variant per layer."""
+    gemma = paged_hf.Engine(make_tiny_model("gemma2"), num_blocks=8).layout
+    assert len(set(gemma.layers)) == 2
+    assert reserve_bytes(gemma, graph_pool=5) == FLOAT_WORKSPACE_BYTES + 2 * INT_WORKSPACE_BYTES + 5 + MARGIN_BYTES
+    assert reserve_bytes(gemma, 0, per_layer_scale=True) == (
+        FLOAT_WORKSPACE_BYTES + len(gemma.layers) * INT_WORKSPACE_BYTES + MARGIN_BYTES)
+
+
+def test_profiling_forward_runs_the_paged_seam_not_the_models_attention(monkeypatch):
+    """KV sizing profiles what a paged step builds: Gemma 2's eager attention (its [heads, T, T]
+    scores) must not run; the logits kept are the step's sampled rows."""
+    engine = paged_hf.Engine(make_tiny_model("gemma2"), num_blocks=8)
+    module = sys.modules[type(engine.model).__module__]
+
+    def no_eager(*args, **kwargs):
+        raise AssertionError("the model's own attention ran in the profiling forward")
+
+    monkeypatch.setattr(module, "eager_attention_forward", no_eager)  # the tiny Gemma 2 runs eager
+    with torch.inference_mode():
+        logits = profile_forward(engine.model, engine.layout, tokens=40, rows=6, limit=16)
+        assert logits.shape == (1, 6, engine.vocab_size)
+        with pytest.raises(AssertionError, match="own attention"):  # the guard itself bites outside the seam
+            engine.model(input_ids=torch.zeros(1, 4, dtype=torch.long))
 
 
 # ---- the GPU check script -------------------------------------------------------------------------

@@ -128,7 +128,7 @@ class Engine(Admission, StepLoop, OutputAssembly, BatchCalls):
                 budget = int(torch.cuda.mem_get_info(device)[0] * cfg.kv_cache_memory)
             else:  # gpu_memory_utilization of the total, less what the largest step needs
                 from ..execution.cuda_memory import profile_kv_budget
-                budget = profile_kv_budget(self.model, cfg)
+                budget = profile_kv_budget(self.model, cfg, self.layout)
         else:
             budget = int(cfg.kv_cache_memory or DEFAULT_CPU_KV_BYTES)
         if self.state_layout is not None:
