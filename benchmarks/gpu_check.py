@@ -16,6 +16,8 @@ Phases (``--phases``, each in a subprocess of its own, under ``--budget`` second
                output lengths U[100, 1024], random ids, EOS ignored, temperature 0.6, unseeded,
                Qwen3-0.6B's config with random weights
   decode       engine step time at batch 64, eager against graphs
+  memory       an engine sized by profiling (no num_blocks): its KV, 64 requests through it, peak
+               memory; swap preemption on a quarter of the blocks against the same requests with room
 ``--call 1`` / ``--call 2``: the two device calls of the plan in gpu_check.sh's header.
 
     bash benchmarks/gpu_check.sh --call 1          # on the GPU (installs what is carried, then this)
@@ -32,6 +34,7 @@ import platform
 import random
 import sys
 import time
+from pathlib import Path
 import traceback
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -368,6 +371,52 @@ def decode_step_time(setup: Setup, graphs: bool) -> float:
     return per_step
 
 
+@torch.inference_mode()
+def memory_checks(setup: Setup) -> dict[str, Any]:
+    """KV sizing by profiling: an engine built without ``num_blocks`` on Qwen3-0.6B (the budget
+    profiled through the paged seam), its KV bytes, then 64 of the throughput workload's requests
+    through it with graphs and the peak memory torch saw against the device's. Swap preemption:
+    the agreement workload through a quarter of the blocks it needs with ``preemption_mode="swap"``,
+    against the same requests with room (greedy: the same tokens)."""
+    out: dict[str, Any] = {}
+    model = build_model(qwen3_06b_config(setup.dry_run), setup, seed=1)
+    t = time.perf_counter()
+    engine = paged_hf.Engine(model, block_size=16, max_num_seqs=setup.max_num_seqs,
+                             max_num_batched_tokens=setup.max_num_batched_tokens,
+                             backend="flashinfer" if setup.stand_in else "auto")
+    out["sizing_s"] = round(time.perf_counter() - t, 2)
+    out["num_blocks"] = engine.runner.backend.num_blocks
+    out["kv_gib"] = round(engine.runner.backend.num_blocks * engine.page_bytes / (1 << 30), 3)
+    prompts, out_lens = workload(setup)
+    if setup.device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    done = engine.generate(prompts[:64], [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in out_lens[:64]])
+    out["requests_ok"] = sum(o.error is None for o in done)
+    if setup.device == "cuda":
+        free, total = torch.cuda.mem_get_info()
+        out.update(peak_gib=round(torch.cuda.max_memory_allocated() / (1 << 30), 2), total_gib=round(total / (1 << 30), 2),
+                   free_gib_after=round(free / (1 << 30), 2))
+    del engine, model, done
+    free_memory()
+
+    model = build_model(tiny_config("llama", setup.dry_run), setup, seed=100)
+    prompts, out_lens = agreement_workload(model.config.vocab_size, random.Random(setup.seed), setup.dry_run)
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in out_lens]
+    need = sum(-(-(len(p) + n) // 16) for p, n in zip(prompts, out_lens))
+    largest = max(-(-(len(p) + n) // 16) for p, n in zip(prompts, out_lens))
+    kw = dict(block_size=16, max_num_seqs=16, max_num_batched_tokens=64, enable_prefix_caching=False,
+              backend="flashinfer" if setup.stand_in else "auto")
+    roomy = [o.token_ids for o in paged_hf.Engine(model, num_blocks=need + 16, **kw).generate(prompts, params)]
+    engine = paged_hf.Engine(model, num_blocks=max(largest + 1, need // 4), preemption_mode="swap", **kw)
+    tight = [o.token_ids for o in engine.generate(prompts, params)]
+    out["swap"] = {"preemptions": engine.stats()["preemptions"], "same_tokens": tight == roomy,
+                   "num_blocks": engine.runner.backend.num_blocks, "blocks_needed": need}
+    log(f"memory {out}")
+    del engine, model
+    free_memory()
+    return out
+
+
 def guarded(name: str, fn, *args) -> Row:
     log(f"start {name}")
     try:
@@ -409,13 +458,13 @@ def table(rows: list[Row], base: str = "transformers generate") -> str:
     return "\n".join(lines)
 
 
-PHASES = ("env", "smoke", "agreement", "hf_generate", "hf_batch", "eager", "graphs", "decode")
+PHASES = ("env", "smoke", "agreement", "hf_generate", "hf_batch", "eager", "graphs", "decode", "memory")
 # The plan for a GPU lent for 15 minutes of device time, 10 at most a command (see the header).
 CALLS = {
     # FA2 prefill (FA3's JIT is the slowest), the default decode kernel choice
     "1": dict(phases=("env", "smoke", "agreement", "eager", "graphs"), families=("llama",), requests=128,
               prefill="fa2", decode_tc="auto"),
-    "2": dict(phases=("env", "agreement", "hf_generate", "hf_batch", "decode"), families=("gemma2", "qwen3"),
+    "2": dict(phases=("env", "agreement", "memory", "hf_generate", "hf_batch", "decode"), families=("gemma2", "qwen3"),
               requests=128, prefill="fa2", decode_tc="auto", hf_max_time=45.0),
 }
 
@@ -470,6 +519,8 @@ def run_phase(name: str, setup: Setup, args: argparse.Namespace) -> dict[str, An
         return {"smoke": gpu_smoke_flashinfer.run(setup.device, stand_in=setup.stand_in)}
     if name == "agreement":
         return {"agreement": [check_agreement(setup, f) for f in args.families.split(",")]}
+    if name == "memory":
+        return {"memory": memory_checks(setup)}
     prompts, out_lens = workload(setup)
     if name == "decode":
         decode: dict[str, Any] = {"batch": setup.decode_batch}
@@ -502,16 +553,42 @@ def summary(report: dict[str, Any]) -> str:
     lines += [f"smoke {report['smoke']}"] if "smoke" in report else []
     lines += [f"agreement {r}" for r in report.get("agreement", [])]
     lines += [f"decode step {report['decode_step']}"] if "decode_step" in report else []
+    lines += [f"memory {report['memory']}"] if "memory" in report else []
     lines += [f"phases {report.get('phases', {})}"]
     return "\n".join(lines)
+
+
+JIT_ARCHIVE = "flashinfer_jit.tar.xz"
+JIT_CARRY_BYTES = 28 << 20  # beside the ~32 MiB of wheels, under the 64 MiB a device call carries
+
+
+def keep_compiled_kernels(out: Path, report: dict[str, Any]) -> None:
+    """FlashInfer's JIT cache (sources, objects, ninja's logs, the .so), packed under ``out`` when it
+    grew, so the next call carries it in benchmarks/wheels/ and ninja finds nothing to rebuild."""
+    import subprocess
+
+    cache = Path(os.environ.get("FLASHINFER_WORKSPACE_BASE") or Path.home()) / ".cache" / "flashinfer"
+    if not cache.is_dir():
+        return
+    size = sum(f.stat().st_size for f in cache.rglob("*") if f.is_file())
+    kept = report.setdefault("jit_cache", {"bytes": 0})
+    if size == kept["bytes"]:
+        return
+    t = time.perf_counter()
+    archive = out / JIT_ARCHIVE
+    subprocess.run(["tar", "-cJf", str(archive), "-C", str(cache), "."], check=True,
+                   env=dict(os.environ, XZ_OPT="-T0 -1"))
+    packed = archive.stat().st_size
+    if packed > JIT_CARRY_BYTES:
+        archive.unlink()
+    kept.update(bytes=size, packed_bytes=packed, carried=packed <= JIT_CARRY_BYTES,
+                pack_seconds=round(time.perf_counter() - t, 1))
 
 
 def drive(args: argparse.Namespace, argv: list[str]) -> int:
     """Each phase in a subprocess of its own, under what is left of ``--budget``; the report JSON and
     the log rewritten under ``--out`` after every phase, so a run stopped at its limit keeps them."""
-    import os
     import subprocess
-    from pathlib import Path
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -546,6 +623,7 @@ def drive(args: argparse.Namespace, argv: list[str]) -> int:
                 merge(report, json.loads(part_file.read_text()))
             status = status or (0 if ok else 1)
             report["phases"][name] = f"{how} in {time.perf_counter() - t:.1f} s"
+            keep_compiled_kernels(out, report)
             report["total_seconds"] = round(time.perf_counter() - started, 1)
             json_path.write_text(json.dumps(report, indent=2, default=str))
             (out / "summary.md").write_text(summary(report) + "\n")

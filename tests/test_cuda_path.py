@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import tarfile
 import types
 import warnings
 from pathlib import Path
@@ -108,6 +109,11 @@ def test_metadata_matches_flashinfer_csr(block_size):
     assert not meta.is_pure_decode
     kv_ptr = meta.kv_indptr.tolist()
     assert meta.kv_blocks == [meta.kv_indices[kv_ptr[i]:kv_ptr[i + 1]].tolist() for i in range(len(scheduled))]
+    # two uploads a step (one int64 buffer, one int32), not one copy per tensor
+    storages = {t.untyped_storage().data_ptr() for t in (meta.input_ids, meta.positions, meta.logits_indices,
+                                                         meta.slot_mapping, meta.qo_indptr, meta.kv_indptr,
+                                                         meta.kv_indices, meta.kv_last_page_len)}
+    assert len(storages) == 2
 
 
 def test_host_csr_equals_device_csr(fake_flashinfer):
@@ -503,6 +509,11 @@ def test_swap_round_trip_torch_backend():
     before = [c.clone() for c in backend.kv]
     handle = swap_out(backend.kv, [3, 1, 5])
     assert handle.num_blocks == 3 and handle.nbytes == 3 * 3 * 2 * 4 * 2 * 8 * 4
+    # each tensor's part is one contiguous run of the host buffer (a device copy into pinned memory
+    # is asynchronous only then), the parts tile the buffer without overlap
+    assert all(p.is_contiguous() for p in handle.parts)
+    starts = sorted(p.data_ptr() - handle.data.data_ptr() for p in handle.parts)
+    assert starts == [i * handle.parts[0].nbytes for i in range(len(handle.parts))]
     for cache in backend.kv:  # the freed blocks are reused meanwhile
         cache[[3, 1, 5]] = 0
     swap_in(backend.kv, handle, [7, 2, 0])
@@ -586,14 +597,22 @@ def test_gpu_check_dry_run(tmp_path):
     step; the report rewritten under the output folder after every phase."""
     out = tmp_path / "out"
     (tmp_path / "wheels").mkdir()
-    env = dict(os.environ, WHEELS=str(tmp_path / "wheels"), SITE=str(tmp_path / "site"), PYTHON=sys.executable)
+    jit = tmp_path / "home" / ".cache" / "flashinfer" / "batch_decode"  # as if a phase had compiled one kernel
+    jit.mkdir(parents=True)
+    (jit / "batch_decode.so").write_bytes(b"\x7fELF" * 100)
+    env = dict(os.environ, WHEELS=str(tmp_path / "wheels"), SITE=str(tmp_path / "site"), PYTHON=sys.executable,
+               FLASHINFER_WORKSPACE_BASE=str(tmp_path / "home"))
     result = subprocess.run(["bash", str(REPO / "benchmarks" / "gpu_check.sh"), "--dry-run", "--out", str(out),
                              "--families", "llama,gemma2"],
                             capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     report = json.loads((out / "gpu_check.json").read_text())
     assert report["dry_run"] is True and all(v.startswith("ok") for v in report["phases"].values()), report["phases"]
-    assert list(report["phases"]) == ["env", "smoke", "agreement", "hf_generate", "hf_batch", "eager", "graphs", "decode"]
+    assert list(report["phases"]) == ["env", "smoke", "agreement", "hf_generate", "hf_batch", "eager", "graphs", "decode",
+                                      "memory"]
+    memory = report["memory"]
+    assert memory["num_blocks"] > 0 and memory["requests_ok"] == 6
+    assert memory["swap"]["preemptions"] > 0 and memory["swap"]["same_tokens"], memory["swap"]
     assert all(check["ok"] for check in report["smoke"]) and len(report["smoke"]) == 6
     assert [r["family"] for r in report["agreement"]] == ["llama", "gemma2"]
     for row in report["agreement"]:
@@ -606,6 +625,10 @@ def test_gpu_check_dry_run(tmp_path):
     assert {"transformers generate", "transformers generate_batch", "paged_hf eager", "paged_hf cuda graphs"} <= names
     assert "| paged_hf eager" in result.stdout and (out / "summary.md").exists() and (out / "gpu_check.log").exists()
     assert f"paged_hf {tmp_path / 'site'}" in result.stdout  # the check ran the installed copy
+    # the compiled kernels are kept for the next call to carry
+    assert report["jit_cache"]["carried"] and report["jit_cache"]["bytes"] == 400
+    with tarfile.open(out / "flashinfer_jit.tar.xz") as archive:
+        assert "./batch_decode/batch_decode.so" in archive.getnames()
 
 
 def test_gpu_check_stops_at_once_without_flashinfer(tmp_path):
@@ -614,12 +637,19 @@ def test_gpu_check_stops_at_once_without_flashinfer(tmp_path):
     broken.mkdir()
     (broken / "flashinfer.py").write_text("raise OSError('libcudart.so.13: cannot open shared object file')\n")
     (tmp_path / "wheels").mkdir()
+    kernel = tmp_path / "built" / "batch_decode" / "batch_decode.so"  # kernels an earlier call compiled
+    kernel.parent.mkdir(parents=True)
+    kernel.write_bytes(b"\x7fELF")
+    with tarfile.open(tmp_path / "wheels" / "flashinfer_jit.tar.xz", "w:xz") as archive:
+        archive.add(tmp_path / "built", arcname=".")
     env = dict(os.environ, WHEELS=str(tmp_path / "wheels"), SITE=str(tmp_path / "site"), PYTHON=sys.executable,
-               PYTHONPATH=str(broken))
+               PYTHONPATH=str(broken), FLASHINFER_WORKSPACE_BASE=str(tmp_path / "home"))
     result = subprocess.run(["bash", str(REPO / "benchmarks" / "gpu_check.sh"), "--call", "1"],
                             capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
     assert result.returncode == 3, result.stdout[-2000:] + result.stderr[-2000:]
     assert "flashinfer / tvm_ffi do not import" in result.stderr and "libcudart" in result.stderr
+    carried = tmp_path / "home" / ".cache" / "flashinfer" / "batch_decode" / "batch_decode.so"
+    assert carried.read_bytes() == b"\x7fELF"  # unpacked before anything else ran
 
 
 # ---- coherence: graphs hold weights' addresses -------------------------------------------------

@@ -69,18 +69,20 @@ def pad_decode_metadata(meta: StepMetadata, batch: int, pad_block: int) -> StepM
     dev = meta.input_ids.device
     bs = meta.block_size
 
-    def grow(t: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        return torch.cat([t, values.to(device=dev, dtype=t.dtype)])
+    def grow(t: torch.Tensor, fill: int, step: int = 0) -> torch.Tensor:
+        # made on the device: no host-to-device copy
+        values = (torch.arange(1, pad + 1, dtype=t.dtype, device=dev) + fill) if step else \
+            torch.full((pad,), fill, dtype=t.dtype, device=dev)
+        return torch.cat([t, values])
 
-    steps = torch.arange(1, pad + 1, dtype=torch.int32)
     return StepMetadata(
-        input_ids=grow(meta.input_ids, torch.zeros(pad)),
-        positions=grow(meta.positions, torch.zeros(pad)),
-        slot_mapping=grow(meta.slot_mapping, torch.full((pad,), pad_block * bs)),
-        qo_indptr=grow(meta.qo_indptr, steps + n),
-        kv_indptr=grow(meta.kv_indptr, steps + int(meta.kv_indices.numel())),
-        kv_indices=grow(meta.kv_indices, torch.full((pad,), pad_block)),
-        kv_last_page_len=grow(meta.kv_last_page_len, torch.ones(pad)),
+        input_ids=grow(meta.input_ids, 0),
+        positions=grow(meta.positions, 0),
+        slot_mapping=grow(meta.slot_mapping, pad_block * bs),
+        qo_indptr=grow(meta.qo_indptr, n, step=1),
+        kv_indptr=grow(meta.kv_indptr, int(meta.kv_indices.numel()), step=1),
+        kv_indices=grow(meta.kv_indices, pad_block),
+        kv_last_page_len=grow(meta.kv_last_page_len, 1),
         logits_indices=meta.logits_indices, block_size=bs,
         q_lens=meta.q_lens + [1] * pad, kv_lens=meta.kv_lens + [1] * pad,
         kv_blocks=meta.kv_blocks + [[pad_block]] * pad, sampled_requests=meta.sampled_requests)
@@ -194,6 +196,9 @@ class DecodeAccelerator:
     def _call(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         if self.compile_backend is not None:
             from .compile_decode import compiled_step
+            if input_ids.storage_offset() or positions.storage_offset():
+                # views of one uploaded buffer (metadata.upload): a compiled graph guards on the offset
+                input_ids, positions = input_ids.clone(), positions.clone()
             with compiled_step(self._op_backend, self.backend):
                 return self._forward(input_ids, positions)
         with active_backend(self.backend):

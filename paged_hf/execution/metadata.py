@@ -111,15 +111,12 @@ def build_step_metadata(scheduled: list[tuple[Request, int]], block_size: int,
             score_indices.extend(range(row0, row0 + count))
             score_rows.append((req, first, count))
 
-    def i32(x: list[int]) -> torch.Tensor:
-        return torch.tensor(x, dtype=torch.int32, device=device)
-
+    ids, pos, logits_rows = upload(device, torch.long, input_ids, positions, logits_indices + score_indices)
+    slot_t, qo_t, kv_t, idx_t, last_t = upload(device, torch.int32, slots, qo_indptr, kv_indptr, kv_indices,
+                                               last_page_len)
     meta = StepMetadata(
-        input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),
-        positions=torch.tensor(positions, dtype=torch.long, device=device),
-        slot_mapping=i32(slots), qo_indptr=i32(qo_indptr), kv_indptr=i32(kv_indptr),
-        kv_indices=i32(kv_indices), kv_last_page_len=i32(last_page_len),
-        logits_indices=torch.tensor(logits_indices + score_indices, dtype=torch.long, device=device),
+        input_ids=ids, positions=pos, slot_mapping=slot_t, qo_indptr=qo_t, kv_indptr=kv_t,
+        kv_indices=idx_t, kv_last_page_len=last_t, logits_indices=logits_rows,
         block_size=bs, q_lens=q_lens, kv_lens=kv_lens, kv_blocks=kv_blocks, sampled_requests=sampled,
         score_rows=score_rows)
     meta.groups = [GroupTables(meta.slot_mapping, meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len,
@@ -146,7 +143,16 @@ def _group_tables(scheduled: list[tuple[Request, int]], g: int, group: CacheGrou
         indptr.append(indptr[-1] + len(held))
         last.append(end - (n_blocks - 1) * bs)
 
-    def i32(x: list[int]) -> torch.Tensor:
-        return torch.tensor(x, dtype=torch.int32, device=device)
+    return GroupTables(*upload(device, torch.int32, slots, indptr, indices, last), blocks, starts)
 
-    return GroupTables(i32(slots), i32(indptr), i32(indices), i32(last), blocks, starts)
+
+def upload(device: torch.device | str, dtype: torch.dtype, *lists: list[int]) -> list[torch.Tensor]:
+    """Host lists as device tensors of ``dtype`` through one copy: on CUDA from pinned memory and
+    asynchronous (a tensor built from a list on a CUDA device is one blocking copy per tensor)."""
+    flat = [x for values in lists for x in values]
+    device = torch.device(device)
+    if device.type != "cuda":
+        host = torch.tensor(flat, dtype=dtype, device=device)
+    else:
+        host = torch.tensor(flat, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+    return list(host.split([len(values) for values in lists]))

@@ -215,8 +215,10 @@ def _filtered_probs(logits: torch.Tensor, requests: list[Request]) -> torch.Tens
         if 0 < k < logits.shape[1]:
             kth = torch.topk(logits[row], k).values[-1]
             logits[row] = logits[row].masked_fill(logits[row] < kth, float("-inf"))
-    top_p = torch.tensor([r.params.top_p for r in requests], device=logits.device)
-    if (top_p < 1).any():
+    # which filters apply is read from the params on the host: a test on device values waits for the device
+    top_ps = [r.params.top_p for r in requests]
+    if any(p < 1 for p in top_ps):
+        top_p = torch.tensor(top_ps, device=logits.device)
         sorted_logits, order = torch.sort(logits, dim=-1, descending=False)
         cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
         remove_sorted = cum <= (1 - top_p)[:, None]
@@ -224,8 +226,9 @@ def _filtered_probs(logits: torch.Tensor, requests: list[Request]) -> torch.Tens
         remove = remove_sorted.scatter(1, order, remove_sorted)
         logits = logits.masked_fill(remove, float("-inf"))
     probs = logits.softmax(dim=-1)
-    min_p = torch.tensor([r.params.min_p for r in requests], device=logits.device)
-    if (min_p > 0).any():
+    min_ps = [r.params.min_p for r in requests]
+    if any(p > 0 for p in min_ps):
+        min_p = torch.tensor(min_ps, device=logits.device)
         threshold = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
         probs = probs.masked_fill(probs < threshold, 0.0)
         probs = probs / probs.sum(dim=-1, keepdim=True)

@@ -50,9 +50,14 @@ class StateStore:
                 t[dst].copy_(t[src])
 
     def save(self, slot: int) -> list[torch.Tensor]:
-        """A host copy of one slot's state (swap preemption)."""
-        return [t[slot].to("cpu", copy=True) for t in self._tensors()]
+        """A host copy of one slot's state (swap preemption): pinned on CUDA, so neither direction waits."""
+        saved = []
+        for t in self._tensors():
+            pin = t.device.type == "cuda"
+            host = torch.empty(t.shape[1:], dtype=t.dtype, pin_memory=pin)
+            saved.append(host.copy_(t[slot], non_blocking=pin))
+        return saved
 
     def restore(self, slot: int, saved: list[torch.Tensor]) -> None:
         for t, s in zip(self._tensors(), saved):
-            t[slot].copy_(s)
+            t[slot].copy_(s, non_blocking=s.is_pinned())

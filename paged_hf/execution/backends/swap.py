@@ -4,8 +4,10 @@ Every backend keeps its KV in ``kv``, a list of tensors whose first dimension is
 (FlashInfer: one [num_blocks, 2, block_size, kv_heads, head_dim] per layer; torch: K and V of
 each layer apart, [num_blocks, kv_heads, block_size, head_dim]); the rest is copied as it is,
 so one implementation serves all of them (``SwapMixin`` adds it as methods). The tensors may
-differ in their other dimensions (per-layer heads and widths): the host copy is one buffer of
-[num_blocks, all of a block's elements], cut into each tensor's part.
+differ in their other dimensions (per-layer heads and widths): the host copy is one flat buffer
+cut into one contiguous part per tensor, [num_blocks, *the rest of its shape]. Contiguous
+matters: a copy into a strided slice of pinned memory goes through an unpinned temporary and
+waits for the device.
 
     handle = backend.swap_out(req.block_table)   # before the blocks are freed
     ...                                          # the blocks may be reused at once
@@ -24,14 +26,11 @@ import torch
 
 @dataclass
 class SwapHandle:
-    """A request's KV on the host: ``data`` [num_blocks, sum of each KV tensor's per-block elements];
-    ``parts[i]`` is tensor i's view of it, [num_blocks, *the rest of that tensor's shape]."""
+    """A request's KV on the host: ``data``, one flat buffer; ``parts[i]``, tensor i's contiguous
+    piece of it, [num_blocks, *the rest of that tensor's shape]."""
     data: torch.Tensor
     parts: list[torch.Tensor]
-
-    @property
-    def num_blocks(self) -> int:
-        return int(self.data.shape[0])
+    num_blocks: int
 
     @property
     def nbytes(self) -> int:
@@ -39,11 +38,11 @@ class SwapHandle:
 
 
 def _host_parts(kv: list[torch.Tensor], n: int, pin: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    sizes = [c[0].numel() for c in kv]
-    data = torch.empty(n, sum(sizes), dtype=kv[0].dtype, pin_memory=pin)
+    sizes = [n * c[0].numel() for c in kv]
+    data = torch.empty(sum(sizes), dtype=kv[0].dtype, pin_memory=pin)
     parts, start = [], 0
     for c, size in zip(kv, sizes):
-        parts.append(data[:, start: start + size].view((n,) + tuple(c.shape[1:])))
+        parts.append(data[start: start + size].view((n,) + tuple(c.shape[1:])))
         start += size
     return data, parts
 
@@ -63,7 +62,7 @@ def swap_out(kv: list[torch.Tensor], block_ids: list[int]) -> SwapHandle:
         idx = torch.tensor(block_ids, dtype=torch.long, device=device)
         for part, c in zip(parts, kv):
             part.copy_(c.index_select(0, idx), non_blocking=pin)
-    return SwapHandle(data, parts)
+    return SwapHandle(data, parts, n)
 
 
 def swap_in(kv: list[torch.Tensor], handle: SwapHandle, new_block_ids: list[int]) -> None:
