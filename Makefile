@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench install
+.PHONY: demo test lint bench install
 
 install: $(STAMP)
 
@@ -25,6 +25,11 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	PAGED_HF_REQUIRE_FLASHINFER_API=1 $(PY) -m pytest -q
+
+# ruff's rules and formatting at 100 columns (pyproject.toml); CI runs it before the tests
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench.py --quick

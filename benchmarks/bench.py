@@ -27,6 +27,7 @@ copies included); KV waste; prefix hits (share of prompt tokens served from cach
 (needed FLOPs / wall / matmul ceiling); floor (needed FLOPs / ceiling, seconds).
 A row marked * ran on a subset of the requests and is extrapolated at the same output tok/s.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -49,11 +50,10 @@ import omp_env  # noqa: E402  (before torch: OpenMP reads its wait policy when l
 
 OMP_WAIT_POLICY = omp_env.setup()
 
-import torch  # noqa: E402
-
 import bench_flops  # noqa: E402
 import bench_systems as S  # noqa: E402
 import bench_workloads as W  # noqa: E402
+import torch  # noqa: E402
 
 SYSTEMS = ("hf_seq", "hf_static", "hf_cb", "paged_hf", "paged_hf_torch", "vllm_cpu")
 DEFAULT_SYSTEMS = "hf_seq,hf_static,hf_cb,paged_hf"
@@ -63,18 +63,18 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 NOTES = {
     "peak_rss_mib": "peak resident set of the whole process during the row (VmHWM reset before it): both model "
-                    "copies, the KV cache and allocator caches included",
+    "copies, the KV cache and allocator caches included",
     "needed_tokens": "prompt + output - 1 per request, a shared prefix counted once (W-prefix)",
     "needed_flops": "2*P_layers*needed_tokens + 2*hidden*vocab*output_tokens + 4*layers*q_heads*head_dim*sum(ctx); "
-                    "see bench_flops.py",
+    "see bench_flops.py",
     "utilisation": "needed_flops / wall / matmul ceiling (the better of the ceilings measured before and after "
-                   "the dtype's rows)",
+    "the dtype's rows)",
     "computed_tokens": "tokens fed to the model's forward (padding, recomputation and hf_cb's padding included)",
     "ttft": "from the request's arrival to its first token (all but W-long's late requests arrive at t0)",
     "tpot": "per request (latency - ttft) / (n_out - 1); percentiles over requests",
     "itl": "every gap between consecutive tokens of the reported requests",
     "kv_waste": "paged_hf: mean over steps of unfilled slots in allocated blocks; hf_static: unused share of the "
-                "batch's KV slots at its end (padding, finished rows); hf_cb: not exposed",
+    "batch's KV slots at its end (padding, finished rows); hf_cb: not exposed",
     "hf_seq": "extrapolated rows ran the first `subset` requests; wall/tok/s scaled at the same output tok/s",
 }
 
@@ -105,7 +105,10 @@ def peak_rss_mib() -> float:
             return int(re.search(r"VmHWM:\s+(\d+)", f.read()).group(1)) / 1024
     except (OSError, AttributeError):
         import resource
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # never reset: process peak
+
+        return (
+            resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        )  # never reset: process peak
 
 
 # ---- statistics --------------------------------------------------------------------------------
@@ -138,9 +141,15 @@ def latency_metrics(res: S.RunResult, focus: list[int]) -> dict:
         if len(t) > 1:
             tpot.append((t[-1] - t[0]) / (len(t) - 1))
             itl += [b - a for a, b in zip(t, t[1:])]
-    return {"ttft_p50": pct(ttft, 50), "ttft_p99": pct(ttft, 99), "tpot_p50": pct(tpot, 50),
-            "tpot_p99": pct(tpot, 99), "itl_p50": pct(itl, 50), "itl_p99": pct(itl, 99),
-            "itl_max": max(itl) if itl else None}
+    return {
+        "ttft_p50": pct(ttft, 50),
+        "ttft_p99": pct(ttft, 99),
+        "tpot_p50": pct(tpot, 50),
+        "tpot_p99": pct(tpot, 99),
+        "itl_p50": pct(itl, 50),
+        "itl_p99": pct(itl, 99),
+        "itl_max": max(itl) if itl else None,
+    }
 
 
 # ---- models ------------------------------------------------------------------------------------
@@ -148,10 +157,21 @@ def tiny_llama(dtype: torch.dtype):
     """A 2-layer random llama (tied embeddings like SmolLM2) for --smoke; ids 0-3 are special."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=16, num_hidden_layers=2, max_position_embeddings=1024,
-                      initializer_range=0.15, tie_word_embeddings=True, pad_token_id=0, bos_token_id=1,
-                      eos_token_id=2)
+    cfg = LlamaConfig(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_hidden_layers=2,
+        max_position_embeddings=1024,
+        initializer_range=0.15,
+        tie_word_embeddings=True,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg).to(dtype).eval()
     return model, {0, 1, 2, 3}, 0
@@ -185,22 +205,36 @@ def kept_engine(args, system: str, eng_model, engine_cfg: dict):
     held = getattr(args, "_engines", None) or {}
     if system not in held:
         from paged_hf import Engine
+
         held.clear()  # one engine on the model at a time: drop the other system's first
         gc.collect()
-        held[system] = Engine(eng_model, **{**engine_cfg, **({"backend": "torch"} if system == "paged_hf_torch"
-                                                             else {})})
+        held[system] = Engine(
+            eng_model,
+            **{**engine_cfg, **({"backend": "torch"} if system == "paged_hf_torch" else {})},
+        )
     else:
         held[system].reset_prefix_cache()
     args._engines = held
     return held[system]
 
 
-def run_system(system: str, batch: int | None, base, eng_model, w: W.Workload, args, pad_id: int,
-               engine_cfg: dict, warm: W.Workload) -> S.RunResult:
+def run_system(
+    system: str,
+    batch: int | None,
+    base,
+    eng_model,
+    w: W.Workload,
+    args,
+    pad_id: int,
+    engine_cfg: dict,
+    warm: W.Workload,
+) -> S.RunResult:
     if system.startswith("hf_"):
         from paged_hf import is_patched
-        assert not is_patched(base) and base.config._attn_implementation != "paged_hf", \
+
+        assert not is_patched(base) and base.config._attn_implementation != "paged_hf", (
             "the transformers baselines must run on a model paged_hf never patched"
+        )
     if system == "hf_seq":
         S.run_hf_seq(base, warm, pad_id)
         return S.run_hf_seq(base, w, pad_id, subset=args.seq_subset)
@@ -216,15 +250,32 @@ def run_system(system: str, batch: int | None, base, eng_model, w: W.Workload, a
         engine = kept_engine(args, system, eng_model, engine_cfg)
         S.run_paged(engine, warm, tag="warm")
         res = S.run_paged(engine, w)
-        res.extra["engine_config"] = {k: getattr(engine.config, k) for k in
-                                      ("block_size", "max_num_batched_tokens", "max_num_seqs", "num_blocks",
-                                       "max_prefill_tokens_while_decoding", "backend")}
+        res.extra["engine_config"] = {
+            k: getattr(engine.config, k)
+            for k in (
+                "block_size",
+                "max_num_batched_tokens",
+                "max_num_seqs",
+                "num_blocks",
+                "max_prefill_tokens_while_decoding",
+                "backend",
+            )
+        }
         return res
     raise ValueError(system)
 
 
-def make_row(system: str, batch: int | None, dtype_name: str, w: W.Workload, res: S.RunResult, ceiling: dict,
-             geo: bench_flops.Geometry, rss: float, save_tokens: bool) -> dict:
+def make_row(
+    system: str,
+    batch: int | None,
+    dtype_name: str,
+    w: W.Workload,
+    res: S.RunResult,
+    ceiling: dict,
+    geo: bench_flops.Geometry,
+    rss: float,
+    save_tokens: bool,
+) -> dict:
     work = bench_flops.needed_work(w, geo)
     ran = res.extra.pop("workload", w)  # hf_seq may have run a subset
     ran_work = bench_flops.needed_work(ran, geo) if ran is not w else work
@@ -238,14 +289,22 @@ def make_row(system: str, batch: int | None, dtype_name: str, w: W.Workload, res
     focus = ran.focus_ids
     lat = latency_metrics(res, focus)
     if res.subset is not None:
-        lat["ttft_p50"] = lat["ttft_p99"] = None  # queueing in a subset says nothing of the full run
+        lat["ttft_p50"] = lat["ttft_p99"] = (
+            None  # queueing in a subset says nothing of the full run
+        )
     gflops = ceiling["gflops"]
-    computed = res.computed_tokens * (work["naive_tokens"] / ran_work["naive_tokens"] if ran is not w else 1)
+    computed = res.computed_tokens * (
+        work["naive_tokens"] / ran_work["naive_tokens"] if ran is not w else 1
+    )
     name = system if batch is None else f"{system}_B{batch}"
     row = {
-        "workload": w.name, "system": name, "dtype": dtype_name,
-        "subset": res.subset, "extrapolated": res.subset is not None,
-        "wall_s": wall, "wall_measured_s": wall_ran,
+        "workload": w.name,
+        "system": name,
+        "dtype": dtype_name,
+        "subset": res.subset,
+        "extrapolated": res.subset is not None,
+        "wall_s": wall,
+        "wall_measured_s": wall_ran,
         "output_tok_s": work["output_tokens"] / wall,
         "total_tok_s": (prompt_tokens + work["output_tokens"]) / wall,
         # a subset's computed tokens scale with the work a cacheless system would do (naive tokens)
@@ -271,16 +330,26 @@ def make_row(system: str, batch: int | None, dtype_name: str, w: W.Workload, res
 
 # ---- output ------------------------------------------------------------------------------------
 COLUMNS = [  # header, key, format, scale
-    ("workload", "workload", "{}", 1), ("system", "system", "{}", 1), ("dtype", "dtype", "{}", 1),
-    ("wall s", "wall_s", "{:.1f}", 1), ("out/s", "output_tok_s", "{:.0f}", 1), ("tot/s", "total_tok_s", "{:.0f}", 1),
+    ("workload", "workload", "{}", 1),
+    ("system", "system", "{}", 1),
+    ("dtype", "dtype", "{}", 1),
+    ("wall s", "wall_s", "{:.1f}", 1),
+    ("out/s", "output_tok_s", "{:.0f}", 1),
+    ("tot/s", "total_tok_s", "{:.0f}", 1),
     ("comp/need", "computed_over_needed", "{:.2f}", 1),
-    ("TTFT p50", "ttft_p50", "{:.2f}", 1), ("p99", "ttft_p99", "{:.2f}", 1),
-    ("TPOT p50 ms", "tpot_p50", "{:.0f}", 1e3), ("p99", "tpot_p99", "{:.0f}", 1e3),
-    ("ITL p50 ms", "itl_p50", "{:.0f}", 1e3), ("p99", "itl_p99", "{:.0f}", 1e3),
-    ("RSS MiB", "peak_rss_mib", "{:.0f}", 1), ("KV waste", "kv_waste", "{:.0%}", 1),
-    ("prefix hit", "prefix_hit_rate", "{:.0%}", 1), ("match", "match_reference", "{:.0%}", 1),
+    ("TTFT p50", "ttft_p50", "{:.2f}", 1),
+    ("p99", "ttft_p99", "{:.2f}", 1),
+    ("TPOT p50 ms", "tpot_p50", "{:.0f}", 1e3),
+    ("p99", "tpot_p99", "{:.0f}", 1e3),
+    ("ITL p50 ms", "itl_p50", "{:.0f}", 1e3),
+    ("p99", "itl_p99", "{:.0f}", 1e3),
+    ("RSS MiB", "peak_rss_mib", "{:.0f}", 1),
+    ("KV waste", "kv_waste", "{:.0%}", 1),
+    ("prefix hit", "prefix_hit_rate", "{:.0%}", 1),
+    ("match", "match_reference", "{:.0%}", 1),
     ("agree", "match_prefix", "{:.0%}", 1),
-    ("util", "utilisation", "{:.1%}", 1), ("floor s", "floor_s", "{:.1f}", 1),
+    ("util", "utilisation", "{:.1%}", 1),
+    ("floor s", "floor_s", "{:.1f}", 1),
     ("cpu", "cpu_share", "{:.0%}", 1),
 ]
 
@@ -299,7 +368,11 @@ def format_table(rows: list[dict]) -> str:
     widths = [max(len(c[i]) for c in cells) for i in range(len(COLUMNS))]
     out = []
     for n, c in enumerate(cells):
-        out.append("  ".join(s.ljust(w) if i < 3 else s.rjust(w) for i, (s, w) in enumerate(zip(c, widths))))
+        out.append(
+            "  ".join(
+                s.ljust(w) if i < 3 else s.rjust(w) for i, (s, w) in enumerate(zip(c, widths))
+            )
+        )
         if n == 0:
             out.append("  ".join("-" * w for w in widths))
     return "\n".join(out)
@@ -317,7 +390,9 @@ def ratios(rows: list[dict]) -> list[str]:
         static = [r for r in group if r["system"].startswith("hf_static")]
         if static:
             best = max(static, key=lambda r: r["output_tok_s"])
-            parts.append(f"{paged['output_tok_s'] / best['output_tok_s']:.2f}x best static ({best['system']})")
+            parts.append(
+                f"{paged['output_tok_s'] / best['output_tok_s']:.2f}x best static ({best['system']})"
+            )
         for other in ("hf_cb", "vllm_cpu", "paged_hf_torch"):
             row = next((r for r in group if r["system"] == other), None)
             if row:
@@ -336,6 +411,7 @@ def ratios(rows: list[dict]) -> list[str]:
 
 def plot(rows: list[dict], path: Path) -> None:
     import matplotlib  # lazily: only --plot needs it (pip install -e ".[bench]")
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -356,11 +432,20 @@ def plot(rows: list[dict], path: Path) -> None:
         ax.set_title(wname)
         ax.legend(fontsize=7)
         ax = axes[1][col]
-        for k, (key, label, color) in enumerate((("tpot_p50", "TPOT p50", "tab:blue"),
-                                                 ("tpot_p99", "TPOT p99", "tab:orange"),
-                                                 ("itl_p99", "inter-token p99", "tab:red"))):
-            ax.bar([i + (k - 1) * 0.27 for i in range(len(group))], [(r[key] or 0) * 1e3 for r in group],
-                   width=0.27, label=label, color=color)
+        for k, (key, label, color) in enumerate(
+            (
+                ("tpot_p50", "TPOT p50", "tab:blue"),
+                ("tpot_p99", "TPOT p99", "tab:orange"),
+                ("itl_p99", "inter-token p99", "tab:red"),
+            )
+        ):
+            ax.bar(
+                [i + (k - 1) * 0.27 for i in range(len(group))],
+                [(r[key] or 0) * 1e3 for r in group],
+                width=0.27,
+                label=label,
+                color=color,
+            )
         ax.set_xticks(range(len(group)), labels, fontsize=7, rotation=45, ha="right")
         ax.set_ylabel("ms per output token")
         ax.legend(fontsize=7)
@@ -371,52 +456,120 @@ def plot(rows: list[dict], path: Path) -> None:
 
 # ---- main --------------------------------------------------------------------------------------
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog=__doc__.split("\n", 1)[1])
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("\n", 1)[1],
+    )
     mode = p.add_mutually_exclusive_group()
-    mode.add_argument("--quick", action="store_true", help="under 2 minutes: W-mixed-16 (short outputs), bf16, "
-                      "hf_static B=8, hf_cb, paged_hf")
-    mode.add_argument("--smoke", action="store_true", help="tiny random llama, 4 requests, fp32, seconds (tests)")
-    p.add_argument("--profile", action="store_true", help="profile paged_hf on W-mixed instead of benchmarking")
-    p.add_argument("--workloads", help="comma list of mixed, prefix, prefix_long, long (default: all; --quick: "
-                   "mixed; --smoke: mixed, prefix, long)")
-    p.add_argument("--systems", help=f"comma list of {', '.join(SYSTEMS)} (default: {DEFAULT_SYSTEMS}; --quick: "
-                   "hf_static, hf_cb, paged_hf)")
+    mode.add_argument(
+        "--quick",
+        action="store_true",
+        help="under 2 minutes: W-mixed-16 (short outputs), bf16, hf_static B=8, hf_cb, paged_hf",
+    )
+    mode.add_argument(
+        "--smoke", action="store_true", help="tiny random llama, 4 requests, fp32, seconds (tests)"
+    )
+    p.add_argument(
+        "--profile", action="store_true", help="profile paged_hf on W-mixed instead of benchmarking"
+    )
+    p.add_argument(
+        "--workloads",
+        help="comma list of mixed, prefix, prefix_long, long (default: all; --quick: "
+        "mixed; --smoke: mixed, prefix, long)",
+    )
+    p.add_argument(
+        "--systems",
+        help=f"comma list of {', '.join(SYSTEMS)} (default: {DEFAULT_SYSTEMS}; --quick: "
+        "hf_static, hf_cb, paged_hf)",
+    )
     p.add_argument("--dtypes", help="comma list of fp32, bf16 (default: both; --quick: bf16)")
     p.add_argument("--batch-sizes", help="static batch sizes, comma list (default 8,32; --quick 8)")
-    p.add_argument("--n", type=int, help="W-mixed and W-prefix-long requests (default 64; --quick 16; --smoke 4)")
-    p.add_argument("--scale", type=float, default=1.0, help="shrink W-prefix and W-long (lengths and counts) by "
-                   "this factor, for quick experiments (default 1)")
-    p.add_argument("--seq-subset", type=int, default=None,
-                   help="hf_seq runs only the first K requests and extrapolates (default 8; 0 = all)")
+    p.add_argument(
+        "--n",
+        type=int,
+        help="W-mixed and W-prefix-long requests (default 64; --quick 16; --smoke 4)",
+    )
+    p.add_argument(
+        "--scale",
+        type=float,
+        default=1.0,
+        help="shrink W-prefix and W-long (lengths and counts) by "
+        "this factor, for quick experiments (default 1)",
+    )
+    p.add_argument(
+        "--seq-subset",
+        type=int,
+        default=None,
+        help="hf_seq runs only the first K requests and extrapolates (default 8; 0 = all)",
+    )
     p.add_argument("--threads", type=int, help="torch threads (default: all cores; --smoke: 1)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-tune-malloc", dest="tune_malloc", action="store_false",
-                   help="leave glibc's malloc at its defaults for every system (by default it is set once for the "
-                        "whole process, as paged_hf's CPU engine sets it, and for vLLM's worker: "
-                        "paged_hf/execution/cpu_malloc.py)")
-    p.add_argument("--omp-wait-policy", choices=omp_env.CHOICES, default="auto",
-                   help="OpenMP's wait policy for every system (default auto: PASSIVE when the machine is busy; "
-                        "see omp_env.py)")
-    p.add_argument("--repeat", type=int, default=1, help="run every row R times, interleaved, and report the "
-                   "median-wall run (its wall_s_runs lists all)")
-    p.add_argument("--backend", choices=("auto", "torch"), help="paged_hf's backend (default auto: the CPU kernel "
-                   "where it builds; torch: the pure-PyTorch path, e.g. for --profile before/after)")
+    p.add_argument(
+        "--no-tune-malloc",
+        dest="tune_malloc",
+        action="store_false",
+        help="leave glibc's malloc at its defaults for every system (by default it is set once for the "
+        "whole process, as paged_hf's CPU engine sets it, and for vLLM's worker: "
+        "paged_hf/execution/cpu_malloc.py)",
+    )
+    p.add_argument(
+        "--omp-wait-policy",
+        choices=omp_env.CHOICES,
+        default="auto",
+        help="OpenMP's wait policy for every system (default auto: PASSIVE when the machine is busy; "
+        "see omp_env.py)",
+    )
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="run every row R times, interleaved, and report the "
+        "median-wall run (its wall_s_runs lists all)",
+    )
+    p.add_argument(
+        "--backend",
+        choices=("auto", "torch"),
+        help="paged_hf's backend (default auto: the CPU kernel "
+        "where it builds; torch: the pure-PyTorch path, e.g. for --profile before/after)",
+    )
     p.add_argument("--block-size", type=int, help="paged_hf block_size (default: the engine's)")
     p.add_argument("--max-num-batched-tokens", type=int, help="paged_hf token budget per step")
     p.add_argument("--max-num-seqs", type=int, help="paged_hf max running sequences")
-    p.add_argument("--max-prefill-tokens-while-decoding", type=int, help="paged_hf prefill tokens per step next "
-                   "to running decodes (default: the engine's, 128; 0: no cap)")
+    p.add_argument(
+        "--max-prefill-tokens-while-decoding",
+        type=int,
+        help="paged_hf prefill tokens per step next "
+        "to running decodes (default: the engine's, 128; 0: no cap)",
+    )
     p.add_argument("--out", help="JSON path (default benchmarks/results/bench-<date>.json)")
-    p.add_argument("--plot", nargs="?", const="", default=None, help="write a PNG (default: the JSON path, .png)")
-    p.add_argument("--save-tokens", action="store_true", help="keep every request's output tokens in the JSON")
-    p.add_argument("--profile-workload", default="mixed", choices=("mixed", "prefix_long"),
-                   help="--profile: the workload to profile (default mixed)")
-    p.add_argument("--profile-decode", metavar="NxL", help="time pure decode steps of N running sequences at ~L "
-                   "tokens of context, torch path vs CPU kernel (e.g. 64x700), instead of benchmarking")
+    p.add_argument(
+        "--plot",
+        nargs="?",
+        const="",
+        default=None,
+        help="write a PNG (default: the JSON path, .png)",
+    )
+    p.add_argument(
+        "--save-tokens", action="store_true", help="keep every request's output tokens in the JSON"
+    )
+    p.add_argument(
+        "--profile-workload",
+        default="mixed",
+        choices=("mixed", "prefix_long"),
+        help="--profile: the workload to profile (default mixed)",
+    )
+    p.add_argument(
+        "--profile-decode",
+        metavar="NxL",
+        help="time pure decode steps of N running sequences at ~L "
+        "tokens of context, torch path vs CPU kernel (e.g. 64x700), instead of benchmarking",
+    )
     p.add_argument("--profile-steps", type=int, default=6, help="--profile-decode: steps per round")
     p.add_argument("--profile-rows", type=int, default=25, help="--profile: rows of the op table")
-    p.add_argument("--profile-shapes", action="store_true", help="--profile: also a table by input shapes")
+    p.add_argument(
+        "--profile-shapes", action="store_true", help="--profile: also a table by input shapes"
+    )
     args = p.parse_args(argv)
 
     def pick(value: str | None, default: str, known) -> list[str]:
@@ -427,15 +580,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         return items
 
     quick, smoke = args.quick, args.smoke
-    args.workloads = pick(args.workloads, "mixed" if quick else "mixed,prefix,long" if smoke else
-                          "mixed,prefix,prefix_long,long", ("mixed", "prefix", "prefix_long", "long"))
-    args.systems = pick(args.systems, "hf_static,hf_cb,paged_hf" if quick else DEFAULT_SYSTEMS, SYSTEMS)
+    args.workloads = pick(
+        args.workloads,
+        "mixed" if quick else "mixed,prefix,long" if smoke else "mixed,prefix,prefix_long,long",
+        ("mixed", "prefix", "prefix_long", "long"),
+    )
+    args.systems = pick(
+        args.systems, "hf_static,hf_cb,paged_hf" if quick else DEFAULT_SYSTEMS, SYSTEMS
+    )
     if "vllm_cpu" in args.systems and smoke:
         p.error("vllm_cpu runs the real model only (not --smoke)")
     if "vllm_cpu" in args.systems and not VLLM_PYTHON.exists():
         p.error(f"vllm_cpu needs {VLLM_PYTHON}: build it with `bash benchmarks/peers/vllm_cpu.sh`")
     args.dtypes = pick(args.dtypes, "bf16" if quick else ("fp32" if smoke else "fp32,bf16"), DTYPES)
-    args.batch_sizes = [int(b) for b in (args.batch_sizes or ("8" if quick else "2,4" if smoke else "8,32")).split(",")]
+    args.batch_sizes = [
+        int(b)
+        for b in (args.batch_sizes or ("8" if quick else "2,4" if smoke else "8,32")).split(",")
+    ]
     args.n = args.n or (16 if quick else 4 if smoke else 64)
     if args.seq_subset is None:
         args.seq_subset = 0 if smoke else 8
@@ -448,9 +609,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def engine_config(args) -> dict:
     cfg = {}
-    for flag, key in (("backend", "backend"), ("block_size", "block_size"), ("max_num_batched_tokens", "max_num_batched_tokens"),
-                      ("max_num_seqs", "max_num_seqs"),
-                      ("max_prefill_tokens_while_decoding", "max_prefill_tokens_while_decoding")):
+    for flag, key in (
+        ("backend", "backend"),
+        ("block_size", "block_size"),
+        ("max_num_batched_tokens", "max_num_batched_tokens"),
+        ("max_num_seqs", "max_num_seqs"),
+        ("max_prefill_tokens_while_decoding", "max_prefill_tokens_while_decoding"),
+    ):
         if getattr(args, flag) is not None:
             cfg[key] = getattr(args, flag)
     if cfg.get("max_prefill_tokens_while_decoding") == 0:  # 0 on the command line: no cap
@@ -470,40 +635,63 @@ def build_workloads(args, pool: list[int]) -> list[W.Workload]:
                 out += W.build([name], pool, scale=1 / 16, seed=args.seed)
         return out
     mixed_out = (16, 48) if args.quick else (16, 128)
-    return W.build(args.workloads, pool, mixed_n=args.n, mixed_out=mixed_out, scale=args.scale, seed=args.seed)
+    return W.build(
+        args.workloads, pool, mixed_n=args.n, mixed_out=mixed_out, scale=args.scale, seed=args.seed
+    )
 
 
 def machine_info(args) -> dict:
     cpu = ""
     try:
         with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+            cpu = next(
+                (line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), ""
+            )
     except OSError:
         pass
     import transformers
 
-    return {"date": _dt.datetime.now().isoformat(timespec="seconds"), "python": platform.python_version(),
-            "torch": torch.__version__, "transformers": transformers.__version__, "cpu": cpu,
-            "cores": os.cpu_count(), "threads": args.threads, "omp_wait_policy": OMP_WAIT_POLICY,
-            "malloc": args._malloc,
-            "loadavg_start": os.getloadavg() if hasattr(os, "getloadavg") else None}
+    return {
+        "date": _dt.datetime.now().isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "threads": args.threads,
+        "omp_wait_policy": OMP_WAIT_POLICY,
+        "malloc": args._malloc,
+        "loadavg_start": os.getloadavg() if hasattr(os, "getloadavg") else None,
+    }
 
 
 def benchmark(args) -> dict:
     eng_cfg = engine_config(args)
-    result: dict[str, Any] = {"meta": {**machine_info(args), "notes": NOTES},
-                              "args": {k: v for k, v in vars(args).items() if not k.startswith("_")},
-                              "engine_config_overrides": eng_cfg, "ceilings": {}, "workloads": {}, "rows": []}
+    result: dict[str, Any] = {
+        "meta": {**machine_info(args), "notes": NOTES},
+        "args": {k: v for k, v in vars(args).items() if not k.startswith("_")},
+        "engine_config_overrides": eng_cfg,
+        "ceilings": {},
+        "workloads": {},
+        "rows": [],
+    }
     t_run = time.perf_counter()
     with omp_env.OtherProcesses() as look:  # not the load average: this VM idles at ~1
         time.sleep(0.5)
     others = look.cores
-    if others is not None and args.threads > 1 and others > (os.cpu_count() or 1) - args.threads + 0.3:
-        print(f"WARNING: other processes kept {others:.1f} of {os.cpu_count()} cores busy before the run: they compete "
-              f"for the cores. Multi-threaded GEMMs stall badly when oversubscribed (on this machine one forward "
-              f"ranged from 66 ms to 2.5 s with 2 threads, 80-92 ms with 1): compare rows of one run only, check "
-              f"the cpu column, and prefer --threads 1 and --repeat 3 while the machine is busy.",
-              file=sys.stderr, flush=True)
+    if (
+        others is not None
+        and args.threads > 1
+        and others > (os.cpu_count() or 1) - args.threads + 0.3
+    ):
+        print(
+            f"WARNING: other processes kept {others:.1f} of {os.cpu_count()} cores busy before the run: they compete "
+            f"for the cores. Multi-threaded GEMMs stall badly when oversubscribed (on this machine one forward "
+            f"ranged from 66 ms to 2.5 s with 2 threads, 80-92 ms with 1): compare rows of one run only, check "
+            f"the cpu column, and prefer --threads 1 and --repeat 3 while the machine is busy.",
+            file=sys.stderr,
+            flush=True,
+        )
     for dtype_name in args.dtypes:
         dtype = DTYPES[dtype_name]
         t0 = time.perf_counter()
@@ -511,18 +699,27 @@ def benchmark(args) -> dict:
         S.prepare_baseline(base)
         geo = bench_flops.Geometry.of(base)
         pool = W.allowed_ids(geo.vocab, special)
-        print(f"[{dtype_name}] models loaded in {time.perf_counter() - t0:.1f}s; measuring the matmul ceiling",
-              file=sys.stderr, flush=True)
+        print(
+            f"[{dtype_name}] models loaded in {time.perf_counter() - t0:.1f}s; measuring the matmul ceiling",
+            file=sys.stderr,
+            flush=True,
+        )
         ceiling = bench_flops.matmul_ceiling(geo, dtype, min_time=0.005 if args.smoke else 0.03)
-        print(f"[{dtype_name}] matmul ceiling {ceiling['gflops']:.0f} GFLOP/s (m={ceiling['best_rows']}; by m: "
-              + ", ".join(f"{m}: {g:.0f}" for m, g in ceiling["layer_gflops_by_rows"].items()) + ")",
-              file=sys.stderr, flush=True)
+        print(
+            f"[{dtype_name}] matmul ceiling {ceiling['gflops']:.0f} GFLOP/s (m={ceiling['best_rows']}; by m: "
+            + ", ".join(f"{m}: {g:.0f}" for m, g in ceiling["layer_gflops_by_rows"].items())
+            + ")",
+            file=sys.stderr,
+            flush=True,
+        )
         warm = warm_workload(pool)
         args._peers = {}
         if "vllm_cpu" in args.systems:
             args._peers["vllm_cpu"] = S.VllmCpu(VLLM_PYTHON, base, dtype, args.threads)
         for w in build_workloads(args, pool):
-            result["workloads"].setdefault(w.name, {**w.summary(), **bench_flops.needed_work(w, geo)})
+            result["workloads"].setdefault(
+                w.name, {**w.summary(), **bench_flops.needed_work(w, geo)}
+            )
             plan = []
             for system in args.systems:
                 if system == "hf_static":
@@ -530,17 +727,26 @@ def benchmark(args) -> dict:
                 else:
                     plan.append((system, None))
             runs: dict[int, list[tuple[dict, list]]] = {k: [] for k in range(len(plan))}
-            for rep in range(args.repeat):  # rounds interleave the systems, so load drifts hit all alike
+            for rep in range(
+                args.repeat
+            ):  # rounds interleave the systems, so load drifts hit all alike
                 for k, (system, batch) in enumerate(plan):
                     label = system if batch is None else f"{system}_B{batch}"
-                    print(f"[{dtype_name}] {w.name} {label}" + (f" round {rep + 1}/{args.repeat}" if args.repeat > 1
-                          else "") + f" ... (t={time.perf_counter() - t_run:.0f}s)", file=sys.stderr, flush=True)
+                    print(
+                        f"[{dtype_name}] {w.name} {label}"
+                        + (f" round {rep + 1}/{args.repeat}" if args.repeat > 1 else "")
+                        + f" ... (t={time.perf_counter() - t_run:.0f}s)",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                     gc.collect()
                     reset_peak_rss()
                     load0, cpu0, t1 = _loadavg1(), _cpu_time(), time.perf_counter()
                     res = run_system(system, batch, base, eng_model, w, args, pad_id, eng_cfg, warm)
                     rss = peak_rss_mib()
-                    row = make_row(system, batch, dtype_name, w, res, ceiling, geo, rss, args.save_tokens)
+                    row = make_row(
+                        system, batch, dtype_name, w, res, ceiling, geo, rss, args.save_tokens
+                    )
                     row["row_time_s"] = time.perf_counter() - t1
                     # CPU time this process got over the row, per thread: well under 1 means other
                     # processes took the cores (hf_cb's setup and warm-ups are inside the row time)
@@ -551,35 +757,52 @@ def benchmark(args) -> dict:
             w_rows, w_tokens = [], []
             for k in range(len(plan)):
                 ordered = sorted(runs[k], key=lambda rt: rt[0]["wall_s"])
-                row, toks = ordered[(len(ordered) - 1) // 2]  # the median run (lower median for even counts)
+                row, toks = ordered[
+                    (len(ordered) - 1) // 2
+                ]  # the median run (lower median for even counts)
                 if len(ordered) > 1:
                     row["wall_s_runs"] = [r["wall_s"] for r, _ in runs[k]]
                 w_rows.append(row)
                 w_tokens.append(toks)
             # token cross-check: the first transformers row that ran every request is the reference
-            ref = next((i for i, r in enumerate(w_rows) if r["system"].startswith("hf_") and not r["extrapolated"]),
-                       None)
+            ref = next(
+                (
+                    i
+                    for i, r in enumerate(w_rows)
+                    if r["system"].startswith("hf_") and not r["extrapolated"]
+                ),
+                None,
+            )
             for row, toks in zip(w_rows, w_tokens):
                 if ref is not None:
                     ref_toks = w_tokens[ref][: len(toks)]
                     row["match_reference"] = sum(a == b for a, b in zip(toks, ref_toks)) / len(toks)
-                    row["match_prefix"] = sum(_common_prefix(a, b) / max(1, len(b))
-                                              for a, b in zip(toks, ref_toks)) / len(toks)
+                    row["match_prefix"] = sum(
+                        _common_prefix(a, b) / max(1, len(b)) for a, b in zip(toks, ref_toks)
+                    ) / len(toks)
                     row["reference_system"] = w_rows[ref]["system"]
             result["rows"] += w_rows
         # the machine is shared: measure the ceiling again after the rows, keep the better of the two
         # (a conservative utilisation), and recompute the rows' utilisation against it
         again = bench_flops.matmul_ceiling(geo, dtype, min_time=0.005 if args.smoke else 0.03)
         best = max(ceiling, again, key=lambda c: c["gflops"])
-        best = {**best, "before_rows_gflops": ceiling["gflops"], "after_rows_gflops": again["gflops"]}
+        best = {
+            **best,
+            "before_rows_gflops": ceiling["gflops"],
+            "after_rows_gflops": again["gflops"],
+        }
         result["ceilings"][dtype_name] = best
         for row in result["rows"]:
             if row["dtype"] == dtype_name:
                 row["ceiling_gflops"] = best["gflops"]
                 row["utilisation"] = row["needed_flops"] / row["wall_s"] / (best["gflops"] * 1e9)
                 row["floor_s"] = row["needed_flops"] / (best["gflops"] * 1e9)
-        print(f"[{dtype_name}] matmul ceiling after the rows {again['gflops']:.0f} GFLOP/s; using "
-              f"{best['gflops']:.0f}", file=sys.stderr, flush=True)
+        print(
+            f"[{dtype_name}] matmul ceiling after the rows {again['gflops']:.0f} GFLOP/s; using "
+            f"{best['gflops']:.0f}",
+            file=sys.stderr,
+            flush=True,
+        )
         for peer in args._peers.values():
             result.setdefault("peers", {})[f"{peer.name}/{dtype_name}"] = peer.info
             peer.close()
@@ -600,33 +823,47 @@ def main(argv: list[str] | None = None) -> int:
     args._malloc = S.set_malloc(args.tune_malloc)
     if args.profile_decode:
         import bench_profile
+
         return bench_profile.main_decode(args, sys.modules[__name__])
     if args.profile:
         import bench_profile
+
         return bench_profile.main(args, sys.modules[__name__], engine_config(args))
     result = benchmark(args)
     result["meta"]["total_runtime_s"] = time.perf_counter() - t_start
     rows = result["rows"]
     print()
     for d, c in result["ceilings"].items():
-        print(f"matmul ceiling {d}: {c['gflops']:.0f} GFLOP/s at m={c['best_rows']} "
-              f"(by m: {', '.join(f'{m}: {g:.0f}' for m, g in c['layer_gflops_by_rows'].items())}; "
-              f"before the rows {c['before_rows_gflops']:.0f}, after {c['after_rows_gflops']:.0f})")
+        print(
+            f"matmul ceiling {d}: {c['gflops']:.0f} GFLOP/s at m={c['best_rows']} "
+            f"(by m: {', '.join(f'{m}: {g:.0f}' for m, g in c['layer_gflops_by_rows'].items())}; "
+            f"before the rows {c['before_rows_gflops']:.0f}, after {c['after_rows_gflops']:.0f})"
+        )
     print(format_table(rows))
     for line in ratios(rows):
         print(line)
     if any(r["extrapolated"] for r in rows):
-        print("* ran on the first K requests only; wall and tok/s extrapolated at the same output tok/s, TTFT omitted")
-    print("match = share of requests whose tokens all equal the reference row's (the first transformers row that "
-          "ran every request); agree = mean share of each request's tokens before its first difference. Greedy "
-          "decoding of random-token prompts has near-ties, and bf16 numerics change with batch shape, so < 100% "
-          "is expected in bf16; fp32 should be ~100%.")
-    out = Path(args.out) if args.out else HERE / "results" / f"bench-{_dt.datetime.now():%Y%m%d-%H%M%S}.json"
+        print(
+            "* ran on the first K requests only; wall and tok/s extrapolated at the same output tok/s, TTFT omitted"
+        )
+    print(
+        "match = share of requests whose tokens all equal the reference row's (the first transformers row that "
+        "ran every request); agree = mean share of each request's tokens before its first difference. Greedy "
+        "decoding of random-token prompts has near-ties, and bf16 numerics change with batch shape, so < 100% "
+        "is expected in bf16; fp32 should be ~100%."
+    )
+    out = (
+        Path(args.out)
+        if args.out
+        else HERE / "results" / f"bench-{_dt.datetime.now():%Y%m%d-%H%M%S}.json"
+    )
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1, default=str))
-    print(f"JSON: {out}  (total {result['meta']['total_runtime_s']:.0f}s, threads {args.threads}, "
-          f"OpenMP wait policy {OMP_WAIT_POLICY}, malloc {args._malloc}, "
-          f"load avg {result['meta']['loadavg_start']} -> {result['meta']['loadavg_end']})")
+    print(
+        f"JSON: {out}  (total {result['meta']['total_runtime_s']:.0f}s, threads {args.threads}, "
+        f"OpenMP wait policy {OMP_WAIT_POLICY}, malloc {args._malloc}, "
+        f"load avg {result['meta']['loadavg_start']} -> {result['meta']['loadavg_end']})"
+    )
     if args.plot is not None:
         png = Path(args.plot) if args.plot else out.with_suffix(".png")
         plot(rows, png)

@@ -25,6 +25,7 @@ Each cell is the median of --reps calls after one warm-up, in ms per layer; K/V 
 
     python benchmarks/bench_attention.py --routes op,cold --threads 2     # pages in cache vs in DRAM
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,14 +44,16 @@ from paged_hf.execution.backends.torch_backend import TorchBackend  # noqa: E402
 from paged_hf.execution.metadata import StepMetadata  # noqa: E402
 
 
-def step_metadata(specs: list[tuple[int, int]], bs: int, perm: list[int], shared: int = 0) -> StepMetadata:
+def step_metadata(
+    specs: list[tuple[int, int]], bs: int, perm: list[int], shared: int = 0
+) -> StepMetadata:
     """A step built by hand: sequence i has ``specs[i] = (new tokens, context length)``, its blocks
     taken in turn from ``perm`` (also used by tests/test_cpu_paged_attention.py); with ``shared``,
     every sequence's first ``shared`` blocks are the same ones (a prefix hit)."""
     slots, pos, qo, kvp, kvi, last, blocks, used = [], [], [0], [0], [], [], [], shared
     for ql, kv in specs:
         nb = -(-kv // bs)
-        b = perm[:shared] + perm[used:used + nb - shared]
+        b = perm[:shared] + perm[used : used + nb - shared]
         used += nb - shared
         slots += [b[p // bs] * bs + p % bs for p in range(kv - ql, kv)]
         pos += list(range(kv - ql, kv))
@@ -60,9 +63,21 @@ def step_metadata(specs: list[tuple[int, int]], bs: int, perm: list[int], shared
         last.append(kv - (nb - 1) * bs)
         blocks.append(b)
     i32 = lambda x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
-    return StepMetadata(torch.zeros(len(pos), dtype=torch.long), torch.tensor(pos), i32(slots), i32(qo), i32(kvp),
-                        i32(kvi), i32(last), torch.tensor([len(pos) - 1]), bs, [q for q, _ in specs],
-                        [k for _, k in specs], blocks, [])
+    return StepMetadata(
+        torch.zeros(len(pos), dtype=torch.long),
+        torch.tensor(pos),
+        i32(slots),
+        i32(qo),
+        i32(kvp),
+        i32(kvi),
+        i32(last),
+        torch.tensor([len(pos) - 1]),
+        bs,
+        [q for q, _ in specs],
+        [k for _, k in specs],
+        blocks,
+        [],
+    )
 
 
 def cases(seed: int) -> dict[str, list[tuple[int, int]]]:
@@ -71,8 +86,12 @@ def cases(seed: int) -> dict[str, list[tuple[int, int]]]:
         "decode 64 x 700": [(1, 700)] * 64,
         "decode 32 x 220": [(1, 220)] * 32,
         "decode 64 x U[40,420]": [(1, int(n)) for n in torch.randint(40, 421, (64,), generator=g)],
-        "decode 64 x (512 + U[20,300])": [(1, 512 + int(n)) for n in torch.randint(20, 301, (64,), generator=g)],
-        "decode 64 x (512 shared + U[20,300])": [(1, 512 + int(n)) for n in torch.randint(20, 301, (64,), generator=g)],
+        "decode 64 x (512 + U[20,300])": [
+            (1, 512 + int(n)) for n in torch.randint(20, 301, (64,), generator=g)
+        ],
+        "decode 64 x (512 shared + U[20,300])": [
+            (1, 512 + int(n)) for n in torch.randint(20, 301, (64,), generator=g)
+        ],
         "32 decodes x 300 + a 256-token prompt": [(1, 300)] * 32 + [(256, 256)],
         "a 512-token chunk over 1,500 cached": [(512, 2012)],
         "a 128-token chunk over 384 cached": [(128, 512)],
@@ -97,21 +116,37 @@ def timed(fn, reps: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n", 1)[1],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--routes", default="torch,kernel,op", help="comma list of torch, kernel, op, inductor, flex; "
-                    "or all")
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog=__doc__.split("\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument(
+        "--routes",
+        default="torch,kernel,op",
+        help="comma list of torch, kernel, op, inductor, flex; or all",
+    )
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
     ap.add_argument("--heads", default="9,3,64", help="q heads, kv heads, head_dim")
     ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--layers", type=int, default=30, help="cold: layers whose caches are read in turn")
-    ap.add_argument("--pool-blocks", type=int, default=2900, help="cold: blocks in each layer's pool (SmolLM2's "
-                    "default 1 GiB KV budget holds ~2,900)")
+    ap.add_argument(
+        "--layers", type=int, default=30, help="cold: layers whose caches are read in turn"
+    )
+    ap.add_argument(
+        "--pool-blocks",
+        type=int,
+        default=2900,
+        help="cold: blocks in each layer's pool (SmolLM2's default 1 GiB KV budget holds ~2,900)",
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    routes = ["torch", "kernel", "op", "cold", "inductor", "flex"] if args.routes == "all" else args.routes.split(",")
+    routes = (
+        ["torch", "kernel", "op", "cold", "inductor", "flex"]
+        if args.routes == "all"
+        else args.routes.split(",")
+    )
     if args.threads:
         torch.set_num_threads(args.threads)
     assert cpa.load(), cpa.status()["error"]
@@ -122,8 +157,10 @@ def main(argv: list[str] | None = None) -> int:
     pools = None
     if "cold" in routes:
         g = torch.Generator().manual_seed(3)
-        pools = [[torch.randn(args.pool_blocks, hkv, bs, d, generator=g).to(dtype) for _ in range(2)]
-                 for _ in range(args.layers)]
+        pools = [
+            [torch.randn(args.pool_blocks, hkv, bs, d, generator=g).to(dtype) for _ in range(2)]
+            for _ in range(args.layers)
+        ]
     for name, specs in cases(0).items():
         shared = 512 // bs if "shared" in name else 0
         n_blocks = sum(-(-kv // bs) for _, kv in specs) + 4
@@ -136,59 +173,113 @@ def main(argv: list[str] | None = None) -> int:
         row = {"case": name, "tokens": t, "kv_tokens": sum(kv for _, kv in specs)}
         for route in routes:
             if route in ("torch", "kernel"):
-                b = (TorchBackend if route == "torch" else cpa.CpuPagedBackend)(1, n_blocks, bs, hkv, d, dtype, "cpu")
+                b = (TorchBackend if route == "torch" else cpa.CpuPagedBackend)(
+                    1, n_blocks, bs, hkv, d, dtype, "cpu"
+                )
                 b.kv[0].copy_(cache[0])
                 b.kv[1].copy_(cache[1])
 
                 def run(b=b):
                     b.plan(meta)
-                    return b.attend(0, q, k, v, d ** -0.5)
+                    return b.attend(0, q, k, v, d**-0.5)
+
                 row[route] = timed(run, args.reps)
             elif route == "op":
                 i32 = lambda x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
-                op_args = (meta.qo_indptr[:-1].contiguous(), i32(meta.q_lens), i32(meta.kv_lens), meta.kv_indptr,
-                           meta.kv_indices)
+                op_args = (
+                    meta.qo_indptr[:-1].contiguous(),
+                    i32(meta.q_lens),
+                    i32(meta.kv_lens),
+                    meta.kv_indptr,
+                    meta.kv_indices,
+                )
                 out = torch.empty(t, hq, d, dtype=dtype)
-                row[route] = timed(lambda: torch.ops.paged_hf.paged_attention(
-                    q[0].transpose(0, 1), cache[0], cache[1], *op_args, d ** -0.5, 0, 0.0, out), args.reps)
+                row[route] = timed(
+                    lambda: torch.ops.paged_hf.paged_attention(
+                        q[0].transpose(0, 1), cache[0], cache[1], *op_args, d**-0.5, 0, 0.0, out
+                    ),
+                    args.reps,
+                )
             elif route == "cold" and sum(-(-kv // bs) for _, kv in specs) <= args.pool_blocks:
-                pool_perm = torch.randperm(args.pool_blocks, generator=torch.Generator().manual_seed(4)).tolist()
+                pool_perm = torch.randperm(
+                    args.pool_blocks, generator=torch.Generator().manual_seed(4)
+                ).tolist()
                 cm = step_metadata(specs, bs, pool_perm, shared)
                 i32 = lambda x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
-                op_args = (cm.qo_indptr[:-1].contiguous(), i32(cm.q_lens), i32(cm.kv_lens), cm.kv_indptr, cm.kv_indices)
+                op_args = (
+                    cm.qo_indptr[:-1].contiguous(),
+                    i32(cm.q_lens),
+                    i32(cm.kv_lens),
+                    cm.kv_indptr,
+                    cm.kv_indices,
+                )
                 out = torch.empty(t, hq, d, dtype=dtype)
                 qt = q[0].transpose(0, 1)
 
                 def layers_in_turn():
                     for kc, vc in pools:
-                        torch.ops.paged_hf.paged_attention(qt, kc, vc, *op_args, d ** -0.5, 0, 0.0, out)
+                        torch.ops.paged_hf.paged_attention(
+                            qt, kc, vc, *op_args, d**-0.5, 0, 0.0, out
+                        )
+
                 row[route] = timed(layers_in_turn, args.reps) / len(pools)
             elif route in ("inductor", "flex") and all(ql == 1 for ql, _ in specs):
-                fn, secs = (inductor_decode if route == "inductor" else flex_decode)(specs, bs, hq, hkv, d, dtype)
+                fn, secs = (inductor_decode if route == "inductor" else flex_decode)(
+                    specs, bs, hq, hkv, d, dtype
+                )
                 compile_s.setdefault(route, []).append(secs)
                 row[route] = timed(fn, args.reps)
         rows.append(row)
-        print(f"{name}: " + ", ".join(f"{r} {row[r] * 1e3:.2f} ms" for r in routes if r in row), file=sys.stderr,
-              flush=True)
+        print(
+            f"{name}: " + ", ".join(f"{r} {row[r] * 1e3:.2f} ms" for r in routes if r in row),
+            file=sys.stderr,
+            flush=True,
+        )
 
     head = ["case"] + [f"{r} ms" for r in routes] + ["torch / kernel"]
     lines = [head]
     for row in rows:
-        ratio = f"{row['torch'] / row['kernel']:.2f}x" if "torch" in row and "kernel" in row else "-"
-        lines.append([row["case"]] + [f"{row[r] * 1e3:.2f}" if r in row else "-" for r in routes] + [ratio])
+        ratio = (
+            f"{row['torch'] / row['kernel']:.2f}x" if "torch" in row and "kernel" in row else "-"
+        )
+        lines.append(
+            [row["case"]] + [f"{row[r] * 1e3:.2f}" if r in row else "-" for r in routes] + [ratio]
+        )
     widths = [max(len(x[i]) for x in lines) for i in range(len(head))]
-    print(f"\nattention per layer, {args.dtype}, heads {hq}/{hkv}x{d}, {bs}-token blocks, "
-          f"{torch.get_num_threads()} threads (median of {args.reps})")
+    print(
+        f"\nattention per layer, {args.dtype}, heads {hq}/{hkv}x{d}, {bs}-token blocks, "
+        f"{torch.get_num_threads()} threads (median of {args.reps})"
+    )
     for i, line in enumerate(lines):
-        print("  ".join(c.ljust(w) if j == 0 else c.rjust(w) for j, (c, w) in enumerate(zip(line, widths))))
+        print(
+            "  ".join(
+                c.ljust(w) if j == 0 else c.rjust(w) for j, (c, w) in enumerate(zip(line, widths))
+            )
+        )
         if i == 0:
             print("  ".join("-" * w for w in widths))
     for route, secs in compile_s.items():
-        print(f"{route}: compile {secs[0]:.1f}s first shape, then {', '.join(f'{s:.1f}s' for s in secs[1:])}")
-    out = Path(args.out) if args.out else HERE / "results" / f"attention-{time.strftime('%Y%m%d-%H%M%S')}.json"
+        print(
+            f"{route}: compile {secs[0]:.1f}s first shape, then {', '.join(f'{s:.1f}s' for s in secs[1:])}"
+        )
+    out = (
+        Path(args.out)
+        if args.out
+        else HERE / "results" / f"attention-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    )
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"rows": rows, "compile_s": compile_s, "args": vars(args),
-                               "threads": torch.get_num_threads(), "torch": torch.__version__}, indent=1))
+    out.write_text(
+        json.dumps(
+            {
+                "rows": rows,
+                "compile_s": compile_s,
+                "args": vars(args),
+                "threads": torch.get_num_threads(),
+                "torch": torch.__version__,
+            },
+            indent=1,
+        )
+    )
     print(f"JSON: {out}")
     return 0
 
@@ -207,8 +298,10 @@ def inductor_decode(specs, bs, hq, hkv, d, dtype):
         nb = table.shape[1]
         k = kc[table].permute(0, 2, 1, 3, 4).reshape(q.shape[0], hkv, 1, nb * bs, d)
         v = vc[table].permute(0, 2, 1, 3, 4).reshape(q.shape[0], hkv, 1, nb * bs, d)
-        s = (q[:, :, :, None, :].float() * k.float()).sum(-1) * d ** -0.5
-        s = s.masked_fill(torch.arange(nb * bs)[None, None, None, :] >= lens[:, None, None, None], float("-inf"))
+        s = (q[:, :, :, None, :].float() * k.float()).sum(-1) * d**-0.5
+        s = s.masked_fill(
+            torch.arange(nb * bs)[None, None, None, :] >= lens[:, None, None, None], float("-inf")
+        )
         return (torch.softmax(s, -1)[..., None] * v.float()).sum(-2).to(q.dtype)
 
     fn = torch.compile(decode, dynamic=True)
@@ -232,14 +325,16 @@ def flex_decode(specs, bs, hq, hkv, d, dtype):
     kc, vc = (torch.randn(1, hkv, n_pages * page, d).to(dtype) for _ in range(2))
     q = torch.randn(n, hq, 1, d).to(dtype)
     lens = torch.tensor([kv for _, kv in specs])
-    mask = create_block_mask(lambda b, h, qi, kv: kv < lens[b], n, None, 1, longest, device="cpu",
-                             BLOCK_SIZE=(128, page))
+    mask = create_block_mask(
+        lambda b, h, qi, kv: kv < lens[b], n, None, 1, longest, device="cpu", BLOCK_SIZE=(128, page)
+    )
     block_mask, score_mod = paged.convert_logical_block_mask(mask), paged.get_score_mod(None)
     fn = torch.compile(flex_attention)
     t0 = time.perf_counter()
     fn(q, kc, vc, block_mask=block_mask, score_mod=score_mod, enable_gqa=True)
-    return (lambda: fn(q, kc, vc, block_mask=block_mask, score_mod=score_mod, enable_gqa=True)), \
-        time.perf_counter() - t0
+    return (
+        lambda: fn(q, kc, vc, block_mask=block_mask, score_mod=score_mod, enable_gqa=True)
+    ), time.perf_counter() - t0
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ layout (32 layers of 9 tensors, embeddings, norm, head: 291 tensors) filled with
 values, scaled to ``--big-params`` in all. Prints a table (median of ``--repeat`` timings, in
 microseconds) and writes JSON.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,20 +23,25 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_attention  # noqa: E402
+
 from paged_hf.cache.coherence import WeightsWatch  # noqa: E402
 
 
 class _Params(torch.nn.Module):
     def __init__(self, shapes: list[tuple[int, ...]], dtype: torch.dtype) -> None:
         super().__init__()
-        self.weights = torch.nn.ParameterList(torch.nn.Parameter(torch.randn(s).to(dtype)) for s in shapes)
+        self.weights = torch.nn.ParameterList(
+            torch.nn.Parameter(torch.randn(s).to(dtype)) for s in shapes
+        )
 
 
 def llama7b_like(total: float, dtype: torch.dtype) -> torch.nn.Module:
     hidden, inter, vocab, layers = 4096, 11008, 32000, 32
     shapes = [(vocab, hidden)]
     for _ in range(layers):
-        shapes += [(hidden, hidden)] * 4 + [(inter, hidden)] * 2 + [(hidden, inter)] + [(hidden,)] * 2
+        shapes += (
+            [(hidden, hidden)] * 4 + [(inter, hidden)] * 2 + [(hidden, inter)] + [(hidden,)] * 2
+        )
     shapes += [(hidden,), (vocab, hidden)]
     full = sum(torch.Size(s).numel() for s in shapes)
     scale = (total / full) ** 0.5  # shrink both sides of every matrix alike
@@ -58,29 +64,48 @@ def measure(name: str, model: torch.nn.Module, repeat: int) -> dict:
     watch = WeightsWatch(model)
     tensors = sum(1 for _ in model.parameters()) + sum(1 for _ in model.buffers())
     params = sum(p.numel() for p in model.parameters())
-    return {"model": name, "tensors": tensors, "params": params,
-            "per step: versions + adapter state (us)": timed(lambda: (watch.changed(), watch.adapter_state()), repeat),
-            "rescan: find tensors and sample views (us)": timed(watch._rescan, repeat),
-            "rescan: content sample (us)": timed(watch._sample, repeat),
-            "whole rescan check (us)": timed(lambda: watch.changed(rescan=True), repeat)}
+    return {
+        "model": name,
+        "tensors": tensors,
+        "params": params,
+        "per step: versions + adapter state (us)": timed(
+            lambda: (watch.changed(), watch.adapter_state()), repeat
+        ),
+        "rescan: find tensors and sample views (us)": timed(watch._rescan, repeat),
+        "rescan: content sample (us)": timed(watch._sample, repeat),
+        "whole rescan check (us)": timed(lambda: watch.changed(rescan=True), repeat),
+    }
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeat", type=int, default=50)
-    parser.add_argument("--big-params", type=float, default=2e9, help="parameters of the 7B-like layout")
+    parser.add_argument(
+        "--big-params", type=float, default=2e9, help="parameters of the 7B-like layout"
+    )
     parser.add_argument("--json", default="benchmarks/results/coherence.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     rows = [measure("SmolLM2-135M (bf16)", smollm2(), args.repeat)]
-    rows.append(measure(f"Llama-7B layout, {args.big_params / 1e9:.1f} B params (bf16)",
-                        llama7b_like(args.big_params, torch.bfloat16), args.repeat))
+    rows.append(
+        measure(
+            f"Llama-7B layout, {args.big_params / 1e9:.1f} B params (bf16)",
+            llama7b_like(args.big_params, torch.bfloat16),
+            args.repeat,
+        )
+    )
     keys = list(rows[0])
     print("| " + " | ".join(keys) + " |")
     print("| " + " | ".join("---" for _ in keys) + " |")
     for row in rows:
-        print("| " + " | ".join(f"{v:,.0f}" if isinstance(v, (int, float)) else str(v) for v in row.values()) + " |")
+        print(
+            "| "
+            + " | ".join(
+                f"{v:,.0f}" if isinstance(v, (int, float)) else str(v) for v in row.values()
+            )
+            + " |"
+        )
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"threads": args.threads, "rows": rows}, indent=1))

@@ -16,6 +16,7 @@ the lm_head) and each row count, GFLOP/s of:
 
 Each is the median of 5 timed runs of at least 20 ms. Prints a table and writes JSON.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,7 +40,13 @@ import torch.nn.functional as F  # noqa: E402
 from paged_hf.execution import cpu_linear  # noqa: E402
 
 # SmolLM2-135M: hidden 576, 9 query heads and 3 KV heads of 64, intermediate 1536, vocabulary 49152
-SHAPES = {"q/k/v": (960, 576), "o": (576, 576), "gate/up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}
+SHAPES = {
+    "q/k/v": (960, 576),
+    "o": (576, 576),
+    "gate/up": (3072, 576),
+    "down": (576, 1536),
+    "lm_head": (49152, 576),
+}
 
 
 def _seconds(fn, min_time: float = 0.02, repeats: int = 5) -> float:
@@ -68,10 +75,14 @@ def ways(w16: torch.Tensor) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--rows", default="1,8,32,128,512", help="comma list of row counts")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
-    ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/cpu-linear-<date>.json)")
+    ap.add_argument(
+        "--out", default=None, help="JSON path (default benchmarks/results/cpu-linear-<date>.json)"
+    )
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -86,26 +97,55 @@ def main(argv: list[str] | None = None) -> int:
                 x = torch.randn(1, m, k, generator=g).bfloat16()
                 for way, fn in fns.items():
                     s = _seconds(lambda: fn(x))
-                    results.append({"weight": name, "shape": [n, k], "rows": m, "way": way, "ms": s * 1e3,
-                                    "gflops": 2 * m * n * k / s / 1e9})
-                print(f"{name} rows {m}: " + ", ".join(f"{r['way']} {r['gflops']:.0f}" for r in results[-len(fns):]),
-                      file=sys.stderr, flush=True)
+                    results.append(
+                        {
+                            "weight": name,
+                            "shape": [n, k],
+                            "rows": m,
+                            "way": way,
+                            "ms": s * 1e3,
+                            "gflops": 2 * m * n * k / s / 1e9,
+                        }
+                    )
+                print(
+                    f"{name} rows {m}: "
+                    + ", ".join(f"{r['way']} {r['gflops']:.0f}" for r in results[-len(fns) :]),
+                    file=sys.stderr,
+                    flush=True,
+                )
     names = list(dict.fromkeys(r["way"] for r in results))
-    print(f"\n## Linear layers on this CPU, GFLOP/s ({torch.get_num_threads()} threads, "
-          f"default way here: {cpu_linear.mode(torch.bfloat16, torch.device('cpu'))}, OpenMP {OMP_WAIT_POLICY})\n")
+    print(
+        f"\n## Linear layers on this CPU, GFLOP/s ({torch.get_num_threads()} threads, "
+        f"default way here: {cpu_linear.mode(torch.bfloat16, torch.device('cpu'))}, OpenMP {OMP_WAIT_POLICY})\n"
+    )
     print("| weight | rows | " + " | ".join(names) + " |")
     print("| --- | ---: | " + " | ".join("---:" for _ in names) + " |")
     for name in SHAPES:
         for m in rows:
             got = {r["way"]: r["gflops"] for r in results if r["weight"] == name and r["rows"] == m}
-            print(f"| {name} {SHAPES[name][0]}x{SHAPES[name][1]} | {m} | "
-                  + " | ".join(f"{got[w]:.0f}" for w in names) + " |")
-    out = Path(args.out) if args.out else HERE / "results" / f"cpu-linear-{datetime.date.today().isoformat()}.json"
+            print(
+                f"| {name} {SHAPES[name][0]}x{SHAPES[name][1]} | {m} | "
+                + " | ".join(f"{got[w]:.0f}" for w in names)
+                + " |"
+            )
+    out = (
+        Path(args.out)
+        if args.out
+        else HERE / "results" / f"cpu-linear-{datetime.date.today().isoformat()}.json"
+    )
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"date": datetime.date.today().isoformat(), "threads": torch.get_num_threads(),
-                               "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-                               "default_way": cpu_linear.mode(torch.bfloat16, torch.device("cpu")),
-                               "results": results}, indent=2))
+    out.write_text(
+        json.dumps(
+            {
+                "date": datetime.date.today().isoformat(),
+                "threads": torch.get_num_threads(),
+                "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+                "default_way": cpu_linear.mode(torch.bfloat16, torch.device("cpu")),
+                "results": results,
+            },
+            indent=2,
+        )
+    )
     print(f"\nJSON: {out}")
     return 0
 

@@ -21,6 +21,7 @@ model call); for paged_hf the tokens its engine computed; and two references: on
 choice (what a backend without prefix reuse must compute) and one context per question plus
 the choices. Writes everything to ``--out`` as JSON. No assertion on time anywhere.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,19 +42,44 @@ sys.path.insert(0, str(HERE))
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="default", help="checkpoint directory, or 'default' (SmolLM2-135M-Instruct)")
+    parser.add_argument(
+        "--model",
+        default="default",
+        help="checkpoint directory, or 'default' (SmolLM2-135M-Instruct)",
+    )
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--n-mc", type=int, default=200, help="multiple-choice questions (4 choices each)")
+    parser.add_argument(
+        "--n-mc", type=int, default=200, help="multiple-choice questions (4 choices each)"
+    )
     parser.add_argument("--n-gen", type=int, default=100, help="generate_until prompts")
-    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds per system; medians are reported")
-    parser.add_argument("--batch-size", type=int, default=16, help="lm-eval's --batch_size for --model hf")
-    parser.add_argument("--paged-batch-size", default="auto", help="lm-eval's --batch_size for --model paged_hf "
-                        "(auto: the engine's max_num_seqs; an integer caps the sequences running at once)")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    parser.add_argument("--paged-args", default="", help="extra model_args for paged_hf, e.g. max_num_batched_tokens=1024")
-    parser.add_argument("--tasks-dir", default=None, help="where to write the tasks (default: a temp dir)")
-    parser.add_argument("--out", default=None,
-                        help="JSON path (default benchmarks/results/eval-<date-time>.json, as bench.py)")
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="interleaved rounds per system; medians are reported"
+    )
+    parser.add_argument(
+        "--batch-size", type=int, default=16, help="lm-eval's --batch_size for --model hf"
+    )
+    parser.add_argument(
+        "--paged-batch-size",
+        default="auto",
+        help="lm-eval's --batch_size for --model paged_hf "
+        "(auto: the engine's max_num_seqs; an integer caps the sequences running at once)",
+    )
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch threads (default: torch's)"
+    )
+    parser.add_argument(
+        "--paged-args",
+        default="",
+        help="extra model_args for paged_hf, e.g. max_num_batched_tokens=1024",
+    )
+    parser.add_argument(
+        "--tasks-dir", default=None, help="where to write the tasks (default: a temp dir)"
+    )
+    parser.add_argument(
+        "--out",
+        default=None,
+        help="JSON path (default benchmarks/results/eval-<date-time>.json, as bench.py)",
+    )
     parser.add_argument("--quick", action="store_true", help="20 questions, 10 prompts, one round")
     args = parser.parse_args(argv)
     if args.quick:
@@ -62,10 +88,10 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
 
     import lm_eval
+    from eval_tasks import write_tasks
     from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
 
-    from eval_tasks import write_tasks
     from paged_hf.integrations.lm_eval import PagedHFLM
 
     path = _model_dir(args.model)
@@ -74,14 +100,22 @@ def main(argv: list[str] | None = None) -> int:
     tm = TaskManager(include_path=str(tasks_dir), include_defaults=False)
     threads = torch.get_num_threads()
 
-    print(f"model {path} ({args.dtype}), {args.n_mc} questions x 4 choices, {args.n_gen} prompts, "
-          f"{args.rounds} round(s), batch_size {args.batch_size} (hf) / {args.paged_batch_size} (paged_hf), "
-          f"{threads} threads", flush=True)
+    print(
+        f"model {path} ({args.dtype}), {args.n_mc} questions x 4 choices, {args.n_gen} prompts, "
+        f"{args.rounds} round(s), batch_size {args.batch_size} (hf) / {args.paged_batch_size} (paged_hf), "
+        f"{threads} threads",
+        flush=True,
+    )
     hf = HFLM(pretrained=str(path), dtype=args.dtype, batch_size=args.batch_size, device="cpu")
     paged_extra = dict(kv.split("=", 1) for kv in args.paged_args.split(",") if kv)
     paged_extra = {k: _literal(v) for k, v in paged_extra.items()}
-    paged = PagedHFLM(pretrained=str(path), dtype=args.dtype, batch_size=_literal(args.paged_batch_size),
-                      device="cpu", **paged_extra)
+    paged = PagedHFLM(
+        pretrained=str(path),
+        dtype=args.dtype,
+        batch_size=_literal(args.paged_batch_size),
+        device="cpu",
+        **paged_extra,
+    )
     torch.set_num_threads(threads)  # a constructor may have changed it
     forwarded = _count_hf_tokens(hf)
     systems = {"hf": hf, "paged_hf": paged}
@@ -95,21 +129,36 @@ def main(argv: list[str] | None = None) -> int:
         for _round in range(args.rounds):
             for name, lm in systems.items():
                 paged.engine.reset_prefix_cache()  # every round starts cold: no KV kept from the last one
-                before_hf, before_paged = forwarded[0], paged.engine.stats()["prefill_tokens_computed"]
+                before_hf, before_paged = (
+                    forwarded[0],
+                    paged.engine.stats()["prefill_tokens_computed"],
+                )
                 start, start_cpu = time.perf_counter(), time.process_time()
-                res = lm_eval.simple_evaluate(model=lm, tasks=[task], task_manager=tm, log_samples=True,
-                                              verbosity="WARNING")
+                res = lm_eval.simple_evaluate(
+                    model=lm, tasks=[task], task_manager=tm, log_samples=True, verbosity="WARNING"
+                )
                 times[name].append(time.perf_counter() - start)
                 cpu[name].append(time.process_time() - start_cpu)
                 torch.set_num_threads(threads)
                 results[name] = res
-                prefill[name] = forwarded[0] - before_hf if name == "hf" else \
-                    paged.engine.stats()["prefill_tokens_computed"] - before_paged
-                print(f"  {task} {name}: {times[name][-1]:.1f} s (CPU {cpu[name][-1]:.1f} s)", flush=True)
-        row = {"task": task, "times_s": times, "median_s": {s: statistics.median(t) for s, t in times.items()},
-               "cpu_s": cpu, "median_cpu_s": {s: statistics.median(t) for s, t in cpu.items()},
-               "metrics": {s: _metrics(results[s], task) for s in systems},
-               "prefill_tokens": prefill}
+                prefill[name] = (
+                    forwarded[0] - before_hf
+                    if name == "hf"
+                    else paged.engine.stats()["prefill_tokens_computed"] - before_paged
+                )
+                print(
+                    f"  {task} {name}: {times[name][-1]:.1f} s (CPU {cpu[name][-1]:.1f} s)",
+                    flush=True,
+                )
+        row = {
+            "task": task,
+            "times_s": times,
+            "median_s": {s: statistics.median(t) for s, t in times.items()},
+            "cpu_s": cpu,
+            "median_cpu_s": {s: statistics.median(t) for s, t in cpu.items()},
+            "metrics": {s: _metrics(results[s], task) for s in systems},
+            "prefill_tokens": prefill,
+        }
         row["speedup"] = row["median_s"]["hf"] / row["median_s"]["paged_hf"]
         row["cpu_ratio"] = row["median_cpu_s"]["hf"] / row["median_cpu_s"]["paged_hf"]
         if task == "phf_mc":
@@ -117,15 +166,31 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row)
 
     _print_table(rows, args)
-    out = {"config": {"model": str(path), "dtype": args.dtype, "n_mc": args.n_mc, "n_gen": args.n_gen,
-                      "rounds": args.rounds, "batch_size": args.batch_size,
-                      "paged_batch_size": args.paged_batch_size, "threads": threads,
-                      "paged_args": paged_extra, "paged_engine": paged.get_model_info()["paged_hf_engine"],
-                      "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
-                      "torch": torch.__version__, "lm_eval": lm_eval.__version__ if hasattr(lm_eval, "__version__")
-                      else "0.4.13", "date": time.strftime("%Y-%m-%d %H:%M")},
-           "rows": rows}
-    path = Path(args.out) if args.out else HERE / "results" / f"eval-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out = {
+        "config": {
+            "model": str(path),
+            "dtype": args.dtype,
+            "n_mc": args.n_mc,
+            "n_gen": args.n_gen,
+            "rounds": args.rounds,
+            "batch_size": args.batch_size,
+            "paged_batch_size": args.paged_batch_size,
+            "threads": threads,
+            "paged_args": paged_extra,
+            "paged_engine": paged.get_model_info()["paged_hf_engine"],
+            "machine": platform.processor() or platform.machine(),
+            "cpus": os.cpu_count(),
+            "torch": torch.__version__,
+            "lm_eval": lm_eval.__version__ if hasattr(lm_eval, "__version__") else "0.4.13",
+            "date": time.strftime("%Y-%m-%d %H:%M"),
+        },
+        "rows": rows,
+    }
+    path = (
+        Path(args.out)
+        if args.out
+        else HERE / "results" / f"eval-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    )
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=2, default=str))
     print(f"wrote {path}")
@@ -166,7 +231,11 @@ def _count_hf_tokens(hf) -> list[int]:
 
 
 def _metrics(result: dict, task: str) -> dict:
-    return {k.split(",")[0]: float(v) for k, v in result["results"][task].items() if "," in k and "stderr" not in k}
+    return {
+        k.split(",")[0]: float(v)
+        for k, v in result["results"][task].items()
+        if "," in k and "stderr" not in k
+    }
 
 
 def _mc_reference(result: dict, paged) -> dict:
@@ -175,7 +244,7 @@ def _mc_reference(result: dict, paged) -> dict:
     seen: set[tuple] = set()
     for sample in result["samples"]["phf_mc"]:
         arguments = sample["arguments"]  # in memory: one (context, continuation) per choice
-        for arg in (arguments.values() if isinstance(arguments, dict) else arguments):
+        for arg in arguments.values() if isinstance(arguments, dict) else arguments:
             context, continuation = (arg["arg_0"], arg["arg_1"]) if isinstance(arg, dict) else arg
             ctx, cont = paged._encode_pair(context, continuation)
             per_choice += len(ctx) + len(cont) - 1  # the last continuation token is never input
@@ -183,29 +252,40 @@ def _mc_reference(result: dict, paged) -> dict:
             if tuple(ctx) not in seen:
                 seen.add(tuple(ctx))
                 per_question += len(ctx)
-    return {"one_context_per_choice": per_choice, "one_context_per_question_plus_choices": per_question}
+    return {
+        "one_context_per_choice": per_choice,
+        "one_context_per_question_plus_choices": per_question,
+    }
 
 
 def _print_table(rows: list[dict], args) -> None:
     print()
-    print(f"| task | lm-eval --model hf (batch {args.batch_size}) | --model paged_hf (batch {args.paged_batch_size}) "
-          f"| speedup | CPU time hf / paged_hf | metrics hf / paged_hf |")
+    print(
+        f"| task | lm-eval --model hf (batch {args.batch_size}) | --model paged_hf (batch {args.paged_batch_size}) "
+        f"| speedup | CPU time hf / paged_hf | metrics hf / paged_hf |"
+    )
     print("| --- | --- | --- | --- | --- | --- |")
-    names = {"phf_mc": f"multiple choice, {args.n_mc} x 4 (loglikelihood)",
-             "phf_gen": f"generate_until, {args.n_gen} 5-shot prompts"}
+    names = {
+        "phf_mc": f"multiple choice, {args.n_mc} x 4 (loglikelihood)",
+        "phf_gen": f"generate_until, {args.n_gen} 5-shot prompts",
+    }
     for row in rows:
         m = row["metrics"]
         metrics = ", ".join(f"{k} {m['hf'][k]:.3f} / {m['paged_hf'][k]:.3f}" for k in m["hf"])
-        print(f"| {names[row['task']]} | {row['median_s']['hf']:.1f} s | {row['median_s']['paged_hf']:.1f} s | "
-              f"{row['speedup']:.1f}x | {row['median_cpu_s']['hf']:.0f} s / {row['median_cpu_s']['paged_hf']:.0f} s "
-              f"({row['cpu_ratio']:.1f}x) | {metrics} |")
+        print(
+            f"| {names[row['task']]} | {row['median_s']['hf']:.1f} s | {row['median_s']['paged_hf']:.1f} s | "
+            f"{row['speedup']:.1f}x | {row['median_cpu_s']['hf']:.0f} s / {row['median_cpu_s']['paged_hf']:.0f} s "
+            f"({row['cpu_ratio']:.1f}x) | {metrics} |"
+        )
     mc = next(r for r in rows if r["task"] == "phf_mc")
     ref = mc["reference_tokens"]
     print()
-    print(f"prefill tokens, multiple choice: --model hf forwarded {mc['prefill_tokens']['hf']:,} (padding included); "
-          f"paged_hf computed {mc['prefill_tokens']['paged_hf']:,}; one context per choice "
-          f"{ref['one_context_per_choice']:,}; one context per question plus the choices "
-          f"{ref['one_context_per_question_plus_choices']:,}")
+    print(
+        f"prefill tokens, multiple choice: --model hf forwarded {mc['prefill_tokens']['hf']:,} (padding included); "
+        f"paged_hf computed {mc['prefill_tokens']['paged_hf']:,}; one context per choice "
+        f"{ref['one_context_per_choice']:,}; one context per question plus the choices "
+        f"{ref['one_context_per_question_plus_choices']:,}"
+    )
 
 
 if __name__ == "__main__":

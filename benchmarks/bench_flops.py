@@ -17,6 +17,7 @@ torch's bf16 matmul runs at a fifth of fp32's: the fastest way there is to bf16 
 matmul on packed fp32 copies of the weights with bf16 in and out (what paged_hf runs there). ``utilisation = needed FLOPs / wall / ceiling`` and ``floor = needed FLOPs /
 ceiling`` is the time a system would take if it did nothing but the needed GEMMs at that rate.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -24,8 +25,8 @@ import time
 from dataclasses import dataclass
 
 import torch
-
 from bench_workloads import Workload
+
 from paged_hf.execution.cpu_linear import native_bf16
 
 
@@ -43,15 +44,28 @@ class Geometry:
     def of(cls, model: torch.nn.Module) -> "Geometry":
         c = model.config.get_text_config()
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-        return cls(c.num_hidden_layers, c.hidden_size, c.intermediate_size, c.num_attention_heads,
-                   getattr(c, "num_key_value_heads", None) or c.num_attention_heads, head_dim, c.vocab_size)
+        return cls(
+            c.num_hidden_layers,
+            c.hidden_size,
+            c.intermediate_size,
+            c.num_attention_heads,
+            getattr(c, "num_key_value_heads", None) or c.num_attention_heads,
+            head_dim,
+            c.vocab_size,
+        )
 
     def layer_shapes(self) -> dict[str, tuple[int, int]]:
         """(in, out) of each linear in one decoder block (llama-style)."""
         q, kv = self.q_heads * self.head_dim, self.kv_heads * self.head_dim
-        return {"q": (self.hidden, q), "k": (self.hidden, kv), "v": (self.hidden, kv), "o": (q, self.hidden),
-                "gate": (self.hidden, self.intermediate), "up": (self.hidden, self.intermediate),
-                "down": (self.intermediate, self.hidden)}
+        return {
+            "q": (self.hidden, q),
+            "k": (self.hidden, kv),
+            "v": (self.hidden, kv),
+            "o": (q, self.hidden),
+            "gate": (self.hidden, self.intermediate),
+            "up": (self.hidden, self.intermediate),
+            "down": (self.intermediate, self.hidden),
+        }
 
     @property
     def layer_params(self) -> int:
@@ -76,9 +90,15 @@ def needed_work(w: Workload, geo: Geometry) -> dict:
     linear = 2 * geo.layer_params * needed
     head = 2 * geo.hidden * geo.vocab * out
     attn = 4 * geo.layers * geo.q_heads * geo.head_dim * ctx
-    return {"naive_tokens": naive, "needed_tokens": needed, "output_tokens": out,
-            "flops_linear": linear, "flops_lm_head": head, "flops_attention": attn,
-            "flops": linear + head + attn}
+    return {
+        "naive_tokens": naive,
+        "needed_tokens": needed,
+        "output_tokens": out,
+        "flops_linear": linear,
+        "flops_lm_head": head,
+        "flops_attention": attn,
+        "flops": linear + head + attn,
+    }
 
 
 def fp32_for_bf16() -> bool:
@@ -90,7 +110,9 @@ def _matmul(w: torch.Tensor):
     """x @ w the fastest way to w's dtype (see the module docstring)."""
     if w.dtype == torch.bfloat16 and fp32_for_bf16():
         packed = torch.ops.mkldnn._reorder_linear_weight(w.t().float().contiguous(), 64)
-        return lambda x: torch.ops.mkldnn._linear_pointwise(x.float(), packed, None, "none", [], "").bfloat16()
+        return lambda x: torch.ops.mkldnn._linear_pointwise(
+            x.float(), packed, None, "none", [], ""
+        ).bfloat16()
     return lambda x: torch.matmul(x, w)
 
 
@@ -114,8 +136,13 @@ def _time_matmul(x: torch.Tensor, w: torch.Tensor, min_time: float, repeats: int
     return statistics.median(samples)
 
 
-def matmul_ceiling(geo: Geometry, dtype: torch.dtype, rows: tuple[int, ...] = (32, 128, 512),
-                   min_time: float = 0.02, repeats: int = 3) -> dict:
+def matmul_ceiling(
+    geo: Geometry,
+    dtype: torch.dtype,
+    rows: tuple[int, ...] = (32, 128, 512),
+    min_time: float = 0.02,
+    repeats: int = 3,
+) -> dict:
     """Sustained GFLOP/s of torch.matmul at the model's layer shapes, per row count m."""
     gen = torch.Generator().manual_seed(0)
     shapes = geo.layer_shapes()
@@ -131,10 +158,20 @@ def matmul_ceiling(geo: Geometry, dtype: torch.dtype, rows: tuple[int, ...] = (3
                 flops += 2.0 * m * i * o
             per_m[m] = flops / secs / 1e9
             x = torch.randn(m, geo.hidden, generator=gen).to(dtype)
-            lm_head[m] = 2.0 * m * geo.hidden * geo.vocab / _time_matmul(x, head, min_time, repeats) / 1e9
+            lm_head[m] = (
+                2.0 * m * geo.hidden * geo.vocab / _time_matmul(x, head, min_time, repeats) / 1e9
+            )
     best = max(per_m, key=per_m.get)
-    return {"dtype": str(dtype).removeprefix("torch."), "gflops": per_m[best], "best_rows": best,
-            "layer_gflops_by_rows": per_m, "lm_head_gflops_by_rows": lm_head,
-            "method": ("oneDNN fp32 on packed fp32 weights, bf16 in and out (no bf16 matmul on this CPU)"
-                       if dtype == torch.bfloat16 and fp32_for_bf16() else "torch.matmul [m, in] x [in, out]")
-                      + f" at q/k/v/o/gate/up/down shapes, median of {repeats} runs; ceiling = best m"}
+    return {
+        "dtype": str(dtype).removeprefix("torch."),
+        "gflops": per_m[best],
+        "best_rows": best,
+        "layer_gflops_by_rows": per_m,
+        "lm_head_gflops_by_rows": lm_head,
+        "method": (
+            "oneDNN fp32 on packed fp32 weights, bf16 in and out (no bf16 matmul on this CPU)"
+            if dtype == torch.bfloat16 and fp32_for_bf16()
+            else "torch.matmul [m, in] x [in, out]"
+        )
+        + f" at q/k/v/o/gate/up/down shapes, median of {repeats} runs; ceiling = best m",
+    }

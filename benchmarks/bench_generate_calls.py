@@ -20,6 +20,7 @@ HF backend built on a model object.
 
 A table to stdout, everything to ``--out`` as JSON. No assertion on time anywhere.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,7 +44,9 @@ def _prompts(n: int) -> list[str]:
 
     directory = Path(tempfile.mkdtemp(prefix="paged_hf_calls_"))
     write_tasks(directory, n_mc=1, n_gen=n)
-    shots = [json.loads(line) for line in (directory / "gen_train.jsonl").read_text().splitlines()][:5]
+    shots = [json.loads(line) for line in (directory / "gen_train.jsonl").read_text().splitlines()][
+        :5
+    ]
     tests = [json.loads(line) for line in (directory / "gen_test.jsonl").read_text().splitlines()]
     few = "".join(f"Q: {r['question']}\nA: {r['answer']}\n\n" for r in shots)
     return [f"{few}Q: {r['question']}\nA:" for r in tests]
@@ -56,11 +59,15 @@ def bench_calls(model, patched, tok, n_calls: int, rounds: int) -> dict:
 
     prompts = _prompts(n_calls * 4)
     tok.padding_side = "left"
-    batches = [tok(prompts[i * 4:(i + 1) * 4], return_tensors="pt", padding=True) for i in range(n_calls)]
+    batches = [
+        tok(prompts[i * 4 : (i + 1) * 4], return_tensors="pt", padding=True) for i in range(n_calls)
+    ]
     common = dict(max_new_tokens=32, do_sample=False, pad_token_id=tok.pad_token_id)
 
     def criteria(b, until=("\n\n", "Q:")):
-        return {"stopping_criteria": stop_sequences_criteria(tok, list(until), b.input_ids.shape[1], 4)}
+        return {
+            "stopping_criteria": stop_sequences_criteria(tok, list(until), b.input_ids.shape[1], 4)
+        }
 
     scores = {"output_scores": True, "return_dict_in_generate": True}
     systems = {
@@ -83,20 +90,31 @@ def bench_calls(model, patched, tok, n_calls: int, rounds: int) -> dict:
             for b in batches:
                 out = m.generate(b.input_ids, attention_mask=b.attention_mask, **common, **extra(b))
                 seq = out.sequences if hasattr(out, "sequences") else out
-                new += int((seq[:, b.input_ids.shape[1]:] != tok.pad_token_id).sum())
+                new += int((seq[:, b.input_ids.shape[1] :] != tok.pad_token_id).sum())
             times[name].append(time.perf_counter() - start)
             steps[name], tokens[name] = engine.stats()["steps"] - before, new
-            print(f"  {name}: {times[name][-1]:.1f} s, {new} new tokens, {steps[name]} engine steps", flush=True)
+            print(
+                f"  {name}: {times[name][-1]:.1f} s, {new} new tokens, {steps[name]} engine steps",
+                flush=True,
+            )
     median = {s: statistics.median(t) for s, t in times.items()}
     plain_step = median["paged_hf"] / steps["paged_hf"]
     rows = []
     for name in systems:
         per_step = median[name] / steps[name] if steps[name] else None
-        rows.append({"system": name, "median_s": median[name], "times_s": times[name], "new_tokens": tokens[name],
-                     "engine_steps": steps[name], "ms_per_step": None if per_step is None else per_step * 1e3,
-                     "extra_ms_per_step": None if per_step is None else (per_step - plain_step) * 1e3,
-                     "out_tok_s": tokens[name] / median[name],
-                     "speedup_vs_transformers": median["transformers + criteria"] / median[name]})
+        rows.append(
+            {
+                "system": name,
+                "median_s": median[name],
+                "times_s": times[name],
+                "new_tokens": tokens[name],
+                "engine_steps": steps[name],
+                "ms_per_step": None if per_step is None else per_step * 1e3,
+                "extra_ms_per_step": None if per_step is None else (per_step - plain_step) * 1e3,
+                "out_tok_s": tokens[name] / median[name],
+                "speedup_vs_transformers": median["transformers + criteria"] / median[name],
+            }
+        )
     return {"calls": n_calls, "batch": 4, "rounds": rounds, "rows": rows}
 
 
@@ -105,8 +123,13 @@ def bench_beams(model, patched, tok, n_prompts: int, rounds: int) -> dict:
 
     tok.padding_side = "left"
     batch = tok(_prompts(n_prompts), return_tensors="pt", padding=True)
-    kw = dict(attention_mask=batch.attention_mask, max_new_tokens=32, num_beams=4, do_sample=False,
-              pad_token_id=tok.pad_token_id)
+    kw = dict(
+        attention_mask=batch.attention_mask,
+        max_new_tokens=32,
+        num_beams=4,
+        do_sample=False,
+        pad_token_id=tok.pad_token_id,
+    )
     engine = paged_hf.engine_for(patched)
     times: dict[str, list[float]] = {"transformers": [], "paged_hf": []}
     outs = {}
@@ -125,40 +148,58 @@ def bench_beams(model, patched, tok, n_prompts: int, rounds: int) -> dict:
     one_copy_per_beam = sum(4 * -(-(n + longest) // bs) for n in lengths)
     median = {s: statistics.median(t) for s, t in times.items()}
     same = sum(torch.equal(a, b) for a, b in zip(outs["paged_hf"], outs["transformers"]))
-    return {"prompts": n_prompts, "beams": 4, "median_s": median, "times_s": times,
-            "speedup": median["transformers"] / median["paged_hf"], "same_sequences": f"{same} of {n_prompts}",
-            "peak_blocks_used": stats["peak_blocks_used"], "peak_blocks_shared": stats["peak_blocks_shared"],
-            "blocks_one_copy_per_beam": one_copy_per_beam}
+    return {
+        "prompts": n_prompts,
+        "beams": 4,
+        "median_s": median,
+        "times_s": times,
+        "speedup": median["transformers"] / median["paged_hf"],
+        "same_sequences": f"{same} of {n_prompts}",
+        "peak_blocks_used": stats["peak_blocks_used"],
+        "peak_blocks_shared": stats["peak_blocks_shared"],
+        "blocks_one_copy_per_beam": one_copy_per_beam,
+    }
 
 
 def bench_lm_eval(model, patched, tok, n_gen: int, rounds: int) -> dict:
     import lm_eval
+    from eval_tasks import write_tasks
     from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
-
-    from eval_tasks import write_tasks
 
     directory = Path(tempfile.mkdtemp(prefix="paged_hf_eval_tasks_"))
     write_tasks(directory, n_mc=1, n_gen=n_gen)
     tm = TaskManager(include_path=str(directory), include_defaults=False)
     threads = torch.get_num_threads()
-    systems = {"HFLM, unpatched": HFLM(pretrained=model, tokenizer=tok, batch_size=16),
-               "HFLM, patched": HFLM(pretrained=patched, tokenizer=tok, batch_size=16)}
+    systems = {
+        "HFLM, unpatched": HFLM(pretrained=model, tokenizer=tok, batch_size=16),
+        "HFLM, patched": HFLM(pretrained=patched, tokenizer=tok, batch_size=16),
+    }
     torch.set_num_threads(threads)
     times: dict[str, list[float]] = {s: [] for s in systems}
     metrics: dict[str, dict] = {}
     for _ in range(rounds):
         for name, lm in systems.items():
             start = time.perf_counter()
-            res = lm_eval.simple_evaluate(model=lm, tasks=["phf_gen"], task_manager=tm, verbosity="WARNING")
+            res = lm_eval.simple_evaluate(
+                model=lm, tasks=["phf_gen"], task_manager=tm, verbosity="WARNING"
+            )
             times[name].append(time.perf_counter() - start)
             torch.set_num_threads(threads)
-            metrics[name] = {k.split(",")[0]: float(v) for k, v in res["results"]["phf_gen"].items()
-                             if "," in k and "stderr" not in k}
+            metrics[name] = {
+                k.split(",")[0]: float(v)
+                for k, v in res["results"]["phf_gen"].items()
+                if "," in k and "stderr" not in k
+            }
             print(f"  {name}: {times[name][-1]:.1f} s {metrics[name]}", flush=True)
     median = {s: statistics.median(t) for s, t in times.items()}
-    return {"prompts": n_gen, "median_s": median, "times_s": times, "metrics": metrics,
-            "speedup": median["HFLM, unpatched"] / median["HFLM, patched"]}
+    return {
+        "prompts": n_gen,
+        "median_s": median,
+        "times_s": times,
+        "metrics": metrics,
+        "speedup": median["HFLM, unpatched"] / median["HFLM, patched"],
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -169,7 +210,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--beam-prompts", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="16 calls, 20 prompts, one round")
-    parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/calls-<date-time>.json)")
+    parser.add_argument(
+        "--out", default=None, help="JSON path (default benchmarks/results/calls-<date-time>.json)"
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.calls, args.n_gen, args.beam_prompts, args.rounds = 16, 20, 8, 1
@@ -184,28 +227,54 @@ def main(argv: list[str] | None = None) -> int:
     beams = bench_beams(model, patched, tok, args.beam_prompts, args.rounds)
     evaluation = bench_lm_eval(model, patched, tok, args.n_gen, args.rounds)
 
-    print(f"\n| {calls['calls']} generate calls x {calls['batch']} prompts | median s | new tokens | out tok/s "
-          "| engine steps | ms per step (over plain) | vs transformers + criteria |")
+    print(
+        f"\n| {calls['calls']} generate calls x {calls['batch']} prompts | median s | new tokens | out tok/s "
+        "| engine steps | ms per step (over plain) | vs transformers + criteria |"
+    )
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for r in calls["rows"]:
-        step = "" if r["ms_per_step"] is None else f"{r['ms_per_step']:.1f} ({r['extra_ms_per_step']:+.1f})"
-        print(f"| {r['system']} | {r['median_s']:.1f} | {r['new_tokens']} | {r['out_tok_s']:.0f} | {r['engine_steps']} "
-              f"| {step} | {r['speedup_vs_transformers']:.2f}x |")
-    print(f"\n| beam search, {beams['prompts']} prompts x 4 beams | transformers | paged_hf | speedup | same sequences "
-          "| KV blocks at peak (one copy per beam would take) |")
+        step = (
+            ""
+            if r["ms_per_step"] is None
+            else f"{r['ms_per_step']:.1f} ({r['extra_ms_per_step']:+.1f})"
+        )
+        print(
+            f"| {r['system']} | {r['median_s']:.1f} | {r['new_tokens']} | {r['out_tok_s']:.0f} | {r['engine_steps']} "
+            f"| {step} | {r['speedup_vs_transformers']:.2f}x |"
+        )
+    print(
+        f"\n| beam search, {beams['prompts']} prompts x 4 beams | transformers | paged_hf | speedup | same sequences "
+        "| KV blocks at peak (one copy per beam would take) |"
+    )
     print("| --- | --- | --- | --- | --- | --- |")
-    print(f"| one generate call | {beams['median_s']['transformers']:.1f} s | {beams['median_s']['paged_hf']:.1f} s "
-          f"| {beams['speedup']:.2f}x | {beams['same_sequences']} | {beams['peak_blocks_used']} "
-          f"({beams['blocks_one_copy_per_beam']}; {beams['peak_blocks_shared']} references shared) |")
-    print(f"\n| lm-eval HFLM on a model object, generate_until, {evaluation['prompts']} prompts | median s | metrics |")
+    print(
+        f"| one generate call | {beams['median_s']['transformers']:.1f} s | {beams['median_s']['paged_hf']:.1f} s "
+        f"| {beams['speedup']:.2f}x | {beams['same_sequences']} | {beams['peak_blocks_used']} "
+        f"({beams['blocks_one_copy_per_beam']}; {beams['peak_blocks_shared']} references shared) |"
+    )
+    print(
+        f"\n| lm-eval HFLM on a model object, generate_until, {evaluation['prompts']} prompts | median s | metrics |"
+    )
     print("| --- | --- | --- |")
     for name, s in evaluation["median_s"].items():
         print(f"| {name} | {s:.1f} | {evaluation['metrics'][name]} |")
     print(f"speedup: {evaluation['speedup']:.2f}x")
-    out = {"config": {"dtype": args.dtype, "threads": torch.get_num_threads(), "machine": platform.processor(),
-                      "date": time.strftime("%Y-%m-%d %H:%M")}, "calls": calls, "beams": beams,
-           "lm_eval": evaluation}
-    path = Path(args.out) if args.out else HERE / "results" / f"calls-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out = {
+        "config": {
+            "dtype": args.dtype,
+            "threads": torch.get_num_threads(),
+            "machine": platform.processor(),
+            "date": time.strftime("%Y-%m-%d %H:%M"),
+        },
+        "calls": calls,
+        "beams": beams,
+        "lm_eval": evaluation,
+    }
+    path = (
+        Path(args.out)
+        if args.out
+        else HERE / "results" / f"calls-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    )
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=2, default=str))
     print(f"wrote {path}")

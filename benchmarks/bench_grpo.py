@@ -11,6 +11,7 @@ then the whole run's seconds. Each step generates ``--generations`` completions 
 temperature 1). The default optimizer (fused AdamW) trains between the generations; paged_hf
 sees each step (paged_hf/cache/coherence.py) and sleeps between generations.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,9 +29,20 @@ OMP_WAIT_POLICY = omp_env.setup()
 
 import torch  # noqa: E402
 
-QUESTIONS = ["What is the capital of France?", "Name a primary color.", "What is 2 + 3?", "Say hello in Spanish.",
-             "What animal barks?", "What is the opposite of hot?", "Name a planet.", "What do bees make?",
-             "How many legs does a cat have?", "What color is the sky?", "Name a fruit.", "What is ice made of?"]
+QUESTIONS = [
+    "What is the capital of France?",
+    "Name a primary color.",
+    "What is 2 + 3?",
+    "Say hello in Spanish.",
+    "What animal barks?",
+    "What is the opposite of hot?",
+    "Name a planet.",
+    "What do bees make?",
+    "How many legs does a cat have?",
+    "What color is the sky?",
+    "Name a fruit.",
+    "What is ice made of?",
+]
 
 
 def reward_short_answers(completions, **kw):
@@ -57,36 +69,72 @@ def run(system: str, args, tmp: str) -> dict:
                 out = super()._generate_single_turn(*a, **kw)
                 times.append(time.perf_counter() - start)
                 return out
+
         return Timed
 
-    base = GRPOTrainer if system == "transformers" else type("PagedGRPOTrainer", (PagedGenerationMixin, GRPOTrainer),
-                                                            {"paged_hf_options": {"max_num_seqs": 64}})
+    base = (
+        GRPOTrainer
+        if system == "transformers"
+        else type(
+            "PagedGRPOTrainer",
+            (PagedGenerationMixin, GRPOTrainer),
+            {"paged_hf_options": {"max_num_seqs": 64}},
+        )
+    )
     data = Dataset.from_dict({"prompt": [[{"role": "user", "content": q}] for q in QUESTIONS * 4]})
-    config = GRPOConfig(output_dir=tmp, per_device_train_batch_size=args.prompts_per_step * args.generations,
-                        num_generations=args.generations, max_completion_length=args.completion, max_steps=args.steps,
-                        learning_rate=1e-6, logging_steps=1, report_to=[], save_strategy="no", use_cpu=True, bf16=True,
-                        seed=0, dataloader_num_workers=0)
-    trainer = timed(base)(model=model, args=config, reward_funcs=reward_short_answers, train_dataset=data,
-                          processing_class=tokenizer)
+    config = GRPOConfig(
+        output_dir=tmp,
+        per_device_train_batch_size=args.prompts_per_step * args.generations,
+        num_generations=args.generations,
+        max_completion_length=args.completion,
+        max_steps=args.steps,
+        learning_rate=1e-6,
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        bf16=True,
+        seed=0,
+        dataloader_num_workers=0,
+    )
+    trainer = timed(base)(
+        model=model,
+        args=config,
+        reward_funcs=reward_short_answers,
+        train_dataset=data,
+        processing_class=tokenizer,
+    )
     start = time.perf_counter()
     trainer.train()
     total = time.perf_counter() - start
-    out = {"system": system, "optimizer": str(getattr(config.optim, "value", config.optim)), "generation_s": times,
-           "total_s": total}
-    if system == "paged_hf":  # each prompt's completions were one n-sample request, forked from its KV
-        out["engine_steps"] = paged_hf.engine_for(trainer.accelerator.unwrap_model(trainer.model)).stats()["steps"]
+    out = {
+        "system": system,
+        "optimizer": str(getattr(config.optim, "value", config.optim)),
+        "generation_s": times,
+        "total_s": total,
+    }
+    if (
+        system == "paged_hf"
+    ):  # each prompt's completions were one n-sample request, forked from its KV
+        out["engine_steps"] = paged_hf.engine_for(
+            trainer.accelerator.unwrap_model(trainer.model)
+        ).stats()["steps"]
     return out
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--prompts-per-step", type=int, default=2)
     ap.add_argument("--generations", type=int, default=8)
     ap.add_argument("--completion", type=int, default=64)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--json", default="benchmarks/results/grpo.json")
-    ap.add_argument("--omp-wait-policy", choices=omp_env.CHOICES, default="auto", help="see omp_env.py")
+    ap.add_argument(
+        "--omp-wait-policy", choices=omp_env.CHOICES, default="auto", help="see omp_env.py"
+    )
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -94,17 +142,23 @@ def main() -> None:
     for system in ("transformers", "paged_hf"):
         with tempfile.TemporaryDirectory() as tmp:
             results.append(run(system, args, tmp))
-    print(f"\nGRPO, SmolLM2-135M-Instruct bf16, {torch.get_num_threads()} threads; {args.steps} steps of "
-          f"{args.prompts_per_step} prompts x {args.generations} completions of <= {args.completion} tokens; "
-          f"optimizer {results[0]['optimizer']}\n")
+    print(
+        f"\nGRPO, SmolLM2-135M-Instruct bf16, {torch.get_num_threads()} threads; {args.steps} steps of "
+        f"{args.prompts_per_step} prompts x {args.generations} completions of <= {args.completion} tokens; "
+        f"optimizer {results[0]['optimizer']}\n"
+    )
     print("| generation through | generation per step (s) | median | whole run (s) |")
     print("| --- | --- | --- | --- |")
     for r in results:
-        print(f"| {r['system']} | {', '.join(f'{t:.1f}' for t in r['generation_s'])} | "
-              f"{statistics.median(r['generation_s']):.1f} | {r['total_s']:.1f} |")
+        print(
+            f"| {r['system']} | {', '.join(f'{t:.1f}' for t in r['generation_s'])} | "
+            f"{statistics.median(r['generation_s']):.1f} | {r['total_s']:.1f} |"
+        )
     hf, paged = results
-    print(f"\ngeneration phase: {statistics.median(hf['generation_s']) / statistics.median(paged['generation_s']):.2f}x; "
-          f"whole run: {hf['total_s'] / paged['total_s']:.2f}x")
+    print(
+        f"\ngeneration phase: {statistics.median(hf['generation_s']) / statistics.median(paged['generation_s']):.2f}x; "
+        f"whole run: {hf['total_s'] / paged['total_s']:.2f}x"
+    )
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=2))
     print(f"wrote {args.json}")

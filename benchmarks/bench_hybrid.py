@@ -12,6 +12,7 @@ and attention layers 3:1, random weights, bf16; ``--layers``/``--hidden`` resize
 weights, same token ids, greedy, outputs forced to their length; systems interleaved round by
 round, medians of ``--repeat`` rounds. Prints a table (output tokens per second) and writes JSON.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,10 +29,9 @@ import omp_env  # noqa: E402  (before torch: OpenMP reads its wait policy when l
 
 OMP_WAIT_POLICY = omp_env.setup()
 
-import torch  # noqa: E402
-
 import bench_systems as S  # noqa: E402
 import bench_workloads as W  # noqa: E402
+import torch  # noqa: E402
 
 
 def qwen3_5_like(layers: int, hidden: int, dtype: torch.dtype) -> torch.nn.Module:
@@ -39,12 +39,26 @@ def qwen3_5_like(layers: int, hidden: int, dtype: torch.dtype) -> torch.nn.Modul
 
     heads = hidden // 128
     cfg = Qwen3_5TextConfig(
-        vocab_size=49152, hidden_size=hidden, intermediate_size=hidden * 3, num_hidden_layers=layers,
-        num_attention_heads=heads * 2, num_key_value_heads=max(1, heads // 2), head_dim=128,
-        linear_num_key_heads=heads, linear_num_value_heads=heads * 2, linear_key_head_dim=128,
-        linear_value_head_dim=128, linear_conv_kernel_dim=4, max_position_embeddings=4096,
-        layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"] * (layers // 4),
-        tie_word_embeddings=True, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+        vocab_size=49152,
+        hidden_size=hidden,
+        intermediate_size=hidden * 3,
+        num_hidden_layers=layers,
+        num_attention_heads=heads * 2,
+        num_key_value_heads=max(1, heads // 2),
+        head_dim=128,
+        linear_num_key_heads=heads,
+        linear_num_value_heads=heads * 2,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_conv_kernel_dim=4,
+        max_position_embeddings=4096,
+        layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"]
+        * (layers // 4),
+        tie_word_embeddings=True,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
@@ -60,10 +74,16 @@ def main() -> int:
     p.add_argument("--batch-sizes", default="8,32")
     p.add_argument("--repeat", type=int, default=1)
     p.add_argument("--n", type=int, default=None)
-    p.add_argument("--own-code", action=argparse.BooleanOptionalAction, default=True,
-                   help="also run the engine with transformers' DeltaNet decode code (no paged_hf kernel)")
+    p.add_argument(
+        "--own-code",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also run the engine with transformers' DeltaNet decode code (no paged_hf kernel)",
+    )
     p.add_argument("--json", default="benchmarks/results/bench_hybrid.json")
-    p.add_argument("--omp-wait-policy", choices=omp_env.CHOICES, default="auto", help="see omp_env.py")
+    p.add_argument(
+        "--omp-wait-policy", choices=omp_env.CHOICES, default="auto", help="see omp_env.py"
+    )
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     n = args.n or (16 if args.quick else 64)
@@ -74,13 +94,20 @@ def main() -> int:
     params = sum(t.numel() for t in base.parameters())
     pool = W.allowed_ids(base.config.vocab_size, {0, 1, 2})
     out_len = (8, 32) if args.quick else (16, 128)
-    workloads = [W.w_mixed(pool, n=n, out_len=out_len),
-                 W.w_prefix(pool, n=n, prefix_len=256 if args.quick else 512, n_out=16 if args.quick else 32)]
+    workloads = [
+        W.w_mixed(pool, n=n, out_len=out_len),
+        W.w_prefix(
+            pool, n=n, prefix_len=256 if args.quick else 512, n_out=16 if args.quick else 32
+        ),
+    ]
     warm = W.w_mixed(pool, n=2, seed=12345, prompt_len=(16, 24), out_len=(3, 3), name="warm-up")
     from paged_hf import Engine
     from paged_hf.execution import mixer_kernels
+
     engines = {"paged_hf": Engine(eng_model)}
-    if own_code_model is not None:  # the DeltaNet decode through transformers' torch fallback, as the static batch runs it
+    if (
+        own_code_model is not None
+    ):  # the DeltaNet decode through transformers' torch fallback, as the static batch runs it
         available, mixer_kernels.available = mixer_kernels.available, lambda: False
         try:
             engines["paged_hf, transformers' DeltaNet code"] = Engine(own_code_model)
@@ -97,31 +124,47 @@ def main() -> int:
             for b in batches:
                 S.run_hf_static(base, warm, b, 0)
                 res = S.run_hf_static(base, w, b, 0)
-                rates.setdefault(f"static B={b}", []).append(sum(map(len, res.tokens)) / (res.t_end - res.t_start))
+                rates.setdefault(f"static B={b}", []).append(
+                    sum(map(len, res.tokens)) / (res.t_end - res.t_start)
+                )
             for name, engine in engines.items():
                 engine.reset_prefix_cache()
                 before = engine.stats()
                 res = S.run_paged(engine, w, tag=f"{w.name}-{r}-")
-                rates.setdefault(name, []).append(sum(map(len, res.tokens)) / (res.t_end - res.t_start))
+                rates.setdefault(name, []).append(
+                    sum(map(len, res.tokens)) / (res.t_end - res.t_start)
+                )
                 if name == "paged_hf":
                     hits.append(engine.stats()["prefix_hit_tokens"] - before["prefix_hit_tokens"])
         med = {k: statistics.median(v) for k, v in rates.items()}
         best = max(v for k, v in med.items() if k.startswith("static"))
-        rows.append({"workload": w.name, **{k: round(v, 1) for k, v in med.items()},
-                     "paged_hf vs best static": round(med["paged_hf"] / best, 2), "prefix hit tokens": hits[-1]})
+        rows.append(
+            {
+                "workload": w.name,
+                **{k: round(v, 1) for k, v in med.items()},
+                "paged_hf vs best static": round(med["paged_hf"] / best, 2),
+                "prefix hit tokens": hits[-1],
+            }
+        )
         print(f"[{w.name}] done", file=sys.stderr, flush=True)
     keys = list(rows[0])
-    print(f"Qwen3.5-style hybrid, {args.layers} layers ({args.layers * 3 // 4} gated DeltaNet, {args.layers // 4} "
-          f"attention), hidden {args.hidden}, {params / 1e6:.0f}M parameters, bf16, {args.threads} threads, "
-          f"{time.strftime('%Y-%m-%d')}, OpenMP wait policy {OMP_WAIT_POLICY}; output tokens per second, median of "
-          f"{args.repeat}")
+    print(
+        f"Qwen3.5-style hybrid, {args.layers} layers ({args.layers * 3 // 4} gated DeltaNet, {args.layers // 4} "
+        f"attention), hidden {args.hidden}, {params / 1e6:.0f}M parameters, bf16, {args.threads} threads, "
+        f"{time.strftime('%Y-%m-%d')}, OpenMP wait policy {OMP_WAIT_POLICY}; output tokens per second, median of "
+        f"{args.repeat}"
+    )
     print("| " + " | ".join(keys) + " |")
     print("| " + " | ".join("---" for _ in keys) + " |")
     for row in rows:
         print("| " + " | ".join(str(v) for v in row.values()) + " |")
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"params": params, "layers": args.layers, "hidden": args.hidden, "rows": rows}, indent=1))
+    out.write_text(
+        json.dumps(
+            {"params": params, "layers": args.layers, "hidden": args.hidden, "rows": rows}, indent=1
+        )
+    )
     return 0
 
 

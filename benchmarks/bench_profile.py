@@ -9,6 +9,7 @@ Two passes over the same workload on a fresh engine each:
    time outside the model forward: the part that does not shrink with faster kernels.
 2. torch.profiler pass: the top ops by self CPU time.
 """
+
 from __future__ import annotations
 
 import functools
@@ -16,11 +17,20 @@ import time
 from collections import defaultdict
 from typing import Any, Callable
 
+import bench_systems as S
 import torch
 
-import bench_systems as S
-
-PARTS = ("schedule", "metadata", "plan", "forward", "attention", "linear", "sample", "update", "other")
+PARTS = (
+    "schedule",
+    "metadata",
+    "plan",
+    "forward",
+    "attention",
+    "linear",
+    "sample",
+    "update",
+    "other",
+)
 
 
 class StepTimer:
@@ -48,6 +58,7 @@ class StepTimer:
                 setattr(owner, name, original)
             else:
                 delattr(owner, name)
+
         return undo
 
     def hook_forward(self, model: torch.nn.Module) -> Callable[[], None]:
@@ -66,7 +77,9 @@ class StepTimer:
     def end_step(self, total: float, tokens: int, running: int, decode_only: bool) -> None:
         row = dict(self.cur)
         row["total"] = total
-        accounted = sum(row.get(p, 0.0) for p in ("schedule", "metadata", "plan", "forward", "sample", "update"))
+        accounted = sum(
+            row.get(p, 0.0) for p in ("schedule", "metadata", "plan", "forward", "sample", "update")
+        )
         row["other"] = max(0.0, total - accounted)
         row.update(tokens=tokens, running=running, decode_only=decode_only)
         self.steps.append(row)
@@ -77,13 +90,15 @@ def instrument(engine: Any, timer: StepTimer) -> list[Callable[[], None]]:
     import paged_hf.engine.step as engine_mod
     import paged_hf.execution.runner as runner_mod
 
-    undo = [timer.wrap(engine.scheduler, "schedule", "schedule"),
-            timer.wrap(runner_mod, "build_step_metadata", "metadata"),
-            timer.wrap(engine_mod, "sample", "sample"),
-            timer.wrap(engine.scheduler, "update", "update"),
-            timer.wrap(engine.scheduler, "mark_computed", "update"),
-            timer.wrap(engine, "_record_step", "update"),
-            timer.hook_forward(engine.model)]
+    undo = [
+        timer.wrap(engine.scheduler, "schedule", "schedule"),
+        timer.wrap(runner_mod, "build_step_metadata", "metadata"),
+        timer.wrap(engine_mod, "sample", "sample"),
+        timer.wrap(engine.scheduler, "update", "update"),
+        timer.wrap(engine.scheduler, "mark_computed", "update"),
+        timer.wrap(engine, "_record_step", "update"),
+        timer.hook_forward(engine.model),
+    ]
     backend = engine.runner.backend
     for name in ("plan", "copy_blocks"):
         if hasattr(backend, name):
@@ -92,6 +107,7 @@ def instrument(engine: Any, timer: StepTimer) -> list[Callable[[], None]]:
         undo.append(timer.wrap(backend, "attend", "attention"))
     if engine.runner.packed is not None:  # the linear layers' GEMMs on packed weights (a CPU)
         from paged_hf.execution import cpu_linear
+
         undo.append(timer.wrap(cpu_linear.PackedWeight, "__call__", "linear"))
     return undo
 
@@ -126,21 +142,30 @@ def summarise(steps: list[dict]) -> dict:
         return {"steps": len(steps)}
     share = {p: sum(s.get(p, 0.0) for s in steps) / total for p in PARTS}
     overhead = 1 - share["forward"]
-    return {"steps": len(steps), "step_time_s": total, "tokens": sum(s["tokens"] for s in steps),
-            "share": share, "overhead_share": overhead,
-            "mean_step_ms": 1e3 * total / len(steps)}
+    return {
+        "steps": len(steps),
+        "step_time_s": total,
+        "tokens": sum(s["tokens"] for s in steps),
+        "share": share,
+        "overhead_share": overhead,
+        "mean_step_ms": 1e3 * total / len(steps),
+    }
 
 
 def format_summary(title: str, s: dict) -> str:
     if "share" not in s:
         return f"{title}: no steps"
     parts = ", ".join(f"{p} {s['share'][p]:.1%}" for p in PARTS)
-    return (f"{title}: {s['steps']} steps, {s['step_time_s']:.2f}s, mean {s['mean_step_ms']:.1f} ms/step, "
-            f"{s['tokens']} tokens\n    outside the forward (schedule+metadata+plan+sample+update+other): "
-            f"{s['overhead_share']:.1%}\n    {parts}  (attention and linear are inside forward)")
+    return (
+        f"{title}: {s['steps']} steps, {s['step_time_s']:.2f}s, mean {s['mean_step_ms']:.1f} ms/step, "
+        f"{s['tokens']} tokens\n    outside the forward (schedule+metadata+plan+sample+update+other): "
+        f"{s['overhead_share']:.1%}\n    {parts}  (attention and linear are inside forward)"
+    )
 
 
-def decode_steps(model: Any, backend: str, n: int, ctx: int, steps: int, pool: list[int], seed: int = 0) -> dict:
+def decode_steps(
+    model: Any, backend: str, n: int, ctx: int, steps: int, pool: list[int], seed: int = 0
+) -> dict:
     """Time ``steps`` pure decode steps of ``n`` running sequences at ~``ctx`` tokens of context
     (a 512-token shared prefix + the rest their own, as in W-prefix-long) on a fresh engine."""
     import random
@@ -149,7 +174,10 @@ def decode_steps(model: Any, backend: str, n: int, ctx: int, steps: int, pool: l
 
     rng = random.Random(seed)
     shared = [pool[rng.randrange(len(pool))] for _ in range(min(512, ctx - 1))]
-    prompts = [shared + [pool[rng.randrange(len(pool))] for _ in range(ctx - len(shared))] for _ in range(n)]
+    prompts = [
+        shared + [pool[rng.randrange(len(pool))] for _ in range(ctx - len(shared))]
+        for _ in range(n)
+    ]
     engine = Engine(model, backend=backend, max_num_seqs=n)
     # long enough that the first admitted are still running when the last finishes its prefill
     params = SamplingParams(max_new_tokens=steps + 512, min_new_tokens=steps + 512, ignore_eos=True)
@@ -172,8 +200,13 @@ def decode_steps(model: Any, backend: str, n: int, ctx: int, steps: int, pool: l
             u()
     engine.abort_all(list(engine.requests))
     s = summarise(timer.steps)
-    return {"backend": engine.stats()["backend"], "running": n, "context": ctx, **s,
-            "attention_ms": 1e3 * s["share"]["attention"] * s["step_time_s"] / s["steps"]}
+    return {
+        "backend": engine.stats()["backend"],
+        "running": n,
+        "context": ctx,
+        **s,
+        "attention_ms": 1e3 * s["share"]["attention"] * s["step_time_s"] / s["steps"],
+    }
 
 
 def main_decode(args: Any, B: Any) -> int:
@@ -192,22 +225,35 @@ def main_decode(args: Any, B: Any) -> int:
         for backend in ("torch", "auto"):
             r = decode_steps(model, backend, n, ctx, args.profile_steps, pool)
             rows.append(r)
-            print(f"round {rep + 1} {r['backend']:6s}: {r['mean_step_ms']:7.1f} ms/step, attention "
-                  f"{r['attention_ms']:7.1f} ms = {r['share']['attention']:.1%} of the step", flush=True)
+            print(
+                f"round {rep + 1} {r['backend']:6s}: {r['mean_step_ms']:7.1f} ms/step, attention "
+                f"{r['attention_ms']:7.1f} ms = {r['share']['attention']:.1%} of the step",
+                flush=True,
+            )
     report = {"decode_steps": rows, "dtype": dtype_name, "threads": args.threads}
-    print(f"\ndecode step, {n} running sequences x ~{ctx} tokens of context, {dtype_name}, {args.threads} threads "
-          f"(median over {args.repeat} rounds of {args.profile_steps} steps):")
+    print(
+        f"\ndecode step, {n} running sequences x ~{ctx} tokens of context, {dtype_name}, {args.threads} threads "
+        f"(median over {args.repeat} rounds of {args.profile_steps} steps):"
+    )
     med = {}
     for backend in ("torch", "cpu"):
         rs = sorted((r for r in rows if r["backend"] == backend), key=lambda r: r["mean_step_ms"])
         if rs:
             m = med[backend] = rs[(len(rs) - 1) // 2]
-            print(f"  {backend:5s}  step {m['mean_step_ms']:7.1f} ms  attention {m['attention_ms']:7.1f} ms  "
-                  f"share {m['share']['attention']:.1%}")
+            print(
+                f"  {backend:5s}  step {m['mean_step_ms']:7.1f} ms  attention {m['attention_ms']:7.1f} ms  "
+                f"share {m['share']['attention']:.1%}"
+            )
     if len(med) == 2:
-        print(f"  attention share: {med['cpu']['share']['attention'] / med['torch']['share']['attention']:.2f} of the "
-              f"torch path's; step time {med['torch']['mean_step_ms'] / med['cpu']['mean_step_ms']:.2f}x faster")
-    out = Path(args.out) if args.out else B.HERE / "results" / f"decode-step-{time.strftime('%Y%m%d-%H%M%S')}.json"
+        print(
+            f"  attention share: {med['cpu']['share']['attention'] / med['torch']['share']['attention']:.2f} of the "
+            f"torch path's; step time {med['torch']['mean_step_ms'] / med['cpu']['mean_step_ms']:.2f}x faster"
+        )
+    out = (
+        Path(args.out)
+        if args.out
+        else B.HERE / "results" / f"decode-step-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    )
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1, default=str))
     print(f"JSON: {out}")
@@ -229,20 +275,33 @@ def main(args: Any, B: Any, engine_cfg: dict) -> int:
     args.workloads = [args.profile_workload]
     w = B.build_workloads(args, pool)[0]
     warm = B.warm_workload(pool)
-    print(f"profiling paged_hf on {w.name}, {dtype_name}, {args.threads} threads, engine {engine_cfg or 'defaults'}")
+    print(
+        f"profiling paged_hf on {w.name}, {dtype_name}, {args.threads} threads, engine {engine_cfg or 'defaults'}"
+    )
 
     engine = Engine(model, **engine_cfg)
     S.run_paged(engine, warm, tag="warm")
     timer = timed_run(engine, w)
     all_steps = summarise(timer.steps)
-    many = [s for s in timer.steps if s["running"] >= min(64, max(x["running"] for x in timer.steps))]
+    many = [
+        s for s in timer.steps if s["running"] >= min(64, max(x["running"] for x in timer.steps))
+    ]
     decode = [s for s in timer.steps if s["decode_only"]]
-    report = {"workload": w.name, "dtype": dtype_name, "all_steps": all_steps,
-              "steps_with_max_running": summarise(many), "decode_only_steps": summarise(decode),
-              "per_step": timer.steps}
+    report = {
+        "workload": w.name,
+        "dtype": dtype_name,
+        "all_steps": all_steps,
+        "steps_with_max_running": summarise(many),
+        "decode_only_steps": summarise(decode),
+        "per_step": timer.steps,
+    }
     print(format_summary("all steps", all_steps))
-    print(format_summary(f"steps with >= {min(64, max(x['running'] for x in timer.steps))} running",
-                         report["steps_with_max_running"]))
+    print(
+        format_summary(
+            f"steps with >= {min(64, max(x['running'] for x in timer.steps))} running",
+            report["steps_with_max_running"],
+        )
+    )
     print(format_summary("pure decode steps", report["decode_only_steps"]))
     del engine
 
@@ -255,16 +314,23 @@ def main(args: Any, B: Any, engine_cfg: dict) -> int:
         S.run_paged(engine, w, tag="p")
     wall = time.perf_counter() - t0
     table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.profile_rows)
-    print(f"\ntorch.profiler, {w.name} under the profiler ({wall:.1f}s wall), top ops by self CPU time:")
+    print(
+        f"\ntorch.profiler, {w.name} under the profiler ({wall:.1f}s wall), top ops by self CPU time:"
+    )
     print(table)
     report["profiler_table"] = table
     if args.profile_shapes:
-        by_shape = prof.key_averages(group_by_input_shape=True).table(sort_by="self_cpu_time_total",
-                                                                       row_limit=args.profile_rows)
+        by_shape = prof.key_averages(group_by_input_shape=True).table(
+            sort_by="self_cpu_time_total", row_limit=args.profile_rows
+        )
         print("\nthe same, by input shapes:")
         print(by_shape)
         report["profiler_table_by_shape"] = by_shape
-    out = Path(args.out) if args.out else B.HERE / "results" / f"profile-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out = (
+        Path(args.out)
+        if args.out
+        else B.HERE / "results" / f"profile-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    )
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1, default=str))
     print(f"JSON: {out}")

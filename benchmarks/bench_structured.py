@@ -9,6 +9,7 @@ Per system: seconds, output tokens per second, steps, and for the constrained on
 compile time and the mask time per step (``engine.stats()``: ``structured_compile_s``,
 ``structured_mask_s``), and how many outputs parse as JSON valid under the schema.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,10 +26,16 @@ OMP_WAIT_POLICY = omp_env.setup()
 
 import torch  # noqa: E402
 
-SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 30},
-                                           "age": {"type": "integer", "minimum": 0, "maximum": 120},
-                                           "city": {"type": "string", "maxLength": 30}},
-          "required": ["name", "age", "city"], "additionalProperties": False}
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 30},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "city": {"type": "string", "maxLength": 30},
+    },
+    "required": ["name", "age", "city"],
+    "additionalProperties": False,
+}
 NAMES = ["Anna", "Bruno", "Chen", "Dara", "Elif", "Farid", "Greta", "Hugo"]
 CITIES = ["Lisbon", "Oslo", "Kyoto", "Lima", "Accra", "Perth", "Quebec", "Turin"]
 
@@ -36,10 +43,15 @@ CITIES = ["Lisbon", "Oslo", "Kyoto", "Lima", "Accra", "Perth", "Quebec", "Turin"
 def prompts(tokenizer, n: int) -> list[str]:
     out = []
     for i in range(n):
-        text = (f"{NAMES[i % 8]} is {20 + 7 * i % 60} years old and lives in {CITIES[(3 * i) % 8]}. "
-                "Extract the person's name, age and city as JSON.")
-        out.append(tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                                 add_generation_prompt=True))
+        text = (
+            f"{NAMES[i % 8]} is {20 + 7 * i % 60} years old and lives in {CITIES[(3 * i) % 8]}. "
+            "Extract the person's name, age and city as JSON."
+        )
+        out.append(
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+            )
+        )
     return out
 
 
@@ -48,18 +60,26 @@ def valid(text: str) -> bool:
         value = json.loads(text)
     except json.JSONDecodeError:
         return False
-    return (isinstance(value, dict) and set(value) == set(SCHEMA["required"]) and isinstance(value["age"], int)
-            and 0 <= value["age"] <= 120)
+    return (
+        isinstance(value, dict)
+        and set(value) == set(SCHEMA["required"])
+        and isinstance(value["age"], int)
+        and 0 <= value["age"] <= 120
+    )
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--json", default="benchmarks/results/structured.json")
-    ap.add_argument("--omp-wait-policy", choices=omp_env.CHOICES, default="auto", help="see omp_env.py")
+    ap.add_argument(
+        "--omp-wait-policy", choices=omp_env.CHOICES, default="auto", help="see omp_env.py"
+    )
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -70,8 +90,12 @@ def main() -> None:
     model, tok = load_default_model()
     model = model.to(torch.bfloat16)
     batch = prompts(tok, args.requests)
-    systems = {"unconstrained": paged_hf.SamplingParams(max_new_tokens=args.max_new_tokens),
-               "json_schema": paged_hf.SamplingParams(max_new_tokens=args.max_new_tokens, json_schema=SCHEMA)}
+    systems = {
+        "unconstrained": paged_hf.SamplingParams(max_new_tokens=args.max_new_tokens),
+        "json_schema": paged_hf.SamplingParams(
+            max_new_tokens=args.max_new_tokens, json_schema=SCHEMA
+        ),
+    }
     engines = {name: paged_hf.Engine(model, tok, max_num_seqs=64) for name in systems}
     for engine in engines.values():
         engine.warmup()
@@ -86,25 +110,41 @@ def main() -> None:
             seconds = time.perf_counter() - start
             after = engine.stats()
             steps = after["steps"] - before["steps"]
-            rows[name].append({
-                "seconds": seconds, "output_tokens": sum(len(o.token_ids) for o in outs), "steps": steps,
-                "tok_s": sum(len(o.token_ids) for o in outs) / seconds,
-                "valid_json": sum(valid(o.text) for o in outs), "stopped": sum(o.finish_reason == "stop" for o in outs),
-                "mask_ms_per_step": 1000 * (after.get("structured_mask_s", 0) - before.get("structured_mask_s", 0)) / steps,
-                "compile_s": after.get("structured_compile_s", 0.0)})
-    print(f"\nSmolLM2-135M-Instruct bf16, {torch.get_num_threads()} threads; {args.requests} JSON-extraction prompts, "
-          f"max {args.max_new_tokens} new tokens, {args.rounds} rounds, medians\n")
-    print("| requests | seconds | output tokens | output tok/s | steps | mask per step | valid JSON | ended by stop |")
+            rows[name].append(
+                {
+                    "seconds": seconds,
+                    "output_tokens": sum(len(o.token_ids) for o in outs),
+                    "steps": steps,
+                    "tok_s": sum(len(o.token_ids) for o in outs) / seconds,
+                    "valid_json": sum(valid(o.text) for o in outs),
+                    "stopped": sum(o.finish_reason == "stop" for o in outs),
+                    "mask_ms_per_step": 1000
+                    * (after.get("structured_mask_s", 0) - before.get("structured_mask_s", 0))
+                    / steps,
+                    "compile_s": after.get("structured_compile_s", 0.0),
+                }
+            )
+    print(
+        f"\nSmolLM2-135M-Instruct bf16, {torch.get_num_threads()} threads; {args.requests} JSON-extraction prompts, "
+        f"max {args.max_new_tokens} new tokens, {args.rounds} rounds, medians\n"
+    )
+    print(
+        "| requests | seconds | output tokens | output tok/s | steps | mask per step | valid JSON | ended by stop |"
+    )
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     med = {}
     for name, runs in rows.items():
         m = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
         med[name] = m
-        print(f"| {name} | {m['seconds']:.2f} | {m['output_tokens']:.0f} | {m['tok_s']:.0f} | {m['steps']:.0f} | "
-              f"{m['mask_ms_per_step']:.2f} ms | {m['valid_json']:.0f} / {args.requests} | "
-              f"{m['stopped']:.0f} / {args.requests} |")
-    print(f"\nconstrained / unconstrained output tok/s: {med['json_schema']['tok_s'] / med['unconstrained']['tok_s']:.2f}x; "
-          f"grammar compile (once): {med['json_schema']['compile_s'] * 1000:.0f} ms")
+        print(
+            f"| {name} | {m['seconds']:.2f} | {m['output_tokens']:.0f} | {m['tok_s']:.0f} | {m['steps']:.0f} | "
+            f"{m['mask_ms_per_step']:.2f} ms | {m['valid_json']:.0f} / {args.requests} | "
+            f"{m['stopped']:.0f} / {args.requests} |"
+        )
+    print(
+        f"\nconstrained / unconstrained output tok/s: {med['json_schema']['tok_s'] / med['unconstrained']['tok_s']:.2f}x; "
+        f"grammar compile (once): {med['json_schema']['compile_s'] * 1000:.0f} ms"
+    )
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps({"args": vars(args), "runs": rows}, indent=2))
     print(f"wrote {args.json}")

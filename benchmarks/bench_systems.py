@@ -17,6 +17,7 @@ that can admit work mid-flight (hf_cb, paged_hf), once every early request has p
 ``late_after`` tokens; hf_seq and hf_static queue them behind the early ones (arrival t_start).
 A token's time is when the step that produced it returned.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -25,7 +26,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-
 from bench_workloads import Workload
 
 
@@ -74,7 +74,9 @@ class _StepClock:
     def __init__(self) -> None:
         self.times: list[float] = []
 
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+    def __call__(
+        self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: Any
+    ) -> torch.Tensor:
         self.times.append(time.perf_counter())
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
@@ -84,8 +86,9 @@ def prepare_baseline(model: torch.nn.Module) -> None:
     model.generation_config.eos_token_id = None
 
 
-def _hf_generate(model: torch.nn.Module, prompts: list[list[int]], n_new: int, pad_id: int
-                 ) -> tuple[torch.Tensor, list[float], int]:
+def _hf_generate(
+    model: torch.nn.Module, prompts: list[list[int]], n_new: int, pad_id: int
+) -> tuple[torch.Tensor, list[float], int]:
     """Greedy generate of exactly n_new tokens for a left-padded batch; (new tokens, step times, width)."""
     from transformers import GenerationConfig, StoppingCriteriaList
 
@@ -93,20 +96,28 @@ def _hf_generate(model: torch.nn.Module, prompts: list[list[int]], n_new: int, p
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(prompts), width), dtype=torch.long)
     for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p)
-        mask[i, width - len(p):] = 1
-    gc = GenerationConfig(do_sample=False, max_new_tokens=n_new, min_new_tokens=n_new, pad_token_id=pad_id)
+        ids[i, width - len(p) :] = torch.tensor(p)
+        mask[i, width - len(p) :] = 1
+    gc = GenerationConfig(
+        do_sample=False, max_new_tokens=n_new, min_new_tokens=n_new, pad_token_id=pad_id
+    )
     clock = _StepClock()
     with torch.inference_mode():
-        out = model.generate(input_ids=ids, attention_mask=mask, generation_config=gc,
-                             stopping_criteria=StoppingCriteriaList([clock]))
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            generation_config=gc,
+            stopping_criteria=StoppingCriteriaList([clock]),
+        )
     new = out[:, width:]
     assert new.shape[1] == n_new and len(clock.times) == n_new, (new.shape, len(clock.times), n_new)
     return new, clock.times, width
 
 
 def _arrival_order(w: Workload) -> list[int]:
-    return [i for i, r in enumerate(w.requests) if not r.late] + [i for i, r in enumerate(w.requests) if r.late]
+    return [i for i, r in enumerate(w.requests) if not r.late] + [
+        i for i, r in enumerate(w.requests) if r.late
+    ]
 
 
 def run_hf_static(model: torch.nn.Module, w: Workload, batch_size: int, pad_id: int) -> RunResult:
@@ -119,7 +130,7 @@ def run_hf_static(model: torch.nn.Module, w: Workload, batch_size: int, pad_id: 
     t0 = time.perf_counter()
     try:
         for b in range(0, n, batch_size):
-            idx = order[b:b + batch_size]
+            idx = order[b : b + batch_size]
             reqs = [w.requests[i] for i in idx]
             n_max = max(r.n_out for r in reqs)
             new, step_times, width = _hf_generate(model, [r.prompt for r in reqs], n_max, pad_id)
@@ -131,13 +142,25 @@ def run_hf_static(model: torch.nn.Module, w: Workload, batch_size: int, pad_id: 
         t1 = time.perf_counter()
     finally:
         counter.close()
-    return RunResult(tokens, [t0] * n, times, t0, t1, counter.tokens,
-                     forward_sizes=counter.sizes,
-                     extra={"kv_waste": 1 - used / slots, "prefix_hit_rate": 0.0,
-                            "kv_waste_note": "unused share of KV slots at batch end (padding, finished rows)"})
+    return RunResult(
+        tokens,
+        [t0] * n,
+        times,
+        t0,
+        t1,
+        counter.tokens,
+        forward_sizes=counter.sizes,
+        extra={
+            "kv_waste": 1 - used / slots,
+            "prefix_hit_rate": 0.0,
+            "kv_waste_note": "unused share of KV slots at batch end (padding, finished rows)",
+        },
+    )
 
 
-def run_hf_seq(model: torch.nn.Module, w: Workload, pad_id: int, subset: int | None = None) -> RunResult:
+def run_hf_seq(
+    model: torch.nn.Module, w: Workload, pad_id: int, subset: int | None = None
+) -> RunResult:
     sub = w if subset is None or subset >= len(w.requests) else w.subset(subset)
     res = run_hf_static(model, sub, 1, pad_id)
     res.extra["kv_waste"] = 0.0
@@ -160,12 +183,17 @@ def run_hf_cb(model: torch.nn.Module, w: Workload) -> RunResult:
     n = len(w.requests)
     max_out = max(r.n_out for r in w.requests)
     gc = GenerationConfig(do_sample=False, max_new_tokens=max_out, eos_token_id=-1)
-    hints = WorkloadHints(max_prompt_length=max(len(r.prompt) for r in w.requests),
-                          max_generated_length=max_out, num_requests=n)
+    hints = WorkloadHints(
+        max_prompt_length=max(len(r.prompt) for r in w.requests),
+        max_generated_length=max_out,
+        num_requests=n,
+    )
     # On CPU its default sizes the cache from a share of the machine's RAM (8-12 GiB here, on a
     # 24 GiB machine shared with others); give it exactly room for every request at once instead.
     page = ContinuousBatchingConfig().page_size
-    cb_config = ContinuousBatchingConfig(num_blocks=sum(-(-(len(r.prompt) + r.n_out) // page) for r in w.requests) + 2)
+    cb_config = ContinuousBatchingConfig(
+        num_blocks=sum(-(-(len(r.prompt) + r.n_out) // page) for r in w.requests) + 2
+    )
     arrival = [0.0] * n
     results: dict[int, Any] = {}
     progress = [0] * n
@@ -175,9 +203,16 @@ def run_hf_cb(model: torch.nn.Module, w: Workload) -> RunResult:
     counter = ForwardCounter(model)
     t_setup = time.perf_counter()
     try:
-        with torch.inference_mode(), model.continuous_batching_context_manager(
-                generation_config=gc, continuous_batching_config=cb_config, block=True, timeout=10,
-                workload_hints=hints) as manager:
+        with (
+            torch.inference_mode(),
+            model.continuous_batching_context_manager(
+                generation_config=gc,
+                continuous_batching_config=cb_config,
+                block=True,
+                timeout=10,
+                workload_hints=hints,
+            ) as manager,
+        ):
             setup_s = time.perf_counter() - t_setup
             counter.tokens = counter.calls = 0  # the warm-up ran dummy batches
             counter.sizes.clear()
@@ -185,8 +220,14 @@ def run_hf_cb(model: torch.nn.Module, w: Workload) -> RunResult:
             def add(i: int) -> None:
                 r = w.requests[i]
                 arrival[i] = time.perf_counter()
-                manager.add_request(r.prompt, request_id=f"r{i}", max_new_tokens=r.n_out, streaming=streaming,
-                                    record_timestamps=True, eos_token_id=-1)
+                manager.add_request(
+                    r.prompt,
+                    request_id=f"r{i}",
+                    max_new_tokens=r.n_out,
+                    streaming=streaming,
+                    record_timestamps=True,
+                    eos_token_id=-1,
+                )
 
             t0 = time.perf_counter()
             for i in early:
@@ -196,7 +237,9 @@ def run_hf_cb(model: torch.nn.Module, w: Workload) -> RunResult:
                 out = manager.get_result(timeout=1.0)
                 if out is None:
                     if not manager.is_running():
-                        raise RuntimeError(f"hf_cb: generation thread stopped with {n - len(results)} requests open")
+                        raise RuntimeError(
+                            f"hf_cb: generation thread stopped with {n - len(results)} requests open"
+                        )
                     continue
                 i = int(out.request_id[1:])
                 if out.error is not None:
@@ -213,14 +256,30 @@ def run_hf_cb(model: torch.nn.Module, w: Workload) -> RunResult:
         counter.close()
     tokens = [list(results[i].generated_tokens) for i in range(n)]
     times = [list(results[i].timestamps) for i in range(n)]
-    return RunResult(tokens, arrival, times, t0, t1, counter.tokens, forward_sizes=counter.sizes,
-                     extra={"kv_waste": None, "prefix_hit_rate": None, "setup_s": setup_s,
-                                                                 "cb_num_blocks": cb_config.num_blocks, "cb_page_size": page})
+    return RunResult(
+        tokens,
+        arrival,
+        times,
+        t0,
+        t1,
+        counter.tokens,
+        forward_sizes=counter.sizes,
+        extra={
+            "kv_waste": None,
+            "prefix_hit_rate": None,
+            "setup_s": setup_s,
+            "cb_num_blocks": cb_config.num_blocks,
+            "cb_page_size": page,
+        },
+    )
 
 
 def paged_params(n_out: int) -> Any:
     from paged_hf import SamplingParams
-    return SamplingParams(max_new_tokens=n_out, min_new_tokens=n_out, ignore_eos=True, temperature=0.0)
+
+    return SamplingParams(
+        max_new_tokens=n_out, min_new_tokens=n_out, ignore_eos=True, temperature=0.0
+    )
 
 
 def run_paged(engine: Any, w: Workload, tag: str = "b") -> RunResult:
@@ -272,25 +331,41 @@ def run_paged(engine: Any, w: Workload, tag: str = "b") -> RunResult:
         policy.__exit__(None, None, None)
         counter.close()
     after = engine.stats()
-    steps = [s for s in engine._stats.step_log if s["step"] > first_step]  # a list or a bounded deque
+    steps = [
+        s for s in engine._stats.step_log if s["step"] > first_step
+    ]  # a list or a bounded deque
     prompt = after["prompt_tokens"] - before["prompt_tokens"]
     hits = after["prefix_hit_tokens"] - before["prefix_hit_tokens"]
     tokens = [list(reqs[i].output_ids) for i in range(n)]
-    for req in reqs.values():  # released, as a caller of the engine does: a kept engine runs again (bench.kept_engine)
+    for req in (
+        reqs.values()
+    ):  # released, as a caller of the engine does: a kept engine runs again (bench.kept_engine)
         engine.collect([req])
-    return RunResult(tokens, arrival, times, t0, t1, counter.tokens, forward_sizes=counter.sizes, extra={
-        "kv_waste": sum(s["kv_waste"] for s in steps) / len(steps) if steps else 0.0,
-        "kv_waste_note": "mean over steps of unfilled slots in allocated blocks",
-        "prefix_hit_rate": hits / prompt if prompt else 0.0,
-        "prefix_hit_tokens": hits,
-        "prefill_tokens_computed": after["prefill_tokens_computed"] - before["prefill_tokens_computed"],
-        "preemptions": after["preemptions"] - before["preemptions"],
-        "steps": len(steps),
-        "peak_blocks_used": after["peak_blocks_used"], "num_blocks": after["num_blocks"],
-        "block_size": after["block_size"], "backend": after["backend"],
-        "step_tokens_p50": _median([s["tokens"] for s in steps]),
-        "step_running_max": max((s["running"] for s in steps), default=0),
-    })
+    return RunResult(
+        tokens,
+        arrival,
+        times,
+        t0,
+        t1,
+        counter.tokens,
+        forward_sizes=counter.sizes,
+        extra={
+            "kv_waste": sum(s["kv_waste"] for s in steps) / len(steps) if steps else 0.0,
+            "kv_waste_note": "mean over steps of unfilled slots in allocated blocks",
+            "prefix_hit_rate": hits / prompt if prompt else 0.0,
+            "prefix_hit_tokens": hits,
+            "prefill_tokens_computed": after["prefill_tokens_computed"]
+            - before["prefill_tokens_computed"],
+            "preemptions": after["preemptions"] - before["preemptions"],
+            "steps": len(steps),
+            "peak_blocks_used": after["peak_blocks_used"],
+            "num_blocks": after["num_blocks"],
+            "block_size": after["block_size"],
+            "backend": after["backend"],
+            "step_tokens_p50": _median([s["tokens"] for s in steps]),
+            "step_running_max": max((s["running"] for s in steps), default=0),
+        },
+    )
 
 
 def _median(xs: list[float]) -> float | None:
@@ -303,6 +378,7 @@ def _median(xs: list[float]) -> float | None:
 def set_malloc(tuned: bool) -> str:
     """glibc's malloc for this process as paged_hf's CPU engine sets it (or its defaults); says which."""
     from paged_hf.execution import cpu_malloc
+
     if not tuned:
         return "glibc defaults (--no-tune-malloc)"
     if cpu_malloc.tune():
@@ -325,9 +401,12 @@ class VllmCpu:
     after the point where a preload could act), so the worker's glibc malloc gets the thresholds
     paged_hf sets in its own process (``paged_hf/execution/cpu_malloc.py``), through GLIBC_TUNABLES.
     """
+
     name = "vllm_cpu"
 
-    def __init__(self, python: Any, model: torch.nn.Module, dtype: torch.dtype, threads: int) -> None:
+    def __init__(
+        self, python: Any, model: torch.nn.Module, dtype: torch.dtype, threads: int
+    ) -> None:
         import os
         import subprocess
         import tempfile
@@ -335,20 +414,44 @@ class VllmCpu:
 
         self.model_dir = save_plain_hf(model, dtype)
         here = Path(__file__).resolve().parent
-        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}",
-               "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "4", "TOKENIZERS_PARALLELISM": "false"}
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": str(threads),
+            "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}",
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+            "VLLM_CPU_KVCACHE_SPACE": "4",
+            "TOKENIZERS_PARALLELISM": "false",
+        }
         env.pop("PYTHONPATH", None)
         from paged_hf.execution import cpu_malloc
+
         if cpu_malloc.status()["tuned"]:  # the worker's malloc as this process's (set_malloc)
             ours = f"glibc.malloc.mmap_threshold={cpu_malloc.MMAP_BYTES}:glibc.malloc.trim_threshold={cpu_malloc.TRIM_BYTES}"
             env["GLIBC_TUNABLES"] = ":".join(filter(None, [env.get("GLIBC_TUNABLES"), ours]))
-        self.log = tempfile.NamedTemporaryFile("w+", prefix="vllm_cpu-", suffix=".log", delete=False)
-        self.proc = subprocess.Popen([str(python), str(here / "peers" / "vllm_worker.py")], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=self.log, text=True, env=env)
+        self.log = tempfile.NamedTemporaryFile(
+            "w+", prefix="vllm_cpu-", suffix=".log", delete=False
+        )
+        self.proc = subprocess.Popen(
+            [str(python), str(here / "peers" / "vllm_worker.py")],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            text=True,
+            env=env,
+        )
         import atexit
-        atexit.register(self.close)  # a failed run still ends the worker (it also ends on stdin EOF)
-        self.info = {"model_dir": str(self.model_dir), "log": self.log.name, "threads": threads,
-                     **self._ask({"cmd": "load", "model": str(self.model_dir), "dtype": str(dtype).split(".")[-1]})}
+
+        atexit.register(
+            self.close
+        )  # a failed run still ends the worker (it also ends on stdin EOF)
+        self.info = {
+            "model_dir": str(self.model_dir),
+            "log": self.log.name,
+            "threads": threads,
+            **self._ask(
+                {"cmd": "load", "model": str(self.model_dir), "dtype": str(dtype).split(".")[-1]}
+            ),
+        }
 
     def _ask(self, cmd: dict) -> dict:
         import json
@@ -359,7 +462,9 @@ class VllmCpu:
         if not line:
             self.log.flush()
             tail = open(self.log.name).read()[-4000:]
-            raise RuntimeError(f"vllm_cpu worker exited (code {self.proc.poll()}); its log {self.log.name} ends:\n{tail}")
+            raise RuntimeError(
+                f"vllm_cpu worker exited (code {self.proc.poll()}); its log {self.log.name} ends:\n{tail}"
+            )
         answer = json.loads(line)
         if "error" in answer:
             raise RuntimeError(f"vllm_cpu worker: {answer['error']}")
@@ -372,10 +477,21 @@ class VllmCpu:
         prompt = sum(len(r.prompt) for r in w.requests)
         cached = sum(res["cached"])
         computed = prompt - cached + sum(r.n_out - 1 for r in w.requests)
-        return RunResult(res["tokens"], [res["t_start"]] * n, [[] for _ in range(n)], res["t_start"], res["t_end"],
-                         computed, extra={"kv_waste": None, "prefix_hit_rate": cached / prompt if prompt else 0.0,
-                                          "prefix_hit_tokens": cached, "prefill_tokens_computed": prompt - cached,
-                                          "note": "offline LLM.generate: all requests at t0, no per-token times"})
+        return RunResult(
+            res["tokens"],
+            [res["t_start"]] * n,
+            [[] for _ in range(n)],
+            res["t_start"],
+            res["t_end"],
+            computed,
+            extra={
+                "kv_waste": None,
+                "prefix_hit_rate": cached / prompt if prompt else 0.0,
+                "prefix_hit_tokens": cached,
+                "prefill_tokens_computed": prompt - cached,
+                "note": "offline LLM.generate: all requests at t0, no per-token times",
+            },
+        )
 
     def close(self) -> None:
         if self.proc.poll() is not None:

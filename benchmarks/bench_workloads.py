@@ -9,6 +9,7 @@ to exactly ``n_out`` new tokens (EOS ignored), so every system does the same wor
     W-long    32 short requests start decoding; then 4 prompts of 2,000 tokens arrive
               (TTFT/TPOT are reported for the short ones: they are what the long prefills hurt)
 """
+
 from __future__ import annotations
 
 import random
@@ -28,7 +29,7 @@ class Workload:
     requests: list[BenchRequest]
     shared_prefix: int = 0  # tokens every prompt shares (computed once by a perfect prefix cache)
     focus: list[int] = field(default_factory=list)  # requests whose latency is reported; [] = all
-    late_after: int = 0     # late requests arrive when every early one has this many tokens out
+    late_after: int = 0  # late requests arrive when every early one has this many tokens out
 
     @property
     def focus_ids(self) -> list[int]:
@@ -40,24 +41,37 @@ class Workload:
 
     def late_ready(self, progress: list[int]) -> bool:
         """Whether the late requests arrive now, given each request's tokens out so far."""
-        return all(progress[i] >= min(self.late_after, r.n_out) for i, r in enumerate(self.requests) if not r.late)
+        return all(
+            progress[i] >= min(self.late_after, r.n_out)
+            for i, r in enumerate(self.requests)
+            if not r.late
+        )
 
     def summary(self) -> dict:
         prompts = [len(r.prompt) for r in self.requests]
         outs = [r.n_out for r in self.requests]
-        return {"name": self.name, "requests": len(self.requests), "prompt_tokens": sum(prompts),
-                "output_tokens": sum(outs), "prompt_len_range": [min(prompts), max(prompts)],
-                "output_len_range": [min(outs), max(outs)], "shared_prefix": self.shared_prefix,
-                "late_requests": sum(r.late for r in self.requests), "late_after": self.late_after}
+        return {
+            "name": self.name,
+            "requests": len(self.requests),
+            "prompt_tokens": sum(prompts),
+            "output_tokens": sum(outs),
+            "prompt_len_range": [min(prompts), max(prompts)],
+            "output_len_range": [min(outs), max(outs)],
+            "shared_prefix": self.shared_prefix,
+            "late_requests": sum(r.late for r in self.requests),
+            "late_after": self.late_after,
+        }
 
     def subset(self, n: int) -> "Workload":
         """The first ``n`` requests in arrival order (for the slow one-at-a-time baseline)."""
-        order = [i for i, r in enumerate(self.requests) if not r.late] + \
-                [i for i, r in enumerate(self.requests) if r.late]
+        order = [i for i, r in enumerate(self.requests) if not r.late] + [
+            i for i, r in enumerate(self.requests) if r.late
+        ]
         keep = sorted(order[:n])
         focus = [keep.index(i) for i in self.focus if i in keep]
-        return Workload(self.name, [self.requests[i] for i in keep], self.shared_prefix, focus,
-                        self.late_after)
+        return Workload(
+            self.name, [self.requests[i] for i in keep], self.shared_prefix, focus, self.late_after
+        )
 
 
 def allowed_ids(vocab_size: int, special_ids: set[int]) -> list[int]:
@@ -69,41 +83,89 @@ def _tokens(rng: random.Random, pool: list[int], n: int) -> list[int]:
     return [pool[rng.randrange(len(pool))] for _ in range(n)]
 
 
-def w_mixed(pool: list[int], n: int = 64, seed: int = 0, prompt_len: tuple[int, int] = (20, 300),
-            out_len: tuple[int, int] = (16, 128), name: str | None = None) -> Workload:
+def w_mixed(
+    pool: list[int],
+    n: int = 64,
+    seed: int = 0,
+    prompt_len: tuple[int, int] = (20, 300),
+    out_len: tuple[int, int] = (16, 128),
+    name: str | None = None,
+) -> Workload:
     rng = random.Random(f"w-mixed/{seed}")
-    reqs = [BenchRequest(_tokens(rng, pool, rng.randint(*prompt_len)), rng.randint(*out_len)) for _ in range(n)]
+    reqs = [
+        BenchRequest(_tokens(rng, pool, rng.randint(*prompt_len)), rng.randint(*out_len))
+        for _ in range(n)
+    ]
     return Workload(name or f"W-mixed-{n}", reqs)
 
 
-def w_prefix(pool: list[int], n: int = 64, seed: int = 0, prefix_len: int = 512,
-             suffix_len: tuple[int, int] = (16, 64), n_out: int = 32, name: str | None = None) -> Workload:
+def w_prefix(
+    pool: list[int],
+    n: int = 64,
+    seed: int = 0,
+    prefix_len: int = 512,
+    suffix_len: tuple[int, int] = (16, 64),
+    n_out: int = 32,
+    name: str | None = None,
+) -> Workload:
     rng = random.Random(f"w-prefix/{seed}")
     prefix = _tokens(rng, pool, prefix_len)
-    reqs = [BenchRequest(prefix + _tokens(rng, pool, rng.randint(*suffix_len)), n_out) for _ in range(n)]
+    reqs = [
+        BenchRequest(prefix + _tokens(rng, pool, rng.randint(*suffix_len)), n_out) for _ in range(n)
+    ]
     return Workload(name or f"W-prefix-{n}", reqs, shared_prefix=prefix_len)
 
 
-def w_prefix_long(pool: list[int], n: int = 64, seed: int = 0, prefix_len: int = 512,
-                  own_len: tuple[int, int] = (20, 300), out_len: tuple[int, int] = (16, 128),
-                  name: str | None = None) -> Workload:
+def w_prefix_long(
+    pool: list[int],
+    n: int = 64,
+    seed: int = 0,
+    prefix_len: int = 512,
+    own_len: tuple[int, int] = (20, 300),
+    out_len: tuple[int, int] = (16, 128),
+    name: str | None = None,
+) -> Workload:
     rng = random.Random(f"w-prefix-long/{seed}")
     prefix = _tokens(rng, pool, prefix_len)
-    reqs = [BenchRequest(prefix + _tokens(rng, pool, rng.randint(*own_len)), rng.randint(*out_len)) for _ in range(n)]
+    reqs = [
+        BenchRequest(prefix + _tokens(rng, pool, rng.randint(*own_len)), rng.randint(*out_len))
+        for _ in range(n)
+    ]
     return Workload(name or f"W-prefix-long-{n}", reqs, shared_prefix=prefix_len)
 
 
-def w_long(pool: list[int], n_short: int = 32, n_long: int = 4, seed: int = 0, long_len: int = 2000,
-           short_prompt: tuple[int, int] = (20, 120), short_out: int = 128, long_out: int = 16,
-           late_after: int = 4, name: str | None = None) -> Workload:
+def w_long(
+    pool: list[int],
+    n_short: int = 32,
+    n_long: int = 4,
+    seed: int = 0,
+    long_len: int = 2000,
+    short_prompt: tuple[int, int] = (20, 120),
+    short_out: int = 128,
+    long_out: int = 16,
+    late_after: int = 4,
+    name: str | None = None,
+) -> Workload:
     rng = random.Random(f"w-long/{seed}")
-    shorts = [BenchRequest(_tokens(rng, pool, rng.randint(*short_prompt)), short_out) for _ in range(n_short)]
+    shorts = [
+        BenchRequest(_tokens(rng, pool, rng.randint(*short_prompt)), short_out)
+        for _ in range(n_short)
+    ]
     longs = [BenchRequest(_tokens(rng, pool, long_len), long_out, late=True) for _ in range(n_long)]
-    return Workload(name or "W-long", shorts + longs, focus=list(range(n_short)), late_after=late_after)
+    return Workload(
+        name or "W-long", shorts + longs, focus=list(range(n_short)), late_after=late_after
+    )
 
 
-def build(names: list[str], pool: list[int], *, mixed_n: int = 64, mixed_out: tuple[int, int] = (16, 128),
-          scale: float = 1.0, seed: int = 0) -> list[Workload]:
+def build(
+    names: list[str],
+    pool: list[int],
+    *,
+    mixed_n: int = 64,
+    mixed_out: tuple[int, int] = (16, 128),
+    scale: float = 1.0,
+    seed: int = 0,
+) -> list[Workload]:
     """The workloads named in ``names`` ("mixed", "prefix", "prefix_long", "long"); ``scale`` < 1
     shrinks them (W-mixed and W-prefix-long take ``mixed_n`` requests and ``mixed_out`` outputs)."""
     out = []
@@ -112,16 +174,39 @@ def build(names: list[str], pool: list[int], *, mixed_n: int = 64, mixed_out: tu
             out.append(w_mixed(pool, mixed_n, seed, out_len=mixed_out))
         elif name == "prefix":
             n = max(2, round(64 * scale))
-            out.append(w_prefix(pool, n, seed, prefix_len=max(16, round(512 * scale) // 16 * 16),
-                                n_out=max(4, round(32 * scale))))
+            out.append(
+                w_prefix(
+                    pool,
+                    n,
+                    seed,
+                    prefix_len=max(16, round(512 * scale) // 16 * 16),
+                    n_out=max(4, round(32 * scale)),
+                )
+            )
         elif name == "prefix_long":
-            out.append(w_prefix_long(pool, mixed_n, seed, prefix_len=max(16, round(512 * scale) // 16 * 16),
-                                     own_len=(max(2, round(20 * scale)), max(4, round(300 * scale))),
-                                     out_len=mixed_out))
+            out.append(
+                w_prefix_long(
+                    pool,
+                    mixed_n,
+                    seed,
+                    prefix_len=max(16, round(512 * scale) // 16 * 16),
+                    own_len=(max(2, round(20 * scale)), max(4, round(300 * scale))),
+                    out_len=mixed_out,
+                )
+            )
         elif name == "long":
-            out.append(w_long(pool, n_short=max(2, round(32 * scale)), n_long=max(1, round(4 * scale)), seed=seed,
-                              long_len=max(32, round(2000 * scale)), short_out=max(8, round(128 * scale)),
-                              long_out=max(4, round(16 * scale)), late_after=max(2, round(4 * scale))))
+            out.append(
+                w_long(
+                    pool,
+                    n_short=max(2, round(32 * scale)),
+                    n_long=max(1, round(4 * scale)),
+                    seed=seed,
+                    long_len=max(32, round(2000 * scale)),
+                    short_out=max(8, round(128 * scale)),
+                    long_out=max(4, round(16 * scale)),
+                    late_after=max(2, round(4 * scale)),
+                )
+            )
         else:
             raise ValueError(f"unknown workload {name!r}; known: mixed, prefix, prefix_long, long")
     return out

@@ -12,15 +12,49 @@
 Used by benchmarks/bench_eval.py, tests/test_lm_eval.py and examples/lm_eval_local.py. The data
 are drawn from a seeded generator, so a directory is the same on every machine.
 """
+
 from __future__ import annotations
 
 import json
 import random
 from pathlib import Path
 
-_NAMES = ["Tom", "Anna", "Ravi", "Mei", "Lucas", "Sofia", "Omar", "Ines", "Kenji", "Zara", "Noah", "Lena"]
-_THINGS = ["apples", "marbles", "books", "stamps", "pencils", "shells", "coins", "cards", "plums", "buttons"]
-_PLACES = ["the market", "school", "the library", "the beach", "a garden", "the station", "a museum", "the park"]
+_NAMES = [
+    "Tom",
+    "Anna",
+    "Ravi",
+    "Mei",
+    "Lucas",
+    "Sofia",
+    "Omar",
+    "Ines",
+    "Kenji",
+    "Zara",
+    "Noah",
+    "Lena",
+]
+_THINGS = [
+    "apples",
+    "marbles",
+    "books",
+    "stamps",
+    "pencils",
+    "shells",
+    "coins",
+    "cards",
+    "plums",
+    "buttons",
+]
+_PLACES = [
+    "the market",
+    "school",
+    "the library",
+    "the beach",
+    "a garden",
+    "the station",
+    "a museum",
+    "the park",
+]
 _FILLER = [
     "The weather was mild and a light wind came from the sea.",
     "Nobody was in a hurry, and the streets were quiet for a Tuesday.",
@@ -37,9 +71,11 @@ def _story(rng: random.Random) -> tuple[str, str, int]:
     thing = rng.choice(_THINGS)
     start, got, gave = rng.randint(3, 40), rng.randint(2, 30), rng.randint(1, 9)
     place = rng.choice(_PLACES)
-    passage = (f"{name} went to {place} with {friend} in the morning. {rng.choice(_FILLER)} {name} had {start} "
-               f"{thing} at the start of the day. At {place}, {name} found {got} more {thing} and gave {gave} "
-               f"of them to {friend}.")
+    passage = (
+        f"{name} went to {place} with {friend} in the morning. {rng.choice(_FILLER)} {name} had {start} "
+        f"{thing} at the start of the day. At {place}, {name} found {got} more {thing} and gave {gave} "
+        f"of them to {friend}."
+    )
     return passage, f"How many {thing} did {name} have at the end of the day?", start + got - gave
 
 
@@ -54,8 +90,9 @@ def _choices(rng: random.Random, answer: int) -> tuple[list[str], int]:
     return [str(o) for o in options], options.index(answer)
 
 
-def write_tasks(directory: str | Path, n_mc: int = 200, n_gen: int = 100, n_rolling: int = 20,
-                seed: int = 0) -> Path:
+def write_tasks(
+    directory: str | Path, n_mc: int = 200, n_gen: int = 100, n_rolling: int = 20, seed: int = 0
+) -> Path:
     """Write the three tasks' data and YAML configs into ``directory``; returns it."""
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
@@ -65,13 +102,19 @@ def write_tasks(directory: str | Path, n_mc: int = 200, n_gen: int = 100, n_roll
     for _ in range(n_mc):
         passage, question, answer = _story(rng)
         choices, label = _choices(rng, answer)
-        mc.append({"context": f"{passage}\nQuestion: {question}\nAnswer:", "choices": choices, "label": label})
+        mc.append(
+            {
+                "context": f"{passage}\nQuestion: {question}\nAnswer:",
+                "choices": choices,
+                "label": label,
+            }
+        )
     _jsonl(out / "mc.jsonl", mc)
     (out / "phf_mc.yaml").write_text(f"""task: phf_mc
 dataset_path: json
 dataset_kwargs:
   data_files:
-    test: {(out / 'mc.jsonl').resolve()}
+    test: {(out / "mc.jsonl").resolve()}
 output_type: multiple_choice
 test_split: test
 doc_to_text: "{{{{context}}}}"
@@ -91,7 +134,10 @@ metadata:
     def arithmetic() -> dict:
         a, b = rng.randint(1, 9), rng.randint(1, 9)
         op = rng.choice(["plus", "times"])
-        return {"question": f"What is {a} {op} {b}?", "answer": str(a + b if op == "plus" else a * b)}
+        return {
+            "question": f"What is {a} {op} {b}?",
+            "answer": str(a + b if op == "plus" else a * b),
+        }
 
     _jsonl(out / "gen_train.jsonl", [arithmetic() for _ in range(20)])
     _jsonl(out / "gen_test.jsonl", [arithmetic() for _ in range(n_gen)])
@@ -99,8 +145,8 @@ metadata:
 dataset_path: json
 dataset_kwargs:
   data_files:
-    train: {(out / 'gen_train.jsonl').resolve()}
-    test: {(out / 'gen_test.jsonl').resolve()}
+    train: {(out / "gen_train.jsonl").resolve()}
+    test: {(out / "gen_test.jsonl").resolve()}
 output_type: generate_until
 training_split: train
 fewshot_split: train
@@ -140,7 +186,7 @@ metadata:
 dataset_path: json
 dataset_kwargs:
   data_files:
-    test: {(out / 'rolling.jsonl').resolve()}
+    test: {(out / "rolling.jsonl").resolve()}
 output_type: loglikelihood_rolling
 test_split: test
 doc_to_text: ""

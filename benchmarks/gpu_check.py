@@ -23,6 +23,7 @@ Phases (``--phases``, each in a subprocess of its own, under ``--budget`` second
     bash benchmarks/gpu_check.sh --call 1          # on the GPU (installs what is carried, then this)
     python benchmarks/gpu_check.py --dry-run       # tiny, on CPU, FlashInfer's stand-in: every phase
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,9 +35,9 @@ import platform
 import random
 import sys
 import time
-from pathlib import Path
 import traceback
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -102,16 +103,32 @@ def tiny_config(family: str, dry: bool):
     from transformers import Gemma2Config, LlamaConfig, Qwen3Config
 
     head_dim = 16 if dry else 128
-    common = dict(vocab_size=512 if dry else 4096, hidden_size=64 if dry else 256, intermediate_size=128 if dry else 512,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim, max_position_embeddings=2048,
-                  initializer_range=0.15, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    common = dict(
+        vocab_size=512 if dry else 4096,
+        hidden_size=64 if dry else 256,
+        intermediate_size=128 if dry else 512,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=head_dim,
+        max_position_embeddings=2048,
+        initializer_range=0.15,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     if family == "llama":
         return LlamaConfig(**common, num_hidden_layers=2)
     if family == "qwen3":
         return Qwen3Config(**common, num_hidden_layers=2)
     if family == "gemma2":
-        return Gemma2Config(**common, num_hidden_layers=4, sliding_window=16, attn_logit_softcapping=50.0,
-                            final_logit_softcapping=30.0, query_pre_attn_scalar=head_dim)
+        return Gemma2Config(
+            **common,
+            num_hidden_layers=4,
+            sliding_window=16,
+            attn_logit_softcapping=50.0,
+            final_logit_softcapping=30.0,
+            query_pre_attn_scalar=head_dim,
+        )
     raise ValueError(family)
 
 
@@ -120,12 +137,33 @@ def qwen3_06b_config(dry: bool):
     from transformers import Qwen3Config
 
     if dry:
-        return Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048)
-    return Qwen3Config(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
-                       rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, hidden_act="silu",
-                       attention_bias=False, bos_token_id=151643, eos_token_id=151645)
+        return Qwen3Config(
+            vocab_size=512,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            max_position_embeddings=2048,
+        )
+    return Qwen3Config(
+        vocab_size=151936,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=40960,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        hidden_act="silu",
+        attention_bias=False,
+        bos_token_id=151643,
+        eos_token_id=151645,
+    )
 
 
 def build_model(config, setup: Setup, seed: int, attn: str = "sdpa") -> torch.nn.Module:
@@ -134,13 +172,17 @@ def build_model(config, setup: Setup, seed: int, attn: str = "sdpa") -> torch.nn
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         with torch.device(setup.device):
-            model = AutoModelForCausalLM.from_config(config, dtype=setup.dtype, attn_implementation=attn)
+            model = AutoModelForCausalLM.from_config(
+                config, dtype=setup.dtype, attn_implementation=attn
+            )
     return model.eval()
 
 
 # ---- (a) agreement ----------------------------------------------------------------------------------
 @torch.inference_mode()
-def teacher_forced_agreement(model, prompts: list[list[int]], outputs: list[list[int]]) -> tuple[float, float]:
+def teacher_forced_agreement(
+    model, prompts: list[list[int]], outputs: list[list[int]]
+) -> tuple[float, float]:
     """(share of generated tokens that are transformers' argmax, largest logit gap where not)."""
     hits = total = 0
     worst_gap = 0.0
@@ -149,7 +191,11 @@ def teacher_forced_agreement(model, prompts: list[list[int]], outputs: list[list
         if not out:
             continue
         ids = torch.tensor([prompt + out], device=device)
-        logits = model(ids, use_cache=False).logits[0, len(prompt) - 1: len(prompt) - 1 + len(out)].float()
+        logits = (
+            model(ids, use_cache=False)
+            .logits[0, len(prompt) - 1 : len(prompt) - 1 + len(out)]
+            .float()
+        )
         target = torch.tensor(out, device=device)
         best = logits.argmax(-1)
         hits += int((best == target).sum())
@@ -170,20 +216,34 @@ def common_prefix_share(a: list[list[int]], b: list[list[int]]) -> float:
     return same / max(total, 1)
 
 
-AGREEMENT_VARIANTS = (("flashinfer graphs", "flashinfer", True), ("flashinfer eager", "flashinfer", False),
-                      ("torch", "torch", False))
+AGREEMENT_VARIANTS = (
+    ("flashinfer graphs", "flashinfer", True),
+    ("flashinfer eager", "flashinfer", False),
+    ("torch", "torch", False),
+)
 
 
-def agreement_workload(vocab: int, rng: random.Random, dry: bool) -> tuple[list[list[int]], list[int]]:
+def agreement_workload(
+    vocab: int, rng: random.Random, dry: bool
+) -> tuple[list[list[int]], list[int]]:
     """The paths a kernel or graph fault hides in: six prompts sharing a 40-token prefix (prefix
     hits), six of their own (20-150 tokens, longer than a step's budget: chunked prefill, steps that
     mix prefill and decode), and twelve output lengths from 3 to 48 (dry run: 2 to 16), so the
     decode batch shrinks through the graph buckets 8 -> 4 -> 2 -> 1 with padding rows."""
     shared = [rng.randrange(4, vocab) for _ in range(40)]
     longest = 60 if dry else 150
-    prompts = [shared + [rng.randrange(4, vocab) for _ in range(rng.randint(5, longest // 2))] for _ in range(6)]
-    prompts += [[rng.randrange(4, vocab) for _ in range(rng.randint(20, longest))] for _ in range(6)]
-    lengths = [2, 3, 4, 5, 6, 7, 8, 10, 12, 13, 14, 16] if dry else [3, 5, 7, 9, 12, 16, 20, 24, 30, 36, 42, 48]
+    prompts = [
+        shared + [rng.randrange(4, vocab) for _ in range(rng.randint(5, longest // 2))]
+        for _ in range(6)
+    ]
+    prompts += [
+        [rng.randrange(4, vocab) for _ in range(rng.randint(20, longest))] for _ in range(6)
+    ]
+    lengths = (
+        [2, 3, 4, 5, 6, 7, 8, 10, 12, 13, 14, 16]
+        if dry
+        else [3, 5, 7, 9, 12, 16, 20, 24, 30, 36, 42, 48]
+    )
     return prompts, lengths
 
 
@@ -192,11 +252,18 @@ def check_agreement(setup: Setup, family: str) -> dict[str, Any]:
     eager (a kernel fault told from a graph fault) and torch: each teacher-forced through
     transformers, and how long each agrees with torch token for token; the decode buckets run."""
     attn = "eager" if family == "gemma2" else "sdpa"
-    model = build_model(tiny_config(family, setup.dry_run), setup, seed=100 + FAMILIES.index(family), attn=attn)
-    prompts, out_lens = agreement_workload(model.config.vocab_size, random.Random(setup.seed + FAMILIES.index(family)),
-                                           setup.dry_run)
+    model = build_model(
+        tiny_config(family, setup.dry_run), setup, seed=100 + FAMILIES.index(family), attn=attn
+    )
+    prompts, out_lens = agreement_workload(
+        model.config.vocab_size, random.Random(setup.seed + FAMILIES.index(family)), setup.dry_run
+    )
     params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in out_lens]
-    row: dict[str, Any] = {"family": family, "dtype": str(setup.dtype).replace("torch.", ""), "prompts": len(prompts)}
+    row: dict[str, Any] = {
+        "family": family,
+        "dtype": str(setup.dtype).replace("torch.", ""),
+        "prompts": len(prompts),
+    }
     outs = {}
     flashinfer = setup.device == "cuda" or setup.stand_in
     for name, backend, graphs in AGREEMENT_VARIANTS:
@@ -204,15 +271,29 @@ def check_agreement(setup: Setup, family: str) -> dict[str, Any]:
             row[f"{name} skipped"] = "no CUDA device and no stand-in"
             continue
         try:
-            engine = paged_hf.Engine(model, backend=backend, block_size=16, num_blocks=1024, max_num_seqs=16,
-                                     max_num_batched_tokens=64, use_cuda_graphs=graphs)
+            engine = paged_hf.Engine(
+                model,
+                backend=backend,
+                block_size=16,
+                num_blocks=1024,
+                max_num_seqs=16,
+                max_num_batched_tokens=64,
+                use_cuda_graphs=graphs,
+            )
             outs[name] = [o.token_ids for o in engine.generate(prompts, params)]
             stats = engine.stats()
             accel = engine.runner.decode
             tf, gap = teacher_forced_agreement(model, prompts, outs[name])
-            row[name] = {"backend": stats["backend"], "teacher_forced": round(tf, 4), "worst_logit_gap": round(gap, 4),
-                         "steps": stats["steps"], "prefix_hit_tokens": stats["prefix_hit_tokens"],
-                         "graph_steps_by_bucket": dict(sorted(accel.steps_by_bucket.items())) if accel else {}}
+            row[name] = {
+                "backend": stats["backend"],
+                "teacher_forced": round(tf, 4),
+                "worst_logit_gap": round(gap, 4),
+                "steps": stats["steps"],
+                "prefix_hit_tokens": stats["prefix_hit_tokens"],
+                "graph_steps_by_bucket": dict(sorted(accel.steps_by_bucket.items()))
+                if accel
+                else {},
+            }
             del engine
         except Exception as e:  # noqa: BLE001 - reported, the other variants still run
             row[name] = {"error": f"{type(e).__name__}: {e}"[:500]}
@@ -220,7 +301,9 @@ def check_agreement(setup: Setup, family: str) -> dict[str, Any]:
         free_memory()
     for name in outs:
         if name != "torch" and "torch" in outs:
-            row[name]["agrees_with_torch"] = round(common_prefix_share(outs[name], outs["torch"]), 4)
+            row[name]["agrees_with_torch"] = round(
+                common_prefix_share(outs[name], outs["torch"]), 4
+            )
     log(f"agreement {row}")
     del model
     free_memory()
@@ -231,8 +314,13 @@ def check_agreement(setup: Setup, family: str) -> dict[str, Any]:
 def workload(setup: Setup) -> tuple[list[list[int]], list[int]]:
     """nano-vllm's bench.py: random ids in [0, 10000), prompt and output lengths U[100, 1024]."""
     rng = random.Random(setup.seed)
-    prompts = [[rng.randint(0, setup.token_range) for _ in range(rng.randint(setup.min_len, setup.max_len))]
-               for _ in range(setup.num_requests)]
+    prompts = [
+        [
+            rng.randint(0, setup.token_range)
+            for _ in range(rng.randint(setup.min_len, setup.max_len))
+        ]
+        for _ in range(setup.num_requests)
+    ]
     outputs = [rng.randint(setup.min_len, setup.max_len) for _ in range(setup.num_requests)]
     return prompts, outputs
 
@@ -245,15 +333,31 @@ def run_hf_generate(setup: Setup, prompts, out_lens) -> Row:
     pad = 0
     width = max(len(p) for p in prompts)
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=setup.device)
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=setup.device)
+    mask = torch.tensor(
+        [[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=setup.device
+    )
     steps = max(out_lens)
-    kwargs = dict(do_sample=setup.temperature > 0, temperature=setup.temperature or None, top_k=None, top_p=None,
-                  eos_token_id=None, pad_token_id=pad)
-    model.generate(ids[:2, -8:], attention_mask=mask[:2, -8:], max_new_tokens=2, min_new_tokens=2, **kwargs)  # warm
+    kwargs = dict(
+        do_sample=setup.temperature > 0,
+        temperature=setup.temperature or None,
+        top_k=None,
+        top_p=None,
+        eos_token_id=None,
+        pad_token_id=pad,
+    )
+    model.generate(
+        ids[:2, -8:], attention_mask=mask[:2, -8:], max_new_tokens=2, min_new_tokens=2, **kwargs
+    )  # warm
     sync(setup)
     t = time.perf_counter()
-    out = model.generate(ids, attention_mask=mask, max_new_tokens=steps, min_new_tokens=steps,
-                         max_time=setup.hf_max_time, **kwargs)
+    out = model.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=steps,
+        min_new_tokens=steps,
+        max_time=setup.hf_max_time,
+        **kwargs,
+    )
     sync(setup)
     seconds = time.perf_counter() - t
     done_steps = out.shape[1] - width
@@ -263,7 +367,9 @@ def run_hf_generate(setup: Setup, prompts, out_lens) -> Row:
         note = f"time-capped at {setup.hf_max_time:.0f} s after {done_steps}/{steps} steps: throughput of the part run"
     del model, out
     free_memory()
-    return Row("transformers generate", tokens, seconds, sum(n <= done_steps for n in out_lens), note)
+    return Row(
+        "transformers generate", tokens, seconds, sum(n <= done_steps for n in out_lens), note
+    )
 
 
 @torch.inference_mode()
@@ -273,16 +379,29 @@ def run_hf_continuous(setup: Setup, prompts, out_lens) -> Row:
     from transformers import ContinuousBatchingConfig, GenerationConfig
 
     model = build_model(qwen3_06b_config(setup.dry_run), setup, seed=1)
-    gen = GenerationConfig(do_sample=setup.temperature > 0, temperature=setup.temperature or None, top_k=None,
-                           top_p=None, eos_token_id=-1, pad_token_id=0, max_new_tokens=max(out_lens))
+    gen = GenerationConfig(
+        do_sample=setup.temperature > 0,
+        temperature=setup.temperature or None,
+        top_k=None,
+        top_p=None,
+        eos_token_id=-1,
+        pad_token_id=0,
+        max_new_tokens=max(out_lens),
+    )
     # without num_blocks its cache takes a share of free memory: ~14 GB of RAM in the CPU dry run
     page = ContinuousBatchingConfig().page_size
-    cb_config = ContinuousBatchingConfig(num_blocks=sum(-(-(len(p) + n) // page) for p, n in zip(prompts, out_lens))
-                                         + 2)
+    cb_config = ContinuousBatchingConfig(
+        num_blocks=sum(-(-(len(p) + n) // page) for p, n in zip(prompts, out_lens)) + 2
+    )
     tokens = done = 0
     t_warm = time.perf_counter()
-    with model.continuous_batching_context_manager(generation_config=gen, continuous_batching_config=cb_config,
-                                                   block=True, timeout=30, warmup=not setup.dry_run) as manager:
+    with model.continuous_batching_context_manager(
+        generation_config=gen,
+        continuous_batching_config=cb_config,
+        block=True,
+        timeout=30,
+        warmup=not setup.dry_run,
+    ) as manager:
         warm_s = time.perf_counter() - t_warm
         sync(setup)
         t = time.perf_counter()
@@ -301,21 +420,30 @@ def run_hf_continuous(setup: Setup, prompts, out_lens) -> Row:
         seconds = time.perf_counter() - t
     note = f"warm-up (graph capture) {warm_s:.1f} s, not timed"
     if done < len(prompts):
-        note = (f"time-capped at {setup.hf_max_time:.0f} s with {done}/{len(prompts)} requests finished: "
-                "counts finished requests only (a lower bound)")
+        note = (
+            f"time-capped at {setup.hf_max_time:.0f} s with {done}/{len(prompts)} requests finished: "
+            "counts finished requests only (a lower bound)"
+        )
     del model
     free_memory()
     return Row("transformers generate_batch", tokens, seconds, done, note)
 
 
-def paged_engine(model, setup: Setup, prompts, out_lens, graphs: bool, max_num_seqs: int | None = None):
+def paged_engine(
+    model, setup: Setup, prompts, out_lens, graphs: bool, max_num_seqs: int | None = None
+):
     need = sum(-(-(len(p) + n) // 16) for p, n in zip(prompts, out_lens))
-    return paged_hf.Engine(model, num_blocks=int(need * 1.1) + 64, block_size=16,
-                           backend="flashinfer" if setup.stand_in else "auto",
-                           max_num_seqs=max_num_seqs or setup.max_num_seqs,
-                           max_num_batched_tokens=setup.max_num_batched_tokens,
-                           max_model_len=setup.max_len * 2 + 16, use_cuda_graphs=graphs,
-                           enable_prefix_caching=False)
+    return paged_hf.Engine(
+        model,
+        num_blocks=int(need * 1.1) + 64,
+        block_size=16,
+        backend="flashinfer" if setup.stand_in else "auto",
+        max_num_seqs=max_num_seqs or setup.max_num_seqs,
+        max_num_batched_tokens=setup.max_num_batched_tokens,
+        max_model_len=setup.max_len * 2 + 16,
+        use_cuda_graphs=graphs,
+        enable_prefix_caching=False,
+    )
 
 
 @torch.inference_mode()
@@ -324,7 +452,10 @@ def run_paged(setup: Setup, prompts, out_lens, graphs: bool) -> Row:
     engine = paged_engine(model, setup, prompts, out_lens, graphs)
     # unseeded, as nano-vllm's workload: one draw per step for the batch (a seed per request costs a
     # draw per row and shrinks what the graphs save)
-    params = [SamplingParams(max_new_tokens=n, temperature=setup.temperature, ignore_eos=True) for n in out_lens]
+    params = [
+        SamplingParams(max_new_tokens=n, temperature=setup.temperature, ignore_eos=True)
+        for n in out_lens
+    ]
     warm_s = engine.warmup()  # kernels (FlashInfer JIT on a fresh machine), CUDA-graph capture
     sync(setup)
     t = time.perf_counter()
@@ -351,12 +482,17 @@ def decode_step_time(setup: Setup, graphs: bool) -> float:
     b = setup.decode_batch
     model = build_model(qwen3_06b_config(setup.dry_run), setup, seed=1)
     rng = random.Random(7)
-    prompts = [[rng.randint(0, setup.token_range) for _ in range(min(256, setup.max_len))] for _ in range(b)]
+    prompts = [
+        [rng.randint(0, setup.token_range) for _ in range(min(256, setup.max_len))]
+        for _ in range(b)
+    ]
     out_lens = [setup.decode_steps + 8] * b
     engine = paged_engine(model, setup, prompts, out_lens, graphs, max_num_seqs=b)
     for p, n in zip(prompts, out_lens):
         engine.add_request(p, SamplingParams(max_new_tokens=n, ignore_eos=True))
-    while any(r.num_pending_tokens > 1 for r in engine.scheduler.running) or engine.scheduler.waiting:
+    while (
+        any(r.num_pending_tokens > 1 for r in engine.scheduler.running) or engine.scheduler.waiting
+    ):
         engine.step()  # prefill
     for _ in range(3):
         engine.step()  # warm (and capture)
@@ -381,36 +517,61 @@ def memory_checks(setup: Setup) -> dict[str, Any]:
     out: dict[str, Any] = {}
     model = build_model(qwen3_06b_config(setup.dry_run), setup, seed=1)
     t = time.perf_counter()
-    engine = paged_hf.Engine(model, block_size=16, max_num_seqs=setup.max_num_seqs,
-                             max_num_batched_tokens=setup.max_num_batched_tokens,
-                             backend="flashinfer" if setup.stand_in else "auto")
+    engine = paged_hf.Engine(
+        model,
+        block_size=16,
+        max_num_seqs=setup.max_num_seqs,
+        max_num_batched_tokens=setup.max_num_batched_tokens,
+        backend="flashinfer" if setup.stand_in else "auto",
+    )
     out["sizing_s"] = round(time.perf_counter() - t, 2)
     out["num_blocks"] = engine.runner.backend.num_blocks
     out["kv_gib"] = round(engine.runner.backend.num_blocks * engine.page_bytes / (1 << 30), 3)
     prompts, out_lens = workload(setup)
     if setup.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    done = engine.generate(prompts[:64], [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in out_lens[:64]])
+    done = engine.generate(
+        prompts[:64], [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in out_lens[:64]]
+    )
     out["requests_ok"] = sum(o.error is None for o in done)
     if setup.device == "cuda":
         free, total = torch.cuda.mem_get_info()
-        out.update(peak_gib=round(torch.cuda.max_memory_allocated() / (1 << 30), 2), total_gib=round(total / (1 << 30), 2),
-                   free_gib_after=round(free / (1 << 30), 2))
+        out.update(
+            peak_gib=round(torch.cuda.max_memory_allocated() / (1 << 30), 2),
+            total_gib=round(total / (1 << 30), 2),
+            free_gib_after=round(free / (1 << 30), 2),
+        )
     del engine, model, done
     free_memory()
 
     model = build_model(tiny_config("llama", setup.dry_run), setup, seed=100)
-    prompts, out_lens = agreement_workload(model.config.vocab_size, random.Random(setup.seed), setup.dry_run)
+    prompts, out_lens = agreement_workload(
+        model.config.vocab_size, random.Random(setup.seed), setup.dry_run
+    )
     params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in out_lens]
     need = sum(-(-(len(p) + n) // 16) for p, n in zip(prompts, out_lens))
     largest = max(-(-(len(p) + n) // 16) for p, n in zip(prompts, out_lens))
-    kw = dict(block_size=16, max_num_seqs=16, max_num_batched_tokens=64, enable_prefix_caching=False,
-              backend="flashinfer" if setup.stand_in else "auto")
-    roomy = [o.token_ids for o in paged_hf.Engine(model, num_blocks=need + 16, **kw).generate(prompts, params)]
-    engine = paged_hf.Engine(model, num_blocks=max(largest + 1, need // 4), preemption_mode="swap", **kw)
+    kw = dict(
+        block_size=16,
+        max_num_seqs=16,
+        max_num_batched_tokens=64,
+        enable_prefix_caching=False,
+        backend="flashinfer" if setup.stand_in else "auto",
+    )
+    roomy = [
+        o.token_ids
+        for o in paged_hf.Engine(model, num_blocks=need + 16, **kw).generate(prompts, params)
+    ]
+    engine = paged_hf.Engine(
+        model, num_blocks=max(largest + 1, need // 4), preemption_mode="swap", **kw
+    )
     tight = [o.token_ids for o in engine.generate(prompts, params)]
-    out["swap"] = {"preemptions": engine.stats()["preemptions"], "same_tokens": tight == roomy,
-                   "num_blocks": engine.runner.backend.num_blocks, "blocks_needed": need}
+    out["swap"] = {
+        "preemptions": engine.stats()["preemptions"],
+        "same_tokens": tight == roomy,
+        "num_blocks": engine.runner.backend.num_blocks,
+        "blocks_needed": need,
+    }
     log(f"memory {out}")
     del engine, model
     free_memory()
@@ -425,7 +586,9 @@ def guarded(name: str, fn, *args) -> Row:
         traceback.print_exc()
         row = Row(name, error=f"{type(e).__name__}: {e}"[:500])
         free_memory()
-    log(f"done  {name}: {row.output_tokens} tokens in {row.seconds:.1f} s = {row.tok_s:.0f} tok/s {row.note}")
+    log(
+        f"done  {name}: {row.output_tokens} tokens in {row.seconds:.1f} s = {row.tok_s:.0f} tok/s {row.note}"
+    )
     return row
 
 
@@ -433,12 +596,18 @@ def guarded(name: str, fn, *args) -> Row:
 def environment(setup: Setup) -> dict[str, Any]:
     import transformers
 
-    env = {"date": datetime.date.today().isoformat(), "python": platform.python_version(), "torch": torch.__version__,
-           "transformers": transformers.__version__, "paged_hf": paged_hf.__version__}
+    env = {
+        "date": datetime.date.today().isoformat(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "paged_hf": paged_hf.__version__,
+    }
     if setup.device == "cuda":
         env["gpu"] = torch.cuda.get_device_name()
         try:
             import flashinfer
+
             env["flashinfer"] = flashinfer.__version__
         except ImportError as e:
             env["flashinfer"] = f"not installed ({e})"
@@ -447,25 +616,52 @@ def environment(setup: Setup) -> dict[str, Any]:
 
 def table(rows: list[Row], base: str = "transformers generate") -> str:
     ref = {r.name: r.tok_s for r in rows}
-    lines = ["| run | output tok/s | vs transformers generate | vs generate_batch | tokens | seconds | requests | note |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+    lines = [
+        "| run | output tok/s | vs transformers generate | vs generate_batch | tokens | seconds | requests | note |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+    ]
     for r in rows:
+
         def ratio(name: str) -> str:
             return f"{r.tok_s / ref[name]:.2f}x" if ref.get(name) else "-"
+
         note = r.error or r.note
-        lines.append(f"| {r.name} | {r.tok_s:,.0f} | {ratio(base)} | {ratio('transformers generate_batch')} | "
-                     f"{r.output_tokens:,} | {r.seconds:.1f} | {r.requests_done} | {note} |")
+        lines.append(
+            f"| {r.name} | {r.tok_s:,.0f} | {ratio(base)} | {ratio('transformers generate_batch')} | "
+            f"{r.output_tokens:,} | {r.seconds:.1f} | {r.requests_done} | {note} |"
+        )
     return "\n".join(lines)
 
 
-PHASES = ("env", "smoke", "agreement", "hf_generate", "hf_batch", "eager", "graphs", "decode", "memory")
+PHASES = (
+    "env",
+    "smoke",
+    "agreement",
+    "hf_generate",
+    "hf_batch",
+    "eager",
+    "graphs",
+    "decode",
+    "memory",
+)
 # The plan for a GPU lent for 15 minutes of device time, 10 at most a command (see the header).
 CALLS = {
     # FA2 prefill (FA3's JIT is the slowest), the default decode kernel choice
-    "1": dict(phases=("env", "smoke", "agreement", "eager", "graphs"), families=("llama",), requests=128,
-              prefill="fa2", decode_tc="auto"),
-    "2": dict(phases=("env", "agreement", "memory", "hf_generate", "hf_batch", "decode"), families=("gemma2", "qwen3"),
-              requests=128, prefill="fa2", decode_tc="auto", hf_max_time=45.0),
+    "1": dict(
+        phases=("env", "smoke", "agreement", "eager", "graphs"),
+        families=("llama",),
+        requests=128,
+        prefill="fa2",
+        decode_tc="auto",
+    ),
+    "2": dict(
+        phases=("env", "agreement", "memory", "hf_generate", "hf_batch", "decode"),
+        families=("gemma2", "qwen3"),
+        requests=128,
+        prefill="fa2",
+        decode_tc="auto",
+        hf_max_time=45.0,
+    ),
 }
 
 
@@ -479,9 +675,18 @@ def call_argv(argv: list[str]) -> list[str]:
             name = arg.split("=", 1)[1] if "=" in arg else argv[i + 1]
             i += 1 if "=" in arg else 2
             plan = CALLS[name]
-            out += ["--phases", ",".join(plan["phases"]), "--families", ",".join(plan["families"]),
-                    "--requests", str(plan["requests"]), "--prefill-backend", plan["prefill"],
-                    "--decode-tensor-cores", plan["decode_tc"]]
+            out += [
+                "--phases",
+                ",".join(plan["phases"]),
+                "--families",
+                ",".join(plan["families"]),
+                "--requests",
+                str(plan["requests"]),
+                "--prefill-backend",
+                plan["prefill"],
+                "--decode-tensor-cores",
+                plan["decode_tc"],
+            ]
             out += ["--hf-max-time", str(plan["hf_max_time"])] if "hf_max_time" in plan else []
             continue
         out.append(arg)
@@ -491,13 +696,37 @@ def call_argv(argv: list[str]) -> list[str]:
 
 def make_setup(args: argparse.Namespace) -> Setup:
     if args.dry_run:
-        return Setup(device="cpu", dtype=torch.float32, dry_run=True, num_requests=6, min_len=4, max_len=16,
-                     token_range=500, temperature=0.6, max_num_seqs=8, max_num_batched_tokens=64, hf_max_time=60.0,
-                     decode_batch=4, decode_steps=3, stand_in=not args.no_stand_in)
-    return Setup(device="cuda", dtype=torch.bfloat16, dry_run=False, num_requests=args.requests, min_len=100,
-                 max_len=1024, token_range=10000, temperature=0.6, max_num_seqs=args.max_num_seqs,
-                 max_num_batched_tokens=args.max_num_batched_tokens, hf_max_time=args.hf_max_time,
-                 decode_batch=64, decode_steps=50)
+        return Setup(
+            device="cpu",
+            dtype=torch.float32,
+            dry_run=True,
+            num_requests=6,
+            min_len=4,
+            max_len=16,
+            token_range=500,
+            temperature=0.6,
+            max_num_seqs=8,
+            max_num_batched_tokens=64,
+            hf_max_time=60.0,
+            decode_batch=4,
+            decode_steps=3,
+            stand_in=not args.no_stand_in,
+        )
+    return Setup(
+        device="cuda",
+        dtype=torch.bfloat16,
+        dry_run=False,
+        num_requests=args.requests,
+        min_len=100,
+        max_len=1024,
+        token_range=10000,
+        temperature=0.6,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        hf_max_time=args.hf_max_time,
+        decode_batch=64,
+        decode_steps=50,
+    )
 
 
 def run_phase(name: str, setup: Setup, args: argparse.Namespace) -> dict[str, Any]:
@@ -505,17 +734,25 @@ def run_phase(name: str, setup: Setup, args: argparse.Namespace) -> dict[str, An
     poisons the process it happens in)."""
     if setup.stand_in:
         import gpu_stand_in
+
         gpu_stand_in.install()
     if args.fa2:
         args.prefill_backend, args.decode_tensor_cores = "fa2", "on"
     if not setup.dry_run:  # the kernels FlashInfer JIT-compiles: prefill and decode chosen apart
         from paged_hf.execution.backends import flashinfer_backend
+
         flashinfer_backend.PREFILL_BACKEND = args.prefill_backend
-        flashinfer_backend.DECODE_TENSOR_CORES = {"auto": None, "on": True, "off": False}[args.decode_tensor_cores]
+        flashinfer_backend.DECODE_TENSOR_CORES = {"auto": None, "on": True, "off": False}[
+            args.decode_tensor_cores
+        ]
     if name == "env":
-        return {"environment": environment(setup), "setup": {k: str(v) for k, v in asdict(setup).items()}}
+        return {
+            "environment": environment(setup),
+            "setup": {k: str(v) for k, v in asdict(setup).items()},
+        }
     if name == "smoke":
         import gpu_smoke_flashinfer
+
         return {"smoke": gpu_smoke_flashinfer.run(setup.device, stand_in=setup.stand_in)}
     if name == "agreement":
         return {"agreement": [check_agreement(setup, f) for f in args.families.split(",")]}
@@ -528,14 +765,23 @@ def run_phase(name: str, setup: Setup, args: argparse.Namespace) -> dict[str, An
             decode["graphs" if graphs else "eager"] = decode_step_time(setup, graphs)
         decode["speedup"] = decode["eager"] / decode["graphs"]
         return {"decode_step": decode}
-    runs = {"hf_generate": ("transformers generate", run_hf_generate, ()),
-            "hf_batch": ("transformers generate_batch", run_hf_continuous, ()),
-            "eager": ("paged_hf eager", run_paged, (False,)), "graphs": ("paged_hf cuda graphs", run_paged, (True,))}
+    runs = {
+        "hf_generate": ("transformers generate", run_hf_generate, ()),
+        "hf_batch": ("transformers generate_batch", run_hf_continuous, ()),
+        "eager": ("paged_hf eager", run_paged, (False,)),
+        "graphs": ("paged_hf cuda graphs", run_paged, (True,)),
+    }
     title, fn, extra = runs[name]
     row = guarded(title, fn, setup, prompts, out_lens, *extra)
-    return {"throughput": [dict(asdict(row), tok_s=round(row.tok_s, 1))],
-            "workload": {"requests": len(prompts), "prompt_tokens": sum(map(len, prompts)),
-                         "output_tokens": sum(out_lens), "seeded": False}}
+    return {
+        "throughput": [dict(asdict(row), tok_s=round(row.tok_s, 1))],
+        "workload": {
+            "requests": len(prompts),
+            "prompt_tokens": sum(map(len, prompts)),
+            "output_tokens": sum(out_lens),
+            "seeded": False,
+        },
+    }
 
 
 def merge(report: dict[str, Any], part: dict[str, Any]) -> None:
@@ -548,8 +794,15 @@ def merge(report: dict[str, Any], part: dict[str, Any]) -> None:
 
 def summary(report: dict[str, Any]) -> str:
     env = report.get("environment", {})
-    rows = [Row(**{k: v for k, v in r.items() if k != "tok_s"}) for r in report.get("throughput", [])]
-    lines = [f"## gpu_check {env.get('date', '')} on {env.get('gpu', 'CPU (dry run)')}", "", table(rows), ""]
+    rows = [
+        Row(**{k: v for k, v in r.items() if k != "tok_s"}) for r in report.get("throughput", [])
+    ]
+    lines = [
+        f"## gpu_check {env.get('date', '')} on {env.get('gpu', 'CPU (dry run)')}",
+        "",
+        table(rows),
+        "",
+    ]
     lines += [f"smoke {report['smoke']}"] if "smoke" in report else []
     lines += [f"agreement {r}" for r in report.get("agreement", [])]
     lines += [f"decode step {report['decode_step']}"] if "decode_step" in report else []
@@ -567,7 +820,9 @@ def keep_compiled_kernels(out: Path, report: dict[str, Any]) -> None:
     grew, so the next call carries it in benchmarks/wheels/ and ninja finds nothing to rebuild."""
     import subprocess
 
-    cache = Path(os.environ.get("FLASHINFER_WORKSPACE_BASE") or Path.home()) / ".cache" / "flashinfer"
+    cache = (
+        Path(os.environ.get("FLASHINFER_WORKSPACE_BASE") or Path.home()) / ".cache" / "flashinfer"
+    )
     if not cache.is_dir():
         return
     size = sum(f.stat().st_size for f in cache.rglob("*") if f.is_file())
@@ -576,13 +831,20 @@ def keep_compiled_kernels(out: Path, report: dict[str, Any]) -> None:
         return
     t = time.perf_counter()
     archive = out / JIT_ARCHIVE
-    subprocess.run(["tar", "-cJf", str(archive), "-C", str(cache), "."], check=True,
-                   env=dict(os.environ, XZ_OPT="-T0 -1"))
+    subprocess.run(
+        ["tar", "-cJf", str(archive), "-C", str(cache), "."],
+        check=True,
+        env=dict(os.environ, XZ_OPT="-T0 -1"),
+    )
     packed = archive.stat().st_size
     if packed > JIT_CARRY_BYTES:
         archive.unlink()
-    kept.update(bytes=size, packed_bytes=packed, carried=packed <= JIT_CARRY_BYTES,
-                pack_seconds=round(time.perf_counter() - t, 1))
+    kept.update(
+        bytes=size,
+        packed_bytes=packed,
+        carried=packed <= JIT_CARRY_BYTES,
+        pack_seconds=round(time.perf_counter() - t, 1),
+    )
 
 
 def drive(args: argparse.Namespace, argv: list[str]) -> int:
@@ -596,8 +858,12 @@ def drive(args: argparse.Namespace, argv: list[str]) -> int:
     json_path = Path(args.json) if args.json else out / "gpu_check.json"
     started = time.perf_counter()
     passthrough = [a for a in argv if a != "--dry-run"] + (["--dry-run"] if args.dry_run else [])
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(Path(__file__).parent),
-                                                                   os.environ.get("PYTHONPATH")])))
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(
+            filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")])
+        ),
+    )
     status = 0
     with open(out / "gpu_check.log", "a") as logfile:
         for name in args.phases.split(","):
@@ -610,12 +876,29 @@ def drive(args: argparse.Namespace, argv: list[str]) -> int:
             part_file.unlink(missing_ok=True)
             t = time.perf_counter()
             try:
-                proc = subprocess.run([sys.executable, __file__, *passthrough, "--phase", name, "--part", str(part_file)],
-                                      capture_output=True, text=True, timeout=left, env=env)
+                proc = subprocess.run(
+                    [
+                        sys.executable,
+                        __file__,
+                        *passthrough,
+                        "--phase",
+                        name,
+                        "--part",
+                        str(part_file),
+                    ],
+                    capture_output=True,
+                    text=True,
+                    timeout=left,
+                    env=env,
+                )
                 logfile.write(proc.stdout + proc.stderr)
                 sys.stdout.write(proc.stdout[-4000:])
                 ok = proc.returncode == 0 and part_file.exists()
-                how = "ok" if ok else f"failed (exit {proc.returncode}): {(proc.stderr or proc.stdout)[-300:]}"
+                how = (
+                    "ok"
+                    if ok
+                    else f"failed (exit {proc.returncode}): {(proc.stderr or proc.stdout)[-300:]}"
+                )
             except subprocess.TimeoutExpired as e:
                 ok, how = False, f"timed out after {left:.0f} s"
                 logfile.write(str(e.stdout or "") + str(e.stderr or ""))
@@ -636,25 +919,69 @@ def drive(args: argparse.Namespace, argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--dry-run", action="store_true", help="tiny models and workload on CPU (float32), FlashInfer's stand-in")
-    ap.add_argument("--no-stand-in", action="store_true", help="dry run without FlashInfer's stand-in (torch only)")
-    ap.add_argument("--call", choices=sorted(CALLS), help="one call of the plan in the header (phases, families, sizes)")
-    ap.add_argument("--phases", default=",".join(PHASES), help=f"comma-separated, in order, of {','.join(PHASES)}")
-    ap.add_argument("--families", default=",".join(FAMILIES), help=f"agreement families, of {','.join(FAMILIES)}")
-    ap.add_argument("--out", default=os.environ.get("OUT") or "gpu_check_out", help="report, log, summary (default $OUT)")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="tiny models and workload on CPU (float32), FlashInfer's stand-in",
+    )
+    ap.add_argument(
+        "--no-stand-in",
+        action="store_true",
+        help="dry run without FlashInfer's stand-in (torch only)",
+    )
+    ap.add_argument(
+        "--call",
+        choices=sorted(CALLS),
+        help="one call of the plan in the header (phases, families, sizes)",
+    )
+    ap.add_argument(
+        "--phases",
+        default=",".join(PHASES),
+        help=f"comma-separated, in order, of {','.join(PHASES)}",
+    )
+    ap.add_argument(
+        "--families",
+        default=",".join(FAMILIES),
+        help=f"agreement families, of {','.join(FAMILIES)}",
+    )
+    ap.add_argument(
+        "--out",
+        default=os.environ.get("OUT") or "gpu_check_out",
+        help="report, log, summary (default $OUT)",
+    )
     ap.add_argument("--json", default=None, help="the report's path (default OUT/gpu_check.json)")
-    ap.add_argument("--budget", type=float, default=540.0, help="seconds for all phases (each stops when it runs out)")
+    ap.add_argument(
+        "--budget",
+        type=float,
+        default=540.0,
+        help="seconds for all phases (each stops when it runs out)",
+    )
     ap.add_argument("--requests", type=int, default=256)
-    ap.add_argument("--hf-max-time", type=float, default=90.0, help="cap on each transformers run, seconds")
+    ap.add_argument(
+        "--hf-max-time", type=float, default=90.0, help="cap on each transformers run, seconds"
+    )
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
-    ap.add_argument("--fa2", action="store_true",
-                    help="FlashInfer: FA2 prefill and tensor-core decode (--prefill-backend fa2 --decode-tensor-cores on)")
-    ap.add_argument("--prefill-backend", choices=("auto", "fa2", "fa3"), default="auto",
-                    help="FlashInfer's prefill kernels (auto: FA3 on Hopper, the slowest to JIT-compile)")
-    ap.add_argument("--decode-tensor-cores", choices=("auto", "on", "off"), default="auto",
-                    help="FlashInfer's decode kernel (auto: tensor cores where the GQA group exceeds 4)")
+    ap.add_argument(
+        "--fa2",
+        action="store_true",
+        help="FlashInfer: FA2 prefill and tensor-core decode (--prefill-backend fa2 --decode-tensor-cores on)",
+    )
+    ap.add_argument(
+        "--prefill-backend",
+        choices=("auto", "fa2", "fa3"),
+        default="auto",
+        help="FlashInfer's prefill kernels (auto: FA3 on Hopper, the slowest to JIT-compile)",
+    )
+    ap.add_argument(
+        "--decode-tensor-cores",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="FlashInfer's decode kernel (auto: tensor cores where the GQA group exceeds 4)",
+    )
     ap.add_argument("--phase", help=argparse.SUPPRESS)
     ap.add_argument("--part", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)

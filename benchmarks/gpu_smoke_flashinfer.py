@@ -15,6 +15,7 @@ an fp32 reference computed here from the same pages.
 Prints one line per check (max abs error against the reference, and the tolerance) and exits 1 if
 any check is off. gpu_check.py runs it as its ``smoke`` phase.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,22 +39,41 @@ def _pages(seq_lens: list[int], num_pages: int, g: torch.Generator) -> list[list
 
 
 def _csr(pages: list[list[int]], seq_lens: list[int], device: str) -> tuple[torch.Tensor, ...]:
-    indptr = torch.tensor([0] + [sum(map(len, pages[:i + 1])) for i in range(len(pages))], dtype=torch.int32, device=device)
+    indptr = torch.tensor(
+        [0] + [sum(map(len, pages[: i + 1])) for i in range(len(pages))],
+        dtype=torch.int32,
+        device=device,
+    )
     indices = torch.tensor([p for ps in pages for p in ps], dtype=torch.int32, device=device)
     last = torch.tensor([(n - 1) % PAGE + 1 for n in seq_lens], dtype=torch.int32, device=device)
     return indptr, indices, last
 
 
-def _reference(q: torch.Tensor, cache: torch.Tensor, pages: list[list[int]], seq_lens: list[int], q_lens: list[int],
-               window_left: int, softcap: float | None) -> torch.Tensor:
+def _reference(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    pages: list[list[int]],
+    seq_lens: list[int],
+    q_lens: list[int],
+    window_left: int,
+    softcap: float | None,
+) -> torch.Tensor:
     """fp32 causal attention of each sequence's last ``q_len`` positions over its pages."""
     outs, start = [], 0
     for ps, n, m in zip(pages, seq_lens, q_lens):
         kv = cache[torch.tensor(ps, device=cache.device)].float()  # [pages, 2, PAGE, H, D]
-        k = kv[:, 0].reshape(-1, KV_HEADS, HEAD_DIM)[:n].repeat_interleave(Q_HEADS // KV_HEADS, dim=1)
-        v = kv[:, 1].reshape(-1, KV_HEADS, HEAD_DIM)[:n].repeat_interleave(Q_HEADS // KV_HEADS, dim=1)
-        qs = q[start:start + m].float()
-        logits = torch.einsum("qhd,khd->hqk", qs, k) * HEAD_DIM ** -0.5
+        k = (
+            kv[:, 0]
+            .reshape(-1, KV_HEADS, HEAD_DIM)[:n]
+            .repeat_interleave(Q_HEADS // KV_HEADS, dim=1)
+        )
+        v = (
+            kv[:, 1]
+            .reshape(-1, KV_HEADS, HEAD_DIM)[:n]
+            .repeat_interleave(Q_HEADS // KV_HEADS, dim=1)
+        )
+        qs = q[start : start + m].float()
+        logits = torch.einsum("qhd,khd->hqk", qs, k) * HEAD_DIM**-0.5
         if softcap:
             logits = softcap * torch.tanh(logits / softcap)
         pos = torch.arange(n - m, n, device=q.device)[:, None]
@@ -68,7 +88,10 @@ def _reference(q: torch.Tensor, cache: torch.Tensor, pages: list[list[int]], seq
 def _check(name: str, got: torch.Tensor, expected: torch.Tensor, tol: float) -> dict:
     err = float((got.float() - expected).abs().max())
     ok = err <= tol and bool(torch.isfinite(got).all())
-    print(f"smoke {name}: max abs error {err:.2e} (tolerance {tol:.0e}) {'ok' if ok else 'OFF'}", flush=True)
+    print(
+        f"smoke {name}: max abs error {err:.2e} (tolerance {tol:.0e}) {'ok' if ok else 'OFF'}",
+        flush=True,
+    )
     return {"name": name, "max_abs_error": err, "tolerance": tol, "ok": ok}
 
 
@@ -79,7 +102,9 @@ def run(device: str, stand_in: bool = False) -> list[dict]:
     tol = 1e-4 if dtype == torch.float32 else 3e-2
     g = torch.Generator().manual_seed(0)
     results = []
-    workspace = torch.zeros(128 << 20 if device == "cuda" else 1 << 10, dtype=torch.uint8, device=device)
+    workspace = torch.zeros(
+        128 << 20 if device == "cuda" else 1 << 10, dtype=torch.uint8, device=device
+    )
     num_pages = 64
     cache = torch.randn(num_pages, 2, PAGE, KV_HEADS, HEAD_DIM, generator=g).to(device, dtype)
 
@@ -91,10 +116,29 @@ def run(device: str, stand_in: bool = False) -> list[dict]:
     q = torch.randn(sum(q_lens), Q_HEADS, HEAD_DIM, generator=g).to(device, dtype)
     for window_left, softcap in ((-1, None), (31, 30.0)):
         w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
-        w.plan(qo, indptr, indices, last, Q_HEADS, KV_HEADS, HEAD_DIM, PAGE, causal=True, window_left=window_left,
-               logits_soft_cap=softcap, q_data_type=dtype, kv_data_type=dtype)
-        results.append(_check(f"prefill window {window_left} softcap {softcap}", w.run(q, cache),
-                              _reference(q, cache, pages, seq_lens, q_lens, window_left, softcap), tol))
+        w.plan(
+            qo,
+            indptr,
+            indices,
+            last,
+            Q_HEADS,
+            KV_HEADS,
+            HEAD_DIM,
+            PAGE,
+            causal=True,
+            window_left=window_left,
+            logits_soft_cap=softcap,
+            q_data_type=dtype,
+            kv_data_type=dtype,
+        )
+        results.append(
+            _check(
+                f"prefill window {window_left} softcap {softcap}",
+                w.run(q, cache),
+                _reference(q, cache, pages, seq_lens, q_lens, window_left, softcap),
+                tol,
+            )
+        )
 
     # decode, with and without tensor cores
     seq_lens = [5, 70, 129, 16]
@@ -104,7 +148,17 @@ def run(device: str, stand_in: bool = False) -> list[dict]:
     expected = _reference(q, cache, pages, seq_lens, [1] * len(seq_lens), -1, None)
     for tc in (False, True):
         w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=tc)
-        w.plan(indptr, indices, last, Q_HEADS, KV_HEADS, HEAD_DIM, PAGE, q_data_type=dtype, kv_data_type=dtype)
+        w.plan(
+            indptr,
+            indices,
+            last,
+            Q_HEADS,
+            KV_HEADS,
+            HEAD_DIM,
+            PAGE,
+            q_data_type=dtype,
+            kv_data_type=dtype,
+        )
         results.append(_check(f"decode tensor cores {tc}", w.run(q, cache), expected, tol))
 
     # CUDA-graph decode: fixed buffers, captured on padding-like data, re-planned twice and replayed
@@ -112,13 +166,22 @@ def run(device: str, stand_in: bool = False) -> list[dict]:
     ind_buf = torch.zeros(num_pages, dtype=torch.int32, device=device)
     ptr_buf = torch.zeros(b + 1, dtype=torch.int32, device=device)
     last_buf = torch.zeros(b, dtype=torch.int32, device=device)
-    w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_cuda_graph=True, use_tensor_cores=False,
-                                                      paged_kv_indptr_buffer=ptr_buf, paged_kv_indices_buffer=ind_buf,
-                                                      paged_kv_last_page_len_buffer=last_buf)
+    w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+        workspace,
+        "NHD",
+        use_cuda_graph=True,
+        use_tensor_cores=False,
+        paged_kv_indptr_buffer=ptr_buf,
+        paged_kv_indices_buffer=ind_buf,
+        paged_kv_last_page_len_buffer=last_buf,
+    )
     q_buf = torch.zeros(b, Q_HEADS, HEAD_DIM, dtype=dtype, device=device)
     out_buf = torch.zeros_like(q_buf)
-    pad = (torch.arange(b + 1, dtype=torch.int32, device=device), torch.zeros(b, dtype=torch.int32, device=device),
-           torch.ones(b, dtype=torch.int32, device=device))
+    pad = (
+        torch.arange(b + 1, dtype=torch.int32, device=device),
+        torch.zeros(b, dtype=torch.int32, device=device),
+        torch.ones(b, dtype=torch.int32, device=device),
+    )
     w.plan(*pad, Q_HEADS, KV_HEADS, HEAD_DIM, PAGE, q_data_type=dtype, kv_data_type=dtype)
     graph = None
     if device == "cuda":
@@ -132,15 +195,31 @@ def run(device: str, stand_in: bool = False) -> list[dict]:
         pages = _pages(lens, num_pages, g)
         indptr, indices, last = _csr(pages, lens, device)
         q = torch.randn(b, Q_HEADS, HEAD_DIM, generator=g).to(device, dtype)
-        w.plan(indptr, indices, last, Q_HEADS, KV_HEADS, HEAD_DIM, PAGE, q_data_type=dtype, kv_data_type=dtype)
+        w.plan(
+            indptr,
+            indices,
+            last,
+            Q_HEADS,
+            KV_HEADS,
+            HEAD_DIM,
+            PAGE,
+            q_data_type=dtype,
+            kv_data_type=dtype,
+        )
         q_buf.copy_(q)
         if graph is not None:
             graph.replay()
             torch.cuda.synchronize()
         else:
             out_buf.copy_(w.run(q_buf, cache))
-        results.append(_check(f"graph decode replay {round_ + 1}", out_buf,
-                              _reference(q, cache, pages, lens, [1] * b, -1, None), tol))
+        results.append(
+            _check(
+                f"graph decode replay {round_ + 1}",
+                out_buf,
+                _reference(q, cache, pages, lens, [1] * b, -1, None),
+                tol,
+            )
+        )
     return results
 
 
@@ -150,6 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.dry_run:
         import gpu_stand_in
+
         gpu_stand_in.install()
     results = run("cpu" if args.dry_run else "cuda", stand_in=args.dry_run)
     print(json.dumps(results))

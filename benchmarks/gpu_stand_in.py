@@ -5,6 +5,7 @@ and CUDA-graph decode run from its fixed buffers with eager stand-in graphs. So 
 the same paths as a GPU run (variants, host CSR, padded graph buckets, re-planning), minus the
 kernels themselves.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -29,14 +30,25 @@ def install() -> None:
     fib.SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
     fib.SUPPORTED_HEAD_DIMS = (16, 64, 128, 256, 512)
     choose = runner.select_backend
-    runner.select_backend = lambda name, *a, **k: fib.FlashInferBackend if name == "flashinfer" else choose(name, *a, **k)
+    runner.select_backend = lambda name, *a, **k: (
+        fib.FlashInferBackend if name == "flashinfer" else choose(name, *a, **k)
+    )
     wants = runner.wants_decode_accelerator
-    runner.wants_decode_accelerator = lambda config, device: config.use_cuda_graphs or wants(config, device)
+    runner.wants_decode_accelerator = lambda config, device: (
+        config.use_cuda_graphs or wants(config, device)
+    )
 
     def build(cls, model, backend, config, pad_block):
         if not (config.use_cuda_graphs and getattr(backend, "supports_cuda_graphs", False)):
             return None
-        return cls(model, backend, config.max_num_seqs, pad_block, use_graphs=True, compile_backend=None,
-                   graph_factory=_EagerGraph)
+        return cls(
+            model,
+            backend,
+            config.max_num_seqs,
+            pad_block,
+            use_graphs=True,
+            compile_backend=None,
+            graph_factory=_EagerGraph,
+        )
 
     DecodeAccelerator.build = classmethod(build)

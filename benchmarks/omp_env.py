@@ -16,6 +16,7 @@ loads, so it is set here from the command line before anything imports torch:
 
 An OMP_WAIT_POLICY already in the environment is kept. Subprocesses (vLLM's worker) inherit it.
 """
+
 from __future__ import annotations
 
 import os
@@ -41,8 +42,11 @@ def setup(argv: list[str] | None = None) -> str:
     if choice == "auto":
         with OtherProcesses() as look:
             time.sleep(0.5)
-        others = f"others kept {look.cores:.1f} cores busy before the run" if look.cores is not None else \
-            "others' CPU time unknown"
+        others = (
+            f"others kept {look.cores:.1f} cores busy before the run"
+            if look.cores is not None
+            else "others' CPU time unknown"
+        )
         if others_busy(look.cores):
             os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
             return f"PASSIVE (auto: {others})"

@@ -10,6 +10,7 @@ way ``paged_hf.patch`` reads them: one forward through the cache the model build
 by default lets the slots take at most half of ``kv_cache_memory``; the last columns say how many
 sequences' states half of 24 and of 80 GiB hold.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,7 +26,9 @@ from paged_hf.model.state_probe import probe_state_layout  # noqa: E402
 
 TYPES = ["qwen3_5_text", "qwen3_next", "kimi_linear", "falcon_h1", "lfm2"]
 # where transformers' default config is not a released model's layer pattern
-OVERRIDES = {"lfm2": dict(full_attn_idxs=[2, 5, 8, 10, 12, 14])}  # six attention layers, as released LFM2 has; the default none
+OVERRIDES = {
+    "lfm2": dict(full_attn_idxs=[2, 5, 8, 10, 12, 14])
+}  # six attention layers, as released LFM2 has; the default none
 GIB = 1 << 30
 
 
@@ -37,20 +40,30 @@ def measure(model_type: str, dtype: torch.dtype) -> dict:
         config = AutoConfig.for_model(model_type, **OVERRIDES.get(model_type, {}))
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
-    layout = probe_state_layout(model, torch.tensor([[5, 6, 7, 8, 9, 10]], device="meta"), check_chunks=False)
+    layout = probe_state_layout(
+        model, torch.tensor([[5, 6, 7, 8, 9, 10]], device="meta"), check_chunks=False
+    )
     text = config.get_text_config()
     kinds = list(getattr(text, "layer_types", []) or [])
-    attention = sum(1 for k in kinds if "attention" in k and k != "linear_attention") or \
-        sum(1 for k in kinds if k in ("hybrid",))
+    attention = sum(1 for k in kinds if "attention" in k and k != "linear_attention") or sum(
+        1 for k in kinds if k in ("hybrid",)
+    )
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
     kv_per_token = attention * kv_heads * head_dim * 2 * torch.empty((), dtype=dtype).element_size()
     state = layout.bytes_per_slot()
-    return {"type": model_type, "layers": len(kinds), "stateful layers": len(layout.mixers),
-            "state kind": ", ".join(layout.kinds), "state MiB / sequence": state / (1 << 20),
-            "attention layers": attention, "KV KiB / token": kv_per_token / 1024,
-            "state = KV of tokens": state / kv_per_token if kv_per_token else None,
-            "states in 12 GiB (half of 24)": int(12 * GIB // state), "states in 40 GiB (half of 80)": int(40 * GIB // state)}
+    return {
+        "type": model_type,
+        "layers": len(kinds),
+        "stateful layers": len(layout.mixers),
+        "state kind": ", ".join(layout.kinds),
+        "state MiB / sequence": state / (1 << 20),
+        "attention layers": attention,
+        "KV KiB / token": kv_per_token / 1024,
+        "state = KV of tokens": state / kv_per_token if kv_per_token else None,
+        "states in 12 GiB (half of 24)": int(12 * GIB // state),
+        "states in 40 GiB (half of 80)": int(40 * GIB // state),
+    }
 
 
 def main() -> int:
@@ -63,7 +76,10 @@ def main() -> int:
     print("| " + " | ".join(keys) + " |")
     print("| " + " | ".join("---" for _ in keys) + " |")
     for row in rows:
-        cells = [f"{v:,.1f}" if isinstance(v, float) else (f"{v:,}" if isinstance(v, int) else str(v)) for v in row.values()]
+        cells = [
+            f"{v:,.1f}" if isinstance(v, float) else (f"{v:,}" if isinstance(v, int) else str(v))
+            for v in row.values()
+        ]
         print("| " + " | ".join(cells) + " |")
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -16,6 +16,7 @@ hands transformers). transformers pads the batch to its longest prompt and steps
 the last one ends; paged_hf admits rows as the KV pool allows, computes no padding, and retires
 each row at its own EOS. Both are warmed up first; each call is timed end to end, once.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -67,10 +68,30 @@ PASSAGE = (
     "measure the flow, temperature and life in rivers to learn how healthy they are, and many towns now "
     "restore old channels, plant trees along the banks and remove dams that are no longer needed. "
 ) * 3
-TASKS = ["Summarize this passage in two sentences:\n\n{}", "List three facts from this text:\n\n{}",
-         "Continue this text with one more paragraph:\n\n{}", "Write a title for this passage:\n\n{}"]
-SHORT = ["What is {} made of?", "Tell me a fun fact about {}.", "Explain {} to a child.", "Write a limerick about {}."]
-TOPICS = ["glass", "honey", "the moon", "chess", "clouds", "paper", "volcanoes", "penguins", "bread", "music"]
+TASKS = [
+    "Summarize this passage in two sentences:\n\n{}",
+    "List three facts from this text:\n\n{}",
+    "Continue this text with one more paragraph:\n\n{}",
+    "Write a title for this passage:\n\n{}",
+]
+SHORT = [
+    "What is {} made of?",
+    "Tell me a fun fact about {}.",
+    "Explain {} to a child.",
+    "Write a limerick about {}.",
+]
+TOPICS = [
+    "glass",
+    "honey",
+    "the moon",
+    "chess",
+    "clouds",
+    "paper",
+    "volcanoes",
+    "penguins",
+    "bread",
+    "music",
+]
 
 
 def more_chats(n: int = 40) -> list[str]:
@@ -81,38 +102,68 @@ def more_chats(n: int = 40) -> list[str]:
         if i % 2 == 0:
             out.append(SHORT[i // 2 % len(SHORT)].format(TOPICS[i // 2 % len(TOPICS)]))
         else:
-            cut = 40 + (i * 83) % 360  # 40..399 words, spread out, each from its own place in the text
+            cut = (
+                40 + (i * 83) % 360
+            )  # 40..399 words, spread out, each from its own place in the text
             start = (i * 131) % (len(words) - 400)
-            out.append(TASKS[i // 2 % len(TASKS)].format(" ".join(words[start:start + cut])))
+            out.append(TASKS[i // 2 % len(TASKS)].format(" ".join(words[start : start + cut])))
     return out
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
-                    help="auto: bfloat16 where this CPU has a bf16 matmul, else float32")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "bfloat16", "float32"],
+        help="auto: bfloat16 where this CPU has a bf16 matmul, else float32",
+    )
     ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--batch-new-tokens", type=int, default=128, help="new tokens at most per row in the "
-                    "throughput comparison (each row stops at its EOS before that)")
-    ap.add_argument("--extra-chats", type=int, default=40, help="chats added to the 8 for the throughput comparison")
+    ap.add_argument(
+        "--batch-new-tokens",
+        type=int,
+        default=128,
+        help="new tokens at most per row in the "
+        "throughput comparison (each row stops at its EOS before that)",
+    )
+    ap.add_argument(
+        "--extra-chats",
+        type=int,
+        default=40,
+        help="chats added to the 8 for the throughput comparison",
+    )
     args = ap.parse_args()
 
     if args.dtype == "auto":
-        native_bf16 = cpu_linear.native_bf16()  # in hardware: oneDNN emulates it on other AVX-512 CPUs
+        native_bf16 = (
+            cpu_linear.native_bf16()
+        )  # in hardware: oneDNN emulates it on other AVX-512 CPUs
         args.dtype = "bfloat16" if native_bf16 else "float32"
         if not native_bf16:
-            print("dtype float32: this CPU has no bf16 matmul (no AVX-512 bf16 or AMX), where torch's bf16 matmul "
-                  "runs at a fifth of fp32's (--dtype bfloat16 to compare in bf16 anyway)")
+            print(
+                "dtype float32: this CPU has no bf16 matmul (no AVX-512 bf16 or AMX), where torch's bf16 matmul "
+                "runs at a fifth of fp32's (--dtype bfloat16 to compare in bf16 anyway)"
+            )
     model, tok = load_default_model(dtype=getattr(torch, args.dtype))
-    chats = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
-             for q in QUESTIONS]
+    chats = [
+        tok.apply_chat_template(
+            [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False
+        )
+        for q in QUESTIONS
+    ]
     tok.padding_side = "left"
     batch = tok(chats, return_tensors="pt", padding=True)
     width = batch["input_ids"].shape[1]
     gen_kw = dict(max_new_tokens=args.max_new_tokens, do_sample=False)
 
-    many = chats + [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                            tokenize=False) for q in more_chats(args.extra_chats)]
+    many = chats + [
+        tok.apply_chat_template(
+            [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False
+        )
+        for q in more_chats(args.extra_chats)
+    ]
     big = tok(many, return_tensors="pt", padding=True)
     big_kw = dict(max_new_tokens=args.batch_new_tokens, do_sample=False)
 
@@ -124,7 +175,9 @@ def main() -> None:
     hf_time = time.perf_counter() - t0
 
     paged_hf.patch(model, tokenizer=tok)  # one line; same generate calls below
-    model.generate(**tok(chats[:2], return_tensors="pt", padding=True), max_new_tokens=4)  # warm-up (KV cache, kernel)
+    model.generate(
+        **tok(chats[:2], return_tensors="pt", padding=True), max_new_tokens=4
+    )  # warm-up (KV cache, kernel)
     ph_out = model.generate(**batch, **gen_kw)
     t0 = time.perf_counter()
     with OtherProcesses() as ph_others:
@@ -148,28 +201,41 @@ def main() -> None:
         print(textwrap.indent(textwrap.fill(b.strip(), 96), "  paged_hf:     "))
         if a != b:
             print(textwrap.indent(textwrap.fill(a.strip(), 96), "  transformers: "))
-    print(f"\n{same}/{len(QUESTIONS)} answers identical to transformers' greedy generate ({args.dtype})")
+    print(
+        f"\n{same}/{len(QUESTIONS)} answers identical to transformers' greedy generate ({args.dtype})"
+    )
     hf_rows, ph_rows = hf_out[:, width:].tolist(), ph_out[:, width:].tolist()
     bw = big["input_ids"].shape[1]
     hf_tok, ph_tok = n_tokens(hf_big, bw), n_tokens(ph_big, bw)
     lens = big["attention_mask"].sum(1)
-    print(f"\nthroughput: {len(many)} chats (prompts {int(lens.min())}-{int(lens.max())} tokens), each until its EOS "
-          f"or {args.batch_new_tokens} new tokens, one generate call each ({torch.get_num_threads()} threads, "
-          f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'default')}):")
-    print(f"  transformers generate: {hf_tok} tokens in {hf_time:.2f}s = {hf_tok / hf_time:.1f} tok/s")
-    print(f"  paged_hf generate:     {ph_tok} tokens in {ph_time:.2f}s = {ph_tok / ph_time:.1f} tok/s "
-          f"({(ph_tok / ph_time) / (hf_tok / hf_time):.2f}x)")
+    print(
+        f"\nthroughput: {len(many)} chats (prompts {int(lens.min())}-{int(lens.max())} tokens), each until its EOS "
+        f"or {args.batch_new_tokens} new tokens, one generate call each ({torch.get_num_threads()} threads, "
+        f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'default')}):"
+    )
+    print(
+        f"  transformers generate: {hf_tok} tokens in {hf_time:.2f}s = {hf_tok / hf_time:.1f} tok/s"
+    )
+    print(
+        f"  paged_hf generate:     {ph_tok} tokens in {ph_time:.2f}s = {ph_tok / ph_time:.1f} tok/s "
+        f"({(ph_tok / ph_time) / (hf_tok / hf_time):.2f}x)"
+    )
     busy = _busy_note(hf_others.cores, ph_others.cores)
     if busy:
         print(busy)
     stats = paged_hf.engine_for(model).stats()
-    print("engine stats:", ", ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in stats.items()))
+    print(
+        "engine stats:",
+        ", ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in stats.items()),
+    )
     paged_hf.unpatch(model)
     if same < len(QUESTIONS):
         print(where_answers_part(model, tok, chats, hf_rows, ph_rows))
 
 
-def where_answers_part(model, tok, chats: list[str], hf_rows: list[list[int]], ph_rows: list[list[int]]) -> str:
+def where_answers_part(
+    model, tok, chats: list[str], hf_rows: list[list[int]], ph_rows: list[list[int]]
+) -> str:
     """For each answer that differs, the first token where it does, judged by a float32 forward
     of the model (unpadded) on the common prefix: how far apart the two tokens' logits are, and
     which one float32 picks. In bf16 the two systems round differently (padding, batch shapes),
@@ -188,9 +254,11 @@ def where_answers_part(model, tok, chats: list[str], hf_rows: list[list[int]], p
         fp32_picks_ours += bool(logits[b[k]] > logits[a[k]])
     if not gaps:
         return ""
-    return (f"  where they part: {len(gaps)} answer(s) first differ at a token whose two candidates' float32 logits are "
-            f"{min(gaps):.2f}-{max(gaps):.2f} apart (logits here are ~10-30), i.e. near-ties; float32 picks "
-            f"paged_hf's token in {fp32_picks_ours} of {len(gaps)}")
+    return (
+        f"  where they part: {len(gaps)} answer(s) first differ at a token whose two candidates' float32 logits are "
+        f"{min(gaps):.2f}-{max(gaps):.2f} apart (logits here are ~10-30), i.e. near-ties; float32 picks "
+        f"paged_hf's token in {fp32_picks_ours} of {len(gaps)}"
+    )
 
 
 def _busy_note(*others: float | None) -> str | None:
@@ -199,8 +267,10 @@ def _busy_note(*others: float | None) -> str | None:
     known = [c for c in others if c is not None]
     if not known or max(known) < 0.25:
         return None
-    return (f"  note: other processes kept {max(known):.1f} CPU cores busy during the timings: they are not "
-            "reliable; run again on a quiet machine")
+    return (
+        f"  note: other processes kept {max(known):.1f} CPU cores busy during the timings: they are not "
+        "reliable; run again on a quiet machine"
+    )
 
 
 if __name__ == "__main__":

@@ -24,17 +24,31 @@ Where things live: folders are roles, and imports run one way, top to bottom
   requests/                  request state: Request, SamplingParams, detokenizer / stop strings
   config.py                  EngineConfig, read by every layer
 """
+
 from .config import EngineConfig
-from .execution import attention as _attention
 from .engine.outputs import Completion, RequestOutput
 from .engine.scoring import ScoreOutput
+from .execution import attention as _attention
 from .frontends.datasets_eval import generate_dataset
 from .frontends.serve import serve
 from .model.patching import Engine, UnsupportedModelError, engine_for, is_patched, patch, unpatch
 from .requests.sampling_params import SamplingParams
 
-__all__ = ["Completion", "Engine", "EngineConfig", "RequestOutput", "SamplingParams", "ScoreOutput",
-           "UnsupportedModelError", "engine_for", "generate_dataset", "is_patched", "patch", "serve", "unpatch"]
+__all__ = [
+    "Completion",
+    "Engine",
+    "EngineConfig",
+    "RequestOutput",
+    "SamplingParams",
+    "ScoreOutput",
+    "UnsupportedModelError",
+    "engine_for",
+    "generate_dataset",
+    "is_patched",
+    "patch",
+    "serve",
+    "unpatch",
+]
 __version__ = "0.1.0"
 
 # "paged_hf" is a valid attn_implementation from import on: a model loaded with it (TRL's reference

@@ -1,4 +1,5 @@
 """``python -m paged_hf`` is the ``paged-hf`` command."""
+
 import sys
 
 from .frontends.cli import main

@@ -1,4 +1,5 @@
 """Engine configuration: one dataclass, validated where it is built."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
@@ -7,25 +8,18 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-# Defaults from measurements on a 2-core AVX-512 machine with SmolLM2-135M in bf16
-# (benchmarks/bench.py): bf16 matmuls run at ~374 GFLOP/s for 128 rows and ~401 for 512, so
-# a 512-token budget keeps prefill chunks within a few % of the best matmul rate, while a
-# long prompt holds up the running decodes for one 512-token chunk per step instead of 2k
-# (with 2048, W-long's inter-token latency p99 was 47x its p50).
+# Each default below is where the measured trade-off settled (docs/measurements.md, "Why the
+# engine's defaults"): a step budget that keeps prefill chunks near the best matmul rate without
+# holding decodes up for long.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 512
 DEFAULT_MAX_NUM_SEQS = 128
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_CPU_KV_BYTES = 1 << 30  # 1 GiB of KV unless told otherwise
-# Prefill tokens a step may carry while decodes run. Without a cap a step next to a long prompt
-# carries a 512-token chunk and its decodes wait ~5 decode steps for their next token (W-long: ITL
-# p99 16x p50); at 128 ITL p99/p50 was 2.4-2.7 on W-mixed, W-prefix-long and W-long, for 4-13% of
-# their throughput (benchmarks/bench_variants.py, README "Measured"). On CUDA there is no cap by
-# default: a GPU step's cost hardly grows with its prefill rows, and no GPU measurement says otherwise.
+# Prefill tokens a step may carry while decodes run, on a CPU: a steady token stream beside long
+# prompts for a few % of throughput. On CUDA no cap: a GPU step's cost hardly grows with its rows.
 DEFAULT_CPU_MAX_PREFILL_TOKENS_WHILE_DECODING = 128
-# The step budget of a blocking batch call on a CPU when max_num_batched_tokens is not set (models
-# without recurrent state): nobody waits on a token there, and wider steps run the linear layers
-# nearer their best rate (Intel Xeon with AMX, 2 threads, SmolLM2 bf16: W-mixed 1.12x, W-prefix-long
-# 1.11x against 512; 4096 gave less, 1.08x / 1.09x; benchmarks/bench_variants.py, docs/measurements.md).
+# A blocking batch call's step budget on a CPU when max_num_batched_tokens is not set (models
+# without recurrent state): nobody waits on a token there, and wider steps run the linears faster.
 DEFAULT_CPU_BATCH_CALL_TOKENS = 2048
 
 
@@ -49,11 +43,19 @@ class EngineConfig:
     # default a block goes back to the pool once no query can read it (paged_hf/cache/kv_groups.py)
     keep_every_kv_block: bool = False
     backend: str = "auto"  # "auto", "torch" or "flashinfer"
-    namespace: str | None = None  # prefix-cache namespace (model / adapter id); None: derived from the model
-    # CUDA path (issue 5): see paged_hf/execution/cuda_graphs.py, paged_hf/execution/compile_decode.py, paged_hf/execution/backends/swap.py
-    use_cuda_graphs: bool = True  # capture pure-decode steps per batch bucket; CUDA + FlashInfer only, else ignored
-    compile_decode: bool | str = False  # torch.compile the decode step; a string names the compile backend
-    preemption_mode: str = "recompute"  # or "swap": preempted requests' blocks go to pinned host memory
+    namespace: str | None = (
+        None  # prefix-cache namespace (model / adapter id); None: derived from the model
+    )
+    # the CUDA path: paged_hf/execution/cuda_graphs.py, compile_decode.py, backends/swap.py
+    use_cuda_graphs: bool = (
+        True  # capture pure-decode steps per batch bucket; CUDA + FlashInfer only, else ignored
+    )
+    compile_decode: bool | str = (
+        False  # torch.compile the decode step; a string names the compile backend
+    )
+    preemption_mode: str = (
+        "recompute"  # or "swap": preempted requests' blocks go to pinned host memory
+    )
     # on a CPU: linear layers run on weights packed once for oneDNN (paged_hf/execution/cpu_linear.py): bf16
     # for its bf16 matmul (same results), or as fp32 copies where the CPU has no bf16 matmul (within one bf16
     # rounding, ~5x faster there); fp32 models on its fp32 matmul (within fp32 rounding, up to 2.5x faster at
@@ -80,44 +82,82 @@ class EngineConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name}={value!r}, must be an integer >= 1")
         if self.max_num_batched_tokens is None:
-            self.max_num_batched_tokens = max(DEFAULT_MAX_NUM_BATCHED_TOKENS, self.max_num_seqs or 0)
+            self.max_num_batched_tokens = max(
+                DEFAULT_MAX_NUM_BATCHED_TOKENS, self.max_num_seqs or 0
+            )
         if self.max_num_seqs is None:
             self.max_num_seqs = min(DEFAULT_MAX_NUM_SEQS, self.max_num_batched_tokens)
         cap = self.max_prefill_tokens_while_decoding
-        if cap is not None and cap != "auto" and (not isinstance(cap, int) or isinstance(cap, bool) or cap < 1):
-            raise ValueError(f"max_prefill_tokens_while_decoding={cap!r}, must be 'auto', None or an integer >= 1")
-        if self.num_blocks is not None and (not isinstance(self.num_blocks, int) or isinstance(self.num_blocks, bool)
-                                            or self.num_blocks < 1):
+        if (
+            cap is not None
+            and cap != "auto"
+            and (not isinstance(cap, int) or isinstance(cap, bool) or cap < 1)
+        ):
+            raise ValueError(
+                f"max_prefill_tokens_while_decoding={cap!r}, must be 'auto', None or an integer >= 1"
+            )
+        if self.num_blocks is not None and (
+            not isinstance(self.num_blocks, int)
+            or isinstance(self.num_blocks, bool)
+            or self.num_blocks < 1
+        ):
             raise ValueError(f"num_blocks={self.num_blocks!r}, must be an integer >= 1")
-        if self.max_model_len is not None and (not isinstance(self.max_model_len, int)
-                                               or isinstance(self.max_model_len, bool) or self.max_model_len < 2):
+        if self.max_model_len is not None and (
+            not isinstance(self.max_model_len, int)
+            or isinstance(self.max_model_len, bool)
+            or self.max_model_len < 2
+        ):
             raise ValueError(f"max_model_len={self.max_model_len!r}, must be an integer >= 2")
-        if self.kv_cache_memory is not None and (not isinstance(self.kv_cache_memory, (int, float))
-                                                 or isinstance(self.kv_cache_memory, bool) or not self.kv_cache_memory > 0):
+        if self.kv_cache_memory is not None and (
+            not isinstance(self.kv_cache_memory, (int, float))
+            or isinstance(self.kv_cache_memory, bool)
+            or not self.kv_cache_memory > 0
+        ):
             raise ValueError(f"kv_cache_memory={self.kv_cache_memory!r}, must be > 0")
         if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization!r}, must be in (0, 1]")
+            raise ValueError(
+                f"gpu_memory_utilization={self.gpu_memory_utilization!r}, must be in (0, 1]"
+            )
         if self.max_num_seqs > self.max_num_batched_tokens:
-            raise ValueError(f"max_num_seqs={self.max_num_seqs} exceeds max_num_batched_tokens="
-                             f"{self.max_num_batched_tokens}: decodes need one token of budget each")
-        if not (isinstance(self.cpu_packed_weights, bool) or self.cpu_packed_weights in ("onednn", "fp32")):
-            raise ValueError(f"cpu_packed_weights={self.cpu_packed_weights!r}, must be True, False, 'onednn' or 'fp32'")
-        for name in ("enable_prefix_caching", "use_cuda_graphs", "keep_every_kv_block",
-                     "cpu_fused_projections", "cpu_fused_ops", "cpu_compact_layers", "cpu_tune_malloc"):
+            raise ValueError(
+                f"max_num_seqs={self.max_num_seqs} exceeds max_num_batched_tokens="
+                f"{self.max_num_batched_tokens}: decodes need one token of budget each"
+            )
+        if not (
+            isinstance(self.cpu_packed_weights, bool)
+            or self.cpu_packed_weights in ("onednn", "fp32")
+        ):
+            raise ValueError(
+                f"cpu_packed_weights={self.cpu_packed_weights!r}, must be True, False, 'onednn' or 'fp32'"
+            )
+        for name in (
+            "enable_prefix_caching",
+            "use_cuda_graphs",
+            "keep_every_kv_block",
+            "cpu_fused_projections",
+            "cpu_fused_ops",
+            "cpu_compact_layers",
+            "cpu_tune_malloc",
+        ):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r}, must be True or False")
         if self.backend not in ("auto", "torch", "flashinfer"):
             raise ValueError(f"backend={self.backend!r}, must be 'auto', 'torch' or 'flashinfer'")
         if not isinstance(self.compile_decode, (bool, str)) or self.compile_decode == "":
-            raise ValueError(f"compile_decode={self.compile_decode!r}, must be a bool or a torch.compile backend name")
+            raise ValueError(
+                f"compile_decode={self.compile_decode!r}, must be a bool or a torch.compile backend name"
+            )
         if self.preemption_mode not in ("recompute", "swap"):
-            raise ValueError(f"preemption_mode={self.preemption_mode!r}, must be 'recompute' or 'swap'")
+            raise ValueError(
+                f"preemption_mode={self.preemption_mode!r}, must be 'recompute' or 'swap'"
+            )
 
     def resolve_for(self, device: "torch.device") -> None:
         """Settle the defaults that depend on the device the model is on."""
         if self.max_prefill_tokens_while_decoding == "auto":
-            self.max_prefill_tokens_while_decoding = \
+            self.max_prefill_tokens_while_decoding = (
                 DEFAULT_CPU_MAX_PREFILL_TOKENS_WHILE_DECODING if device.type == "cpu" else None
+            )
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":

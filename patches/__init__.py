@@ -7,6 +7,7 @@ module names the ``model_type`` values it covers in ``MODEL_TYPES`` and may defi
 which returns why the paged path cannot honour a configuration (or None; patch refuses with it),
 and ``limits(model)``: engine options the paged path is exact only up to, ``{option: (largest, why)}``.
 """
+
 from __future__ import annotations
 
 import importlib

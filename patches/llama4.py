@@ -8,6 +8,7 @@ position p as ``arange(T) + cache length``, not from ``position_ids``. In a pack
 and every packed row stays below ``floor_scale - 1``: engines on such a model are limited to it
 (max_model_len, max_num_batched_tokens), with a message naming the reason.
 """
+
 MODEL_TYPES = ("llama4", "llama4_text")
 
 
@@ -17,6 +18,8 @@ def limits(model) -> dict[str, tuple[int, str]]:
     if not getattr(cfg, "attn_temperature_tuning", False) or not nope:
         return {}
     limit = int(cfg.floor_scale) - 1
-    why = (f"Llama 4 scales the queries of its NoPE layers (e.g. layer {nope[0]}) by a factor computed from each "
-           f"token's row in the step, not its position; that factor is 1 (exact) only below floor_scale - 1 = {limit}")
+    why = (
+        f"Llama 4 scales the queries of its NoPE layers (e.g. layer {nope[0]}) by a factor computed from each "
+        f"token's row in the step, not its position; that factor is 1 (exact) only below floor_scale - 1 = {limit}"
+    )
     return {"max_model_len": (limit, why), "max_num_batched_tokens": (limit, why)}

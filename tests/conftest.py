@@ -1,4 +1,6 @@
+import importlib
 import os
+import sys
 
 import pytest
 import torch
@@ -56,3 +58,27 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+def forget_flashinfer_backend() -> None:
+    """Drop the imported FlashInfer backend, so the next import sees whichever flashinfer is installed."""
+    import paged_hf.execution.backends as backends
+
+    sys.modules.pop("paged_hf.execution.backends.flashinfer_backend", None)
+    if hasattr(backends, "flashinfer_backend"):
+        delattr(backends, "flashinfer_backend")
+
+
+@pytest.fixture
+def fake_flashinfer(monkeypatch):
+    """paged_hf.execution.backends.flashinfer_backend imported against tests/fake_flashinfer.py (fp32 and
+    the tiny models' head_dim 16 allowed, so outputs can be compared with the torch backend)."""
+    import fake_flashinfer as fake
+
+    forget_flashinfer_backend()
+    monkeypatch.setitem(sys.modules, "flashinfer", fake.as_module())
+    mod = importlib.import_module("paged_hf.execution.backends.flashinfer_backend")
+    monkeypatch.setattr(mod, "SUPPORTED_DTYPES", (torch.float32, torch.float16, torch.bfloat16))
+    monkeypatch.setattr(mod, "SUPPORTED_HEAD_DIMS", (16,))
+    yield mod
+    forget_flashinfer_backend()

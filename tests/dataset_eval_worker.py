@@ -24,7 +24,6 @@ WORDS = "the quick brown fox jumps over a lazy dog hello world paged attention c
 def eval_setup(rows: int = 200):
     """(model, tokenizer, dataset) of the dataset tests: prompts of 1..60 words, some empty."""
     import datasets
-
     from tiny_models import make_tiny_model
     from tiny_tokenizer import make_tiny_tokenizer
 
@@ -47,7 +46,9 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=200)
     parser.add_argument("--max-num-seqs", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=12)
-    parser.add_argument("--step-delay", type=float, default=0.0, help="sleep this long after each engine step")
+    parser.add_argument(
+        "--step-delay", type=float, default=0.0, help="sleep this long after each engine step"
+    )
     args = parser.parse_args()
 
     import time
@@ -67,10 +68,15 @@ def main() -> None:
 
         paged_hf.Engine.step = slow_step
     model, tokenizer, dataset = eval_setup(args.rows)
-    result = paged_hf.generate_dataset(model, tokenizer, dataset,
-                                       sampling_params=paged_hf.SamplingParams(max_new_tokens=args.max_new_tokens),
-                                       checkpoint_dir=args.checkpoint_dir, progress=False,
-                                       max_num_seqs=args.max_num_seqs)
+    result = paged_hf.generate_dataset(
+        model,
+        tokenizer,
+        dataset,
+        sampling_params=paged_hf.SamplingParams(max_new_tokens=args.max_new_tokens),
+        checkpoint_dir=args.checkpoint_dir,
+        progress=False,
+        max_num_seqs=args.max_num_seqs,
+    )
     rank = int(os.environ.get("RANK", "0"))
     path = args.out if rank == 0 else f"{args.out}.rank{rank}"
     with open(path, "w") as f:

@@ -1,12 +1,13 @@
 """Bad input gets a clear error naming the problem and costs nothing else (issues 2 and 3)."""
+
 from __future__ import annotations
 
 import pytest
 import torch
-
-import paged_hf
 from oracle import assert_teacher_forced
 from tiny_models import make_tiny_model, tiny_prompts
+
+import paged_hf
 
 
 @pytest.fixture(scope="module")
@@ -18,7 +19,16 @@ def test_bad_requests_fail_alone_and_leak_nothing(model):
     engine = paged_hf.Engine(model, block_size=4, num_blocks=12, max_model_len=64)
     good = tiny_prompts(model.config.vocab_size, 2, [5, 9], seed=20)
     sp = paged_hf.SamplingParams(max_new_tokens=4)
-    prompts = [good[0], [], list(range(4, 70)), [5, 10**6], [5, -1], good[1], [5, 6, 7], "text without tokenizer"]
+    prompts = [
+        good[0],
+        [],
+        list(range(4, 70)),
+        [5, 10**6],
+        [5, -1],
+        good[1],
+        [5, 6, 7],
+        "text without tokenizer",
+    ]
     params = [sp, sp, sp, sp, sp, sp, paged_hf.SamplingParams(max_new_tokens=200), sp]
     outs = engine.generate(prompts, params)
     errors = [o.error for o in outs]
@@ -37,21 +47,36 @@ def test_bad_requests_fail_alone_and_leak_nothing(model):
     assert engine.kv.pool.num_free + engine.kv.pool.num_cached == 12
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"temperature": -1.0}, "temperature"), ({"temperature": float("nan")}, "temperature"),
-    ({"top_p": 0.0}, "top_p"), ({"top_p": float("inf")}, "top_p"), ({"min_p": 1.5}, "min_p"),
-    ({"top_k": -3}, "top_k"), ({"repetition_penalty": 0.0}, "repetition_penalty"), ({"n": 0}, "n=0"),
-    ({"max_new_tokens": 0}, "max_new_tokens"), ({"min_new_tokens": 9, "max_new_tokens": 4}, "min_new_tokens"),
-    ({"logprobs": -1}, "logprobs"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"temperature": -1.0}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": float("inf")}, "top_p"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"top_k": -3}, "top_k"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"n": 0}, "n=0"),
+        ({"max_new_tokens": 0}, "max_new_tokens"),
+        ({"min_new_tokens": 9, "max_new_tokens": 4}, "min_new_tokens"),
+        ({"logprobs": -1}, "logprobs"),
+    ],
+)
 def test_sampling_params_validate(kwargs, message):
     with pytest.raises(ValueError, match=message):
         paged_hf.SamplingParams(**kwargs)
 
 
 def test_engine_config_validates():
-    for bad in ({"block_size": 0}, {"num_blocks": -4}, {"max_num_seqs": 0}, {"max_num_batched_tokens": -1},
-                {"max_num_seqs": 64, "max_num_batched_tokens": 32}, {"backend": "cuda-magic"}):
+    for bad in (
+        {"block_size": 0},
+        {"num_blocks": -4},
+        {"max_num_seqs": 0},
+        {"max_num_batched_tokens": -1},
+        {"max_num_seqs": 64, "max_num_batched_tokens": 32},
+        {"backend": "cuda-magic"},
+    ):
         with pytest.raises(ValueError, match=next(iter(bad))):
             paged_hf.EngineConfig(**bad)
     with pytest.raises(TypeError, match="unknown engine option"):
@@ -74,14 +99,19 @@ def test_generate_refuses_the_whole_call_before_running_anything():
     with pytest.raises(ValueError, match="row 1.*outside the vocabulary"):
         model.generate(ids, max_new_tokens=3)
     engine = paged_hf.engine_for(model)
-    assert engine.stats()["steps"] == 0 and not engine.has_unfinished and engine.kv.pool.num_used == 0
+    assert (
+        engine.stats()["steps"] == 0 and not engine.has_unfinished and engine.kv.pool.num_used == 0
+    )
 
 
 def test_patch_refuses_unsupported_architectures():
     from transformers import BloomConfig, BloomForCausalLM
+
     bloom = BloomForCausalLM(BloomConfig(vocab_size=64, hidden_size=32, n_layer=1, n_head=2)).eval()
-    with pytest.raises(paged_hf.UnsupportedModelError,
-                       match=r"bloom .*transformer\.h\.0\.self_attention \(BloomAttention\).*AttentionInterface"):
+    with pytest.raises(
+        paged_hf.UnsupportedModelError,
+        match=r"bloom .*transformer\.h\.0\.self_attention \(BloomAttention\).*AttentionInterface",
+    ):
         paged_hf.patch(bloom)
     assert not paged_hf.is_patched(bloom) and bloom.config._attn_implementation != "paged_hf"
     with pytest.raises(ValueError, match="not patched"):

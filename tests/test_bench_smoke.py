@@ -5,6 +5,7 @@ forced-length decoding in fp32, paged_hf must produce exactly the tokens of tran
 own padded static batches (and of the other transformers systems) on every workload.
 No timing is asserted.
 """
+
 import json
 import subprocess
 import sys
@@ -15,10 +16,29 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks" / "bench.py"
 
-ROW_FIELDS = ("workload", "system", "dtype", "wall_s", "output_tok_s", "total_tok_s", "computed_tokens",
-              "needed_tokens", "computed_over_needed", "ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99",
-              "peak_rss_mib", "kv_waste", "prefix_hit_rate", "needed_flops", "utilisation", "floor_s",
-              "match_reference", "tokens")
+ROW_FIELDS = (
+    "workload",
+    "system",
+    "dtype",
+    "wall_s",
+    "output_tok_s",
+    "total_tok_s",
+    "computed_tokens",
+    "needed_tokens",
+    "computed_over_needed",
+    "ttft_p50",
+    "ttft_p99",
+    "tpot_p50",
+    "tpot_p99",
+    "peak_rss_mib",
+    "kv_waste",
+    "prefix_hit_rate",
+    "needed_flops",
+    "utilisation",
+    "floor_s",
+    "match_reference",
+    "tokens",
+)
 SYSTEMS = {"hf_seq", "hf_static_B2", "hf_static_B4", "hf_cb", "paged_hf"}
 WORKLOADS = {"W-mixed-4", "W-prefix-4", "W-long"}
 
@@ -26,9 +46,16 @@ WORKLOADS = {"W-mixed-4", "W-prefix-4", "W-long"}
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench") / "smoke.json"
-    proc = subprocess.run([sys.executable, str(BENCH), "--smoke", "--out", str(out)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, f"bench.py --smoke failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    proc = subprocess.run(
+        [sys.executable, str(BENCH), "--smoke", "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, (
+        f"bench.py --smoke failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    )
     return json.loads(out.read_text()), proc.stdout
 
 
@@ -68,19 +95,36 @@ def test_accounting(smoke):
     assert rows[("W-mixed-4", "hf_static_B4")]["computed_over_needed"] > 1
     assert rows[("W-mixed-4", "paged_hf")]["computed_over_needed"] == pytest.approx(1.0)
     assert rows[("W-prefix-4", "paged_hf")]["prefix_hit_rate"] > 0
-    assert rows[("W-prefix-4", "paged_hf")]["computed_over_needed"] < rows[("W-prefix-4", "hf_seq")][
-        "computed_over_needed"]
+    assert (
+        rows[("W-prefix-4", "paged_hf")]["computed_over_needed"]
+        < rows[("W-prefix-4", "hf_seq")]["computed_over_needed"]
+    )
 
 
 def test_profile_mode(tmp_path):
     """--profile wraps the engine's parts from outside; this keeps it working as the engine changes."""
     out = tmp_path / "profile.json"
-    proc = subprocess.run([sys.executable, str(BENCH), "--smoke", "--profile", "--out", str(out)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, f"bench.py --smoke --profile failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    proc = subprocess.run(
+        [sys.executable, str(BENCH), "--smoke", "--profile", "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, (
+        f"bench.py --smoke --profile failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    )
     report = json.loads(out.read_text())
     shares = report["all_steps"]["share"]
     assert shares["forward"] > 0 and 0 <= report["all_steps"]["overhead_share"] <= 1
-    assert abs(sum(shares[p] for p in ("schedule", "metadata", "plan", "forward", "sample", "update", "other"))
-               - 1) < 0.05
+    assert (
+        abs(
+            sum(
+                shares[p]
+                for p in ("schedule", "metadata", "plan", "forward", "sample", "update", "other")
+            )
+            - 1
+        )
+        < 0.05
+    )
     assert "Self CPU" in proc.stdout and "outside the forward" in proc.stdout

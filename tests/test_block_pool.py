@@ -1,6 +1,6 @@
 """BlockPool: allocation, refcounts, the free list, eviction of cached blocks."""
-from __future__ import annotations
 
+from __future__ import annotations
 
 import pytest
 
@@ -68,18 +68,18 @@ def test_double_free_and_underflow_raise():
     (b,) = pool.allocate(1)
     pool.decref([b])
     with pytest.raises(RuntimeError):
-        pool.decref([b])            # double free
+        pool.decref([b])  # double free
     with pytest.raises(RuntimeError):
-        pool.decref([2])            # never allocated
+        pool.decref([2])  # never allocated
     with pytest.raises(RuntimeError):
-        pool.incref([b])            # a free block cannot gain references
+        pool.incref([b])  # a free block cannot gain references
     assert pool.num_free == 3 and pool.refcount == [0, 0, 0]
 
 
 def test_release_twice_raises():
     pool = BlockPool(2, BS)
     with pytest.raises(RuntimeError):
-        pool._release(0)            # already on the free list
+        pool._release(0)  # already on the free list
 
 
 def test_cached_blocks_stay_out_of_the_free_list():
@@ -107,7 +107,7 @@ def test_allocation_prefers_free_blocks_then_evicts_lru():
     ix = RadixPrefixIndex(BS)
     pool = BlockPool(5, BS, ix)
     x, y, z = pool.allocate(3)
-    ix.insert(toks(1), [x])   # oldest
+    ix.insert(toks(1), [x])  # oldest
     ix.insert(toks(2), [y])
     ix.insert(toks(3), [z])
     pool.decref([x, y, z])
@@ -135,7 +135,7 @@ def test_allocation_mixes_free_and_evicted():
     a, b = pool.allocate(2)
     ix.insert(toks(1, 2), [a, b])
     pool.decref([a, b])
-    got = pool.allocate(2)    # 1 free + 1 evicted (the tail of the cached chain)
+    got = pool.allocate(2)  # 1 free + 1 evicted (the tail of the cached chain)
     assert sorted(got) == sorted([2, b])
     assert ix.match_prefix(toks(1, 2))[1] == [a]
     assert pool.num_cached == 1 and pool.num_free == 0

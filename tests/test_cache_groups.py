@@ -9,26 +9,31 @@ inside and beyond it, preemption by recompute and by swap, and n > 1; and equals
 the same engine keeping every block. After every step every request's tables hold exactly the
 blocks its later queries read, the pool's refcounts are its holders, and nothing leaks.
 """
+
 from __future__ import annotations
 
 from collections import Counter
 
 import pytest
+from oracle import assert_logprobs_close, assert_teacher_forced
+from tiny_models import tiny_prompts
 
 import paged_hf
-from oracle import assert_logprobs_close, assert_teacher_forced
 from paged_hf.cache.block_manager import blocks_for
 from paged_hf.model.support import build_tiny_model
-from tiny_models import tiny_prompts
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 # type: the kinds of its groups (mistral slides on every layer: one group keeping every block,
 # since the prefix index is keyed on a full group's blocks)
 TYPES = {
-    "gemma2": ["full", "sliding 8"], "gemma3_text": ["full", "sliding 8"], "gpt_oss": ["full", "sliding 8"],
-    "cohere2": ["full"] + ["sliding 8"] * 3, "llama4_text": ["full"] + ["chunked 8"] * 3,
-    "qwen2_moe": ["full"] * 3 + ["sliding 8"], "mistral": ["full"],
+    "gemma2": ["full", "sliding 8"],
+    "gemma3_text": ["full", "sliding 8"],
+    "gpt_oss": ["full", "sliding 8"],
+    "cohere2": ["full"] + ["sliding 8"] * 3,
+    "llama4_text": ["full"] + ["chunked 8"] * 3,
+    "qwen2_moe": ["full"] * 3 + ["sliding 8"],
+    "mistral": ["full"],
 }
 MAX_NEW = 10
 SMALL = {"block_size": 4, "max_num_batched_tokens": 16, "max_num_seqs": 8}
@@ -36,15 +41,28 @@ GREEDY = paged_hf.SamplingParams(max_new_tokens=MAX_NEW, logprobs=3, ignore_eos=
 
 
 def _prompts(model, lengths, seed=1):
-    return tiny_prompts(model.config.get_text_config().vocab_size, len(lengths), lengths, seed=seed, eos_token_id=None)
+    return tiny_prompts(
+        model.config.get_text_config().vocab_size,
+        len(lengths),
+        lengths,
+        seed=seed,
+        eos_token_id=None,
+    )
 
 
 def _check(reference, prompts, outs, what):
     for prompt, out in zip(prompts, outs):
         assert out.error is None and len(out.token_ids) == MAX_NEW, (what, out.error)
-        assert_teacher_forced(reference, prompt, out.token_ids, what=f"{what}, prompt of {len(prompt)}")
-        assert_logprobs_close(reference, prompt, out.token_ids, out.completions[0].logprobs,
-                              what=f"{what}, prompt of {len(prompt)}")
+        assert_teacher_forced(
+            reference, prompt, out.token_ids, what=f"{what}, prompt of {len(prompt)}"
+        )
+        assert_logprobs_close(
+            reference,
+            prompt,
+            out.token_ids,
+            out.completions[0].logprobs,
+            what=f"{what}, prompt of {len(prompt)}",
+        )
 
 
 def check_tables(engine: paged_hf.Engine) -> None:
@@ -60,8 +78,9 @@ def check_tables(engine: paged_hf.Engine) -> None:
             assert all(b >= 0 for b in table[first:]), (req.request_id, group.kind, table, first)
             assert len(table) >= blocks_for(req.num_computed_tokens, bs)
             holders.update(b for b in table if b >= 0)
-        assert [sum(b >= 0 for b in t) for t in req.block_tables] == \
-            [len(t) - r for t, r in zip(req.block_tables, req.kv_released)], "pages held from kv_released on only"
+        assert [sum(b >= 0 for b in t) for t in req.block_tables] == [
+            len(t) - r for t, r in zip(req.block_tables, req.kv_released)
+        ], "pages held from kv_released on only"
     for page, n in holders.items():
         assert kv.pool.refcount[page] == n, (page, kv.pool.refcount[page], n)
     assert kv.pool.num_used == len(holders)
@@ -69,11 +88,15 @@ def check_tables(engine: paged_hf.Engine) -> None:
         assert all(kv.pool.refcount[p] == 0 for p in kv.index._loose)
         assert kv.index.evictable_blocks == sum(kv.pool.refcount[p] == 0 for p in kv.index._held)
         assert not any(kv.pool.is_free(p) for p in kv.index._held)
-    if kv.state is not None:  # a hybrid's running slots: each held by the request that names it, or free
+    if (
+        kv.state is not None
+    ):  # a hybrid's running slots: each held by the request that names it, or free
         owners = kv.state._owner
         assert all(req.state_slot == slot for slot, req in owners.items())
         assert sorted([*owners, *kv.state._free]) == list(range(kv.state.num_slots))
-        assert all(r.state_slot in owners for r in engine.scheduler.running if r.state_slot is not None)
+        assert all(
+            r.state_slot in owners for r in engine.scheduler.running if r.state_slot is not None
+        )
 
 
 def checked(engine: paged_hf.Engine) -> paged_hf.Engine:
@@ -108,7 +131,10 @@ def test_generations_match_transformers_and_keeping_every_block(model_type):
     assert [o.token_ids for o in keep.generate(prompts, GREEDY)] == [o.token_ids for o in outs]
     stats, kept = engine.stats(), keep.stats()
     if len(engine.groups) > 1:  # freed blocks: fewer bytes held at the peak than keeping them all
-        assert stats["kv_bytes_peak"] < kept["kv_bytes_peak"], (stats["kv_bytes_peak"], kept["kv_bytes_peak"])
+        assert stats["kv_bytes_peak"] < kept["kv_bytes_peak"], (
+            stats["kv_bytes_peak"],
+            kept["kv_bytes_peak"],
+        )
     assert stats["peak_running"] == kept["peak_running"] == 5
     assert_clean(engine)
 
@@ -125,10 +151,21 @@ def test_prefix_hits_inside_and_beyond_the_window(model_type):
     first = engine.generate([prompts[0], prompts[3]], GREEDY)
     together = engine.generate(prompts, GREEDY)
     again = engine.generate(prompts, GREEDY)
-    _check(reference, [prompts[0], prompts[3]] + prompts + prompts, first + together + again, f"{model_type}, hits")
-    assert all(o.num_cached_tokens >= 40 for o in together[:3]), [o.num_cached_tokens for o in together]
-    assert all(o.num_cached_tokens >= 4 for o in together[3:]), [o.num_cached_tokens for o in together]
-    assert all(o.num_cached_tokens >= len(p) - 4 for o, p in zip(again, prompts)), [o.num_cached_tokens for o in again]
+    _check(
+        reference,
+        [prompts[0], prompts[3]] + prompts + prompts,
+        first + together + again,
+        f"{model_type}, hits",
+    )
+    assert all(o.num_cached_tokens >= 40 for o in together[:3]), [
+        o.num_cached_tokens for o in together
+    ]
+    assert all(o.num_cached_tokens >= 4 for o in together[3:]), [
+        o.num_cached_tokens for o in together
+    ]
+    assert all(o.num_cached_tokens >= len(p) - 4 for o, p in zip(again, prompts)), [
+        o.num_cached_tokens for o in again
+    ]
     assert_clean(engine)
 
 
@@ -150,8 +187,15 @@ def test_a_hit_needs_the_last_windows_blocks():
 
 
 # pages of 4 tokens (one group's layers each) too few for six sequences of up to 40 tokens at once
-PREEMPTING_POOL = {"gemma2": 24, "gemma3_text": 24, "gpt_oss": 24, "cohere2": 32, "llama4_text": 40, "qwen2_moe": 40,
-                   "mistral": 14}
+PREEMPTING_POOL = {
+    "gemma2": 24,
+    "gemma3_text": 24,
+    "gpt_oss": 24,
+    "cohere2": 32,
+    "llama4_text": 40,
+    "qwen2_moe": 40,
+    "mistral": 14,
+}
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
@@ -159,8 +203,16 @@ PREEMPTING_POOL = {"gemma2": 24, "gemma3_text": 24, "gpt_oss": 24, "cohere2": 32
 def test_preemption_keeps_each_requests_tokens(model_type, mode):
     reference, model = build_tiny_model(model_type), build_tiny_model(model_type)
     prompts = _prompts(model, [7, 15, 22, 30, 11, 26], seed=2)
-    engine = checked(paged_hf.Engine(model, block_size=4, num_blocks=PREEMPTING_POOL[model_type], max_num_batched_tokens=16,
-                                     max_num_seqs=6, preemption_mode=mode))
+    engine = checked(
+        paged_hf.Engine(
+            model,
+            block_size=4,
+            num_blocks=PREEMPTING_POOL[model_type],
+            max_num_batched_tokens=16,
+            max_num_seqs=6,
+            preemption_mode=mode,
+        )
+    )
     outs = engine.generate(prompts, GREEDY)
     assert engine.stats()["preemptions"] > 0, "the pool was meant to be too small"
     _check(reference, prompts, outs, f"{model_type}, preempted by {mode}")
@@ -171,12 +223,15 @@ def test_preemption_keeps_each_requests_tokens(model_type, mode):
 def test_seeded_samples_equal_keeping_every_block(model_type):
     model = build_tiny_model(model_type)
     prompts = _prompts(model, [9, 21], seed=3)
-    params = paged_hf.SamplingParams(max_new_tokens=12, temperature=1.0, seed=11, n=3, ignore_eos=True)
+    params = paged_hf.SamplingParams(
+        max_new_tokens=12, temperature=1.0, seed=11, n=3, ignore_eos=True
+    )
     engine = checked(paged_hf.Engine(model, **SMALL))
     together = engine.generate(prompts, params)
     keep = paged_hf.Engine(model, **SMALL, keep_every_kv_block=True)
-    assert [[c.token_ids for c in o.completions] for o in together] == \
-        [[c.token_ids for c in o.completions] for o in keep.generate(prompts, params)]
+    assert [[c.token_ids for c in o.completions] for o in together] == [
+        [c.token_ids for c in o.completions] for o in keep.generate(prompts, params)
+    ]
     assert all(len({tuple(c.token_ids) for c in o.completions}) > 1 for o in together)
     assert_clean(engine)
 
@@ -187,7 +242,9 @@ def test_a_long_sequence_holds_its_window_not_its_context():
     model = build_tiny_model("gemma3_text")
     prompt = _prompts(model, [380], seed=4)[0]
     params = paged_hf.SamplingParams(max_new_tokens=20, ignore_eos=True)
-    engine = paged_hf.Engine(model, block_size=4, max_num_batched_tokens=16, enable_prefix_caching=False)
+    engine = paged_hf.Engine(
+        model, block_size=4, max_num_batched_tokens=16, enable_prefix_caching=False
+    )
     held = []
     step = engine.step
 
@@ -201,9 +258,17 @@ def test_a_long_sequence_holds_its_window_not_its_context():
     full, sliding = zip(*held[:-1])
     assert max(full) == 100 and max(sliding) <= -(-(8 + 16) // 4) + 1, (max(full), max(sliding))
     assert engine.kv.most_blocks(400) == 100 + 7
-    keep = paged_hf.Engine(model, block_size=4, max_num_batched_tokens=16, enable_prefix_caching=False,
-                           keep_every_kv_block=True)
-    assert keep.generate([prompt], params)[0].token_ids == engine.generate([prompt], params)[0].token_ids
+    keep = paged_hf.Engine(
+        model,
+        block_size=4,
+        max_num_batched_tokens=16,
+        enable_prefix_caching=False,
+        keep_every_kv_block=True,
+    )
+    assert (
+        keep.generate([prompt], params)[0].token_ids
+        == engine.generate([prompt], params)[0].token_ids
+    )
     ratio = engine.stats()["kv_bytes_peak"] / keep.stats()["kv_bytes_peak"]
     assert ratio < 0.56, ratio  # half the layers slide: ~(100 + 7) / 200 of the bytes
 
@@ -213,10 +278,15 @@ def test_stats_report_groups_and_peaks():
     engine = paged_hf.Engine(model, **SMALL)
     stats = engine.stats()
     assert [g["kind"] for g in stats["cache_groups"]] == TYPES["cohere2"]
-    assert stats["page_bytes"] * 4 == engine.layout.bytes_per_block(4, 4)  # one layer of four per page
+    assert stats["page_bytes"] * 4 == engine.layout.bytes_per_block(
+        4, 4
+    )  # one layer of four per page
     engine.generate(_prompts(model, [20, 30]), GREEDY)
     stats = engine.stats()
-    assert stats["peak_running"] == 2 and stats["kv_bytes_peak"] == stats["peak_blocks_used"] * stats["page_bytes"]
+    assert (
+        stats["peak_running"] == 2
+        and stats["kv_bytes_peak"] == stats["peak_blocks_used"] * stats["page_bytes"]
+    )
     assert 0 <= stats["kv_waste"] < 1
 
 

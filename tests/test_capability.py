@@ -1,6 +1,7 @@
 """The capability check (issue 13): what paged_hf cannot run is refused at patch, naming the module
 and the reason, one case per category of the issue's table; a refused model is left as it was;
 the dependency between the model side and the engine runs one way."""
+
 from __future__ import annotations
 
 import re
@@ -8,12 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_models import make_tiny_model
 
 import paged_hf
 from paged_hf.execution import attention
 from paged_hf.model import capability
 from paged_hf.model.support import build_tiny_model
-from tiny_models import make_tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -24,26 +25,53 @@ def refusal(model: torch.nn.Module) -> str:
     return str(info.value)
 
 
-@pytest.mark.parametrize("model_type, where, why", [
-    # attention never reaches the registered function
-    ("bloom", r"transformer\.h\.0\.self_attention \(BloomAttention\)", "never calls transformers' AttentionInterface"),
-    # recurrent / SSM / convolution state kept outside transformers' cache API, from the config's layer
-    # types or from the modules that ran (hybrids that keep it through the API run: test_hybrid_models.py)
-    ("recurrent_gemma", r"config\.layer_types \(3 'linear_attention' layer\(s\)", "found no mixer for"),
-    ("rwkv", r"rwkv\.blocks\.0\.attention \(RwkvSelfAttention\)", "outside transformers' cache API"),
-    # a layer that attends more than once per forward, or layers sharing KV slots
-    ("diffllama", r"model\.layers\.0\.self_attn \(DiffLlamaAttention\)", "attends more than once per forward"),
-    ("hrm_text", r"\(HrmTextAttention\)", "attends more than once per forward"),
-    ("blt", r"\(BltSelfAttention\)", r"has the layer_idx \(0\) of another attention module"),
-    # sparse-attention indexers
-    ("deepseek_v32", r"'indexed_attention'", "sparse attention: an indexer chooses the keys"),
-    # positions not from position_ids
-    ("bart", "its positions", "computes positions itself"),
-    ("roberta", "its positions", "RoBERTa's start after the padding index"),
-    # bidirectional attention, and masks a module builds itself
-    ("bigbird_pegasus", r"\(BigBirdPegasusDecoderAttention\)", r"is not causal \(is_causal=False\)"),
-    ("doge", r"model\.layers\.0\.self_attn \(DogeAttention\)", "attention mask or bias it builds itself"),
-])
+@pytest.mark.parametrize(
+    "model_type, where, why",
+    [
+        # attention never reaches the registered function
+        (
+            "bloom",
+            r"transformer\.h\.0\.self_attention \(BloomAttention\)",
+            "never calls transformers' AttentionInterface",
+        ),
+        # recurrent / SSM / convolution state kept outside transformers' cache API, from the config's layer
+        # types or from the modules that ran (hybrids that keep it through the API run: test_hybrid_models.py)
+        (
+            "recurrent_gemma",
+            r"config\.layer_types \(3 'linear_attention' layer\(s\)",
+            "found no mixer for",
+        ),
+        (
+            "rwkv",
+            r"rwkv\.blocks\.0\.attention \(RwkvSelfAttention\)",
+            "outside transformers' cache API",
+        ),
+        # a layer that attends more than once per forward, or layers sharing KV slots
+        (
+            "diffllama",
+            r"model\.layers\.0\.self_attn \(DiffLlamaAttention\)",
+            "attends more than once per forward",
+        ),
+        ("hrm_text", r"\(HrmTextAttention\)", "attends more than once per forward"),
+        ("blt", r"\(BltSelfAttention\)", r"has the layer_idx \(0\) of another attention module"),
+        # sparse-attention indexers
+        ("deepseek_v32", r"'indexed_attention'", "sparse attention: an indexer chooses the keys"),
+        # positions not from position_ids
+        ("bart", "its positions", "computes positions itself"),
+        ("roberta", "its positions", "RoBERTa's start after the padding index"),
+        # bidirectional attention, and masks a module builds itself
+        (
+            "bigbird_pegasus",
+            r"\(BigBirdPegasusDecoderAttention\)",
+            r"is not causal \(is_causal=False\)",
+        ),
+        (
+            "doge",
+            r"model\.layers\.0\.self_attn \(DogeAttention\)",
+            "attention mask or bias it builds itself",
+        ),
+    ],
+)
 def test_refused_at_patch_naming_module_and_reason(model_type, where, why):
     model = build_tiny_model(model_type)
     message = refusal(model)
@@ -53,7 +81,9 @@ def test_refused_at_patch_naming_module_and_reason(model_type, where, why):
 
 
 def test_bidirectional_models_are_refused():
-    assert "is_causal=False" in refusal(build_tiny_model("bert", is_decoder=False))  # an encoder, not a decoder
+    assert "is_causal=False" in refusal(
+        build_tiny_model("bert", is_decoder=False)
+    )  # an encoder, not a decoder
     assert "config.is_causal=False" in refusal(build_tiny_model("llama", is_causal=False))
     # PaliGemma's prefix attends both ways; its text path must not pass by luck
     assert "is_causal=False" in refusal(build_tiny_model("paligemma", multimodal=True))
@@ -62,7 +92,9 @@ def test_bidirectional_models_are_refused():
 def test_a_token_mixing_module_is_found_even_when_the_config_says_attention_only():
     model = make_tiny_model("llama")
 
-    class ConvMixer(torch.nn.Module):  # a causal depthwise convolution over the sequence, as LFM2 / Mamba have
+    class ConvMixer(
+        torch.nn.Module
+    ):  # a causal depthwise convolution over the sequence, as LFM2 / Mamba have
         def __init__(self, mlp: torch.nn.Module) -> None:
             super().__init__()
             self.mlp, self.conv = mlp, torch.nn.Conv1d(64, 64, 3, padding=2, groups=64)
@@ -71,7 +103,9 @@ def test_a_token_mixing_module_is_found_even_when_the_config_says_attention_only
             return self.mlp(x) + self.conv(x.transpose(1, 2))[..., : x.shape[1]].transpose(1, 2)
 
     model.model.layers[1].mlp = ConvMixer(model.model.layers[1].mlp)
-    assert r"model.layers.1.mlp.conv (Conv1d): keeps recurrent / convolution state" in refusal(model)
+    assert r"model.layers.1.mlp.conv (Conv1d): keeps recurrent / convolution state" in refusal(
+        model
+    )
 
 
 def test_an_attention_keyword_paged_attention_would_drop_is_refused():
@@ -96,9 +130,10 @@ def test_llama4_temperature_tuning_limits_positions_and_budget():
     """Llama 4's NoPE layers scale queries by a factor of each token's row in the step: exact only
     while rows and positions stay below floor_scale - 1, so engines are held there, saying why."""
     import copy
-    from transformers import AutoModelForCausalLM
+
     from oracle import assert_logprobs_close, assert_teacher_forced
     from tiny_models import make_arch_config, tiny_prompts
+    from transformers import AutoModelForCausalLM
 
     config = make_arch_config("llama4_text")
     config.floor_scale = 12
@@ -106,26 +141,47 @@ def test_llama4_temperature_tuning_limits_positions_and_budget():
         torch.manual_seed(0)
         reference = AutoModelForCausalLM.from_config(config).eval()
     model = paged_hf.patch(copy.deepcopy(reference))
-    with pytest.raises(ValueError, match=r"max_num_batched_tokens=16 exceeds 11.*NoPE layers \(e\.g\. layer 3\)"):
+    with pytest.raises(
+        ValueError, match=r"max_num_batched_tokens=16 exceeds 11.*NoPE layers \(e\.g\. layer 3\)"
+    ):
         paged_hf.Engine(model, max_num_batched_tokens=16)
     with pytest.raises(ValueError, match="max_model_len=64 exceeds 11"):
         paged_hf.Engine(model, max_model_len=64, max_num_batched_tokens=8, max_num_seqs=4)
     engine = paged_hf.Engine(model, max_num_batched_tokens=8, max_num_seqs=4, block_size=4)
     assert engine.max_model_len == 11  # the default (max_position_embeddings) lowered to the limit
     prompts = tiny_prompts(config.vocab_size, 3, [3, 5, 7], seed=1)
-    for p, out in zip(prompts, engine.generate(prompts, paged_hf.SamplingParams(max_new_tokens=3, logprobs=3,
-                                                                                 ignore_eos=True))):
+    for p, out in zip(
+        prompts,
+        engine.generate(
+            prompts, paged_hf.SamplingParams(max_new_tokens=3, logprobs=3, ignore_eos=True)
+        ),
+    ):
         assert_teacher_forced(reference, p, out.token_ids)
         assert_logprobs_close(reference, p, out.token_ids, out.completions[0].logprobs)
 
 
 def test_rope_scalings_that_follow_the_longest_sequence_limit_max_model_len():
     from transformers import Phi3Config, Phi3ForCausalLM
-    config = Phi3Config(vocab_size=64, pad_token_id=0, bos_token_id=1, eos_token_id=2, hidden_size=64,
-                        intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-                        max_position_embeddings=256, original_max_position_embeddings=64,
-                        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8,
-                                         "long_factor": [2.0] * 8, "factor": 4.0})
+
+    config = Phi3Config(
+        vocab_size=64,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        max_position_embeddings=256,
+        original_max_position_embeddings=64,
+        rope_parameters={
+            "rope_type": "longrope",
+            "rope_theta": 10000.0,
+            "short_factor": [1.0] * 8,
+            "long_factor": [2.0] * 8,
+            "factor": 4.0,
+        },
+    )
     model = paged_hf.patch(Phi3ForCausalLM(config).eval())
     assert paged_hf.Engine(model).max_model_len == 64
     with pytest.raises(ValueError, match=r"max_model_len=128 exceeds 64.*'longrope' RoPE scaling"):
@@ -138,8 +194,11 @@ def test_attention_modules_that_transformers_cache_does_not_tell_apart_are_refus
     model = make_tiny_model("llama")
     model.model.layers[1].self_attn.layer_idx = 0  # its KV goes to cache layer 0, as layer 0's does
     message = refusal(model)
-    assert re.search(r"model\.layers\.1\.self_attn \(LlamaAttention\): its KV would be kept as layer 0's, as "
-                     r"model\.layers\.0\.self_attn's is", message), message
+    assert re.search(
+        r"model\.layers\.1\.self_attn \(LlamaAttention\): its KV would be kept as layer 0's, as "
+        r"model\.layers\.0\.self_attn's is",
+        message,
+    ), message
     assert not paged_hf.is_patched(model)
 
 
@@ -175,19 +234,36 @@ def test_a_mask_the_module_built_itself_fails_the_step_instead_of_being_dropped(
     model = make_tiny_model("llama")
     paged_hf.patch(model)
     backend = object()
-    with attention.active_backend(backend), pytest.raises(RuntimeError, match="passed an attention mask"):
-        attention.paged_attention_forward(model.model.layers[0].self_attn, torch.zeros(1, 4, 2, 16),
-                                          torch.zeros(1, 2, 2, 16), torch.zeros(1, 2, 2, 16),
-                                          torch.ones(1, 1, 2, 2, dtype=torch.bool))
+    with (
+        attention.active_backend(backend),
+        pytest.raises(RuntimeError, match="passed an attention mask"),
+    ):
+        attention.paged_attention_forward(
+            model.model.layers[0].self_attn,
+            torch.zeros(1, 4, 2, 16),
+            torch.zeros(1, 2, 2, 16),
+            torch.zeros(1, 2, 2, 16),
+            torch.ones(1, 1, 2, 2, dtype=torch.bool),
+        )
 
 
 def test_mask_patterns_are_read_past_the_probe():
-    from transformers.masking_utils import causal_mask_function, chunked_causal_mask_function, \
-        sliding_window_causal_mask_function
+    from transformers.masking_utils import (
+        causal_mask_function,
+        chunked_causal_mask_function,
+        sliding_window_causal_mask_function,
+    )
+
     zeros = torch.zeros(1, dtype=torch.long)
     assert capability._classify(causal_mask_function, False, 4096, "m", "l") == (None, None)
-    assert capability._classify(sliding_window_causal_mask_function(1000), False, 4096, "m", "l") == (1000, None)
-    assert capability._classify(chunked_causal_mask_function(300, zeros), False, 4096, "m", "l") == (None, 300)
-    assert capability._classify(sliding_window_causal_mask_function(5000), False, 4096, "m", "l") == (None, None)
+    assert capability._classify(
+        sliding_window_causal_mask_function(1000), False, 4096, "m", "l"
+    ) == (1000, None)
+    assert capability._classify(
+        chunked_causal_mask_function(300, zeros), False, 4096, "m", "l"
+    ) == (None, 300)
+    assert capability._classify(
+        sliding_window_causal_mask_function(5000), False, 4096, "m", "l"
+    ) == (None, None)
     with pytest.raises(paged_hf.UnsupportedModelError, match="see later keys"):
         capability._classify(lambda b, h, q, kv: q >= 0, False, 64, "m", "l")

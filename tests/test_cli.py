@@ -7,11 +7,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from tiny_models import make_tiny_model
+from tiny_tokenizer import make_tiny_tokenizer
 
 import paged_hf
 from paged_hf.frontends import cli
-from tiny_models import make_tiny_model
-from tiny_tokenizer import make_tiny_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -20,28 +20,63 @@ def model_dir(tiny_llama_dir):
 
 
 def test_generate_from_jsonl(model_dir, tmp_path):
-    rows = [{"question": "hello world", "k": 1}, {"question": "", "k": 2}, {"question": "café 東京", "k": 3}]
+    rows = [
+        {"question": "hello world", "k": 1},
+        {"question": "", "k": 2},
+        {"question": "café 東京", "k": 3},
+    ]
     data = tmp_path / "in.jsonl"
     data.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
     out = tmp_path / "out.jsonl"
-    argv = ["generate", "--model", str(model_dir), "--input", str(data), "--prompt-column", "question",
-            "--output", str(out), "--checkpoint-dir", str(tmp_path / "ckpt"), "--max-new-tokens", "5",
-            "--max-num-seqs", "4", "--dtype", "float32", "--no-progress"]
+    argv = [
+        "generate",
+        "--model",
+        str(model_dir),
+        "--input",
+        str(data),
+        "--prompt-column",
+        "question",
+        "--output",
+        str(out),
+        "--checkpoint-dir",
+        str(tmp_path / "ckpt"),
+        "--max-new-tokens",
+        "5",
+        "--max-num-seqs",
+        "4",
+        "--dtype",
+        "float32",
+        "--no-progress",
+    ]
     assert cli.main(argv) == 0
     got = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["k"] for r in got] == [1, 2, 3]
     assert got[1]["generation_finish_reason"] == "error" and got[1]["generation"] == ""
-    assert got[1]["generation_error"] == "row 1: ValueError: empty prompt" and got[0]["generation_error"] is None
+    assert (
+        got[1]["generation_error"] == "row 1: ValueError: empty prompt"
+        and got[0]["generation_error"] is None
+    )
     model, tok = make_tiny_model("llama"), make_tiny_tokenizer()
     params = paged_hf.SamplingParams(max_new_tokens=5)
     # the default: each prompt one user message through the chat template
-    chat = [tok(tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True),
-                add_special_tokens=False)["input_ids"] for q in ("hello world", "café 東京")]
+    chat = [
+        tok(
+            tok.apply_chat_template(
+                [{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True
+            ),
+            add_special_tokens=False,
+        )["input_ids"]
+        for q in ("hello world", "café 東京")
+    ]
     ref = paged_hf.Engine(model, tok).generate(chat, params)
     assert [got[0]["generation"], got[2]["generation"]] == [r.text for r in ref]
     assert got[0]["generation_num_tokens"] == len(ref[0].token_ids)
     raw_out = tmp_path / "raw.jsonl"
-    raw_argv = [a if a != str(out) else str(raw_out) for a in argv if a not in ("--checkpoint-dir", str(tmp_path / "ckpt"))]
+    raw_argv = [
+        a if a != str(out) else str(raw_out)
+        for a in argv
+        if a not in ("--checkpoint-dir", str(tmp_path / "ckpt"))
+    ]
     assert cli.main(raw_argv + ["--raw"]) == 0
     raw = [json.loads(line) for line in raw_out.read_text().splitlines()]
     ref_raw = paged_hf.Engine(model, tok).generate(["hello world", "café 東京"], params)
@@ -53,17 +88,45 @@ def test_generate_from_jsonl(model_dir, tmp_path):
 
 
 def test_bad_arguments_fail_cleanly(model_dir, tmp_path, capsys):
-    assert cli.main(["generate", "--model", str(model_dir), "--input", str(tmp_path / "nope.jsonl"),
-                     "--output", str(tmp_path / "o.jsonl")]) == 2
+    assert (
+        cli.main(
+            [
+                "generate",
+                "--model",
+                str(model_dir),
+                "--input",
+                str(tmp_path / "nope.jsonl"),
+                "--output",
+                str(tmp_path / "o.jsonl"),
+            ]
+        )
+        == 2
+    )
     assert "no such file" in capsys.readouterr().err
-    assert cli.main(["generate", "--model", str(model_dir), "--input", str(model_dir / "config.json"),
-                     "--output", str(tmp_path / "o.jsonl"), "--temperature", "-1"]) == 2
+    assert (
+        cli.main(
+            [
+                "generate",
+                "--model",
+                str(model_dir),
+                "--input",
+                str(model_dir / "config.json"),
+                "--output",
+                str(tmp_path / "o.jsonl"),
+                "--temperature",
+                "-1",
+            ]
+        )
+        == 2
+    )
     assert "temperature" in capsys.readouterr().err
 
 
 def test_bench_forwards_arguments(tmp_path, monkeypatch, capsys):
     script = tmp_path / "bench.py"
-    script.write_text("import sys\nprint('ARGS', sys.argv[1:])\nsys.exit(3 if '--fail' in sys.argv else 0)\n")
+    script.write_text(
+        "import sys\nprint('ARGS', sys.argv[1:])\nsys.exit(3 if '--fail' in sys.argv else 0)\n"
+    )
     monkeypatch.setattr(cli, "bench_script", lambda: script)
     assert cli.main(["bench", "--quick", "--n", "4"]) == 0
     assert "ARGS ['--quick', '--n', '4']" in capsys.readouterr().out
@@ -88,15 +151,30 @@ def _jsonl(path, rows) -> str:
 
 
 def _generate(model_dir, data, out, *extra) -> int:
-    return cli.main(["generate", "--model", str(model_dir), "--input", str(data), "--output", str(out),
-                     "--max-new-tokens", "2", "--dtype", "float32", "--no-progress", *extra])
+    return cli.main(
+        [
+            "generate",
+            "--model",
+            str(model_dir),
+            "--input",
+            str(data),
+            "--output",
+            str(out),
+            "--max-new-tokens",
+            "2",
+            "--dtype",
+            "float32",
+            "--no-progress",
+            *extra,
+        ]
+    )
 
 
 def _error(capsys) -> str:
     """The error message the command printed (after any progress bars of datasets)."""
     err = capsys.readouterr().err
     assert "\npaged-hf: error: " in "\n" + err and "Traceback" not in err, err
-    return err[err.index("paged-hf: error: "):]
+    return err[err.index("paged-hf: error: ") :]
 
 
 def test_output_path_is_checked_before_the_model_loads(model_dir, tmp_path, monkeypatch, capsys):
@@ -107,9 +185,11 @@ def test_output_path_is_checked_before_the_model_loads(model_dir, tmp_path, monk
     data = _jsonl(tmp_path / "in.jsonl", [{"prompt": "hello"}])
     (tmp_path / "dir.jsonl").mkdir()
     (tmp_path / "file").write_text("")
-    cases = [(tmp_path / "out.txt", "unknown file type '.txt'"),
-             (tmp_path / "dir.jsonl", "is a directory"),
-             (tmp_path / "file" / "out.jsonl", "cannot write")]
+    cases = [
+        (tmp_path / "out.txt", "unknown file type '.txt'"),
+        (tmp_path / "dir.jsonl", "is a directory"),
+        (tmp_path / "file" / "out.jsonl", "cannot write"),
+    ]
     for out, message in cases:
         assert _generate(model_dir, data, out) == 2
         err = _error(capsys)
@@ -158,8 +238,11 @@ def test_bad_model_fails_cleanly(model_dir, tmp_path, capsys):
     not_a_model = tmp_path / "not_a_model"
     not_a_model.mkdir()
     (not_a_model / "config.json").write_text('{"hello": 1}')
-    for model, message in [(tmp_path / "missing", "no such directory"), (tmp_path / "empty", "cannot load"),
-                           (not_a_model, "cannot load")]:
+    for model, message in [
+        (tmp_path / "missing", "no such directory"),
+        (tmp_path / "empty", "cannot load"),
+        (not_a_model, "cannot load"),
+    ]:
         assert _generate(model, data, tmp_path / "o.jsonl") == 2
         err = _error(capsys)
         assert f"--model {model}: {message}" in err, err
@@ -168,7 +251,10 @@ def test_bad_model_fails_cleanly(model_dir, tmp_path, capsys):
 def test_bad_tokenizer_fails_cleanly(model_dir, tmp_path, capsys):
     data = _jsonl(tmp_path / "in.jsonl", [{"prompt": "hello"}])
     (tmp_path / "empty").mkdir()
-    for tokenizer, message in [(tmp_path / "missing", "no such directory"), (tmp_path / "empty", "cannot load")]:
+    for tokenizer, message in [
+        (tmp_path / "missing", "no such directory"),
+        (tmp_path / "empty", "cannot load"),
+    ]:
         assert _generate(model_dir, data, tmp_path / "o.jsonl", "--tokenizer", str(tokenizer)) == 2
         err = _error(capsys)
         assert f"--tokenizer {tokenizer}: {message}" in err, err
@@ -181,8 +267,11 @@ def test_the_readme_cli_lines_answer_on_topic(tmp_path):
     Italy.", and bf16 runs that order their sums differently end up elsewhere, Rome among them.)"""
     import re
     import shlex
+
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    lines = [line for line in readme.splitlines() if line.startswith("paged-hf generate --model default")]
+    lines = [
+        line for line in readme.splitlines() if line.startswith("paged-hf generate --model default")
+    ]
     assert len(lines) == 2, lines
     repo = Path(__file__).resolve().parents[1]
     results = []
@@ -196,7 +285,10 @@ def test_the_readme_cli_lines_answer_on_topic(tmp_path):
         assert cli.main(argv + ["--no-progress"]) == 0
         results.append([json.loads(row) for row in out.read_text().splitlines()])
     plain, structured = results
-    questions = [json.loads(row)["prompt"] for row in (repo / "examples" / "questions.jsonl").read_text().splitlines()]
+    questions = [
+        json.loads(row)["prompt"]
+        for row in (repo / "examples" / "questions.jsonl").read_text().splitlines()
+    ]
     assert all(len(r["generation"].split()) >= 2 for r in plain), [r["generation"] for r in plain]
     assert "Paris" in plain[questions.index("What is the capital of France?")]["generation"]
     assert "4" in plain[questions.index("What is 2 + 2?")]["generation"]
@@ -206,5 +298,7 @@ def test_the_readme_cli_lines_answer_on_topic(tmp_path):
         assert r["generation_finish_reason"] == "stop" and set(value) == set(schema["required"])
         assert value["confidence"] in schema["properties"]["confidence"]["enum"]
         assert len(value["answer"]) <= schema["properties"]["answer"]["maxLength"]
-    assert re.search(r"Paris", structured[questions.index("What is the capital of France?")]["generation"])
+    assert re.search(
+        r"Paris", structured[questions.index("What is the capital of France?")]["generation"]
+    )
     assert re.search(r"\b4\b", structured[questions.index("What is 2 + 2?")]["generation"])

@@ -1,15 +1,16 @@
 """Compact decoder layers (paged_hf/execution/compact_layers.py): the layers the engine checked to be
 the canonical pre-norm block run as one function during CPU steps, with their own code's results bit
 for bit; every other layer, and a hooked one, runs its own code."""
+
 from __future__ import annotations
 
 import pytest
 import torch
+from oracle import assert_logprobs_close
+from tiny_models import SLIDING_WINDOW, make_tiny_model, tiny_prompts
 from transformers.models.llama import modeling_llama as llama
 
 import paged_hf
-from oracle import assert_logprobs_close
-from tiny_models import SLIDING_WINDOW, make_tiny_model, tiny_prompts
 
 PARAMS = paged_hf.SamplingParams(max_new_tokens=10, logprobs=2, ignore_eos=True)
 
@@ -27,12 +28,21 @@ def _served(engine) -> int:
 def _same(a, b) -> None:
     for x, y in zip(a, b, strict=True):
         assert x.token_ids == y.token_ids
-        assert x.completions[0].logprobs == y.completions[0].logprobs  # exactly: the same ops on the same tensors
+        assert (
+            x.completions[0].logprobs == y.completions[0].logprobs
+        )  # exactly: the same ops on the same tensors
 
 
-@pytest.mark.parametrize("family,dtype", [("llama", torch.bfloat16), ("llama", torch.float32),
-                                          ("llama_mqa", torch.bfloat16), ("mistral", torch.bfloat16),
-                                          ("qwen2", torch.float32)])
+@pytest.mark.parametrize(
+    "family,dtype",
+    [
+        ("llama", torch.bfloat16),
+        ("llama", torch.float32),
+        ("llama_mqa", torch.bfloat16),
+        ("mistral", torch.bfloat16),
+        ("qwen2", torch.float32),
+    ],
+)
 def test_served_layers_give_their_own_codes_results(family, dtype):
     """Every layer served (Mistral's sliding layers, Qwen2's q/k/v biases and its full and sliding
     layers included), the outputs and logprobs those of the same engine without compact layers, and
@@ -46,7 +56,9 @@ def test_served_layers_give_their_own_codes_results(family, dtype):
     if dtype == torch.float32:
         for p, out in zip(prompts, got):
             assert_logprobs_close(model, p, out.token_ids, out.completions[0].logprobs, what=family)
-    assert not any("forward" in m.__dict__ for m in model.modules()), "a layer kept a step's forward"
+    assert not any("forward" in m.__dict__ for m in model.modules()), (
+        "a layer kept a step's forward"
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -71,7 +83,9 @@ def test_partial_rotary_layers_are_served_at_the_width_a_step_hands_them(dtype):
     assert [o.token_ids for o in got] == [o.token_ids for o in plain]
     if dtype == torch.float32:
         for p, out in zip(prompts, got):
-            assert_logprobs_close(model, p, out.token_ids, out.completions[0].logprobs, what="glm4_moe")
+            assert_logprobs_close(
+                model, p, out.token_ids, out.completions[0].logprobs, what="glm4_moe"
+            )
 
 
 class _HalvedLayer(llama.LlamaDecoderLayer):
@@ -95,7 +109,9 @@ def test_a_layer_whose_output_differs_is_found_by_the_check():
     assert [p.layer for p in engine.runner.compact.plans] == [model.model.layers[0]]
     prompts = _prompts(model)
     for p, out in zip(prompts, engine.generate(prompts, PARAMS)):
-        assert_logprobs_close(model, p, out.token_ids, out.completions[0].logprobs, what="halved layer")
+        assert_logprobs_close(
+            model, p, out.token_ids, out.completions[0].logprobs, what="halved layer"
+        )
 
 
 def test_a_hooked_layer_runs_its_own_code_and_its_hooks():
@@ -104,12 +120,16 @@ def test_a_hooked_layer_runs_its_own_code_and_its_hooks():
     plain = paged_hf.Engine(model, cpu_compact_layers=False)
     prompts = _prompts(model)
     seen: list[int] = []
-    handle = model.model.layers[1].mlp.register_forward_hook(lambda m, args, out: seen.append(out.shape[1]))
+    handle = model.model.layers[1].mlp.register_forward_hook(
+        lambda m, args, out: seen.append(out.shape[1])
+    )
     try:
         hooked = engine.generate(prompts, PARAMS)
     finally:
         handle.remove()
-    assert len(seen) >= PARAMS.max_new_tokens and sum(seen) >= sum(map(len, prompts))  # every step's tokens
+    assert len(seen) >= PARAMS.max_new_tokens and sum(seen) >= sum(
+        map(len, prompts)
+    )  # every step's tokens
     steps = len(seen)
     _same(hooked, plain.generate(prompts, PARAMS))
     _same(engine.generate(prompts, PARAMS), hooked)
@@ -127,7 +147,9 @@ def test_weight_updates_reach_the_compact_layers():
     with torch.no_grad():
         layer.mlp.down_proj.weight.mul_(-1.5)
         layer.self_attn.q_proj.weight.mul_(2.0)
-    layer.post_attention_layernorm.weight = torch.nn.Parameter(layer.post_attention_layernorm.weight.detach() * 3)
+    layer.post_attention_layernorm.weight = torch.nn.Parameter(
+        layer.post_attention_layernorm.weight.detach() * 3
+    )
     after = engine.generate(prompts, PARAMS)
     assert [o.token_ids for o in after] != [o.token_ids for o in before]
     assert _served(engine) == 2

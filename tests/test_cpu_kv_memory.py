@@ -1,4 +1,5 @@
 """The CPU KV pool comes from an anonymous mapping: zero until written, resident only where written."""
+
 from __future__ import annotations
 
 import gc
@@ -11,7 +12,9 @@ import torch
 from paged_hf.execution import cpu_kv_memory
 from paged_hf.execution.backends.torch_backend import TorchBackend
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="anonymous mappings: Linux only")
+pytestmark = pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="anonymous mappings: Linux only"
+)
 
 
 def _rss_bytes() -> int:
@@ -38,11 +41,15 @@ def test_building_a_backend_does_not_fault_in_its_pool_and_releasing_it_unmaps_i
     gc.collect()
     before = _rss_bytes()
     # 24 layers x K and V x 2,048 blocks of 16 x 4 heads x 64 dims, fp32: 1.5 GiB
-    backend = TorchBackend(24, num_blocks=2048, block_size=16, kv_heads=4, head_dim=64, dtype=torch.float32)
+    backend = TorchBackend(
+        24, num_blocks=2048, block_size=16, kv_heads=4, head_dim=64, dtype=torch.float32
+    )
     pool = sum(t.numel() * t.element_size() for t in backend.kv_slabs)
     assert pool == 24 * 2 * 2048 * 16 * 4 * 64 * 4
     built = _rss_bytes()
-    assert built - before < pool // 16, f"building faulted in {(built - before) >> 20} MiB of a {pool >> 20} MiB pool"
+    assert built - before < pool // 16, (
+        f"building faulted in {(built - before) >> 20} MiB of a {pool >> 20} MiB pool"
+    )
     for t in backend.kv_slabs[:4]:
         t[:1024].fill_(1.0)  # a run that fills half of four slabs
     written = _rss_bytes()
@@ -51,4 +58,6 @@ def test_building_a_backend_does_not_fault_in_its_pool_and_releasing_it_unmaps_i
     assert all(not t[1024:].any() for t in backend.kv_slabs[:4]) and not backend.kv_slabs[5].any()
     del backend, t
     gc.collect()
-    assert _rss_bytes() - before < pool // 16, "the pool's pages stayed resident after the backend went"
+    assert _rss_bytes() - before < pool // 16, (
+        "the pool's pages stayed resident after the backend went"
+    )

@@ -3,21 +3,25 @@ ways: oneDNN's bf16 matmul (``F.linear``'s results bit for bit; only where this 
 copies (within one bf16 rounding of ``F.linear``; runs on any CPU, the default where bf16 matmuls are
 slow); fp32 models on oneDNN's fp32 matmul (within fp32 rounding). Only inside engine steps, packed
 again when the weights change."""
+
 import os
 import platform
 
 import pytest
 import torch
 import torch.nn.functional as F
-
-import paged_hf
-from paged_hf.execution import cpu_linear
 from oracle import assert_logprobs_close, assert_teacher_forced
 from tiny_models import FAMILIES, make_tiny_model, tiny_prompts
 
+import paged_hf
+from paged_hf.execution import cpu_linear
+
 NATIVE = cpu_linear.mode(torch.bfloat16, torch.device("cpu")) == cpu_linear.ONEDNN
-needs_onednn = pytest.mark.skipif(not NATIVE, reason="no bf16 oneDNN matmul on this CPU (AVX-512 bf16 / AMX): "
-                                                     "the fp32 way's tests run here instead")
+needs_onednn = pytest.mark.skipif(
+    not NATIVE,
+    reason="no bf16 oneDNN matmul on this CPU (AVX-512 bf16 / AMX): "
+    "the fp32 way's tests run here instead",
+)
 HOWS = [pytest.param(cpu_linear.ONEDNN, marks=needs_onednn), cpu_linear.FP32]
 
 SMALL = {"block_size": 4, "max_num_batched_tokens": 16, "max_num_seqs": 8}
@@ -27,18 +31,27 @@ BF16_TOL = 0.125  # teacher forcing against transformers' bf16 forward (as tests
 def test_the_default_way_follows_the_cpu():
     want = cpu_linear.ONEDNN if NATIVE else cpu_linear.FP32
     assert cpu_linear.mode(torch.bfloat16, torch.device("cpu")) == want
-    assert paged_hf.Engine(make_tiny_model("llama", dtype=torch.bfloat16), **SMALL).runner.packed.how == want
+    assert (
+        paged_hf.Engine(make_tiny_model("llama", dtype=torch.bfloat16), **SMALL).runner.packed.how
+        == want
+    )
     if not NATIVE:
         with pytest.raises(ValueError, match="no bf16 matmul"):
-            paged_hf.Engine(make_tiny_model("llama", dtype=torch.bfloat16), cpu_packed_weights="onednn", **SMALL)
+            paged_hf.Engine(
+                make_tiny_model("llama", dtype=torch.bfloat16), cpu_packed_weights="onednn", **SMALL
+            )
 
 
 def _cpuinfo_flags() -> set[str]:
     with open("/proc/cpuinfo") as f:
-        return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+        return next(
+            (set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set()
+        )
 
 
-@pytest.mark.skipif(platform.machine() != "x86_64" or not os.path.exists("/proc/cpuinfo"), reason="x86 Linux only")
+@pytest.mark.skipif(
+    platform.machine() != "x86_64" or not os.path.exists("/proc/cpuinfo"), reason="x86 Linux only"
+)
 def test_bf16_is_native_only_with_bf16_instructions():
     # torch calls bf16 supported on any AVX-512 CPU; oneDNN's bf16 matmul is only fast with these
     flags = _cpuinfo_flags()
@@ -56,8 +69,12 @@ def test_the_onednn_weight_is_f_linear_bit_for_bit(rows):
     b = torch.randn(1536, generator=g).bfloat16()
     x = torch.randn(1, rows, 576, generator=g).bfloat16()
     for bias in (None, b):  # packed for 64 rows, used at any
-        packed = cpu_linear.PackedWeight(cpu_linear.ONEDNN, [w], None if bias is None else [bias], batch_hint=64)
-        assert torch.equal(packed(x), F.linear(x, w, bias))  # [1, T, K]: the op takes its rows' view
+        packed = cpu_linear.PackedWeight(
+            cpu_linear.ONEDNN, [w], None if bias is None else [bias], batch_hint=64
+        )
+        assert torch.equal(
+            packed(x), F.linear(x, w, bias)
+        )  # [1, T, K]: the op takes its rows' view
         assert torch.equal(packed(x[0]), F.linear(x[0], w, bias))
 
 
@@ -76,8 +93,12 @@ def test_the_fp32_weight_is_within_a_rounding_of_the_exact_product(rows):
         assert cpu_linear.within_a_rounding(got, exact.to(torch.bfloat16), x, w)
         assert cpu_linear.one_rounding_apart(got, exact.to(torch.bfloat16)).float().mean() > 0.999
         assert (got != F.linear(x, w, bias)).float().mean() < 0.01
-        wrong = cpu_linear.PackedWeight(cpu_linear.FP32, [w * 1.02], None if bias is None else [bias])(x)
-        assert not cpu_linear.within_a_rounding(wrong, exact.to(torch.bfloat16), x, w)  # 2% off is caught
+        wrong = cpu_linear.PackedWeight(
+            cpu_linear.FP32, [w * 1.02], None if bias is None else [bias]
+        )(x)
+        assert not cpu_linear.within_a_rounding(
+            wrong, exact.to(torch.bfloat16), x, w
+        )  # 2% off is caught
 
 
 def test_one_row_of_a_bf16_model_runs_its_own_f_linear():
@@ -90,18 +111,28 @@ def test_one_row_of_a_bf16_model_runs_its_own_f_linear():
     fused = cpu_linear.PackedWeight(cpu_linear.FP32, ws, bs)
     assert torch.equal(fused(x), torch.cat([F.linear(x, w, b) for w, b in zip(ws, bs)], dim=-1))
     two = torch.randn(1, 2, 64, generator=g).bfloat16()  # from two rows on, the fp32 copy
-    assert torch.equal(fused(two), torch.ops.mkldnn._linear_pointwise(
-        two.float(), fused.packed, fused.bias, "none", [], "").bfloat16())
+    assert torch.equal(
+        fused(two),
+        torch.ops.mkldnn._linear_pointwise(
+            two.float(), fused.packed, fused.bias, "none", [], ""
+        ).bfloat16(),
+    )
 
 
 def test_one_rounding_is_measured_in_bf16_steps():
     one = torch.tensor([1.0, -1.0, 0.0, 3.0], dtype=torch.bfloat16)
-    up = torch.tensor([1.0078125, -1.0078125, 1e-40, 3.015625], dtype=torch.bfloat16)  # each the next bf16 value
-    assert cpu_linear.one_rounding_apart(one, up).all() and cpu_linear.one_rounding_apart(up, one).all()
+    up = torch.tensor(
+        [1.0078125, -1.0078125, 1e-40, 3.015625], dtype=torch.bfloat16
+    )  # each the next bf16 value
+    assert (
+        cpu_linear.one_rounding_apart(one, up).all()
+        and cpu_linear.one_rounding_apart(up, one).all()
+    )
     two = torch.tensor([1.015625, -1.015625, 2e-40, 3.03125], dtype=torch.bfloat16)
     assert not cpu_linear.one_rounding_apart(one, two).any()
-    assert cpu_linear.one_rounding_apart(torch.tensor([0.0], dtype=torch.bfloat16),
-                                         torch.tensor([-0.0], dtype=torch.bfloat16)).all()
+    assert cpu_linear.one_rounding_apart(
+        torch.tensor([0.0], dtype=torch.bfloat16), torch.tensor([-0.0], dtype=torch.bfloat16)
+    ).all()
 
 
 def _run(model, prompts, packed):
@@ -112,17 +143,23 @@ def _run(model, prompts, packed):
 
 
 @needs_onednn
-@pytest.mark.parametrize("family", [f for f in FAMILIES if f != "gpt2"])  # GPT-2's Conv1D is no nn.Linear
+@pytest.mark.parametrize(
+    "family", [f for f in FAMILIES if f != "gpt2"]
+)  # GPT-2's Conv1D is no nn.Linear
 def test_engine_outputs_are_identical_with_and_without_onednn_weights(family):
     model = make_tiny_model(family, dtype=torch.bfloat16)
     prompts = tiny_prompts(model.config.vocab_size, 4, [1, 6, 19, 41], seed=5)
     engine, with_packed = _run(model, prompts, packed="onednn")
     assert len(engine.runner.packed.modules) >= 4 * model.config.num_hidden_layers
-    assert all("forward" not in m.__dict__ for m in engine.runner.packed.modules)  # untouched outside a step
+    assert all(
+        "forward" not in m.__dict__ for m in engine.runner.packed.modules
+    )  # untouched outside a step
     _, without = _run(model, prompts, packed=False)
     for a, b in zip(with_packed, without):
         assert a.token_ids == b.token_ids
-        assert a.completions[0].logprobs == b.completions[0].logprobs  # bit for bit, not within a tolerance
+        assert (
+            a.completions[0].logprobs == b.completions[0].logprobs
+        )  # bit for bit, not within a tolerance
 
 
 @pytest.mark.parametrize("family", [f for f in FAMILIES if f != "gpt2"])
@@ -133,10 +170,14 @@ def test_engine_on_fp32_weights_agrees_with_transformers(family):
     engine, outs = _run(model, prompts, packed="fp32")
     assert engine.runner.packed.how == cpu_linear.FP32
     assert len(engine.runner.packed.modules) >= 4 * model.config.num_hidden_layers
-    assert all("forward" not in m.__dict__ for m in engine.runner.packed.modules)  # untouched outside a step
+    assert all(
+        "forward" not in m.__dict__ for m in engine.runner.packed.modules
+    )  # untouched outside a step
     for prompt, out in zip(prompts, outs):
         assert len(out.token_ids) == 8
-        assert_teacher_forced(model, prompt, out.token_ids, tol=BF16_TOL, what=f"{family}/fp32 weights")
+        assert_teacher_forced(
+            model, prompt, out.token_ids, tol=BF16_TOL, what=f"{family}/fp32 weights"
+        )
 
 
 @pytest.mark.parametrize("how", HOWS)
@@ -149,11 +190,17 @@ def test_a_weight_update_is_packed_again(how):
             m.weight.mul_(-1.5)  # an optimizer step's kind of write: the version counter moves
     params = paged_hf.SamplingParams(max_new_tokens=8, ignore_eos=True, logprobs=3)
     after = engine.generate(prompts, params)
-    reference = paged_hf.Engine(model, cpu_packed_weights=how, **SMALL).generate(prompts, params)  # packed afresh
-    assert [o.completions[0].logprobs for o in after] == [o.completions[0].logprobs for o in reference]
+    reference = paged_hf.Engine(model, cpu_packed_weights=how, **SMALL).generate(
+        prompts, params
+    )  # packed afresh
+    assert [o.completions[0].logprobs for o in after] == [
+        o.completions[0].logprobs for o in reference
+    ]
     assert [o.completions[0].logprobs for o in after] != [o.completions[0].logprobs for o in before]
     # packed again with its fused groups, their bit-for-bit check not made again (one entry per group)
-    assert engine.runner.packed.fused and len(engine.runner.packed._fusable) == len(engine.runner.packed.siblings)
+    assert engine.runner.packed.fused and len(engine.runner.packed._fusable) == len(
+        engine.runner.packed.siblings
+    )
 
 
 def test_an_fp32_model_runs_on_packed_fp32_weights_within_fp32_rounding():
@@ -161,27 +208,44 @@ def test_an_fp32_model_runs_on_packed_fp32_weights_within_fp32_rounding():
     same sums in another order: every token and logprob is transformers' within the fp32 tolerances."""
     model = make_tiny_model("qwen2")  # q/k/v biases
     engine = paged_hf.Engine(model, **SMALL)
-    assert engine.runner.packed.how == cpu_linear.FP32 and engine.runner.packed.dtype == torch.float32
+    assert (
+        engine.runner.packed.how == cpu_linear.FP32 and engine.runner.packed.dtype == torch.float32
+    )
     prompts = tiny_prompts(model.config.vocab_size, 4, [1, 6, 19, 41], seed=5)
-    outs = engine.generate(prompts, paged_hf.SamplingParams(max_new_tokens=8, ignore_eos=True, logprobs=3))
+    outs = engine.generate(
+        prompts, paged_hf.SamplingParams(max_new_tokens=8, ignore_eos=True, logprobs=3)
+    )
     assert len(engine.runner.packed.fused) == 2 * model.config.num_hidden_layers
     for prompt, out in zip(prompts, outs):
         assert_teacher_forced(model, prompt, out.token_ids, what="fp32 model, packed")
-        assert_logprobs_close(model, prompt, out.token_ids, out.completions[0].logprobs, what="fp32 model, packed")
+        assert_logprobs_close(
+            model, prompt, out.token_ids, out.completions[0].logprobs, what="fp32 model, packed"
+        )
     g = torch.Generator().manual_seed(3)
     w, b = torch.randn(960, 576, generator=g), torch.randn(960, generator=g)
     x = torch.randn(1, 300, 576, generator=g)
     got = cpu_linear.PackedWeight(cpu_linear.FP32, [w], [b])(x)
     exact = x.double() @ w.double().T + b.double()
-    assert got.dtype == torch.float32 and (got.double() - exact).abs().max() < 1e-5 * exact.abs().max()
+    assert (
+        got.dtype == torch.float32 and (got.double() - exact).abs().max() < 1e-5 * exact.abs().max()
+    )
     for rows in (1, 5, 17):  # a row's result does not depend on the rows beside it
-        assert torch.equal(cpu_linear.PackedWeight(cpu_linear.FP32, [w], [b])(x[:, :rows].contiguous()), got[:, :rows])
+        assert torch.equal(
+            cpu_linear.PackedWeight(cpu_linear.FP32, [w], [b])(x[:, :rows].contiguous()),
+            got[:, :rows],
+        )
 
 
 def test_the_option_off_and_odd_dtypes_keep_f_linear():
     assert not cpu_linear.supported(torch.float64, torch.device("cpu"))
-    assert paged_hf.Engine(make_tiny_model("llama", dtype=torch.float64), **SMALL).runner.packed is None
-    assert paged_hf.Engine(make_tiny_model("llama"), cpu_packed_weights=False, **SMALL).runner.packed is None
+    assert (
+        paged_hf.Engine(make_tiny_model("llama", dtype=torch.float64), **SMALL).runner.packed
+        is None
+    )
+    assert (
+        paged_hf.Engine(make_tiny_model("llama"), cpu_packed_weights=False, **SMALL).runner.packed
+        is None
+    )
     with pytest.raises(ValueError, match="cpu_packed_weights"):
         paged_hf.Engine(make_tiny_model("llama", dtype=torch.bfloat16), cpu_packed_weights="yes")
     with pytest.raises(ValueError, match="fp32"):
@@ -198,7 +262,9 @@ def test_no_second_copy_of_weights_that_would_crowd_memory(how, monkeypatch, cap
     assert not ok and "quarter" in why
     model = make_tiny_model("llama", dtype=torch.bfloat16)
     packed = cpu_linear.PackedLinears(model, how, torch.bfloat16)
-    assert packed.nbytes == sum(m.weight.numel() for m in packed.modules) * (4 if how == cpu_linear.FP32 else 2)
+    assert packed.nbytes == sum(m.weight.numel() for m in packed.modules) * (
+        4 if how == cpu_linear.FP32 else 2
+    )
     prompts = tiny_prompts(model.config.vocab_size, 2, [7, 12], seed=7)
     params = paged_hf.SamplingParams(max_new_tokens=6, ignore_eos=True, logprobs=3)
     reference = paged_hf.Engine(model, cpu_packed_weights=False, **SMALL).generate(prompts, params)
@@ -207,8 +273,9 @@ def test_no_second_copy_of_weights_that_would_crowd_memory(how, monkeypatch, cap
         engine = paged_hf.Engine(model, cpu_packed_weights=how, **SMALL)
     assert engine.runner.packed is None
     assert "not packed" in caplog.text and "quarter" in caplog.text
-    assert [o.completions[0].logprobs for o in engine.generate(prompts, params)] == \
-        [o.completions[0].logprobs for o in reference]
+    assert [o.completions[0].logprobs for o in engine.generate(prompts, params)] == [
+        o.completions[0].logprobs for o in reference
+    ]
 
 
 @pytest.mark.parametrize("how", HOWS)
@@ -224,7 +291,9 @@ def test_fused_projections_are_found_and_give_the_same_tokens(family, how):
     if family == "phi3":  # already one qkv_proj and one gate_up_proj: nothing to fuse
         assert groups == []
     else:
-        assert widths == [2, 3] and len(groups) == 2 * model.config.num_hidden_layers, [len(g) for g in groups]
+        assert widths == [2, 3] and len(groups) == 2 * model.config.num_hidden_layers, [
+            len(g) for g in groups
+        ]
     params = paged_hf.SamplingParams(max_new_tokens=8, ignore_eos=True, logprobs=2)
     with_fused = fused.generate(prompts, params)
     assert len(fused.runner.packed.fused) == len(groups), "every group's fused GEMM was exact here"
@@ -252,8 +321,10 @@ def test_a_fused_group_lets_go_of_its_output_once_every_sibling_took_its_slice()
 
     cpu_linear.PackedWeight.__call__ = watch
     try:
-        engine.generate(tiny_prompts(model.config.vocab_size, 2, [5, 9], seed=1),
-                        paged_hf.SamplingParams(max_new_tokens=3, ignore_eos=True))
+        engine.generate(
+            tiny_prompts(model.config.vocab_size, 2, [5, 9], seed=1),
+            paged_hf.SamplingParams(max_new_tokens=3, ignore_eos=True),
+        )
     finally:
         cpu_linear.PackedWeight.__call__ = original
     assert packed._states and held and max(held) <= 1, held  # the one being sliced, at most

@@ -2,6 +2,7 @@
 freed temporaries stay mapped (no page faults on the next step's), large blocks are kept for the next
 step however the heap fragments, and nothing is set where the process chose its allocator already or the
 engine is told not to."""
+
 from __future__ import annotations
 
 import json
@@ -53,11 +54,20 @@ print(json.dumps({"start": start, "faults": faults(), "status": cpu_malloc.statu
 
 
 def _run(mode: str, **env: str) -> dict:
-    full = {k: v for k, v in os.environ.items()
-            if k not in ("GLIBC_TUNABLES", "PAGED_HF_CPU_MALLOC") and not k.startswith("MALLOC_")}
+    full = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("GLIBC_TUNABLES", "PAGED_HF_CPU_MALLOC") and not k.startswith("MALLOC_")
+    }
     full.update(env)
-    res = subprocess.run([sys.executable, "-c", SCRIPT, str(Path(__file__).parent), mode], env=full,
-                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    res = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(Path(__file__).parent), mode],
+        env=full,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     return json.loads(res.stdout.strip().splitlines()[-1])
 
@@ -66,7 +76,9 @@ def _glibc() -> bool:
     return cpu_malloc._glibc() is not None
 
 
-needs_glibc = pytest.mark.skipif(not _glibc(), reason="mallopt is glibc's; elsewhere tune() does nothing")
+needs_glibc = pytest.mark.skipif(
+    not _glibc(), reason="mallopt is glibc's; elsewhere tune() does nothing"
+)
 START_FAULTS = 10 * 4 * 6144  # every page of the four 24 MiB blocks, 10 times
 
 
@@ -113,29 +125,53 @@ print(json.dumps({"faults": sum(counts[2:]), "status": cpu_malloc.status(),
 @needs_glibc
 def test_large_blocks_are_kept_for_the_next_step():
     def run(**env):
-        full = {k: v for k, v in os.environ.items()
-                if k not in ("GLIBC_TUNABLES", "PAGED_HF_CPU_MALLOC", "PAGED_HF_CPU_KEEP_BYTES")}
+        full = {
+            k: v
+            for k, v in os.environ.items()
+            if k not in ("GLIBC_TUNABLES", "PAGED_HF_CPU_MALLOC", "PAGED_HF_CPU_KEEP_BYTES")
+        }
         full.update(env)
-        res = subprocess.run([sys.executable, "-c", FRAGMENTING, str(Path(__file__).parent)], env=full,
-                             capture_output=True, text=True, timeout=300, cwd=ROOT)
+        res = subprocess.run(
+            [sys.executable, "-c", FRAGMENTING, str(Path(__file__).parent)],
+            env=full,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=ROOT,
+        )
         assert res.returncode == 0, res.stderr[-3000:]
         return json.loads(res.stdout.strip().splitlines()[-1])
+
     kept, none_kept = run(), run(PAGED_HF_CPU_KEEP_BYTES="0")
-    assert kept["status"]["kept_blocks"] and kept["stats"][0] > 0, kept  # bytes waiting in their classes
+    assert kept["status"]["kept_blocks"] and kept["stats"][0] > 0, (
+        kept
+    )  # bytes waiting in their classes
     assert none_kept["stats"][0] == 0, none_kept
     # every kept block served again: the small live ones' pages alone fault (16 x 64 fp32 a layer)
     assert kept["faults"] <= 1_000, kept
     assert none_kept["faults"] >= 10 * kept["faults"] + 10_000, (kept, none_kept)
 
 
-@pytest.mark.parametrize("env, why", [
-    ({"PAGED_HF_CPU_MALLOC": "0"}, "PAGED_HF_CPU_MALLOC=0"),
-    ({"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=1000000"}, "GLIBC_TUNABLES sets glibc's malloc"),
-    ({"MALLOC_ARENA_MAX_": "2"}, "MALLOC_ARENA_MAX_ is set"),
-    ({"LD_PRELOAD": "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"}, "tcmalloc is preloaded"),
-])
+@pytest.mark.parametrize(
+    "env, why",
+    [
+        ({"PAGED_HF_CPU_MALLOC": "0"}, "PAGED_HF_CPU_MALLOC=0"),
+        (
+            {"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=1000000"},
+            "GLIBC_TUNABLES sets glibc's malloc",
+        ),
+        ({"MALLOC_ARENA_MAX_": "2"}, "MALLOC_ARENA_MAX_ is set"),
+        (
+            {"LD_PRELOAD": "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"},
+            "tcmalloc is preloaded",
+        ),
+    ],
+)
 def test_a_process_that_chose_its_malloc_is_left_alone(monkeypatch, env, why):
-    for k in [k for k in os.environ if k.startswith("MALLOC_")] + ["GLIBC_TUNABLES", "PAGED_HF_CPU_MALLOC"]:
+    for k in [k for k in os.environ if k.startswith("MALLOC_")] + [
+        "GLIBC_TUNABLES",
+        "PAGED_HF_CPU_MALLOC",
+    ]:
         monkeypatch.delenv(k, raising=False)
     monkeypatch.setenv("LD_PRELOAD", "")
     assert cpu_malloc.reason_to_leave_alone() is None
@@ -148,6 +184,7 @@ def test_a_process_that_chose_its_malloc_is_left_alone(monkeypatch, env, why):
 
 def test_the_option_is_checked():
     from paged_hf.config import EngineConfig
+
     with pytest.raises(ValueError, match="cpu_tune_malloc"):
         EngineConfig(cpu_tune_malloc="yes")
 
@@ -179,8 +216,14 @@ print(json.dumps({"old": old, "after": after, "faults": churn(13, 3, 5),
 def test_kept_blocks_make_room_for_the_classes_a_step_asks_for_now():
     """Past the cap the blocks kept longest go back first: a step whose token count moved (other size
     classes) keeps its own blocks, and they serve it again without faults; trim gives everything back."""
-    res = subprocess.run([sys.executable, "-c", LRU, str(Path(__file__).parent)], capture_output=True, text=True,
-                         timeout=300, cwd=ROOT, env={k: v for k, v in os.environ.items() if k != "PAGED_HF_CPU_MALLOC"})
+    res = subprocess.run(
+        [sys.executable, "-c", LRU, str(Path(__file__).parent)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env={k: v for k, v in os.environ.items() if k != "PAGED_HF_CPU_MALLOC"},
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     got = json.loads(res.stdout.strip().splitlines()[-1])
     assert got["old"] == 40 << 20, got

@@ -9,11 +9,11 @@ import logging
 
 import datasets
 import pytest
+from dataset_eval_worker import columns, eval_setup
+from tiny_tokenizer import CHAT_TEMPLATE, make_tiny_tokenizer
 
 import paged_hf
-from dataset_eval_worker import columns, eval_setup
 from paged_hf import SamplingParams
-from tiny_tokenizer import CHAT_TEMPLATE, make_tiny_tokenizer
 
 PARAMS = SamplingParams(max_new_tokens=6)
 ROWS = 12
@@ -30,14 +30,22 @@ def setup():
 @pytest.fixture(scope="module")
 def reference(setup):
     model, tokenizer, dataset = setup
-    return columns(paged_hf.generate_dataset(model, tokenizer, dataset, sampling_params=PARAMS, progress=False))
+    return columns(
+        paged_hf.generate_dataset(model, tokenizer, dataset, sampling_params=PARAMS, progress=False)
+    )
 
 
 def _run(setup, ckpt, **kwargs) -> dict:
     model, tokenizer, dataset = setup
     kwargs = {"sampling_params": PARAMS, "progress": False, "checkpoint_dir": ckpt, **kwargs}
-    return columns(paged_hf.generate_dataset(kwargs.pop("model", model), kwargs.pop("tokenizer", tokenizer),
-                                             kwargs.pop("dataset", dataset), **kwargs))
+    return columns(
+        paged_hf.generate_dataset(
+            kwargs.pop("model", model),
+            kwargs.pop("tokenizer", tokenizer),
+            kwargs.pop("dataset", dataset),
+            **kwargs,
+        )
+    )
 
 
 def _without_ttft(cols: dict) -> dict:
@@ -52,9 +60,11 @@ def test_a_row_raising_anything_while_prepared_is_an_error_row(setup):
     model, _, _ = setup
     tokenizer = make_tiny_tokenizer()
     # a chat template that refuses system messages, as many real ones do (jinja2's TemplateError)
-    tokenizer.chat_template = ("{% for m in messages %}{% if m['role'] == 'system' %}"
-                               "{{ raise_exception('system messages are not supported') }}{% endif %}{% endfor %}"
-                               + CHAT_TEMPLATE)
+    tokenizer.chat_template = (
+        "{% for m in messages %}{% if m['role'] == 'system' %}"
+        "{{ raise_exception('system messages are not supported') }}{% endif %}{% endfor %}"
+        + CHAT_TEMPLATE
+    )
     template = tokenizer.apply_chat_template
 
     def apply_chat_template(messages, **kwargs):  # a tokenizer that breaks on one input
@@ -66,12 +76,25 @@ def test_a_row_raising_anything_while_prepared_is_an_error_row(setup):
 
     tokenizer.apply_chat_template = apply_chat_template
     user = [{"role": "user", "content": "hello there"}]
-    ds = datasets.Dataset.from_dict({"messages": [user, [{"role": "system", "content": "be brief"}], user,
-                                                  [{"role": "user", "content": "explode"}], user]})
-    out = paged_hf.generate_dataset(model, tokenizer, ds, messages_column="messages", sampling_params=PARAMS,
-                                    progress=False)
+    ds = datasets.Dataset.from_dict(
+        {
+            "messages": [
+                user,
+                [{"role": "system", "content": "be brief"}],
+                user,
+                [{"role": "user", "content": "explode"}],
+                user,
+            ]
+        }
+    )
+    out = paged_hf.generate_dataset(
+        model, tokenizer, ds, messages_column="messages", sampling_params=PARAMS, progress=False
+    )
     reasons = list(out["generation_finish_reason"])
-    assert reasons[1] == reasons[3] == "error" and "error" not in reasons[:1] + reasons[2:3] + reasons[4:]
+    assert (
+        reasons[1] == reasons[3] == "error"
+        and "error" not in reasons[:1] + reasons[2:3] + reasons[4:]
+    )
     assert out["generation_error"][1] == "row 1: TemplateError: system messages are not supported"
     assert out["generation_error"][3] == "row 3: RuntimeError: tokenizer exploded"
     assert out["generation"][0] == out["generation"][2] == out["generation"][4] != ""
@@ -79,21 +102,38 @@ def test_a_row_raising_anything_while_prepared_is_an_error_row(setup):
     # Ctrl-C while a row is prepared still stops the run, and leaves a shared engine clean
     patched = paged_hf.patch(eval_setup(1)[0], tokenizer, max_num_seqs=2)
     try:
-        stop = datasets.Dataset.from_dict({"messages": [user] * 3 + [[{"role": "user", "content": "interrupt"}]]})
+        stop = datasets.Dataset.from_dict(
+            {"messages": [user] * 3 + [[{"role": "user", "content": "interrupt"}]]}
+        )
         with pytest.raises(KeyboardInterrupt):
-            paged_hf.generate_dataset(patched, tokenizer, stop, messages_column="messages", sampling_params=PARAMS,
-                                      progress=False)
+            paged_hf.generate_dataset(
+                patched,
+                tokenizer,
+                stop,
+                messages_column="messages",
+                sampling_params=PARAMS,
+                progress=False,
+            )
         assert not paged_hf.engine_for(patched).requests
     finally:
         paged_hf.unpatch(patched)
 
 
 def test_error_column_holds_the_message_of_refused_rows(setup, reference):
-    assert list(reference) == ["id", "prompt", "generation", "generation_num_tokens", "generation_finish_reason",
-                               "generation_ttft", "generation_error"]
+    assert list(reference) == [
+        "id",
+        "prompt",
+        "generation",
+        "generation_num_tokens",
+        "generation_finish_reason",
+        "generation_ttft",
+        "generation_error",
+    ]
     errors = reference["generation_error"]
     assert errors[7] == "row 7: ValueError: empty prompt"
-    assert [e is None for e in errors] == [r != "error" for r in reference["generation_finish_reason"]]
+    assert [e is None for e in errors] == [
+        r != "error" for r in reference["generation_finish_reason"]
+    ]
     _, _, dataset = setup
     with pytest.raises(ValueError, match=r"already has column\(s\) \['generation_error'\]"):
         _run(setup, None, dataset=dataset.add_column("generation_error", [None] * ROWS))
@@ -107,7 +147,13 @@ def test_errored_rows_run_again_on_resume_and_a_good_record_wins(setup, referenc
     recs = _lines(results)
     for rec in recs:
         if rec["row_index"] == 3:
-            rec.update(text="", num_tokens=0, finish_reason="error", ttft=None, error="row 3: RuntimeError: boom")
+            rec.update(
+                text="",
+                num_tokens=0,
+                finish_reason="error",
+                ttft=None,
+                error="row 3: RuntimeError: boom",
+            )
     results.write_text("".join(json.dumps(r) + "\n" for r in recs))
     resumed = _run(setup, ckpt)
     assert _without_ttft(resumed) == _without_ttft(reference)
@@ -116,11 +162,24 @@ def test_errored_rows_run_again_on_resume_and_a_good_record_wins(setup, referenc
 
     # row 3 now has an error record, then a good one; a later error in another rank's file does not win
     good3 = _lines(results)[ROWS:][again.index(3)]
-    (ckpt / "results-1.jsonl").write_text(json.dumps({**good3, "text": "", "num_tokens": 0, "ttft": None,
-                                                      "finish_reason": "error", "error": "row 3: late"}) + "\n")
+    (ckpt / "results-1.jsonl").write_text(
+        json.dumps(
+            {
+                **good3,
+                "text": "",
+                "num_tokens": 0,
+                "ttft": None,
+                "finish_reason": "error",
+                "error": "row 3: late",
+            }
+        )
+        + "\n"
+    )
     before = results.read_text()
     assert _run(setup, ckpt)["generation"] == first["generation"]
-    assert [r["row_index"] for r in _lines(results)[len(before.splitlines()):]] == [7]  # row 3 stayed done
+    assert [r["row_index"] for r in _lines(results)[len(before.splitlines()) :]] == [
+        7
+    ]  # row 3 stayed done
 
 
 def test_engine_max_model_len_and_eos_are_in_the_fingerprint(setup, tmp_path, monkeypatch):
@@ -128,10 +187,17 @@ def test_engine_max_model_len_and_eos_are_in_the_fingerprint(setup, tmp_path, mo
     small = dataset.select(range(4))
     ckpt = tmp_path / "ckpt"
     _run(setup, ckpt, dataset=small, max_model_len=200)
-    with pytest.raises(ValueError, match=r"different arguments \(engine: .*'max_model_len': 200.*'max_model_len': 120"):
+    with pytest.raises(
+        ValueError,
+        match=r"different arguments \(engine: .*'max_model_len': 200.*'max_model_len': 120",
+    ):
         _run(setup, ckpt, dataset=small, max_model_len=120)
-    monkeypatch.setattr(model.generation_config, "eos_token_id", [2, 5])  # the engine stops on 5 too now
-    with pytest.raises(ValueError, match=r"different arguments \(engine: .*'eos_token_ids': \[2\].*\[2, 5\]"):
+    monkeypatch.setattr(
+        model.generation_config, "eos_token_id", [2, 5]
+    )  # the engine stops on 5 too now
+    with pytest.raises(
+        ValueError, match=r"different arguments \(engine: .*'eos_token_ids': \[2\].*\[2, 5\]"
+    ):
         _run(setup, ckpt, dataset=small, max_model_len=200)
     monkeypatch.undo()
     _run(setup, ckpt, dataset=small, max_model_len=200)  # the same engine resumes
@@ -150,13 +216,17 @@ BAD_RECORDS = {  # row -> (what is wrong, how the written record is changed)
 }
 
 
-def test_bad_checkpoint_records_are_found_at_load_and_their_rows_rerun(setup, reference, tmp_path, monkeypatch,
-                                                                      caplog):
+def test_bad_checkpoint_records_are_found_at_load_and_their_rows_rerun(
+    setup, reference, tmp_path, monkeypatch, caplog
+):
     ckpt = tmp_path / "ckpt"
     _run(setup, ckpt)
     results = ckpt / "results-0.jsonl"
     recs = _lines(results)
-    lines = [json.dumps(BAD_RECORDS[r["row_index"]][1](r) if r["row_index"] in BAD_RECORDS else r) for r in recs]
+    lines = [
+        json.dumps(BAD_RECORDS[r["row_index"]][1](r) if r["row_index"] in BAD_RECORDS else r)
+        for r in recs
+    ]
     lines.append(json.dumps({**recs[0], "row_index": ROWS}))  # beyond the dataset
     lines.append(json.dumps({**recs[0], "row_index": -1}))
     results.write_text("".join(line + "\n" for line in lines))
@@ -166,7 +236,9 @@ def test_bad_checkpoint_records_are_found_at_load_and_their_rows_rerun(setup, re
 
     def spy(self):
         if not warned_before_first_step:
-            warned_before_first_step.append(sum("results-0.jsonl line" in m for m in caplog.messages))
+            warned_before_first_step.append(
+                sum("results-0.jsonl line" in m for m in caplog.messages)
+            )
         return step(self)
 
     monkeypatch.setattr(paged_hf.Engine, "step", spy)
@@ -175,8 +247,10 @@ def test_bad_checkpoint_records_are_found_at_load_and_their_rows_rerun(setup, re
     assert _without_ttft(resumed) == _without_ttft(reference)
     bad = len(BAD_RECORDS) + 2
     assert warned_before_first_step == [bad]
-    rerun = sorted(r["row_index"] for r in _lines(results)[len(lines):])
-    assert rerun == sorted(set(BAD_RECORDS) | {7})  # the damaged rows and the errored one, nothing else
+    rerun = sorted(r["row_index"] for r in _lines(results)[len(lines) :])
+    assert rerun == sorted(
+        set(BAD_RECORDS) | {7}
+    )  # the damaged rows and the errored one, nothing else
 
 
 def test_last_record_without_its_newline_is_kept(setup, tmp_path):
@@ -197,5 +271,12 @@ def test_empty_dataset_gets_the_output_columns(setup, tmp_path):
     _, _, dataset = setup
     for ckpt in (None, tmp_path / "ckpt"):
         out = _run(setup, ckpt, dataset=dataset.select([]))
-        assert out == {"id": [], "prompt": [], "generation": [], "generation_num_tokens": [],
-                       "generation_finish_reason": [], "generation_ttft": [], "generation_error": []}
+        assert out == {
+            "id": [],
+            "prompt": [],
+            "generation": [],
+            "generation_num_tokens": [],
+            "generation_finish_reason": [],
+            "generation_ttft": [],
+            "generation_error": [],
+        }

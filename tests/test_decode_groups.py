@@ -1,17 +1,17 @@
 """Decoding sequences attend in groups of similar length (paged_hf/execution/backends/torch_backend.py):
 the grouping itself, and generation through several groups against transformers."""
+
 from __future__ import annotations
 
 import pytest
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from oracle import assert_teacher_forced
+from tiny_models import FAMILIES, make_tiny_model, tiny_prompts
 
 import paged_hf
 import paged_hf.execution.backends.torch_backend as torch_backend
-from oracle import assert_teacher_forced
 from paged_hf.execution.backends.torch_backend import decode_groups
-from tiny_models import FAMILIES, make_tiny_model, tiny_prompts
 
 
 def _padded(lengths: list[int], groups: list[list[int]], bs: int) -> int:
@@ -20,8 +20,11 @@ def _padded(lengths: list[int], groups: list[list[int]], bs: int) -> int:
 
 
 @settings(max_examples=300, deadline=None)
-@given(lengths=st.lists(st.integers(1, 3000), min_size=1, max_size=80), bs=st.sampled_from([1, 4, 16]),
-       padding=st.sampled_from([0, 64, 512, 4096]))
+@given(
+    lengths=st.lists(st.integers(1, 3000), min_size=1, max_size=80),
+    bs=st.sampled_from([1, 4, 16]),
+    padding=st.sampled_from([0, 64, 512, 4096]),
+)
 def test_groups_partition_by_length_and_bound_the_padding(lengths, bs, padding):
     groups = decode_groups(lengths, bs, padding)
     assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
@@ -54,10 +57,18 @@ def test_generation_through_several_decode_groups_agrees_with_transformers(famil
     # the batch: a group's members are not in batch order
     lengths = [14, 2, 13, 6, 27, 5, 41, 26]
     prompts = tiny_prompts(reference.config.vocab_size, len(lengths), lengths, seed=5)
-    engine = paged_hf.Engine(model, num_blocks=128, block_size=4, max_num_batched_tokens=64, max_num_seqs=8,
-                             backend="torch")  # the reference path groups its decodes
+    engine = paged_hf.Engine(
+        model,
+        num_blocks=128,
+        block_size=4,
+        max_num_batched_tokens=64,
+        max_num_seqs=8,
+        backend="torch",
+    )  # the reference path groups its decodes
     outs = engine.generate(prompts, paged_hf.SamplingParams(max_new_tokens=10))
     assert max(len(groups) for groups in seen) >= 4, "the decodes really ran in several groups"
-    assert any(g != sorted(g) for groups in seen for g in groups), "some group's members are out of batch order"
+    assert any(g != sorted(g) for groups in seen for g in groups), (
+        "some group's members are out of batch order"
+    )
     for prompt, out in zip(prompts, outs):
         assert_teacher_forced(reference, prompt, out.token_ids, what=f"{family}/grouped decodes")

@@ -19,7 +19,9 @@ def test_default_model_answers_and_reloads_from_cache(smollm2):
     assert tokenizer.pad_token is not None
 
     messages = [{"role": "user", "content": "What is the capital of France?"}]
-    inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    inputs = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )
     with torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=20, do_sample=False)
     answer = tokenizer.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)

@@ -7,6 +7,7 @@ A fake model loop (``Driver``) drives the core as the engine does: schedule, mar
 computed, sample for every request whose KV is complete (forking the n-1 siblings on a
 request's first sample), update.
 """
+
 from __future__ import annotations
 
 import random
@@ -17,9 +18,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from paged_hf.cache.block_manager import BlockManager, blocks_for
+from paged_hf.engine.scheduler import Scheduler, SchedulerOutput
 from paged_hf.requests.request import FinishReason, Request, RequestStatus
 from paged_hf.requests.sampling_params import SamplingParams
-from paged_hf.engine.scheduler import Scheduler, SchedulerOutput
 
 EOS = 0
 STOP = 1
@@ -29,17 +30,31 @@ OUT_VOCAB = 8  # sampled tokens: 0 (eos) .. 7
 class Driver:
     """A fake model loop over a real Scheduler, checking invariants as it goes."""
 
-    def __init__(self, num_blocks: int, block_size: int, budget: int, max_seqs: int,
-                 prefix_caching: bool, seed: int = 0, preemption_mode: str = "recompute",
-                 prefill_cap: int | None = None) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        budget: int,
+        max_seqs: int,
+        prefix_caching: bool,
+        seed: int = 0,
+        preemption_mode: str = "recompute",
+        prefill_cap: int | None = None,
+    ) -> None:
         self.kv = BlockManager(num_blocks, block_size, enable_prefix_caching=prefix_caching)
-        self.s = Scheduler(self.kv, budget, max_seqs, preemption_mode, max_prefill_tokens_while_decoding=prefill_cap)
+        self.s = Scheduler(
+            self.kv,
+            budget,
+            max_seqs,
+            preemption_mode,
+            max_prefill_tokens_while_decoding=prefill_cap,
+        )
         self.rng = random.Random(seed)
-        self.live: list[Request] = []      # added (or forked) and not finished, in order
+        self.live: list[Request] = []  # added (or forked) and not finished, in order
         self.ended: list[Request] = []
-        self.steps = 0                      # steps run
-        self.busy_steps = 0                 # steps that started with unfinished requests
-        self.work = 0                       # sum over sequences of prompt + max_new + 1
+        self.steps = 0  # steps run
+        self.busy_steps = 0  # steps that started with unfinished requests
+        self.work = 0  # sum over sequences of prompt + max_new + 1
         self.born: dict[Request, int] = {}
         self.died: dict[Request, int] = {}
         self.seen_outputs: dict[Request, list[int]] = {}
@@ -47,8 +62,14 @@ class Driver:
         self._ids = 0
 
     # ---- requests --------------------------------------------------------------------------
-    def make_request(self, prompt: list[int], max_new: int, n: int = 1, salt: str | None = None,
-                     stop_mode: int = 0) -> Request:
+    def make_request(
+        self,
+        prompt: list[int],
+        max_new: int,
+        n: int = 1,
+        salt: str | None = None,
+        stop_mode: int = 0,
+    ) -> Request:
         kw: dict = {}
         eos: frozenset[int] = frozenset()
         if stop_mode == 1:
@@ -65,7 +86,9 @@ class Driver:
         max_len = len(prompt) + self.rng.randint(1, max_new) if stop_mode == 5 else 1 << 62
         self._ids += 1
         params = SamplingParams(max_new_tokens=max_new, n=n, cache_salt=salt, **kw)
-        return Request(f"req{self._ids}", list(prompt), params, eos_token_ids=eos, max_model_len=max_len)
+        return Request(
+            f"req{self._ids}", list(prompt), params, eos_token_ids=eos, max_model_len=max_len
+        )
 
     def add(self, req: Request) -> bool:
         """Add ``req`` if it can ever run; a refused request must name itself and stay out."""
@@ -120,9 +143,18 @@ class Driver:
         for r, _ in out.scheduled:
             if r.num_pending_tokens == 0:
                 if r.params.n > 1 and not r.forked and r.parent is None:
-                    kids = [Request(f"{r.request_id}.{k}", r.prompt_ids, r.params,
-                                    eos_token_ids=r.eos_token_ids, max_model_len=r.max_model_len,
-                                    parent=r, sample_index=k) for k in range(1, r.params.n)]
+                    kids = [
+                        Request(
+                            f"{r.request_id}.{k}",
+                            r.prompt_ids,
+                            r.params,
+                            eos_token_ids=r.eos_token_ids,
+                            max_model_len=r.max_model_len,
+                            parent=r,
+                            sample_index=k,
+                        )
+                        for k in range(1, r.params.n)
+                    ]
                     s.fork(r, kids)
                     for k in kids:
                         self._born(k)
@@ -148,7 +180,9 @@ class Driver:
         cap = self.work + 2
         while self.s.has_unfinished:
             self.step()
-            assert self.busy_steps <= cap, f"no progress: {self.busy_steps} steps for work {self.work}"
+            assert self.busy_steps <= cap, (
+                f"no progress: {self.busy_steps} steps for work {self.work}"
+            )
         self.check_final()
 
     # ---- checks ----------------------------------------------------------------------------
@@ -171,7 +205,11 @@ class Driver:
         # swap preemption: what goes out is a victim's computed blocks; what comes back fills
         # the first blocks of a request admitted this step, covering its computed tokens
         for r, blocks in out.swap_out:
-            assert r in out.preempted and blocks and r.swapped_tokens > (len(blocks) - 1) * self.kv.block_size
+            assert (
+                r in out.preempted
+                and blocks
+                and r.swapped_tokens > (len(blocks) - 1) * self.kv.block_size
+            )
         for r, blocks in out.swap_in:
             assert r in reqs and not r.swapped_tokens and r.block_table[: len(blocks)] == blocks
             assert blocks_for(r.num_computed_tokens, self.kv.block_size) == len(blocks)
@@ -204,7 +242,11 @@ class Driver:
         for r in s.running:
             assert r.status is RequestStatus.RUNNING
             assert r.num_pending_tokens >= 1
-            assert blocks_for(r.num_computed_tokens, bs) <= len(r.block_table) <= blocks_for(r.num_tokens, bs)
+            assert (
+                blocks_for(r.num_computed_tokens, bs)
+                <= len(r.block_table)
+                <= blocks_for(r.num_tokens, bs)
+            )
         for r in s.waiting:
             assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
             assert not r.block_table and r.prefix_node is None and r.num_computed_tokens == 0
@@ -249,7 +291,11 @@ class Driver:
                 n_held += 1
             if in_tree:
                 # no unlocked node holds a used block, and a locked node's blocks are in use
-                assert (tree_lock[b] > 0) == (pool.refcount[b] > 0), (b, tree_lock[b], pool.refcount[b])
+                assert (tree_lock[b] > 0) == (pool.refcount[b] > 0), (
+                    b,
+                    tree_lock[b],
+                    pool.refcount[b],
+                )
         assert n_free == pool.num_free and n_cached == pool.num_cached
         assert n_free + n_cached + n_held == pool.num_blocks
 
@@ -299,33 +345,45 @@ def configs(draw):
     # mostly pools of 6..64 tokens (requests of up to ~38 tokens: many fit alone but not
     # together, so preemption and eviction are common), sometimes a tiny one that refuses most
     block_size = draw(st.sampled_from(range(1, 9)))
-    capacity = draw(st.one_of(st.sampled_from(range(6, 65)), st.sampled_from(range(6, 65)),
-                              st.integers(1, 12)))
+    capacity = draw(
+        st.one_of(st.sampled_from(range(6, 65)), st.sampled_from(range(6, 65)), st.integers(1, 12))
+    )
     num_blocks = max(1, -(-capacity // block_size))
     budget = draw(st.sampled_from(range(1, 25)))
     max_seqs = draw(st.sampled_from(range(1, min(budget, 6) + 1)))
-    return dict(num_blocks=num_blocks, block_size=block_size, budget=budget, max_seqs=max_seqs,
-                prefix_caching=draw(st.sampled_from([True, True, False])),
-                prefill_cap=draw(st.sampled_from([None, None, 1, 2, 3, 5, 8])))
+    return dict(
+        num_blocks=num_blocks,
+        block_size=block_size,
+        budget=budget,
+        max_seqs=max_seqs,
+        prefix_caching=draw(st.sampled_from([True, True, False])),
+        prefill_cap=draw(st.sampled_from([None, None, 1, 2, 3, 5, 8])),
+    )
 
 
 def random_config(rng: random.Random) -> dict:
     block_size = rng.randint(1, 8)
     budget = rng.randint(1, 24)
-    return dict(num_blocks=max(1, -(-rng.randint(6, 64) // block_size)), block_size=block_size,
-                budget=budget, max_seqs=rng.randint(1, min(budget, 6)),
-                prefix_caching=rng.random() < 0.7,
-                preemption_mode=rng.choice(["recompute", "recompute", "swap"]),
-                prefill_cap=rng.choice([None, None, 1, 2, 4, 8]))
+    return dict(
+        num_blocks=max(1, -(-rng.randint(6, 64) // block_size)),
+        block_size=block_size,
+        budget=budget,
+        max_seqs=rng.randint(1, min(budget, 6)),
+        prefix_caching=rng.random() < 0.7,
+        preemption_mode=rng.choice(["recompute", "recompute", "swap"]),
+        prefill_cap=rng.choice([None, None, 1, 2, 4, 8]),
+    )
 
 
-ADD = st.tuples(st.just("add"),
-                st.booleans(),                                  # starts with the common prefix
-                st.lists(st.integers(0, 2), max_size=14),      # the rest of the prompt
-                st.integers(1, 8),                              # max_new_tokens
-                st.sampled_from([1, 1, 1, 2, 3]),               # n
-                st.sampled_from([None, None, "a", "b"]),       # cache_salt
-                st.integers(0, 5))                              # stop mode
+ADD = st.tuples(
+    st.just("add"),
+    st.booleans(),  # starts with the common prefix
+    st.lists(st.integers(0, 2), max_size=14),  # the rest of the prompt
+    st.integers(1, 8),  # max_new_tokens
+    st.sampled_from([1, 1, 1, 2, 3]),  # n
+    st.sampled_from([None, None, "a", "b"]),  # cache_salt
+    st.integers(0, 5),
+)  # stop mode
 STEP = st.tuples(st.just("step"), st.integers(1, 6))
 ABORT = st.tuples(st.just("abort"), st.integers(0, 1 << 16))
 OPS = st.lists(st.one_of(ADD, ADD, ADD, STEP, STEP, ABORT), min_size=1, max_size=30)
@@ -348,8 +406,12 @@ def run_ops(cfg: dict, prefix: list[int], ops: list, seed: int) -> Driver:
 
 
 @settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(cfg=configs(), prefix=st.lists(st.integers(0, 1), min_size=0, max_size=16), ops=OPS,
-       seed=st.integers(0, 1 << 30))
+@given(
+    cfg=configs(),
+    prefix=st.lists(st.integers(0, 1), min_size=0, max_size=16),
+    ops=OPS,
+    seed=st.integers(0, 1 << 30),
+)
 def test_random_schedules(cfg, prefix, ops, seed):
     """Operation lists drawn (and shrunk) by hypothesis."""
     run_ops(cfg, prefix, ops, seed)
@@ -374,8 +436,15 @@ def test_long_random_schedules(seed):
             n = rng.choice([1, 1, 1, 2, 3])
             if rng.random() < 0.9:
                 n = min(n, d.s.max_num_seqs)
-            d.add(d.make_request(prompt or [2], rng.randint(1, min(8, third + 2)), n,
-                                 rng.choice([None, None, "a", "b"]), rng.randrange(6)))
+            d.add(
+                d.make_request(
+                    prompt or [2],
+                    rng.randint(1, min(8, third + 2)),
+                    n,
+                    rng.choice([None, None, "a", "b"]),
+                    rng.randrange(6),
+                )
+            )
         elif x < 0.93:
             d.step()
         elif d.live:
@@ -384,8 +453,13 @@ def test_long_random_schedules(seed):
 
 
 @settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(block_size=st.integers(1, 4), num_blocks=st.integers(2, 10), budget=st.integers(2, 8),
-       prefix_caching=st.booleans(), seed=st.integers(0, 1 << 30))
+@given(
+    block_size=st.integers(1, 4),
+    num_blocks=st.integers(2, 10),
+    budget=st.integers(2, 8),
+    prefix_caching=st.booleans(),
+    seed=st.integers(0, 1 << 30),
+)
 def test_tight_pool_parallel_samples(block_size, num_blocks, budget, prefix_caching, seed):
     """Heavy contention: many requests that each just fit the pool, parallel samples with a
     partial last block (copy-on-write), a common prefix, and no eos: lots of preemption."""
@@ -395,7 +469,9 @@ def test_tight_pool_parallel_samples(block_size, num_blocks, budget, prefix_cach
     cap_tokens = num_blocks * block_size
     prefix = [rng.randrange(2) for _ in range(rng.randint(0, cap_tokens // 2))]
     for _ in range(rng.randint(2, 6)):
-        prompt = (prefix + [rng.randrange(3) for _ in range(rng.randint(1, 4))])[: max(1, cap_tokens - 1)]
+        prompt = (prefix + [rng.randrange(3) for _ in range(rng.randint(1, 4))])[
+            : max(1, cap_tokens - 1)
+        ]
         max_new = max(1, min(8, cap_tokens - len(prompt)))
         n = rng.randint(1, min(3, max_seqs))
         assert d.add(d.make_request(prompt, max_new, n, rng.choice([None, "a"])))

@@ -16,6 +16,7 @@ runs the same faults over state slots, which must all be given back too; a tiny 
 layers beside full ones: two cache groups, the sliding one freeing blocks as they slide out) runs
 them over every group's tables, checked after every step.
 """
+
 from __future__ import annotations
 
 import functools
@@ -23,20 +24,30 @@ import functools
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+from test_cache_groups import check_tables
+from tiny_models import N_SPECIAL, make_tiny_model
 
 import paged_hf
 from paged_hf import SamplingParams
 from paged_hf.engine import step as engine_module
 from paged_hf.execution import sampler
-from paged_hf.requests.request import root_request_id, sample_request_id
 from paged_hf.model.support import build_tiny_model
-from test_cache_groups import check_tables
-from tiny_models import N_SPECIAL, make_tiny_model
+from paged_hf.requests.request import root_request_id, sample_request_id
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-FAULTS = ("none", "forward_error", "forward_interrupt", "sampling_error", "sampler_error", "sampler_interrupt",
-          "swap_out_error", "callback_interrupt", "callback_abort", "poison")
+FAULTS = (
+    "none",
+    "forward_error",
+    "forward_interrupt",
+    "sampling_error",
+    "sampler_error",
+    "sampler_interrupt",
+    "swap_out_error",
+    "callback_interrupt",
+    "callback_abort",
+    "poison",
+)
 STEP_INTERRUPTS = ("forward_interrupt", "sampler_interrupt")  # KeyboardInterrupt inside step()
 
 
@@ -55,22 +66,31 @@ def workloads(draw, fault: str, kind: str = "llama"):
         prompt = draw(st.sampled_from(prefixes)) + draw(st.lists(token, min_size=1, max_size=8))
         n = draw(st.sampled_from([1, 1, 2, 3]))
         sampled = n > 1 or draw(st.booleans())
-        params = SamplingParams(max_new_tokens=draw(st.integers(1, 7)), n=n, temperature=1.0 if sampled else 0.0,
-                                seed=draw(st.integers(0, 1000)) if sampled else None,
-                                ignore_eos=draw(st.booleans()), cache_salt=draw(st.sampled_from([None, None, "t"])))
+        params = SamplingParams(
+            max_new_tokens=draw(st.integers(1, 7)),
+            n=n,
+            temperature=1.0 if sampled else 0.0,
+            seed=draw(st.integers(0, 1000)) if sampled else None,
+            ignore_eos=draw(st.booleans()),
+            cache_salt=draw(st.sampled_from([None, None, "t"])),
+        )
         requests.append((prompt, params))
     block_size = draw(st.sampled_from([2, 4]))
     longest = max(len(p) + sp.max_new_tokens for p, sp in requests)
-    groups = 2 if kind == "gemma3_text" else 1  # its pool's pages are one group's; a request holds some in each
+    groups = (
+        2 if kind == "gemma3_text" else 1
+    )  # its pool's pages are one group's; a request holds some in each
     swap_fault = fault == "swap_out_error"  # needs swap preemption, so a tight pool
-    config = dict(block_size=block_size,
-                  # from just enough for the longest request (preemption certain) to roomy
-                  num_blocks=groups * -(-longest // block_size)
-                  + draw(st.sampled_from([0, 1, 2] if swap_fault else [0, 1, 2, 4, 12])),
-                  max_num_batched_tokens=draw(st.sampled_from([8, 16, 64])),
-                  max_num_seqs=draw(st.sampled_from([3, 4, 8])),
-                  enable_prefix_caching=draw(st.booleans()),
-                  preemption_mode="swap" if swap_fault else draw(st.sampled_from(["recompute", "swap"])))
+    config = dict(
+        block_size=block_size,
+        # from just enough for the longest request (preemption certain) to roomy
+        num_blocks=groups * -(-longest // block_size)
+        + draw(st.sampled_from([0, 1, 2] if swap_fault else [0, 1, 2, 4, 12])),
+        max_num_batched_tokens=draw(st.sampled_from([8, 16, 64])),
+        max_num_seqs=draw(st.sampled_from([3, 4, 8])),
+        enable_prefix_caching=draw(st.booleans()),
+        preemption_mode="swap" if swap_fault else draw(st.sampled_from(["recompute", "swap"])),
+    )
     where = draw(st.integers(0, 12))  # the step, sample call or callback the fault hits
     victim = draw(st.integers(0, len(requests) - 1))
     return requests, config, where, victim
@@ -92,27 +112,45 @@ def assert_clean(engine):
     index = engine.kv.index
     assert index is None or all(node.lock_ref == 0 for node in index.iter_nodes())
     assert engine.kv.state is None or engine.kv.state.num_used == 0, "a state slot is still held"
-    assert engine.kv.state is None or engine.kv.state.num_pending == 0, "a state snapshot was never attached or released"
-    if engine.kv.state is not None and index is not None:  # every checkpoint sits on a node of the tree
-        assert engine.kv.state.num_checkpoints_held == sum(1 for n in index.iter_nodes() if n.state is not None)
+    assert engine.kv.state is None or engine.kv.state.num_pending == 0, (
+        "a state snapshot was never attached or released"
+    )
+    if (
+        engine.kv.state is not None and index is not None
+    ):  # every checkpoint sits on a node of the tree
+        assert engine.kv.state.num_checkpoints_held == sum(
+            1 for n in index.iter_nodes() if n.state is not None
+        )
 
 
 @pytest.mark.parametrize("fault", FAULTS)
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(
+    max_examples=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 @given(data=st.data())
 def test_a_single_fault_harms_only_what_it_touches(fault, data):
     single_fault(fault, data, "llama")
 
 
 @pytest.mark.parametrize("fault", FAULTS)
-@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(
+    max_examples=15,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 @given(data=st.data())
 def test_a_single_fault_harms_only_what_it_touches_on_a_hybrid(fault, data):
     single_fault(fault, data, "qwen3_5_text")
 
 
 @pytest.mark.parametrize("fault", FAULTS)
-@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(
+    max_examples=10,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 @given(data=st.data())
 def test_a_single_fault_harms_only_what_it_touches_with_cache_groups(fault, data):
     single_fault(fault, data, "gemma3_text")
@@ -124,12 +162,12 @@ def single_fault(fault: str, data, kind: str) -> None:
     reference = tokens(run(paged_hf.Engine(model, **config), requests))
     engine = paged_hf.Engine(model, **config)
     assert len(engine.groups) == (2 if kind == "gemma3_text" else 1)
-    touched: set[str] = set()   # sample ids the fault may end with an error
-    aborted: set[str] = set()   # root ids a callback aborted
-    victim_id: list[str] = []   # the victim's request id, once submitted
-    calls: list[str] = []      # steps run
+    touched: set[str] = set()  # sample ids the fault may end with an error
+    aborted: set[str] = set()  # root ids a callback aborted
+    victim_id: list[str] = []  # the victim's request id, once submitted
+    calls: list[str] = []  # steps run
     callbacks: list[str] = []  # on_token calls made
-    in_step: list[str] = []    # the requests of the step running now
+    in_step: list[str] = []  # the requests of the step running now
     execute, prepare, sample = engine.runner.execute, sampler._prepare_row, engine_module.sample
 
     def faulty_execute(scheduled, copies):
@@ -148,7 +186,9 @@ def single_fault(fault: str, data, kind: str) -> None:
         prepare(logits, row, req)
 
     def faulty_sample(logits, rows, mask=None):
-        if len(calls) == where + 1:  # a failed step ends every request in it, and the samples it forked
+        if (
+            len(calls) == where + 1
+        ):  # a failed step ends every request in it, and the samples it forked
             touched.update(in_step + [r.request_id for r in rows])
             raise RuntimeError("sampler crashed") if fault == "sampler_error" else KeyboardInterrupt
         return sample(logits, rows, mask)
@@ -203,7 +243,9 @@ def single_fault(fault: str, data, kind: str) -> None:
                     else:
                         assert not r.block_tables and r.num_computed_tokens == 0, rid
                 touched.clear()
-        outputs = engine.run_until_done(rids, on_token=on_token if fault.startswith("callback") else None)
+        outputs = engine.run_until_done(
+            rids, on_token=on_token if fault.startswith("callback") else None
+        )
     except KeyboardInterrupt:
         assert fault == "callback_interrupt"
         interrupted = True
@@ -216,23 +258,31 @@ def single_fault(fault: str, data, kind: str) -> None:
     check_tables(engine)
     event(f"{'interrupted' if interrupted else f'{len(touched)} touched, {len(aborted)} aborted'}")
     event(f"samples of n > 1 touched: {any(root_request_id(rid) != rid for rid in touched)}")
-    event(f"preemptions: {'some' if engine.stats()['preemptions'] else 'none'} ({config['preemption_mode']})")
+    event(
+        f"preemptions: {'some' if engine.stats()['preemptions'] else 'none'} ({config['preemption_mode']})"
+    )
     if not interrupted:
         assert len(outputs) == len(reference)
         for out, ref in zip(outputs, reference):
-            if out.request_id in aborted or any(c.finish_reason == "error" for c in out.completions):
+            if out.request_id in aborted or any(
+                c.finish_reason == "error" for c in out.completions
+            ):
                 assert len(out.completions) <= len(ref)  # ended before it forked, perhaps
             else:
                 assert len(out.completions) == len(ref)
             for k, (completion, expected) in enumerate(zip(out.completions, ref)):
                 sample_id = out.request_id if k == 0 else sample_request_id(out.request_id, k)
                 if completion.finish_reason == "error":
-                    assert sample_id in touched, f"{sample_id} failed without a fault touching it: {completion.error}"
-                    assert completion.token_ids == expected[:len(completion.token_ids)]
+                    assert sample_id in touched, (
+                        f"{sample_id} failed without a fault touching it: {completion.error}"
+                    )
+                    assert completion.token_ids == expected[: len(completion.token_ids)]
                 elif out.request_id in aborted:
-                    assert completion.token_ids == expected[:len(completion.token_ids)]
+                    assert completion.token_ids == expected[: len(completion.token_ids)]
                 else:
-                    assert completion.token_ids == expected, f"{sample_id} changed under fault {fault}"
+                    assert completion.token_ids == expected, (
+                        f"{sample_id} changed under fault {fault}"
+                    )
     # the same engine serves the whole workload again, cache and all, as a fresh one would
     assert tokens(run(engine, requests)) == reference
     assert_clean(engine)

@@ -4,17 +4,18 @@ update never harms anyone else. One test per defect seen on the engine before th
 fp64 tiny models make greedy tokens independent of batch composition, so "the others' tokens
 do not change" is checked as equality with a fault-free run.
 """
+
 from __future__ import annotations
 
 import pytest
 import torch
+from oracle import assert_teacher_forced
+from tiny_models import make_tiny_model, tiny_prompts
 
 import paged_hf
-from oracle import assert_teacher_forced
 from paged_hf import SamplingParams
 from paged_hf.frontends.serve import BackgroundEngine
 from paged_hf.requests.request import root_request_id
-from tiny_models import make_tiny_model, tiny_prompts
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -34,7 +35,10 @@ def prompts(model):
 @pytest.fixture(scope="module")
 def reference(model, prompts):
     """Fault-free tokens of ``prompts`` under GREEDY."""
-    return [o.token_ids for o in paged_hf.Engine(model, block_size=4, num_blocks=64).generate(prompts, GREEDY)]
+    return [
+        o.token_ids
+        for o in paged_hf.Engine(model, block_size=4, num_blocks=64).generate(prompts, GREEDY)
+    ]
 
 
 def assert_clean(engine: paged_hf.Engine) -> None:
@@ -47,15 +51,19 @@ def assert_clean(engine: paged_hf.Engine) -> None:
 
 # ---- poison requests are refused at admission (each used to fail inside step() and wedge it) ----
 
-@pytest.mark.parametrize("params, field", [
-    (dict(logprobs=10**6), "logprobs"),
-    (dict(cache_salt=["x"]), "cache_salt"),
-    (dict(cache_salt=1), "cache_salt"),
-    (dict(seed=2**64 - 1, n=2, temperature=1.0), "seed"),
-    (dict(seed=-1, temperature=1.0), "seed"),
-    (dict(repetition_penalty=1e-300), "repetition_penalty"),
-    (dict(ignore_eos="no"), "ignore_eos"),
-])
+
+@pytest.mark.parametrize(
+    "params, field",
+    [
+        (dict(logprobs=10**6), "logprobs"),
+        (dict(cache_salt=["x"]), "cache_salt"),
+        (dict(cache_salt=1), "cache_salt"),
+        (dict(seed=2**64 - 1, n=2, temperature=1.0), "seed"),
+        (dict(seed=-1, temperature=1.0), "seed"),
+        (dict(repetition_penalty=1e-300), "repetition_penalty"),
+        (dict(ignore_eos="no"), "ignore_eos"),
+    ],
+)
 def test_poison_params_are_refused_naming_the_field(params, field):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**params)
@@ -70,8 +78,10 @@ def test_stop_token_ids_must_be_a_list_of_ints(stop):
 def test_refused_request_in_a_batch_ends_alone(model, prompts, reference):
     engine = paged_hf.Engine(model, block_size=4, num_blocks=64)
     most_logprobs = GREEDY.with_(logprobs=20)
-    outs = engine.generate(prompts + [prompts[0], [5, 6]],
-                           [GREEDY] * 4 + [most_logprobs, GREEDY.with_(stop_token_ids=(999,))])
+    outs = engine.generate(
+        prompts + [prompts[0], [5, 6]],
+        [GREEDY] * 4 + [most_logprobs, GREEDY.with_(stop_token_ids=(999,))],
+    )
     assert [o.token_ids for o in outs[:4]] == reference
     assert outs[4].error is None and len(outs[4].completions[0].logprobs) == 6
     assert "stop token id 999 is outside the vocabulary" in outs[5].error
@@ -80,7 +90,9 @@ def test_refused_request_in_a_batch_ends_alone(model, prompts, reference):
 
 def test_logprobs_above_the_vocabulary_are_refused():
     tiny = make_tiny_model("llama")
-    tiny.config.vocab_size = 16  # what the engine reads; the check must not need a real 16-token model
+    tiny.config.vocab_size = (
+        16  # what the engine reads; the check must not need a real 16-token model
+    )
     engine = paged_hf.Engine(tiny, num_blocks=8)
     with pytest.raises(ValueError, match=r"logprobs=20 exceeds the vocabulary \(16\)"):
         engine.add_request([5, 6], SamplingParams(logprobs=20))
@@ -90,12 +102,17 @@ def test_tiny_temperature_is_greedy_not_the_last_token(model, prompts, reference
     engine = paged_hf.Engine(model, block_size=4, num_blocks=64)
     outs = engine.generate(prompts, GREEDY.with_(temperature=1e-40, seed=0))
     assert [o.token_ids for o in outs] == reference
-    assert SamplingParams(temperature=1e-40).is_greedy and not SamplingParams(temperature=1e-4).is_greedy
+    assert (
+        SamplingParams(temperature=1e-40).is_greedy
+        and not SamplingParams(temperature=1e-4).is_greedy
+    )
 
 
 def test_unseeded_none_prompt_and_bad_ids_name_the_request(model):
     engine = paged_hf.Engine(model, num_blocks=16)
-    with pytest.raises(ValueError, match="request x: a prompt is text or a list of token ids, got NoneType"):
+    with pytest.raises(
+        ValueError, match="request x: a prompt is text or a list of token ids, got NoneType"
+    ):
         engine.add_request(None, request_id="x")
     with pytest.raises(TypeError, match="request_id"):
         engine.add_request([5], request_id=1.5)
@@ -104,7 +121,10 @@ def test_unseeded_none_prompt_and_bad_ids_name_the_request(model):
 
 # ---- failures inside a step end their requests alone; the engine keeps serving ----
 
-def test_forward_that_raises_once_ends_that_steps_requests_and_frees_their_blocks(model, prompts, reference):
+
+def test_forward_that_raises_once_ends_that_steps_requests_and_frees_their_blocks(
+    model, prompts, reference
+):
     engine = paged_hf.Engine(model, block_size=4, num_blocks=64, max_num_seqs=2)
     execute, calls = engine.runner.execute, []
 
@@ -162,7 +182,11 @@ def test_nan_logits_of_one_request_end_it_alone(model, prompts, reference):
 
     engine.runner.execute = nan_for_second
     outs = engine.generate(prompts, GREEDY)
-    assert outs[2].finish_reason == "error" and "not finite" in outs[2].error and outs[2].token_ids == []
+    assert (
+        outs[2].finish_reason == "error"
+        and "not finite" in outs[2].error
+        and outs[2].token_ids == []
+    )
     assert [outs[i].token_ids for i in (0, 1, 3)] == [reference[i] for i in (0, 1, 3)]
     assert_clean(engine)
 
@@ -199,7 +223,9 @@ def test_a_step_failing_after_it_forked_parallel_samples(model, prompts, fault, 
     assert_clean(engine)
 
 
-def test_a_tokenizer_that_cannot_decode_one_output_fails_that_request_alone(model, prompts, reference):
+def test_a_tokenizer_that_cannot_decode_one_output_fails_that_request_alone(
+    model, prompts, reference
+):
     class Tokenizer:
         def decode(self, ids, skip_special_tokens=True):
             if reference[2][0] in ids:
@@ -208,13 +234,20 @@ def test_a_tokenizer_that_cannot_decode_one_output_fails_that_request_alone(mode
 
     engine = paged_hf.Engine(model, Tokenizer(), block_size=4, num_blocks=64)
     outs = engine.generate(prompts, GREEDY)
-    assert outs[2].finish_reason == "error" and "detokenizing its output failed: UnicodeDecodeError" in outs[2].error
+    assert (
+        outs[2].finish_reason == "error"
+        and "detokenizing its output failed: UnicodeDecodeError" in outs[2].error
+    )
     assert outs[2].token_ids == reference[2]
-    assert [o.text for i, o in enumerate(outs) if i != 2] == [" ".join(map(str, reference[i])) for i in (0, 1, 3)]
+    assert [o.text for i, o in enumerate(outs) if i != 2] == [
+        " ".join(map(str, reference[i])) for i in (0, 1, 3)
+    ]
     assert_clean(engine)
 
 
-def test_keyboard_interrupt_from_a_callback_aborts_the_call_and_leaves_the_engine_clean(model, prompts, reference):
+def test_keyboard_interrupt_from_a_callback_aborts_the_call_and_leaves_the_engine_clean(
+    model, prompts, reference
+):
     engine = paged_hf.Engine(model, block_size=4, num_blocks=64)
     seen = []
 
@@ -277,7 +310,13 @@ def test_streamer_interrupt_aborts_model_generate(model, prompts):
 
 
 def test_swap_out_failure_falls_back_to_recompute(model, prompts):
-    kw = dict(block_size=4, num_blocks=14, max_num_seqs=4, max_num_batched_tokens=64, preemption_mode="swap")
+    kw = dict(
+        block_size=4,
+        num_blocks=14,
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        preemption_mode="swap",
+    )
     long = SamplingParams(max_new_tokens=14, ignore_eos=True)
     ref_engine = paged_hf.Engine(model, **kw)
     reference = [o.token_ids for o in ref_engine.generate(prompts, long)]
@@ -326,12 +365,16 @@ def test_a_failing_callback_ends_its_request_alone(model, prompts, reference):
             raise ValueError("callback bug")
 
     outs = engine.generate(prompts, GREEDY, on_token=fails_for_first)
-    assert outs[0].finish_reason == "error" and "on_token callback raised ValueError: callback bug" in outs[0].error
+    assert (
+        outs[0].finish_reason == "error"
+        and "on_token callback raised ValueError: callback bug" in outs[0].error
+    )
     assert [o.token_ids for o in outs[1:]] == reference[1:]
     assert_clean(engine)
 
 
 # ---- identity: caller ids and the engine's own ids never collide ----
+
 
 def test_caller_id_like_a_sample_id_does_not_collide(model, prompts):
     engine = paged_hf.Engine(model, block_size=4, num_blocks=64)
@@ -356,7 +399,9 @@ def test_step_never_hands_out_one_id_for_two_requests(model, prompts):
     while engine.has_unfinished:
         sampled_now, _finished = engine.step()
         for req in sampled_now:
-            assert seen.setdefault(req.request_id, req) is req, f"two requests stepped as {req.request_id!r}"
+            assert seen.setdefault(req.request_id, req) is req, (
+                f"two requests stepped as {req.request_id!r}"
+            )
     assert {"job", "job#1"} <= set(seen) and len(seen) == 3
     child = next(r for rid, r in seen.items() if rid not in ("job", "job#1"))
     assert child.parent is seen["job"] and root_request_id(child.request_id) == "job"
@@ -368,7 +413,9 @@ def test_caller_ids_never_hit_auto_ids(model, prompts, reference):
     engine = paged_hf.Engine(model, block_size=4, num_blocks=64)
     engine.add_request(prompts[0], GREEDY, request_id="1")
     engine.add_request(prompts[1], GREEDY, request_id="0")
-    outs = engine.generate(prompts, GREEDY)  # used to refuse a valid prompt: "request 1: id already in use"
+    outs = engine.generate(
+        prompts, GREEDY
+    )  # used to refuse a valid prompt: "request 1: id already in use"
     assert [o.token_ids for o in outs] == reference and all(o.error is None for o in outs)
     with pytest.raises(ValueError, match="ids starting with 'paged_hf:'"):
         engine.add_request(prompts[0], GREEDY, request_id="paged_hf:0")
@@ -379,9 +426,14 @@ def test_caller_ids_never_hit_auto_ids(model, prompts, reference):
 def test_background_engine_caller_id_like_a_sample_id(model, prompts):
     bg = paged_hf.serve(model, block_size=4, num_blocks=64, warmup=False)
     try:
-        job = bg.submit(prompts[0], SamplingParams(max_new_tokens=40, n=2, temperature=1.0, seed=1, ignore_eos=True),
-                        request_id="job")
-        other = bg.submit(prompts[1], SamplingParams(max_new_tokens=40, ignore_eos=True), request_id="job#1")
+        job = bg.submit(
+            prompts[0],
+            SamplingParams(max_new_tokens=40, n=2, temperature=1.0, seed=1, ignore_eos=True),
+            request_id="job",
+        )
+        other = bg.submit(
+            prompts[1], SamplingParams(max_new_tokens=40, ignore_eos=True), request_id="job#1"
+        )
         other.cancel()
         got = other.result(timeout=30)
         assert got.prompt_token_ids == prompts[1] and got.finish_reason == "abort"
@@ -418,6 +470,7 @@ def test_background_engine_keeps_serving_after_a_failed_step(model, prompts, ref
 
 # ---- coherence: the prefix cache never serves KV other weights computed ----
 
+
 def test_online_training_generate_step_generate_matches_updated_weights():
     """The RL / online-training loop: generate, step the optimizer, generate the same prompts."""
     torch.manual_seed(0)
@@ -430,14 +483,20 @@ def test_online_training_generate_step_generate_matches_updated_weights():
     assert hits > 0, "unchanged weights: the second call reads the first one's cached prompts"
 
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
-    loss = model(input_ids=first, labels=first).loss  # plain forward of a patched model trains as before
+    loss = model(
+        input_ids=first, labels=first
+    ).loss  # plain forward of a patched model trains as before
     loss.backward()
     optimizer.step()
     optimizer.zero_grad()
 
     second = model.generate(ids, max_new_tokens=6, do_sample=False)
-    assert engine.stats()["prefix_hit_tokens"] == hits, "no block computed by the old weights may be served"
-    assert not torch.equal(first, second), "the update must change the tokens for this test to mean anything"
+    assert engine.stats()["prefix_hit_tokens"] == hits, (
+        "no block computed by the old weights may be served"
+    )
+    assert not torch.equal(first, second), (
+        "the update must change the tokens for this test to mean anything"
+    )
     for row, prompt in zip(second.tolist(), ids.tolist()):
         assert_teacher_forced(model, prompt, row[12:], what="after an optimizer step")
     reference = paged_hf.unpatch(model).generate(ids, max_new_tokens=6, do_sample=False)
@@ -449,7 +508,9 @@ def test_load_state_dict_and_explicit_reset_drop_the_cache(model, prompts):
     engine.generate(prompts, GREEDY)
     assert engine.stats()["blocks_cached"] > 0
     with torch.no_grad():
-        model.load_state_dict(model.state_dict())  # same values, written in place: still a new version
+        model.load_state_dict(
+            model.state_dict()
+        )  # same values, written in place: still a new version
     engine.generate([[5, 6, 7]], GREEDY)
     again = engine.generate(prompts, GREEDY)
     assert all(o.num_cached_tokens == 0 for o in again)
@@ -466,7 +527,9 @@ def test_a_replaced_parameter_is_seen_at_the_next_generate(prompts):
     engine.generate(prompts, GREEDY)
     assert any(o.num_cached_tokens > 0 for o in engine.generate(prompts, GREEDY))
     proj = model.model.layers[0].self_attn.k_proj
-    proj.weight = torch.nn.Parameter(proj.weight.detach() * 3)  # a new tensor, the old one untouched
+    proj.weight = torch.nn.Parameter(
+        proj.weight.detach() * 3
+    )  # a new tensor, the old one untouched
     outs = engine.generate(prompts, GREEDY)
     assert all(o.num_cached_tokens == 0 for o in outs)
     for prompt, out in zip(prompts, outs):
@@ -499,6 +562,7 @@ def test_set_attn_implementation_after_patch_stops_the_engine(prompts):
 
 # ---- configuration ----
 
+
 def test_max_model_len_is_capped_by_what_the_model_can_position():
     gpt2 = make_tiny_model("gpt2")  # learned positions: 1024
     with pytest.raises(ValueError, match="max_model_len=2048 exceeds the 1024 positions"):
@@ -508,8 +572,12 @@ def test_max_model_len_is_capped_by_what_the_model_can_position():
 
 def test_rope_scaling_stretches_the_cap():
     model = make_tiny_model("llama")
-    model.config.rope_parameters = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
-                                    "original_max_position_embeddings": 1024}
+    model.config.rope_parameters = {
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "rope_theta": 10000.0,
+        "original_max_position_embeddings": 1024,
+    }
     assert paged_hf.Engine(model, num_blocks=8, max_model_len=4096).max_model_len == 4096
     with pytest.raises(ValueError, match="4097 exceeds the 4096 positions"):
         paged_hf.Engine(model, num_blocks=8, max_model_len=4097)
@@ -527,7 +595,9 @@ def test_defaults_yield_to_explicit_options():
 def test_do_sample_with_zero_temperature_is_refused_as_transformers_does(prompts):
     model = paged_hf.patch(make_tiny_model("llama"), num_blocks=32)
     with pytest.raises(ValueError, match="temperature=0.0 with do_sample=True"):
-        model.generate(torch.tensor([prompts[0]]), do_sample=True, temperature=0.0, max_new_tokens=3)
+        model.generate(
+            torch.tensor([prompts[0]]), do_sample=True, temperature=0.0, max_new_tokens=3
+        )
     assert_clean(paged_hf.engine_for(model))
 
 
@@ -567,16 +637,21 @@ def test_a_batch_call_lifts_the_auto_prefill_cap_and_streaming_keeps_it():
     prompts = tiny_prompts(model.config.vocab_size, 3, 300, seed=1)
     params = paged_hf.SamplingParams(max_new_tokens=4, ignore_eos=True)
 
-    def second_step(run, **options):  # step 1 prefills 512 tokens; step 2 has a decode beside prefill
+    def second_step(
+        run, **options
+    ):  # step 1 prefills 512 tokens; step 2 has a decode beside prefill
         engine = paged_hf.Engine(model, **options)
         outs = run(engine)
         return engine._stats.step_log[1]["tokens"], [o.token_ids for o in outs]
 
     budget = {"max_num_batched_tokens": 512}  # set: a batch call keeps it (the next test)
     batch, tokens = second_step(lambda e: e.generate(prompts, params), **budget)
-    streamed, streamed_tokens = second_step(lambda e: e.generate(prompts, params, on_token=lambda *_: None), **budget)
-    explicit, explicit_tokens = second_step(lambda e: e.generate(prompts, params),
-                                            max_prefill_tokens_while_decoding=128, **budget)
+    streamed, streamed_tokens = second_step(
+        lambda e: e.generate(prompts, params, on_token=lambda *_: None), **budget
+    )
+    explicit, explicit_tokens = second_step(
+        lambda e: e.generate(prompts, params), max_prefill_tokens_while_decoding=128, **budget
+    )
     assert batch > 129 and streamed <= 129 and explicit <= 129, (batch, streamed, explicit)
     assert tokens == streamed_tokens == explicit_tokens
 
@@ -597,9 +672,15 @@ def test_a_batch_call_on_a_cpu_takes_wider_steps_unless_the_budget_is_set():
         return engine._stats.step_log[0]["tokens"], [o.token_ids for o in outs]
 
     batch, tokens = first_step(lambda e: e.generate(prompts, params))
-    streamed, streamed_tokens = first_step(lambda e: e.generate(prompts, params, on_token=lambda *_: None))
-    explicit, explicit_tokens = first_step(lambda e: e.generate(prompts, params), max_num_batched_tokens=512)
-    assert batch == min(DEFAULT_CPU_BATCH_CALL_TOKENS, 6 * 300) > DEFAULT_MAX_NUM_BATCHED_TOKENS, batch
+    streamed, streamed_tokens = first_step(
+        lambda e: e.generate(prompts, params, on_token=lambda *_: None)
+    )
+    explicit, explicit_tokens = first_step(
+        lambda e: e.generate(prompts, params), max_num_batched_tokens=512
+    )
+    assert batch == min(DEFAULT_CPU_BATCH_CALL_TOKENS, 6 * 300) > DEFAULT_MAX_NUM_BATCHED_TOKENS, (
+        batch
+    )
     assert streamed == explicit == DEFAULT_MAX_NUM_BATCHED_TOKENS, (streamed, explicit)
     assert tokens == streamed_tokens == explicit_tokens
     from paged_hf.model.support import build_tiny_model

@@ -7,19 +7,20 @@ outputs bit-identical to the modules' (RMSNorm: but for an fp32 sum taken in ano
 bf16 step on a rare element), fp32 within 1e-5 of the largest value. A module or function whose
 math differs is left to its own code.
 """
+
 from __future__ import annotations
 
 import sys
 
 import pytest
 import torch
+from tiny_models import make_tiny_model, tiny_prompts
 from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
 from transformers.models.glm4_moe import modeling_glm4_moe as glm4_moe
 from transformers.models.llama import modeling_llama as llama
 
 import paged_hf
 from paged_hf.execution import fused_ops
-from tiny_models import make_tiny_model, tiny_prompts
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 assert fused_ops.available(), "the CPU kernels did not build"
@@ -44,7 +45,10 @@ def _agree(got: torch.Tensor, expected: torch.Tensor, rare: float = 0.0) -> None
 def test_rms_norm_is_the_modules(dtype, width):
     g = torch.Generator().manual_seed(width)
     x = (torch.randn(2, 19, width, generator=g) * 4).to(dtype)
-    for module, gemma in ((llama.LlamaRMSNorm(width, eps=1e-5), False), (Gemma3RMSNorm(width, eps=1e-6), True)):
+    for module, gemma in (
+        (llama.LlamaRMSNorm(width, eps=1e-5), False),
+        (Gemma3RMSNorm(width, eps=1e-6), True),
+    ):
         module = module.to(dtype)
         module.weight.data = torch.randn(width, generator=g).to(dtype)
         assert fused_ops._norm_style(module, dtype) is gemma
@@ -55,7 +59,9 @@ def test_rms_norm_is_the_modules(dtype, width):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_and_mul_on_slices_of_one_gemm(dtype):
     g = torch.Generator().manual_seed(3)
-    both = (torch.randn(1, 13, 2 * 96, generator=g) * 3).to(dtype)  # gate and up side by side, as fused
+    both = (torch.randn(1, 13, 2 * 96, generator=g) * 3).to(
+        dtype
+    )  # gate and up side by side, as fused
     gate, up = both[..., :96], both[..., 96:]
     _agree(fused_ops._silu_and_mul(gate, up), torch.nn.functional.silu(gate) * up)
 
@@ -64,7 +70,9 @@ def test_silu_and_mul_on_slices_of_one_gemm(dtype):
 @pytest.mark.parametrize("head_dim", [64, 16, 10])
 def test_rotary_is_llamas_on_the_attention_modules_views(dtype, head_dim):
     g = torch.Generator().manual_seed(head_dim)
-    q = torch.randn(1, 11, 6, head_dim, generator=g).to(dtype).transpose(1, 2)  # view(...).transpose(1, 2)
+    q = (
+        torch.randn(1, 11, 6, head_dim, generator=g).to(dtype).transpose(1, 2)
+    )  # view(...).transpose(1, 2)
     k = torch.randn(1, 11, 2, head_dim, generator=g).to(dtype).transpose(1, 2)
     cos, sin = (torch.randn(1, 11, head_dim, generator=g).to(dtype) for _ in range(2))
     expected = llama.apply_rotary_pos_emb(q, k, cos, sin)
@@ -91,7 +99,9 @@ def test_partial_rotary_is_glm4_moes_on_a_fused_projections_views(dtype, head_di
         for got in (fused_ops._rotary(q, k, cos, sin), wrapped):
             assert all(torch.equal(a, b) for a, b in zip(got, expected))
     assert fused_ops._checked_widths[original] >= {head_dim, head_dim // 2, 4}
-    assert not fused_ops._rope_matches((llama.__name__, "apply_rotary_pos_emb"), dtype, head_dim, head_dim // 2)
+    assert not fused_ops._rope_matches(
+        (llama.__name__, "apply_rotary_pos_emb"), dtype, head_dim, head_dim // 2
+    )
     assert head_dim // 2 not in fused_ops._checked_widths.get(llama.apply_rotary_pos_emb, ())
 
 
@@ -107,7 +117,9 @@ def test_other_math_is_left_to_its_own_code():
     config = make_tiny_model("llama").config
     config.hidden_act = "gelu"
     assert not fused_ops._mlp_matches(GeluMLP(config), torch.float32)
-    with fused_ops.kernel_seams.switch("rotary", True):  # a call the op does not take goes to the original
+    with fused_ops.kernel_seams.switch(
+        "rotary", True
+    ):  # a call the op does not take goes to the original
         q = torch.randn(1, 5, 2, 8)  # [B, T, H, D]: unsqueeze_dim=2
         cos, sin = torch.randn(1, 5, 8), torch.randn(1, 5, 8)
         expected = llama.apply_rotary_pos_emb(q, q, cos, sin, unsqueeze_dim=2)
@@ -121,29 +133,49 @@ def test_the_engine_finds_what_it_checked_and_leaves_the_model_as_it_was(family)
     gated SiLU MLP (Gemma 3's is GELU's: left alone); the final norm; one rotary function."""
     model = make_tiny_model(family)
     layers = model.config.num_hidden_layers
-    norms, mlps = {"llama": (2 * layers + 1, layers), "qwen3": (4 * layers + 1, layers),
-                   "gemma3_text": (6 * layers + 1, 0)}[family]
+    norms, mlps = {
+        "llama": (2 * layers + 1, layers),
+        "qwen3": (4 * layers + 1, layers),
+        "gemma3_text": (6 * layers + 1, 0),
+    }[family]
     engine = paged_hf.Engine(model)
     found = engine.runner.fused_ops
-    assert (len(found.norms), len(found.mlps), len(found.rope_sites)) == (norms, mlps, 1), found.describe()
+    assert (len(found.norms), len(found.mlps), len(found.rope_sites)) == (norms, mlps, 1), (
+        found.describe()
+    )
     assert all(gemma == (family == "gemma3_text") for _, gemma in found.norms)
     prompts = tiny_prompts(model.config.vocab_size, 3, [5, 12, 30], seed=4)
-    fused = engine.generate(prompts, paged_hf.SamplingParams(max_new_tokens=8, logprobs=1, ignore_eos=True))
+    fused = engine.generate(
+        prompts, paged_hf.SamplingParams(max_new_tokens=8, logprobs=1, ignore_eos=True)
+    )
     plain = paged_hf.Engine(model, cpu_fused_ops=False).generate(
-        prompts, paged_hf.SamplingParams(max_new_tokens=8, logprobs=1, ignore_eos=True))
+        prompts, paged_hf.SamplingParams(max_new_tokens=8, logprobs=1, ignore_eos=True)
+    )
     for a, b in zip(fused, plain):
         assert a.token_ids == b.token_ids
-        assert max(abs(x[0] - y[0]) for x, y in zip(a.completions[0].logprobs, b.completions[0].logprobs)) < 1e-4
-    assert not any("forward" in m.__dict__ for m in model.modules()), "a module kept a step's forward"
+        assert (
+            max(
+                abs(x[0] - y[0])
+                for x, y in zip(a.completions[0].logprobs, b.completions[0].logprobs)
+            )
+            < 1e-4
+        )
+    assert not any("forward" in m.__dict__ for m in model.modules()), (
+        "a module kept a step's forward"
+    )
     module, name = found.rope_sites[0]
-    assert "__wrapped__" not in vars(getattr(sys.modules[module], name)), "transformers' function is given back"
+    assert "__wrapped__" not in vars(getattr(sys.modules[module], name)), (
+        "transformers' function is given back"
+    )
 
 
 def test_a_dtype_the_ops_do_not_take_is_left_to_the_modules():
     model = make_tiny_model("llama").double()
     engine = paged_hf.Engine(model)
     assert engine.runner.fused_ops.describe() == "0 RMSNorms, 0 gated MLPs, 0 rotary functions"
-    out = engine.generate([[5, 6, 7]], paged_hf.SamplingParams(max_new_tokens=3, ignore_eos=True))[0]
+    out = engine.generate([[5, 6, 7]], paged_hf.SamplingParams(max_new_tokens=3, ignore_eos=True))[
+        0
+    ]
     assert out.error is None and len(out.token_ids) == 3
 
 
@@ -161,11 +193,17 @@ def _attention_families() -> dict[str, list[str]]:
             model = support.build_tiny_model(model_type)
         except Exception:  # noqa: BLE001 - no tiny model: not in the sweep either
             continue
-        attention = sorted({type(m) for m in model.modules() if type(m).__name__.endswith("Attention")},
-                           key=lambda c: c.__name__)
+        attention = sorted(
+            {type(m) for m in model.modules() if type(m).__name__.endswith("Attention")},
+            key=lambda c: c.__name__,
+        )
         rope = getattr(sys.modules[type(model).__module__], fused_ops.ROPE_NAME, None)
-        sources = [inspect.getsource(c.forward) for c in attention] + [inspect.getsource(rope) if rope else ""]
-        families.setdefault(hashlib.sha1("".join(sources).encode()).hexdigest(), []).append(model_type)
+        sources = [inspect.getsource(c.forward) for c in attention] + [
+            inspect.getsource(rope) if rope else ""
+        ]
+        families.setdefault(hashlib.sha1("".join(sources).encode()).hexdigest(), []).append(
+            model_type
+        )
     return families
 
 
@@ -192,15 +230,22 @@ def test_every_attention_family_of_the_sweep_gives_the_same_step_with_the_fused_
             fused_engine = paged_hf.Engine(model)
             found = fused_engine.runner.fused_ops
             served["rotary"] += bool(found and found.rope_sites)
-            served["compact"] += bool(fused_engine.runner.compact and fused_engine.runner.compact.plans)
+            served["compact"] += bool(
+                fused_engine.runner.compact and fused_engine.runner.compact.plans
+            )
             fused = fused_engine.generate(prompts, params)
             plain = paged_hf.Engine(model, cpu_fused_ops=False).generate(prompts, params)
             ran.append(members[0])
             for a, b in zip(fused, plain):
                 if a.error or b.error or a.token_ids != b.token_ids:
-                    problems.append(f"{members}: {a.error or b.error or (a.token_ids, b.token_ids)}")
+                    problems.append(
+                        f"{members}: {a.error or b.error or (a.token_ids, b.token_ids)}"
+                    )
                     break
-                gap = max(abs(x[0] - y[0]) for x, y in zip(a.completions[0].logprobs, b.completions[0].logprobs))
+                gap = max(
+                    abs(x[0] - y[0])
+                    for x, y in zip(a.completions[0].logprobs, b.completions[0].logprobs)
+                )
                 if gap > 1e-4:
                     problems.append(f"{members}: logprobs {gap:.2e} apart")
                     break

@@ -1,14 +1,15 @@
 """patch(model).generate against transformers' own generate, family by family (issue 3)."""
+
 from __future__ import annotations
 
 import copy
 
 import pytest
 import torch
+from oracle import assert_teacher_forced
+from tiny_models import EOS_ID, FAMILIES, PAD_ID, left_pad, make_tiny_model, tiny_prompts
 
 import paged_hf
-from oracle import assert_teacher_forced
-from tiny_models import left_pad, EOS_ID, FAMILIES, PAD_ID, make_tiny_model, tiny_prompts
 
 # longer than the sliding window (8) and than several 4-token blocks; one prompt of one token
 PROMPT_LENGTHS = [1, 5, 19, 37]
@@ -61,7 +62,9 @@ def test_right_padding_and_exact_match_with_transformers_on_unpadded_rows():
         mask[i, : len(p)] = 1
     out = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
     for i, p in enumerate(prompts):
-        alone = reference.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False)[0, len(p):].tolist()
+        alone = reference.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False)[
+            0, len(p) :
+        ].tolist()
         gen = out[i, width:].tolist()[: len(alone)]
         assert_teacher_forced(reference, p, gen, what=f"right-padded row {i}")
 
@@ -71,7 +74,9 @@ def test_small_pool_preempts_and_gives_the_same_tokens():
     prompts = tiny_prompts(model.config.vocab_size, 6, [20, 9, 30, 14, 25, 7], seed=3)
     params = paged_hf.SamplingParams(max_new_tokens=24, ignore_eos=True)
     big = paged_hf.Engine(model, num_blocks=256, block_size=4)
-    small = paged_hf.Engine(model, num_blocks=14, block_size=4, max_num_batched_tokens=32, max_num_seqs=6)
+    small = paged_hf.Engine(
+        model, num_blocks=14, block_size=4, max_num_batched_tokens=32, max_num_seqs=6
+    )
     want = [o.token_ids for o in big.generate(prompts, params)]
     got = [o.token_ids for o in small.generate(prompts, params)]
     assert small.stats()["preemptions"] > 0
@@ -100,7 +105,9 @@ def test_prefix_caching_saves_prefill_and_keeps_tokens():
     assert s_on["prefill_tokens_computed"] <= s_off["prefill_tokens_computed"] - 5 * 40
     # a second round hits the cache left by the first
     again = on.generate(prompts[:1], params)[0]
-    assert again.num_cached_tokens == 40 + (len(tails[0]) // 4) * 4 - (0 if (40 + len(tails[0])) % 4 else 4)
+    assert again.num_cached_tokens == 40 + (len(tails[0]) // 4) * 4 - (
+        0 if (40 + len(tails[0])) % 4 else 4
+    )
 
 
 def test_cache_salt_isolates_tenants():
@@ -119,8 +126,9 @@ def test_cache_salt_isolates_tenants():
 def test_seeded_sampling_is_the_same_alone_and_in_a_batch():
     model = make_tiny_model("mistral")
     prompts = tiny_prompts(model.config.vocab_size, 16, [3 + 2 * i for i in range(16)], seed=7)
-    params = paged_hf.SamplingParams(max_new_tokens=10, temperature=0.9, top_p=0.95, top_k=40, seed=1234,
-                                     ignore_eos=True)
+    params = paged_hf.SamplingParams(
+        max_new_tokens=10, temperature=0.9, top_p=0.95, top_k=40, seed=1234, ignore_eos=True
+    )
     alone = paged_hf.Engine(model).generate(prompts[5:6], params)[0].token_ids
     batch = paged_hf.Engine(model).generate(prompts, params)
     assert batch[5].token_ids == alone
@@ -139,9 +147,13 @@ def test_unpatch_is_bit_identical_to_a_never_patched_model():
         assert "generate" not in model.__dict__
         assert model.config._attn_implementation == pristine.config._attn_implementation
         with torch.no_grad():
-            assert torch.equal(model(ids, attention_mask=mask).logits, pristine(ids, attention_mask=mask).logits)
-        assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False),
-                           pristine.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False))
+            assert torch.equal(
+                model(ids, attention_mask=mask).logits, pristine(ids, attention_mask=mask).logits
+            )
+        assert torch.equal(
+            model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False),
+            pristine.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False),
+        )
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3_text", "gpt2"])
@@ -151,8 +163,12 @@ def test_plain_forward_and_training_still_work_while_patched(family):
     prompts = tiny_prompts(pristine.config.vocab_size, 2, [5, 14], seed=9)
     ids, mask = left_pad(prompts)
     with torch.no_grad():
-        torch.testing.assert_close(model(ids, attention_mask=mask).logits,
-                                   pristine(ids, attention_mask=mask).logits, rtol=0, atol=0)
+        torch.testing.assert_close(
+            model(ids, attention_mask=mask).logits,
+            pristine(ids, attention_mask=mask).logits,
+            rtol=0,
+            atol=0,
+        )
     model.train()
     loss = model(ids, attention_mask=mask, labels=ids).loss
     loss.backward()
@@ -162,10 +178,14 @@ def test_plain_forward_and_training_still_work_while_patched(family):
 
 def test_parallel_sampling_n_shares_the_prompt_and_samples_independently():
     model = make_tiny_model("llama")
-    prompt = tiny_prompts(model.config.vocab_size, 1, 10, seed=10)[0]  # last block partial: copy-on-write
+    prompt = tiny_prompts(model.config.vocab_size, 1, 10, seed=10)[
+        0
+    ]  # last block partial: copy-on-write
     engine = paged_hf.Engine(model, block_size=4)
-    out = engine.generate([prompt], paged_hf.SamplingParams(max_new_tokens=8, temperature=1.0, seed=3, n=4,
-                                                              ignore_eos=True))[0]
+    out = engine.generate(
+        [prompt],
+        paged_hf.SamplingParams(max_new_tokens=8, temperature=1.0, seed=3, n=4, ignore_eos=True),
+    )[0]
     assert len(out.completions) == 4
     assert len({tuple(c.token_ids) for c in out.completions}) > 1
     assert all(len(c.token_ids) == 8 for c in out.completions)
@@ -180,9 +200,13 @@ def test_hf_num_return_sequences_shape_and_sampling_reproducible():
     model = paged_hf.patch(make_tiny_model("llama"))
     ids, mask = left_pad(tiny_prompts(model.config.vocab_size, 2, [4, 7], seed=11))
     torch.manual_seed(0)
-    a = model.generate(ids, attention_mask=mask, do_sample=True, max_new_tokens=5, num_return_sequences=3)
+    a = model.generate(
+        ids, attention_mask=mask, do_sample=True, max_new_tokens=5, num_return_sequences=3
+    )
     torch.manual_seed(0)
-    b = model.generate(ids, attention_mask=mask, do_sample=True, max_new_tokens=5, num_return_sequences=3)
+    b = model.generate(
+        ids, attention_mask=mask, do_sample=True, max_new_tokens=5, num_return_sequences=3
+    )
     assert a.shape[0] == 6 and torch.equal(a, b)
     assert torch.equal(a[0::3, : ids.shape[1]], ids)
 
@@ -191,24 +215,33 @@ def test_stop_tokens_min_new_tokens_logprobs_and_eos_padding():
     model = make_tiny_model("llama")
     engine = paged_hf.Engine(model)
     prompt = tiny_prompts(model.config.vocab_size, 1, 6, seed=12)[0]
-    free = engine.generate([prompt], paged_hf.SamplingParams(max_new_tokens=10, ignore_eos=True))[0].token_ids
+    free = engine.generate([prompt], paged_hf.SamplingParams(max_new_tokens=10, ignore_eos=True))[
+        0
+    ].token_ids
     stop = free[3]
     first = free.index(stop)
-    out = engine.generate([prompt], paged_hf.SamplingParams(max_new_tokens=10, stop_token_ids=(stop,),
-                                                            logprobs=2))[0]
+    out = engine.generate(
+        [prompt], paged_hf.SamplingParams(max_new_tokens=10, stop_token_ids=(stop,), logprobs=2)
+    )[0]
     assert out.token_ids == free[: first + 1] and out.finish_reason == "stop"
     chosen, top = out.completions[0].logprobs[0]
     assert len(top) == 2 and chosen <= max(top.values()) + 1e-6
-    held = engine.generate([prompt], paged_hf.SamplingParams(max_new_tokens=10, stop_token_ids=(stop,),
-                                                             min_new_tokens=first + 2))[0]
+    held = engine.generate(
+        [prompt],
+        paged_hf.SamplingParams(
+            max_new_tokens=10, stop_token_ids=(stop,), min_new_tokens=first + 2
+        ),
+    )[0]
     assert len(held.token_ids) >= first + 2
 
     # transformers-style: a row that hits EOS early is padded with pad_token_id
     model2 = paged_hf.patch(make_tiny_model("llama"))
     ids, mask = left_pad([prompt, prompt[:3]])
-    out = model2.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, eos_token_id=stop)
-    row = out[0, ids.shape[1]:].tolist()
-    assert row[: first + 1] == free[: first + 1] and all(t == PAD_ID for t in row[first + 1:])
+    out = model2.generate(
+        ids, attention_mask=mask, max_new_tokens=10, do_sample=False, eos_token_id=stop
+    )
+    row = out[0, ids.shape[1] :].tolist()
+    assert row[: first + 1] == free[: first + 1] and all(t == PAD_ID for t in row[first + 1 :])
 
 
 def test_return_dict_and_streamer():
@@ -228,38 +261,60 @@ def test_return_dict_and_streamer():
     model = paged_hf.patch(make_tiny_model("llama"))
     ids = torch.tensor([tiny_prompts(model.config.vocab_size, 1, 5, seed=13)[0]])
     streamer = Collect()
-    out = model.generate(ids, max_new_tokens=6, do_sample=False, return_dict_in_generate=True, streamer=streamer)
+    out = model.generate(
+        ids, max_new_tokens=6, do_sample=False, return_dict_in_generate=True, streamer=streamer
+    )
     seq = out.sequences[0].tolist()
     assert streamer.ended and streamer.chunks[0] == ids.tolist()
     assert [c[0] for c in streamer.chunks[1:]] == seq[5:]
 
 
-@pytest.mark.parametrize("penalties", [dict(encoder_repetition_penalty=3.0),
-                                       dict(encoder_repetition_penalty=0.4, repetition_penalty=1.3)])
+@pytest.mark.parametrize(
+    "penalties",
+    [
+        dict(encoder_repetition_penalty=3.0),
+        dict(encoder_repetition_penalty=0.4, repetition_penalty=1.3),
+    ],
+)
 def test_encoder_repetition_penalty_is_transformers_on_the_padded_rows(penalties):
     """transformers applies it to a decoder-only model's input_ids as the caller padded them (the
     pad token favoured too), before the repetition penalty: each token is the argmax of transformers'
     own processors' scores, and the penalty changes the tokens (it was once silently ignored)."""
-    from transformers import EncoderRepetitionPenaltyLogitsProcessor, RepetitionPenaltyLogitsProcessor
-
     from oracle import processed_violations
+    from transformers import (
+        EncoderRepetitionPenaltyLogitsProcessor,
+        RepetitionPenaltyLogitsProcessor,
+    )
 
     reference = make_tiny_model("llama")
     model = paged_hf.patch(make_tiny_model("llama"))
     prompts = tiny_prompts(reference.config.vocab_size, 3, [4, 9, 17], seed=6)
     ids, mask = left_pad(prompts)
-    out = model.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, do_sample=False, **penalties)
+    out = model.generate(
+        ids, attention_mask=mask, max_new_tokens=MAX_NEW, do_sample=False, **penalties
+    )
     plain = model.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, do_sample=False)
-    expected = reference.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, do_sample=False, **penalties)
-    assert not torch.equal(out, plain), "the penalty changed nothing: this test would not see it ignored"
+    expected = reference.generate(
+        ids, attention_mask=mask, max_new_tokens=MAX_NEW, do_sample=False, **penalties
+    )
+    assert not torch.equal(out, plain), (
+        "the penalty changed nothing: this test would not see it ignored"
+    )
     width = ids.shape[1]
     for i, (prompt, gen) in enumerate(zip(prompts, generated_rows(out, width))):
         row = ids[i].tolist()
-        processors = [EncoderRepetitionPenaltyLogitsProcessor(penalties["encoder_repetition_penalty"],
-                                                              torch.tensor([row]))]
+        processors = [
+            EncoderRepetitionPenaltyLogitsProcessor(
+                penalties["encoder_repetition_penalty"], torch.tensor([row])
+            )
+        ]
         if "repetition_penalty" in penalties:
-            processors.append(RepetitionPenaltyLogitsProcessor(penalties["repetition_penalty"],
-                                                               prompt_ignore_length=torch.tensor([width - len(prompt)])))
+            processors.append(
+                RepetitionPenaltyLogitsProcessor(
+                    penalties["repetition_penalty"],
+                    prompt_ignore_length=torch.tensor([width - len(prompt)]),
+                )
+            )
         assert not processed_violations(reference, row, prompt, gen, processors), f"row {i}"
     same = sum(torch.equal(a, b) for a, b in zip(out, expected))
     assert same >= 2, f"only {same} of 3 rows are transformers' tokens exactly"
@@ -272,24 +327,37 @@ def test_encoder_repetition_penalty_on_the_engine_is_the_prompts():
 
     model = make_tiny_model("llama")
     prompt = tiny_prompts(model.config.vocab_size, 1, [11], seed=7)[0]
-    params = paged_hf.SamplingParams(max_new_tokens=4, encoder_repetition_penalty=2.5, logprobs=3,
-                                     logprobs_mode="processed", ignore_eos=True)
+    params = paged_hf.SamplingParams(
+        max_new_tokens=4,
+        encoder_repetition_penalty=2.5,
+        logprobs=3,
+        logprobs_mode="processed",
+        ignore_eos=True,
+    )
     out = paged_hf.Engine(model).generate([prompt], params)[0]
     processor = EncoderRepetitionPenaltyLogitsProcessor(2.5, torch.tensor([prompt]))
     with torch.no_grad():
-        logits = model(torch.tensor([prompt + out.token_ids])).logits[0, len(prompt) - 1:-1].float()
+        logits = (
+            model(torch.tensor([prompt + out.token_ids])).logits[0, len(prompt) - 1 : -1].float()
+        )
     for i, (chosen, top) in enumerate(out.completions[0].logprobs):
-        expected = torch.log_softmax(processor(None, logits[i:i + 1].clone())[0], dim=-1)
+        expected = torch.log_softmax(processor(None, logits[i : i + 1].clone())[0], dim=-1)
         assert abs(chosen - float(expected[out.token_ids[i]])) < 1e-4
         assert all(abs(v - float(expected[t])) < 1e-4 for t, v in top.items())
     with pytest.raises(ValueError, match="encoder_repetition_penalty"):
         paged_hf.SamplingParams(encoder_repetition_penalty=0.0)
 
 
-@pytest.mark.parametrize("option", [{"num_beam_groups": 2, "num_beams": 2, "diversity_penalty": 0.5},
-                                    {"penalty_alpha": 0.6, "top_k": 4}, {"guidance_scale": 2.0},
-                                    {"output_attentions": True, "return_dict_in_generate": True},
-                                    {"dola_layers": "low"}])
+@pytest.mark.parametrize(
+    "option",
+    [
+        {"num_beam_groups": 2, "num_beams": 2, "diversity_penalty": 0.5},
+        {"penalty_alpha": 0.6, "top_k": 4},
+        {"guidance_scale": 2.0},
+        {"output_attentions": True, "return_dict_in_generate": True},
+        {"dola_layers": "low"},
+    ],
+)
 def test_options_it_cannot_honour_raise(option):
     model = paged_hf.patch(make_tiny_model("llama"))
     ids = torch.tensor([[5, 6, 7]])
@@ -305,15 +373,25 @@ def test_large_batch_is_admitted_as_the_pool_allows():
     engine = paged_hf.engine_for(model)
     assert out.shape[0] == 300 and engine.stats()["peak_blocks_used"] <= 40
     for i in (0, 137, 299):
-        assert_teacher_forced(make_tiny_model("llama"), prompts[i], generated_rows(out[i:i + 1], ids.shape[1])[0],
-                              what=f"row {i}")
+        assert_teacher_forced(
+            make_tiny_model("llama"),
+            prompts[i],
+            generated_rows(out[i : i + 1], ids.shape[1])[0],
+            what=f"row {i}",
+        )
 
 
 def test_swap_preemption_gives_the_same_tokens_without_recomputing():
     model = make_tiny_model("llama")
     prompts = tiny_prompts(model.config.vocab_size, 6, [20, 9, 30, 14, 25, 7], seed=3)
     params = paged_hf.SamplingParams(max_new_tokens=24, ignore_eos=True)
-    tight = dict(num_blocks=14, block_size=4, max_num_batched_tokens=32, max_num_seqs=6, enable_prefix_caching=False)
+    tight = dict(
+        num_blocks=14,
+        block_size=4,
+        max_num_batched_tokens=32,
+        max_num_seqs=6,
+        enable_prefix_caching=False,
+    )
     recompute = paged_hf.Engine(model, **tight)
     swap = paged_hf.Engine(model, preemption_mode="swap", **tight)
     want = [o.token_ids for o in recompute.generate(prompts, params)]

@@ -5,14 +5,15 @@ with length penalties: the same sequences, beam indices and sequence scores (1e-
 A prompt's beams share its blocks (held once, not once per beam); beam groups survive preemption,
 take prefix-cache hits on their prompt, and a processor that raises ends its call alone.
 """
+
 from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import PAD_ID, left_pad, make_tiny_model, tiny_prompts
 from transformers import LogitsProcessor, LogitsProcessorList
 
 import paged_hf
-from tiny_models import left_pad, PAD_ID, make_tiny_model, tiny_prompts
 
 EOS_SET = list(range(1, 512, 7))  # many EOS ids: beams finish at different lengths
 
@@ -21,12 +22,24 @@ EOS_SET = list(range(1, 512, 7))  # many EOS ids: beams finish at different leng
 def pair(one_thread):
     reference = make_tiny_model("llama")
     model = paged_hf.patch(make_tiny_model("llama"))
-    return reference, model, *left_pad(tiny_prompts(reference.config.vocab_size, 3, [4, 9, 17], seed=3))
+    return (
+        reference,
+        model,
+        *left_pad(tiny_prompts(reference.config.vocab_size, 3, [4, 9, 17], seed=3)),
+    )
 
 
 def both(reference, model, ids, mask, **kwargs):
-    kw = dict(attention_mask=mask, max_new_tokens=10, do_sample=False, return_dict_in_generate=True,
-              output_scores=True) | kwargs
+    kw = (
+        dict(
+            attention_mask=mask,
+            max_new_tokens=10,
+            do_sample=False,
+            return_dict_in_generate=True,
+            output_scores=True,
+        )
+        | kwargs
+    )
     return model.generate(ids, **kw), reference.generate(ids, **kw)
 
 
@@ -36,15 +49,25 @@ def assert_same(out, expected):
     assert torch.allclose(out.sequences_scores, expected.sequences_scores, atol=1e-4)
     for a, b in zip(out.scores, expected.scores, strict=True):
         finite = torch.isfinite(b)
-        assert torch.equal(torch.isfinite(a), finite) and float((a[finite] - b[finite]).abs().max()) < 1e-4
+        assert (
+            torch.equal(torch.isfinite(a), finite)
+            and float((a[finite] - b[finite]).abs().max()) < 1e-4
+        )
 
 
-@pytest.mark.parametrize("beams,options", [
-    (2, {}), (4, {}), (8, {}), (4, dict(eos_token_id=EOS_SET)), (4, dict(eos_token_id=EOS_SET, num_return_sequences=3)),
-    (3, dict(eos_token_id=EOS_SET, early_stopping=True, max_new_tokens=12)),
-    (3, dict(eos_token_id=EOS_SET, early_stopping="never", length_penalty=2.0)),
-    (5, dict(eos_token_id=EOS_SET, early_stopping=False, length_penalty=-1.0)),
-])
+@pytest.mark.parametrize(
+    "beams,options",
+    [
+        (2, {}),
+        (4, {}),
+        (8, {}),
+        (4, dict(eos_token_id=EOS_SET)),
+        (4, dict(eos_token_id=EOS_SET, num_return_sequences=3)),
+        (3, dict(eos_token_id=EOS_SET, early_stopping=True, max_new_tokens=12)),
+        (3, dict(eos_token_id=EOS_SET, early_stopping="never", length_penalty=2.0)),
+        (5, dict(eos_token_id=EOS_SET, early_stopping=False, length_penalty=-1.0)),
+    ],
+)
 def test_beam_search_is_transformers(pair, beams, options):
     reference, model, ids, mask = pair
     out, expected = both(reference, model, ids, mask, num_beams=beams, **options)
@@ -55,11 +78,27 @@ def test_beam_search_is_transformers(pair, beams, options):
 def test_beam_sampling_draws_what_transformers_draws(pair):
     reference, model, ids, mask = pair
     torch.manual_seed(1)
-    out = model.generate(ids, attention_mask=mask, max_new_tokens=8, num_beams=3, do_sample=True, top_k=20,
-                         return_dict_in_generate=True, output_scores=True)
+    out = model.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=8,
+        num_beams=3,
+        do_sample=True,
+        top_k=20,
+        return_dict_in_generate=True,
+        output_scores=True,
+    )
     torch.manual_seed(1)
-    expected = reference.generate(ids, attention_mask=mask, max_new_tokens=8, num_beams=3, do_sample=True, top_k=20,
-                                  return_dict_in_generate=True, output_scores=True)
+    expected = reference.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=8,
+        num_beams=3,
+        do_sample=True,
+        top_k=20,
+        return_dict_in_generate=True,
+        output_scores=True,
+    )
     assert_same(out, expected)
 
 
@@ -74,12 +113,16 @@ def test_a_prompts_beams_hold_its_blocks_once():
     assert torch.equal(out, reference.generate(ids, max_new_tokens=4, num_beams=8, do_sample=False))
     stats = paged_hf.engine_for(model).stats()
     assert stats["peak_blocks_used"] <= 2 + 8, stats["peak_blocks_used"]
-    assert stats["peak_blocks_shared"] >= 2 * 7  # each full prompt block: 7 references that are not copies
+    assert (
+        stats["peak_blocks_shared"] >= 2 * 7
+    )  # each full prompt block: 7 references that are not copies
 
 
 def test_beam_groups_survive_preemption_and_hit_the_prefix_cache(pair):
     reference, _, ids, mask = pair
-    model = paged_hf.patch(make_tiny_model("llama"), block_size=4, num_blocks=24, max_num_batched_tokens=16)
+    model = paged_hf.patch(
+        make_tiny_model("llama"), block_size=4, num_blocks=24, max_num_batched_tokens=16
+    )
     out, expected = both(reference, model, ids, mask, num_beams=4, eos_token_id=EOS_SET)
     assert_same(out, expected)
     engine = paged_hf.engine_for(model)
@@ -87,7 +130,9 @@ def test_beam_groups_survive_preemption_and_hit_the_prefix_cache(pair):
     hits = engine.stats()["prefix_hit_tokens"]
     again, _ = both(reference, model, ids, mask, num_beams=4, eos_token_id=EOS_SET)
     assert_same(again, expected)
-    assert engine.stats()["prefix_hit_tokens"] > hits, "the second call's beams took their prompts from the cache"
+    assert engine.stats()["prefix_hit_tokens"] > hits, (
+        "the second call's beams took their prompts from the cache"
+    )
 
 
 class Raises(LogitsProcessor):
@@ -104,8 +149,13 @@ def test_a_processor_that_raises_ends_its_beam_call_alone(pair):
     alone = engine.generate([[7, 8, 9]], params)[0].token_ids
     rid = engine.add_request([7, 8, 9], params)
     with pytest.raises(OverflowError, match="on purpose"):
-        model.generate(ids, attention_mask=mask, max_new_tokens=10, num_beams=4,
-                       logits_processor=LogitsProcessorList([Raises()]))
+        model.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=10,
+            num_beams=4,
+            logits_processor=LogitsProcessorList([Raises()]),
+        )
     other = engine.run_until_done([rid])[0]
     assert other.error is None and other.token_ids == alone
     assert engine.kv.pool.num_used == 0
@@ -125,17 +175,28 @@ def test_the_engines_own_beam_search_is_transformers(pair):
     reference, model, ids, mask = pair
     engine = paged_hf.engine_for(model)
     prompts = [row[m.bool()].tolist() for row, m in zip(ids, mask)]
-    got = engine.beam_search(prompts, num_beams=4, max_new_tokens=10, num_return_sequences=2, eos_token_ids=EOS_SET)
-    expected = reference.generate(ids, attention_mask=mask, max_new_tokens=10, num_beams=4, num_return_sequences=2,
-                                  eos_token_id=EOS_SET, pad_token_id=PAD_ID, do_sample=False,
-                                  return_dict_in_generate=True, output_scores=True)
+    got = engine.beam_search(
+        prompts, num_beams=4, max_new_tokens=10, num_return_sequences=2, eos_token_ids=EOS_SET
+    )
+    expected = reference.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=10,
+        num_beams=4,
+        num_return_sequences=2,
+        eos_token_id=EOS_SET,
+        pad_token_id=PAD_ID,
+        do_sample=False,
+        return_dict_in_generate=True,
+        output_scores=True,
+    )
     width = ids.shape[1]
     lengths = ((expected.beam_indices + 1).bool()).sum(dim=1).tolist()
     for i, hypotheses in enumerate(got):
         assert len(hypotheses) == 2
         for k, (tokens, score) in enumerate(hypotheses):
             j = 2 * i + k
-            assert tokens == expected.sequences[j, width:width + lengths[j]].tolist()
+            assert tokens == expected.sequences[j, width : width + lengths[j]].tolist()
             assert abs(score - float(expected.sequences_scores[j])) < 1e-4
     assert any(h[0][0][-1] in EOS_SET for h in got), "some hypothesis ended on EOS"
     assert engine.kv.pool.num_used == 0

@@ -7,14 +7,15 @@ Such a call's rows pick their tokens together with transformers' own processor l
 and scores and logits are within 1e-4 of its own, -inf where it has -inf. Exact token comparisons
 are made where the reference's processed scores have a clear winner at every step (checked).
 """
+
 from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import EOS_ID, left_pad, make_tiny_model, tiny_prompts
 from transformers import InfNanRemoveLogitsProcessor, LogitsProcessor, LogitsProcessorList
 
 import paged_hf
-from tiny_models import left_pad, EOS_ID, make_tiny_model, tiny_prompts
 
 MAX_NEW = 12
 
@@ -59,11 +60,27 @@ def both(reference, model, ids, mask, make_kwargs, **kwargs):
     """(ours, transformers') outputs of the same call, each with its own fresh callbacks."""
     ours_kw, theirs_kw = make_kwargs(), make_kwargs()
     torch.manual_seed(0)
-    out = model.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, return_dict_in_generate=True,
-                         output_scores=True, output_logits=True, **ours_kw, **kwargs)
+    out = model.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=MAX_NEW,
+        return_dict_in_generate=True,
+        output_scores=True,
+        output_logits=True,
+        **ours_kw,
+        **kwargs,
+    )
     torch.manual_seed(0)
-    expected = reference.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, return_dict_in_generate=True,
-                                  output_scores=True, output_logits=True, **theirs_kw, **kwargs)
+    expected = reference.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=MAX_NEW,
+        return_dict_in_generate=True,
+        output_scores=True,
+        output_logits=True,
+        **theirs_kw,
+        **kwargs,
+    )
     return out, expected, ours_kw, theirs_kw
 
 
@@ -72,7 +89,9 @@ def assert_same(out, expected, sampled=False):
         for step, scores in enumerate(expected.scores):
             finite = scores.masked_fill(~torch.isfinite(scores), -1e30)
             top = finite.topk(2, dim=-1).values
-            assert bool(((top[:, 0] - top[:, 1] > 1e-3) | (top[:, 1] < -1e29)).all()), f"near-tie at step {step}"
+            assert bool(((top[:, 0] - top[:, 1] > 1e-3) | (top[:, 1] < -1e29)).all()), (
+                f"near-tie at step {step}"
+            )
     assert torch.equal(out.sequences, expected.sequences)
     assert len(out.scores) == len(expected.scores) and len(out.logits) == len(expected.logits)
     for ours, theirs in zip(out.scores + out.logits, expected.scores + expected.logits):
@@ -84,8 +103,14 @@ def assert_same(out, expected, sampled=False):
 
 def test_a_stateful_processor_sees_transformers_calls(pair):
     reference, model, ids, mask = pair
-    out, expected, ours, theirs = both(reference, model, ids, mask,
-                                       lambda: {"logits_processor": LogitsProcessorList([Recording()])}, do_sample=False)
+    out, expected, ours, theirs = both(
+        reference,
+        model,
+        ids,
+        mask,
+        lambda: {"logits_processor": LogitsProcessorList([Recording()])},
+        do_sample=False,
+    )
     assert_same(out, expected)
     a, b = ours["logits_processor"][0].calls, theirs["logits_processor"][0].calls
     assert len(a) == len(b) == MAX_NEW and all(torch.equal(x, y) for x, y in zip(a, b))
@@ -94,11 +119,21 @@ def test_a_stateful_processor_sees_transformers_calls(pair):
 
 def test_scores_and_logits_give_transformers_transition_scores(pair):
     reference, model, ids, mask = pair
-    out, expected, *_ = both(reference, model, ids, mask, dict, do_sample=False, repetition_penalty=1.3,
-                             eos_token_id=EOS_ID)
+    out, expected, *_ = both(
+        reference,
+        model,
+        ids,
+        mask,
+        dict,
+        do_sample=False,
+        repetition_penalty=1.3,
+        eos_token_id=EOS_ID,
+    )
     assert_same(out, expected)
     ours = model.compute_transition_scores(out.sequences, out.scores, normalize_logits=True)
-    theirs = reference.compute_transition_scores(expected.sequences, expected.scores, normalize_logits=True)
+    theirs = reference.compute_transition_scores(
+        expected.sequences, expected.scores, normalize_logits=True
+    )
     assert torch.allclose(ours, theirs, atol=1e-4)
 
 
@@ -111,29 +146,52 @@ def test_prefix_allowed_tokens_fn(pair):
         def allowed(batch_id, prefix):
             calls[who].append((batch_id, prefix.tolist()))
             return [t for t in range(4, 512) if (t + int(prefix[-1]) + batch_id) % 5 == 0]
+
         return allowed
 
     who = iter(["ours", "theirs"])
-    out, expected, *_ = both(reference, model, ids, mask, lambda: {"prefix_allowed_tokens_fn": make(next(who))},
-                             do_sample=False)
+    out, expected, *_ = both(
+        reference,
+        model,
+        ids,
+        mask,
+        lambda: {"prefix_allowed_tokens_fn": make(next(who))},
+        do_sample=False,
+    )
     assert_same(out, expected)
     assert calls["ours"] == calls["theirs"]
 
 
-@pytest.mark.parametrize("options", [
-    dict(no_repeat_ngram_size=2), dict(encoder_no_repeat_ngram_size=2), dict(bad_words_ids=[[271], [121, 155]]),
-    dict(sequence_bias={(271,): -5.0, (340,): 3.0}), dict(forced_bos_token_id=7), dict(forced_eos_token_id=EOS_ID),
-    dict(exponential_decay_length_penalty=(3, 1.5), eos_token_id=EOS_ID), dict(renormalize_logits=True),
-    dict(remove_invalid_values=True), dict(min_new_tokens=5, eos_token_id=EOS_ID, suppress_tokens=[9, 10]),
-])
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(no_repeat_ngram_size=2),
+        dict(encoder_no_repeat_ngram_size=2),
+        dict(bad_words_ids=[[271], [121, 155]]),
+        dict(sequence_bias={(271,): -5.0, (340,): 3.0}),
+        dict(forced_bos_token_id=7),
+        dict(forced_eos_token_id=EOS_ID),
+        dict(exponential_decay_length_penalty=(3, 1.5), eos_token_id=EOS_ID),
+        dict(renormalize_logits=True),
+        dict(remove_invalid_values=True),
+        dict(min_new_tokens=5, eos_token_id=EOS_ID, suppress_tokens=[9, 10]),
+    ],
+)
 def test_options_only_transformers_processors_implement(pair, options):
     reference, model, ids, mask = pair
     out, expected, *_ = both(reference, model, ids, mask, dict, do_sample=False, **options)
     assert_same(out, expected)
 
 
-@pytest.mark.parametrize("options", [dict(typical_p=0.6), dict(epsilon_cutoff=3e-3), dict(eta_cutoff=3e-3),
-                                     dict(top_k=20, top_p=0.8, temperature=0.7)])
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(typical_p=0.6),
+        dict(epsilon_cutoff=3e-3),
+        dict(eta_cutoff=3e-3),
+        dict(top_k=20, top_p=0.8, temperature=0.7),
+    ],
+)
 def test_sampling_warpers_draw_what_transformers_draws(pair, options):
     """Drawn from torch's default generator as transformers draws: seeded the same, the same tokens."""
     reference, model, ids, mask = pair
@@ -144,18 +202,33 @@ def test_sampling_warpers_draw_what_transformers_draws(pair, options):
 def test_llama_factorys_inf_nan_processor_and_samples_per_prompt(pair):
     """num_return_sequences: [batch * n] rows, each prompt's samples side by side."""
     reference, model, ids, mask = pair
-    out, expected, *_ = both(reference, model, ids, mask,
-                             lambda: {"logits_processor": LogitsProcessorList([InfNanRemoveLogitsProcessor()])},
-                             do_sample=True, num_return_sequences=3, top_k=0)
+    out, expected, *_ = both(
+        reference,
+        model,
+        ids,
+        mask,
+        lambda: {"logits_processor": LogitsProcessorList([InfNanRemoveLogitsProcessor()])},
+        do_sample=True,
+        num_return_sequences=3,
+        top_k=0,
+    )
     assert out.sequences.shape[0] == 12
     assert_same(out, expected, sampled=True)
 
 
 def test_a_small_pool_preempts_rows_waiting_for_their_call(pair):
     reference, _, ids, mask = pair
-    model = paged_hf.patch(make_tiny_model("llama"), block_size=4, num_blocks=14, max_num_batched_tokens=16)
-    out, expected, *_ = both(reference, model, ids, mask,
-                             lambda: {"logits_processor": LogitsProcessorList([Recording()])}, do_sample=False)
+    model = paged_hf.patch(
+        make_tiny_model("llama"), block_size=4, num_blocks=14, max_num_batched_tokens=16
+    )
+    out, expected, *_ = both(
+        reference,
+        model,
+        ids,
+        mask,
+        lambda: {"logits_processor": LogitsProcessorList([Recording()])},
+        do_sample=False,
+    )
     assert_same(out, expected)
     engine = paged_hf.engine_for(model)
     assert engine.stats()["preemptions"] > 0 and engine.kv.pool.num_used == 0
@@ -169,8 +242,13 @@ def test_a_processor_that_raises_ends_its_call_alone(pair):
     alone = engine.generate([prompt], params)[0].token_ids
     rid = engine.add_request(prompt, params)
     with pytest.raises(ZeroDivisionError, match="on purpose"):
-        model.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, do_sample=False,
-                       logits_processor=LogitsProcessorList([Raises(at_call=3)]))
+        model.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=MAX_NEW,
+            do_sample=False,
+            logits_processor=LogitsProcessorList([Raises(at_call=3)]),
+        )
     other = engine.run_until_done([rid])[0]
     assert other.error is None and other.token_ids == alone
     assert engine.kv.pool.num_used == 0

@@ -6,14 +6,15 @@ the same rows at the same steps: the criteria's whole call history equals transf
 the returned sequences. Where the reference's greedy path passes a near-tie (top two logits within
 1e-3), exact equality would test rounding, not semantics: the prompts here are checked to have none.
 """
+
 from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import EOS_ID, PAD_ID, left_pad, make_tiny_model, tiny_prompts
 from transformers import StoppingCriteria, StoppingCriteriaList, StopStringCriteria
 
 import paged_hf
-from tiny_models import left_pad, EOS_ID, PAD_ID, make_tiny_model, tiny_prompts
 
 MAX_NEW = 20
 
@@ -51,11 +52,19 @@ class Raises(StoppingCriteria):
 @torch.no_grad()
 def assert_no_near_ties(reference, ids, mask, max_new=MAX_NEW, tol=1e-3):
     """The reference's greedy path has a clear winner at every step (exact comparisons are fair)."""
-    out = reference.generate(ids, attention_mask=mask, max_new_tokens=max_new, do_sample=False,
-                             output_logits=True, return_dict_in_generate=True)
+    out = reference.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=max_new,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
     for step, logits in enumerate(out.logits):
         top = logits.float().topk(2, dim=-1).values
-        assert bool((top[:, 0] - top[:, 1] > tol).all()), f"near-tie at step {step}: pick other prompts"
+        assert bool((top[:, 0] - top[:, 1] > tol).all()), (
+            f"near-tie at step {step}: pick other prompts"
+        )
 
 
 def _models(family="llama"):
@@ -64,10 +73,22 @@ def _models(family="llama"):
 
 def _run_both(reference, model, ids, mask, make_criteria, **kwargs):
     ours, theirs = make_criteria(), make_criteria()
-    out = model.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, do_sample=False,
-                         stopping_criteria=StoppingCriteriaList(ours), **kwargs)
-    expected = reference.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, do_sample=False,
-                                  stopping_criteria=StoppingCriteriaList(theirs), **kwargs)
+    out = model.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=MAX_NEW,
+        do_sample=False,
+        stopping_criteria=StoppingCriteriaList(ours),
+        **kwargs,
+    )
+    expected = reference.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=MAX_NEW,
+        do_sample=False,
+        stopping_criteria=StoppingCriteriaList(theirs),
+        **kwargs,
+    )
     return out, expected, ours, theirs
 
 
@@ -96,8 +117,12 @@ def test_criteria_see_and_stop_as_under_transformers(llama_pair, mode):
     criteria (rows that met their own stop run on until every row has): same sequences, and every
     call of the criterion saw the same input_ids."""
     reference, model, ids, mask = llama_pair
-    tokens = {t for t in range(0, 512, 3)}  # about a third of the vocabulary: rows stop at different steps
-    out, expected, ours, theirs = _run_both(reference, model, ids, mask, lambda: [LastTokenIn(tokens, mode)])
+    tokens = {
+        t for t in range(0, 512, 3)
+    }  # about a third of the vocabulary: rows stop at different steps
+    out, expected, ours, theirs = _run_both(
+        reference, model, ids, mask, lambda: [LastTokenIn(tokens, mode)]
+    )
     assert torch.equal(out, expected)
     _same_calls(ours, theirs)
     assert 1 < len(ours[0].calls) < MAX_NEW
@@ -111,12 +136,17 @@ def test_stop_string_criteria_and_eos_with_a_criterion(llama_pair):
 
     reference, model, ids, mask = llama_pair
     tok = make_tiny_tokenizer()
-    text = tok.decode(reference.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, do_sample=False)[2, ids.shape[1]:])
+    text = tok.decode(
+        reference.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, do_sample=False)[
+            2, ids.shape[1] :
+        ]
+    )
     stop = text[4:6]  # two characters the third row makes mid-way
-    out, expected, *_ = _run_both(reference, model, ids, mask,
-                                  lambda: [StopStringCriteria(tok, [stop])], eos_token_id=EOS_ID)
+    out, expected, *_ = _run_both(
+        reference, model, ids, mask, lambda: [StopStringCriteria(tok, [stop])], eos_token_id=EOS_ID
+    )
     assert torch.equal(out, expected)
-    assert (out[2, ids.shape[1]:] == PAD_ID).any(), "the stop string ended the third row early"
+    assert (out[2, ids.shape[1] :] == PAD_ID).any(), "the stop string ended the third row early"
 
 
 def test_lm_evals_own_stop_sequences_criteria_on_smollm2(smollm2_fp32):
@@ -125,19 +155,34 @@ def test_lm_evals_own_stop_sequences_criteria_on_smollm2(smollm2_fp32):
     from lm_eval.models.utils_hf import stop_sequences_criteria
 
     model, tok = smollm2_fp32
-    questions = ["Question: What is 2+2?\nAnswer:", "Question: Name a colour.\nAnswer:",
-                 "Question: What is 3+5?\nAnswer:"]
+    questions = [
+        "Question: What is 2+2?\nAnswer:",
+        "Question: Name a colour.\nAnswer:",
+        "Question: What is 3+5?\nAnswer:",
+    ]
     tok.padding_side = "left"
     batch = tok(questions, return_tensors="pt", padding=True)
     ids, mask = batch.input_ids, batch.attention_mask
     make = lambda: stop_sequences_criteria(tok, ["\n", "Question:"], ids.shape[1], ids.shape[0])  # noqa: E731
-    expected = model.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False,
-                              stopping_criteria=make(), pad_token_id=tok.pad_token_id)
+    expected = model.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=24,
+        do_sample=False,
+        stopping_criteria=make(),
+        pad_token_id=tok.pad_token_id,
+    )
     patched = paged_hf.patch(model)
     try:
         ours = make()
-        out = patched.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False,
-                               stopping_criteria=ours, pad_token_id=tok.pad_token_id)
+        out = patched.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=24,
+            do_sample=False,
+            stopping_criteria=ours,
+            pad_token_id=tok.pad_token_id,
+        )
     finally:
         paged_hf.unpatch(model)
     assert torch.equal(out, expected)
@@ -158,9 +203,13 @@ def test_a_small_pool_preempts_rows_held_in_lock_step(llama_pair):
     """Rows that wait for their call's others keep their blocks, or lose them to preemption and
     recompute: the same sequences either way."""
     reference, _, ids, mask = llama_pair
-    model = paged_hf.patch(make_tiny_model("llama"), block_size=4, num_blocks=14, max_num_batched_tokens=16)
+    model = paged_hf.patch(
+        make_tiny_model("llama"), block_size=4, num_blocks=14, max_num_batched_tokens=16
+    )
     tokens = {t for t in range(0, 512, 4)}
-    out, expected, ours, theirs = _run_both(reference, model, ids, mask, lambda: [LastTokenIn(tokens, "row")])
+    out, expected, ours, theirs = _run_both(
+        reference, model, ids, mask, lambda: [LastTokenIn(tokens, "row")]
+    )
     assert torch.equal(out, expected)
     _same_calls(ours, theirs)
     engine = paged_hf.engine_for(model)
@@ -173,14 +222,21 @@ def test_samples_of_one_prompt_are_rows_of_their_own():
     model = paged_hf.patch(make_tiny_model("llama"))
     ids = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])
     crit = LastTokenIn({t for t in range(0, 512, 3)}, "row")
-    out = model.generate(ids, max_new_tokens=12, do_sample=True, num_return_sequences=3, top_k=0,
-                         stopping_criteria=StoppingCriteriaList([crit]), eos_token_id=EOS_ID)
+    out = model.generate(
+        ids,
+        max_new_tokens=12,
+        do_sample=True,
+        num_return_sequences=3,
+        top_k=0,
+        stopping_criteria=StoppingCriteriaList([crit]),
+        eos_token_id=EOS_ID,
+    )
     assert out.shape[0] == 6 and all(c.shape[0] == 6 for c in crit.calls)
     assert torch.equal(crit.calls[0][:, :4], ids.repeat_interleave(3, dim=0))
     for row in out[:, 4:].tolist():
         ends = [i for i, t in enumerate(row) if t % 3 == 0 and t != PAD_ID or t == EOS_ID]
         end = ends[0] if ends else len(row) - 1
-        assert all(t == PAD_ID for t in row[end + 1:]), row
+        assert all(t == PAD_ID for t in row[end + 1 :]), row
 
 
 def test_a_criterion_that_raises_ends_its_call_alone(llama_pair):
@@ -193,8 +249,13 @@ def test_a_criterion_that_raises_ends_its_call_alone(llama_pair):
     alone = engine.generate([other_prompt], params)[0].token_ids
     rid = engine.add_request(other_prompt, params)
     with pytest.raises(KeyError, match="on purpose"):
-        model.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, do_sample=False,
-                       stopping_criteria=StoppingCriteriaList([Raises(at_call=3)]))
+        model.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=MAX_NEW,
+            do_sample=False,
+            stopping_criteria=StoppingCriteriaList([Raises(at_call=3)]),
+        )
     assert engine.requests[rid].num_output_tokens >= 3, "the other request shared the call's steps"
     other = engine.run_until_done([rid])[0]
     assert other.error is None and other.token_ids == alone

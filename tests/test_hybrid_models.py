@@ -10,28 +10,41 @@ of that: Mamba2's scan and its recurrence part by up to ~5e-4 on these models), 
 (served only up to a checkpointed state), under preemption by recompute and by swap, with seeded
 n > 1, and scoring; no state slot is left held.
 """
+
 from __future__ import annotations
 
 import pytest
 import torch
+from oracle import assert_logprobs_close_incremental, assert_teacher_forced
+from tiny_models import tiny_prompts
 
 import paged_hf
-from oracle import assert_logprobs_close_incremental, assert_teacher_forced
 from paged_hf.engine.binding import patch_state
 from paged_hf.model.support import build_tiny_model
-from tiny_models import tiny_prompts
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 HYBRIDS = {  # type: the state kind patch must find
-    "qwen3_5_text": "gated delta net", "qwen3_5_moe_text": "gated delta net", "qwen3_next": "gated delta net",
-    "olmo_hybrid": "gated delta net", "kimi_linear": "delta attention", "lfm2": "short conv",
-    "lfm2_moe": "short conv", "granitemoehybrid": "mamba", "nemotron_h": "mamba2 mixer", "falcon_h1": "mixer",
-    "bamba": "mixer", "jamba": "mamba mixer",
+    "qwen3_5_text": "gated delta net",
+    "qwen3_5_moe_text": "gated delta net",
+    "qwen3_next": "gated delta net",
+    "olmo_hybrid": "gated delta net",
+    "kimi_linear": "delta attention",
+    "lfm2": "short conv",
+    "lfm2_moe": "short conv",
+    "granitemoehybrid": "mamba",
+    "nemotron_h": "mamba2 mixer",
+    "falcon_h1": "mixer",
+    "bamba": "mixer",
+    "jamba": "mamba mixer",
     # a shared attention block applied at several depths (each its own KV); state kept in the model's own cache
-    "zamba2": "mamba mixer", "zamba": "mamba mixer", "minimax": "lightning attention",
+    "zamba2": "mamba mixer",
+    "zamba": "mamba mixer",
+    "minimax": "lightning attention",
     # stateful layers only: no attention, no KV
-    "mamba2": "mixer", "mamba": "mixer", "falcon_mamba": "mixer",
+    "mamba2": "mixer",
+    "mamba": "mixer",
+    "falcon_mamba": "mixer",
 }
 PROMPT_LENGTHS = [1, 6, 19, 33]
 MAX_NEW = 10
@@ -43,16 +56,31 @@ def _pair(model_type: str) -> tuple[torch.nn.Module, torch.nn.Module]:
     return build_tiny_model(model_type), build_tiny_model(model_type)
 
 
-def _prompts(model: torch.nn.Module, lengths: list[int] = PROMPT_LENGTHS, seed: int = 1) -> list[list[int]]:
-    return tiny_prompts(model.config.get_text_config().vocab_size, len(lengths), lengths, seed=seed, eos_token_id=None)
+def _prompts(
+    model: torch.nn.Module, lengths: list[int] = PROMPT_LENGTHS, seed: int = 1
+) -> list[list[int]]:
+    return tiny_prompts(
+        model.config.get_text_config().vocab_size,
+        len(lengths),
+        lengths,
+        seed=seed,
+        eos_token_id=None,
+    )
 
 
 def _check(reference: torch.nn.Module, prompts: list[list[int]], outs: list, what: str) -> None:
     for prompt, out in zip(prompts, outs):
         assert out.error is None and len(out.token_ids) == MAX_NEW, (what, out.error)
-        assert_teacher_forced(reference, prompt, out.token_ids, what=f"{what}, prompt of {len(prompt)}")
-        assert_logprobs_close_incremental(reference, prompt, out.token_ids, out.completions[0].logprobs,
-                                          what=f"{what}, prompt of {len(prompt)}")
+        assert_teacher_forced(
+            reference, prompt, out.token_ids, what=f"{what}, prompt of {len(prompt)}"
+        )
+        assert_logprobs_close_incremental(
+            reference,
+            prompt,
+            out.token_ids,
+            out.completions[0].logprobs,
+            what=f"{what}, prompt of {len(prompt)}",
+        )
 
 
 def _assert_clean(engine: paged_hf.Engine) -> None:
@@ -77,7 +105,9 @@ def test_generations_match_transformers(model_type, settings):
     paged_hf.unpatch(model)
     x = torch.tensor([prompts[3]])
     with torch.no_grad():
-        assert torch.equal(model(input_ids=x).logits, reference(input_ids=x).logits), "unpatch is not exact"
+        assert torch.equal(model(input_ids=x).logits, reference(input_ids=x).logits), (
+            "unpatch is not exact"
+        )
 
 
 @pytest.mark.parametrize("model_type", list(HYBRIDS))
@@ -91,9 +121,16 @@ def test_prefix_hits_resume_from_state_checkpoints(model_type):
     first = engine.generate(prompts[:1], GREEDY)
     together = engine.generate(prompts, GREEDY)
     again = engine.generate(prompts, GREEDY)
-    _check(reference, prompts[:1] + prompts + prompts, first + together + again, f"{model_type}, prefix hits")
+    _check(
+        reference,
+        prompts[:1] + prompts + prompts,
+        first + together + again,
+        f"{model_type}, prefix hits",
+    )
     assert first[0].num_cached_tokens == 0
-    assert all(o.num_cached_tokens > 0 for o in together + again), [o.num_cached_tokens for o in together + again]
+    assert all(o.num_cached_tokens > 0 for o in together + again), [
+        o.num_cached_tokens for o in together + again
+    ]
     assert engine.stats()["state_checkpoint_hits"] > 0
     _assert_clean(engine)
 
@@ -104,8 +141,14 @@ def test_preemption_keeps_each_requests_tokens(model_type, mode):
     reference, model = _pair(model_type)
     prompts = _prompts(model, [7, 15, 22, 30, 11, 26], seed=2)
     # 14 blocks of 4 tokens cannot hold six sequences of up to 40 tokens: running ones are preempted
-    engine = paged_hf.Engine(model, block_size=4, num_blocks=14, max_num_batched_tokens=16, max_num_seqs=6,
-                             preemption_mode=mode)
+    engine = paged_hf.Engine(
+        model,
+        block_size=4,
+        num_blocks=14,
+        max_num_batched_tokens=16,
+        max_num_seqs=6,
+        preemption_mode=mode,
+    )
     outs = engine.generate(prompts, GREEDY)
     assert engine.stats()["preemptions"] > 0, "the pool was meant to be too small"
     _check(reference, prompts, outs, f"{model_type}, preempted by {mode}")
@@ -117,15 +160,25 @@ def test_seeded_samples_equal_the_same_seeds_alone(model_type):
     model = build_tiny_model(model_type)
     prompts = _prompts(model, [9, 21], seed=3)
     engine = paged_hf.Engine(model, **SMALL)
-    together = engine.generate(prompts, paged_hf.SamplingParams(max_new_tokens=8, temperature=1.0, seed=11, n=3,
-                                                                ignore_eos=True))
+    together = engine.generate(
+        prompts,
+        paged_hf.SamplingParams(max_new_tokens=8, temperature=1.0, seed=11, n=3, ignore_eos=True),
+    )
     for prompt, out in zip(prompts, together):
         assert len(out.completions) == 3
         for k, completion in enumerate(out.completions):
-            alone = engine.generate([prompt], paged_hf.SamplingParams(max_new_tokens=8, temperature=1.0, seed=11 + k,
-                                                                      ignore_eos=True))[0]
-            assert completion.token_ids == alone.token_ids, f"sample {k} of a prompt of {len(prompt)}"
-    assert len({tuple(c.token_ids) for out in together for c in out.completions}) > 2, "samples should differ"
+            alone = engine.generate(
+                [prompt],
+                paged_hf.SamplingParams(
+                    max_new_tokens=8, temperature=1.0, seed=11 + k, ignore_eos=True
+                ),
+            )[0]
+            assert completion.token_ids == alone.token_ids, (
+                f"sample {k} of a prompt of {len(prompt)}"
+            )
+    assert len({tuple(c.token_ids) for out in together for c in out.completions}) > 2, (
+        "samples should differ"
+    )
     _assert_clean(engine)
 
 
@@ -139,10 +192,14 @@ def test_scores_equal_a_plain_forward(model_type):
     for ctx, cont, out in zip(contexts, continuations, outs):
         with torch.no_grad():
             logits = reference(input_ids=torch.tensor([ctx + cont])).logits[0].float()
-        expected = torch.log_softmax(logits, -1)[torch.arange(len(ctx) - 1, len(ctx) + len(cont) - 1),
-                                                 torch.tensor(cont)]
+        expected = torch.log_softmax(logits, -1)[
+            torch.arange(len(ctx) - 1, len(ctx) + len(cont) - 1), torch.tensor(cont)
+        ]
         assert out.error is None
-        assert torch.allclose(torch.tensor(out.token_logprobs), expected, atol=1e-4), (model_type, len(ctx))
+        assert torch.allclose(torch.tensor(out.token_logprobs), expected, atol=1e-4), (
+            model_type,
+            len(ctx),
+        )
     _assert_clean(engine)
 
 
@@ -160,9 +217,12 @@ def test_the_choices_of_a_question_share_its_context(model_type):
     for cont, out in zip(choices, first + rest):
         with torch.no_grad():
             logits = reference(input_ids=torch.tensor([context + cont])).logits[0].float()
-        expected = torch.log_softmax(logits, -1)[torch.arange(len(context) - 1, len(context) + len(cont) - 1),
-                                                 torch.tensor(cont)]
-        assert out.error is None and torch.allclose(torch.tensor(out.token_logprobs), expected, atol=1e-4)
+        expected = torch.log_softmax(logits, -1)[
+            torch.arange(len(context) - 1, len(context) + len(cont) - 1), torch.tensor(cont)
+        ]
+        assert out.error is None and torch.allclose(
+            torch.tensor(out.token_logprobs), expected, atol=1e-4
+        )
     assert first[0].num_cached_tokens == 0
     assert all(o.num_cached_tokens == 28 for o in rest), [o.num_cached_tokens for o in rest]
     assert engine.stats()["state_checkpoint_hits"] >= 3
@@ -178,13 +238,16 @@ def test_rolling_loglikelihood_equals_transformers_over_windows(model_type):
     outs = engine.score_rolling(texts, window=window, prefix_token=1)
     for text, out in zip(texts, outs):
         expected, done = [], 0
-        while done < len(text):  # transformers on each window: the first on BOS, later ones on what fits before
+        while done < len(
+            text
+        ):  # transformers on each window: the first on BOS, later ones on what fits before
             end = min(len(text), done + window)
-            ctx = [1] if done == 0 else text[max(0, end - window - 1): done]
+            ctx = [1] if done == 0 else text[max(0, end - window - 1) : done]
             with torch.no_grad():
                 logits = reference(input_ids=torch.tensor([ctx + text[done:end]])).logits[0].float()
-            expected += torch.log_softmax(logits, -1)[torch.arange(len(ctx) - 1, len(ctx) + end - done - 1),
-                                                      torch.tensor(text[done:end])].tolist()
+            expected += torch.log_softmax(logits, -1)[
+                torch.arange(len(ctx) - 1, len(ctx) + end - done - 1), torch.tensor(text[done:end])
+            ].tolist()
             done = end
         assert out.error is None and out.token_ids == text
         assert torch.allclose(torch.tensor(out.token_logprobs), torch.tensor(expected), atol=1e-4)
@@ -199,13 +262,18 @@ def test_state_slots_cap_the_sequences_that_run_and_share_the_budget():
     # half the budget holds 4 slots; each running sequence takes 1.5 (its own, half a prefix checkpoint):
     # 2 running sequences and 1 checkpoint
     engine = paged_hf.Engine(model, kv_cache_memory=8 * per_slot)
-    assert engine.config.max_num_seqs == 2 == engine.kv.state.num_slots and engine.kv.state.num_checkpoints == 1
+    assert (
+        engine.config.max_num_seqs == 2 == engine.kv.state.num_slots
+        and engine.kv.state.num_checkpoints == 1
+    )
     assert engine.stats()["state_bytes"] == 3 * per_slot
     prompts = _prompts(model, [4, 9, 13, 6, 11], seed=6)
     outs = engine.generate(prompts, GREEDY)
     assert all(o.error is None for o in outs)
     _assert_clean(engine)
-    with pytest.raises(ValueError, match="max_num_seqs=64 sequences' state and 32 prefix checkpoints take"):
+    with pytest.raises(
+        ValueError, match="max_num_seqs=64 sequences' state and 32 prefix checkpoints take"
+    ):
         paged_hf.Engine(model, kv_cache_memory=6 * per_slot, max_num_seqs=64)
 
 
@@ -216,7 +284,9 @@ def test_a_block_shared_across_layers_keeps_a_kv_per_application():
 
     model = build_tiny_model("zamba2")
     shared = [model.model.layers[i].shared_transformer.self_attn for i in (1, 3)]
-    assert [m.layer_idx for m in shared] == [-1, -1] and shared[0].q_proj.weight is shared[1].q_proj.weight
+    assert [m.layer_idx for m in shared] == [-1, -1] and shared[0].q_proj.weight is shared[
+        1
+    ].q_proj.weight
     paged_hf.patch(model)
     assert patch_state(model).layout.layer_ids == (1, 3)
     assert [getattr(m, LAYER_ATTR) for m in shared] == [1, 3]
@@ -238,7 +308,9 @@ def test_state_kept_in_the_models_own_cache_class_runs_through_its_own_methods()
 
 
 def test_a_mixer_that_cannot_continue_a_chunk_goes_on_token_by_token():
-    model = build_tiny_model("jamba")  # Mamba1: a multi-token chunk over a populated cache drops the state
+    model = build_tiny_model(
+        "jamba"
+    )  # Mamba1: a multi-token chunk over a populated cache drops the state
     paged_hf.patch(model)
     assert not patch_state(model).state.continues_chunks
     qwen = build_tiny_model("qwen3_5_text")

@@ -1,6 +1,7 @@
 """Per-layer KV geometry through every path that stores or reads KV: the FlashInfer backend (its
 stand-in) with per-layer widths, and its refusals where its wrappers cannot do a layer's variant;
 swap preemption of layers of different shapes; the compiled decode step with sinks and MLA."""
+
 from __future__ import annotations
 
 import re
@@ -8,16 +9,18 @@ import warnings
 
 import pytest
 import torch
+from test_cuda_path import _flashinfer_matches_torch, _workload
+from tiny_models import make_arch_model
 
 import paged_hf
 from paged_hf.execution.backends import TorchBackend, select_backend
 from paged_hf.execution.backends.swap import swap_in, swap_out
 from paged_hf.execution.kv_geometry import KVLayout, LayerSpec
-from test_cuda_path import _flashinfer_matches_torch, _workload, fake_flashinfer  # noqa: F401 - a fixture
-from tiny_models import make_arch_model
 
 MLA = KVLayout((LayerSpec(4, 4, 16, 12),) * 2)
-SINKS = KVLayout((LayerSpec(4, 2, 16, 16, window=8, sinks=True), LayerSpec(4, 2, 16, 16, sinks=True)))
+SINKS = KVLayout(
+    (LayerSpec(4, 2, 16, 16, window=8, sinks=True), LayerSpec(4, 2, 16, 16, sinks=True))
+)
 CHUNKED = KVLayout((LayerSpec(4, 2, 16, 16, chunk=8), LayerSpec(4, 2, 16, 16)))
 PER_LAYER = KVLayout((LayerSpec(4, 2, 16, 16, window=8),) * 3 + (LayerSpec(4, 2, 32, 32),))
 
@@ -38,18 +41,27 @@ def test_flashinfer_backend_runs_per_layer_widths(fake_flashinfer, monkeypatch):
     """Gemma 4's sliding layers (16 wide) and full layer (32 wide) through the FlashInfer backend:
     one planned variant per shape, the same tokens as the torch backend."""
     monkeypatch.setattr(fake_flashinfer, "SUPPORTED_HEAD_DIMS", (16, 32))
-    engine = _flashinfer_matches_torch(make_arch_model("gemma4_text"), fake_flashinfer.FlashInferBackend, monkeypatch)
+    engine = _flashinfer_matches_torch(
+        make_arch_model("gemma4_text"), fake_flashinfer.FlashInferBackend, monkeypatch
+    )
     backend = engine.runner.backend
     assert [tuple(c.shape[-2:]) for c in backend.kv] == [(2, 16)] * 3 + [(2, 32)]
-    assert {(v[0], v[5]) for v in backend.variants} == {(7, 16), (-1, 32)}, "window_left 7 on the 16-wide layers"
+    assert {(v[0], v[5]) for v in backend.variants} == {(7, 16), (-1, 32)}, (
+        "window_left 7 on the 16-wide layers"
+    )
 
 
-@pytest.mark.parametrize("layout, reason", [
-    (MLA, r"K and V of different widths \(16 / 12, MLA\)"),
-    (SINKS, r"attention sinks \(s_aux\)"),
-    (CHUNKED, r"chunked attention \(chunks of 8\)"),
-])
-def test_flashinfer_names_what_it_cannot_do_and_auto_falls_back_once(layout, reason, fake_flashinfer, monkeypatch):
+@pytest.mark.parametrize(
+    "layout, reason",
+    [
+        (MLA, r"K and V of different widths \(16 / 12, MLA\)"),
+        (SINKS, r"attention sinks \(s_aux\)"),
+        (CHUNKED, r"chunked attention \(chunks of 8\)"),
+    ],
+)
+def test_flashinfer_names_what_it_cannot_do_and_auto_falls_back_once(
+    layout, reason, fake_flashinfer, monkeypatch
+):
     with pytest.raises(ValueError, match=reason):
         fake_flashinfer.FlashInferBackend(layout, 4, 16, dtype=torch.bfloat16, device="cpu")
     cuda = torch.device("cuda")
@@ -83,9 +95,17 @@ def test_swap_preemption_gives_the_same_tokens(name):
     big = paged_hf.Engine(model, num_blocks=128, block_size=4, max_num_seqs=8)
     # pages of one cache group each: gpt_oss's sliding and full layers are two groups, its sliding
     # pages freed as they slide out; both pools are small enough to preempt
-    small = paged_hf.Engine(model, num_blocks={"deepseek_v3": 14, "gpt_oss": 24}[name], block_size=4, max_num_seqs=6,
-                            max_num_batched_tokens=32, preemption_mode="swap")
-    assert [o.token_ids for o in small.generate(prompts, params)] == [o.token_ids for o in big.generate(prompts, params)]
+    small = paged_hf.Engine(
+        model,
+        num_blocks={"deepseek_v3": 14, "gpt_oss": 24}[name],
+        block_size=4,
+        max_num_seqs=6,
+        max_num_batched_tokens=32,
+        preemption_mode="swap",
+    )
+    assert [o.token_ids for o in small.generate(prompts, params)] == [
+        o.token_ids for o in big.generate(prompts, params)
+    ]
     assert small.stats()["preemptions"] > 0
 
 
@@ -95,7 +115,9 @@ def test_compiled_decode_with_mla_widths_and_sinks(name):
     torch._dynamo.reset()
     model = make_arch_model(name)
     prompts, params = _workload(model.config.vocab_size)
-    kw = dict(num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=64, backend="torch")
+    kw = dict(
+        num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=64, backend="torch"
+    )
     expected = [o.token_ids for o in paged_hf.Engine(model, **kw).generate(prompts, params)]
     engine = paged_hf.Engine(model, **kw, compile_decode="aot_eager")
     assert [o.token_ids for o in engine.generate(prompts, params)] == expected

@@ -9,6 +9,7 @@ model side and patches/) may import each other.
 Function-level and type-checking imports count too: a later change cannot add an upward arrow
 quietly.
 """
+
 from __future__ import annotations
 
 import ast
@@ -23,9 +24,17 @@ REPO = Path(__file__).resolve().parents[1]
 
 # rank of each layer: a module may import modules of its own rank or lower
 LAYERS = {
-    "paged_hf.config": 0, "paged_hf.requests": 1, "paged_hf.cache": 2, "paged_hf.execution": 3,
-    "paged_hf.engine": 4, "paged_hf.model": 5, "paged_hf.patches": 5,
-    "paged_hf.frontends": 6, "paged_hf.integrations": 6, "paged_hf.__main__": 7, "paged_hf": 7,
+    "paged_hf.config": 0,
+    "paged_hf.requests": 1,
+    "paged_hf.cache": 2,
+    "paged_hf.execution": 3,
+    "paged_hf.engine": 4,
+    "paged_hf.model": 5,
+    "paged_hf.patches": 5,
+    "paged_hf.frontends": 6,
+    "paged_hf.integrations": 6,
+    "paged_hf.__main__": 7,
+    "paged_hf": 7,
 }
 TOP_LEVEL_MODULES = {"__init__.py", "__main__.py", "config.py"}
 
@@ -43,8 +52,16 @@ def import_graph() -> dict[str, set[str]]:
     for name, (path, package) in files.items():
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom):
-                base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
-                target = ".".join(base + ([node.module] if node.module else [])) if node.level else node.module
+                base = (
+                    package.split(".")[: len(package.split(".")) - node.level + 1]
+                    if node.level
+                    else []
+                )
+                target = (
+                    ".".join(base + ([node.module] if node.module else []))
+                    if node.level
+                    else node.module
+                )
                 for alias in node.names:
                     sub = f"{target}.{alias.name}"
                     graph[name].add(sub if sub in files else target)
@@ -56,8 +73,11 @@ def import_graph() -> dict[str, set[str]]:
 
 def layer_of(module: str) -> str:
     """The layer a module belongs to: the longest key of LAYERS that is it or contains it."""
-    candidates = [layer for layer in LAYERS
-                  if module == layer or (layer != "paged_hf" and module.startswith(layer + "."))]
+    candidates = [
+        layer
+        for layer in LAYERS
+        if module == layer or (layer != "paged_hf" and module.startswith(layer + "."))
+    ]
     if not candidates:
         raise AssertionError(f"{module} is in no layer: place it in a folder of DESIGN.md's layout")
     return max(candidates, key=len)
@@ -79,7 +99,9 @@ def test_every_module_sits_in_a_layer():
     for module in graph:
         layer_of(module)
     loose = sorted(p.name for p in (REPO / "paged_hf").glob("*.py"))
-    assert set(loose) <= TOP_LEVEL_MODULES, f"modules outside the role folders: {set(loose) - TOP_LEVEL_MODULES}"
+    assert set(loose) <= TOP_LEVEL_MODULES, (
+        f"modules outside the role folders: {set(loose) - TOP_LEVEL_MODULES}"
+    )
 
 
 def test_imports_run_one_way_top_to_bottom():
@@ -87,11 +109,13 @@ def test_imports_run_one_way_top_to_bottom():
 
 
 def test_the_direction_check_sees_an_upward_import():
-    graph = {"paged_hf.cache.block_pool": {"paged_hf.engine.scheduler"},
-             "paged_hf.engine.step": {"paged_hf.model.patching"},
-             "paged_hf.requests.request": {"paged_hf.config"},
-             "paged_hf.frontends.cli": {"paged_hf.integrations.lm_eval"},
-             "paged_hf.model.capability": {"paged_hf.patches"}}
+    graph = {
+        "paged_hf.cache.block_pool": {"paged_hf.engine.scheduler"},
+        "paged_hf.engine.step": {"paged_hf.model.patching"},
+        "paged_hf.requests.request": {"paged_hf.config"},
+        "paged_hf.frontends.cli": {"paged_hf.integrations.lm_eval"},
+        "paged_hf.model.capability": {"paged_hf.patches"},
+    }
     wrong = upward_imports(graph)
     assert len(wrong) == 2 and "block_pool" in wrong[0] and "step" in wrong[1], wrong
     with pytest.raises(AssertionError, match="in no layer"):
@@ -116,8 +140,21 @@ def test_paged_hf_has_no_import_cycles():
 
 
 def test_the_public_api_is_where_it_was():
-    expected = {"Completion", "Engine", "EngineConfig", "RequestOutput", "SamplingParams", "ScoreOutput",
-                "UnsupportedModelError", "engine_for", "generate_dataset", "is_patched", "patch", "serve", "unpatch"}
+    expected = {
+        "Completion",
+        "Engine",
+        "EngineConfig",
+        "RequestOutput",
+        "SamplingParams",
+        "ScoreOutput",
+        "UnsupportedModelError",
+        "engine_for",
+        "generate_dataset",
+        "is_patched",
+        "patch",
+        "serve",
+        "unpatch",
+    }
     assert set(paged_hf.__all__) == expected
     for name in expected:
         assert getattr(paged_hf, name) is not None

@@ -9,6 +9,7 @@ float32 logprobs in different orders; the same is_greedy flags and generated tex
 bfloat16 (SmolLM2): within the tolerance stated below. The command line runs in a subprocess
 with a chat template.
 """
+
 from __future__ import annotations
 
 import json
@@ -22,15 +23,17 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-lm_eval = pytest.importorskip("lm_eval", reason="the eval extra (lm-eval==0.4.13) is installed by make install")
+lm_eval = pytest.importorskip(
+    "lm_eval", reason="the eval extra (lm-eval==0.4.13) is installed by make install"
+)
+from eval_tasks import write_tasks  # noqa: E402
 from lm_eval.api.registry import get_model  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
-
-import paged_hf  # noqa: E402
-from eval_tasks import write_tasks  # noqa: E402
-from paged_hf.integrations.lm_eval import PagedHFLM, _device, wrap  # noqa: E402
 from tiny_models import make_tiny_model  # noqa: E402
 from tiny_tokenizer import make_tiny_tokenizer  # noqa: E402
+
+import paged_hf  # noqa: E402
+from paged_hf.integrations.lm_eval import PagedHFLM, _device, wrap  # noqa: E402
 
 TASKS = ["phf_mc", "phf_gen", "phf_rolling"]
 # max_length 128 for both backends: contexts are cut from the left as lm-eval cuts them, and
@@ -57,9 +60,16 @@ def tiny_dir(tiny_llama_dir):
 def evaluate(model: str, path: Path, dtype: str, tasks: list[str], task_manager, **kwargs):
     threads = torch.get_num_threads()
     try:
-        return lm_eval.simple_evaluate(model=model, model_args=MODEL_ARGS.format(path=path, dtype=dtype),
-                                       tasks=tasks, task_manager=task_manager, device="cpu", batch_size=4,
-                                       log_samples=True, **kwargs)
+        return lm_eval.simple_evaluate(
+            model=model,
+            model_args=MODEL_ARGS.format(path=path, dtype=dtype),
+            tasks=tasks,
+            task_manager=task_manager,
+            device="cpu",
+            batch_size=4,
+            log_samples=True,
+            **kwargs,
+        )
     finally:
         torch.set_num_threads(threads)
 
@@ -118,7 +128,10 @@ def test_a_hybrid_scores_as_lm_evals_hf_backend(tiny_hybrid_dir, task_manager):
     """Multiple choice and rolling loglikelihood on a hybrid model: every request's loglikelihood
     lm-eval's hf backend gets, to 1e-4, and so the same metrics."""
     tm, _ = task_manager
-    runs = {m: evaluate(m, tiny_hybrid_dir, "float32", ["phf_mc", "phf_rolling"], tm) for m in ("paged_hf", "hf")}
+    runs = {
+        m: evaluate(m, tiny_hybrid_dir, "float32", ["phf_mc", "phf_rolling"], tm)
+        for m in ("paged_hf", "hf")
+    }
     ours, theirs = runs["paged_hf"], runs["hf"]
     assert metrics(ours, "phf_mc") == metrics(theirs, "phf_mc")
     for name, value in metrics(theirs, "phf_rolling").items():
@@ -129,12 +142,17 @@ def test_a_hybrid_scores_as_lm_evals_hf_backend(tiny_hybrid_dir, task_manager):
         for a, b in pairs:
             for ra, rb in zip(a["resps"], b["resps"]):
                 mine, theirs_ = (ra[0][0], rb[0][0]) if task == "phf_mc" else (ra[0], rb[0])
-                assert mine == pytest.approx(theirs_, abs=1e-4 if task == "phf_mc" else 1e-3), (task, a["doc_id"])
+                assert mine == pytest.approx(theirs_, abs=1e-4 if task == "phf_mc" else 1e-3), (
+                    task,
+                    a["doc_id"],
+                )
 
 
 def test_bfloat16_smollm2_within_tolerance(smollm2_dir, task_manager):
     tm, _ = task_manager
-    runs = {m: evaluate(m, smollm2_dir, "bfloat16", ["phf_mc"], tm, limit=8) for m in ("paged_hf", "hf")}
+    runs = {
+        m: evaluate(m, smollm2_dir, "bfloat16", ["phf_mc"], tm, limit=8) for m in ("paged_hf", "hf")
+    }
     ours, theirs = runs["paged_hf"], runs["hf"]
     worst = 0.0
     for a, b in zip(ours["samples"]["phf_mc"], theirs["samples"]["phf_mc"]):
@@ -152,28 +170,67 @@ def test_command_line_with_chat_template(tiny_dir, task_manager, tmp_path):
     through the tokenizer's chat template and the answers equal --model hf's."""
     _, directory = task_manager
     out = tmp_path / "out"
-    args = ["--model_args", MODEL_ARGS.format(path=tiny_dir, dtype="float32"), "--tasks", "phf_gen",
-            "--include_path", str(directory), "--limit", "3", "--apply_chat_template", "--log_samples",
-            "--output_path", str(out), "--batch_size", "2"]
-    proc = subprocess.run([sys.executable, "-m", "paged_hf", "lm-eval", "--model", "paged_hf", *args],
-                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    args = [
+        "--model_args",
+        MODEL_ARGS.format(path=tiny_dir, dtype="float32"),
+        "--tasks",
+        "phf_gen",
+        "--include_path",
+        str(directory),
+        "--limit",
+        "3",
+        "--apply_chat_template",
+        "--log_samples",
+        "--output_path",
+        str(out),
+        "--batch_size",
+        "2",
+    ]
+    proc = subprocess.run(
+        [sys.executable, "-m", "paged_hf", "lm-eval", "--model", "paged_hf", *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "phf_gen" in proc.stdout and "exact_match" in proc.stdout
-    samples = [json.loads(line) for f in out.rglob("samples_phf_gen_*.jsonl") for line in f.read_text().splitlines()]
+    samples = [
+        json.loads(line)
+        for f in out.rglob("samples_phf_gen_*.jsonl")
+        for line in f.read_text().splitlines()
+    ]
     assert len(samples) == 3
-    assert all("assistant:" in s["arguments"]["gen_args_0"]["arg_0"] for s in samples)  # chat-templated
+    assert all(
+        "assistant:" in s["arguments"]["gen_args_0"]["arg_0"] for s in samples
+    )  # chat-templated
     tm, _ = task_manager
     ref = evaluate("hf", tiny_dir, "float32", ["phf_gen"], tm, limit=3, apply_chat_template=True)
-    assert {s["doc_id"]: s["resps"] for s in samples} == {s["doc_id"]: s["resps"] for s in ref["samples"]["phf_gen"]}
+    assert {s["doc_id"]: s["resps"] for s in samples} == {
+        s["doc_id"]: s["resps"] for s in ref["samples"]["phf_gen"]
+    }
 
 
 def test_lm_evals_batch_size_and_device_are_interpreted():
     model, tok = make_tiny_model("llama"), make_tiny_tokenizer()
-    assert PagedHFLM(pretrained=model, tokenizer=tok, batch_size=16).engine.config.max_num_seqs == 16
-    assert PagedHFLM(pretrained=model, tokenizer=tok, batch_size=1).engine.config.max_num_seqs == 128
-    assert PagedHFLM(pretrained=model, tokenizer=tok, batch_size="auto", max_batch_size=32
-                     ).engine.config.max_num_seqs == 32
-    assert PagedHFLM(pretrained=model, tokenizer=tok, batch_size=16, max_num_seqs=8).engine.config.max_num_seqs == 8
+    assert (
+        PagedHFLM(pretrained=model, tokenizer=tok, batch_size=16).engine.config.max_num_seqs == 16
+    )
+    assert (
+        PagedHFLM(pretrained=model, tokenizer=tok, batch_size=1).engine.config.max_num_seqs == 128
+    )
+    assert (
+        PagedHFLM(
+            pretrained=model, tokenizer=tok, batch_size="auto", max_batch_size=32
+        ).engine.config.max_num_seqs
+        == 32
+    )
+    assert (
+        PagedHFLM(
+            pretrained=model, tokenizer=tok, batch_size=16, max_num_seqs=8
+        ).engine.config.max_num_seqs
+        == 8
+    )
     lm = PagedHFLM(pretrained=model, tokenizer=tok, device="cuda:0", max_length=64)
     assert lm.device.type == "cpu" and lm.max_length == 64  # a model object stays where it is
     if not torch.cuda.is_available():
@@ -208,9 +265,30 @@ def test_benchmark_script_runs_both_systems(tiny_dir, tmp_path):
     """benchmarks/bench_eval.py end to end on the tiny model: every field, both systems, and
     the token counts it prints. No timing is asserted."""
     out = tmp_path / "bench_eval.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_eval.py"), "--model", str(tiny_dir),
-                           "--dtype", "float32", "--n-mc", "4", "--n-gen", "2", "--rounds", "1", "--out", str(out),
-                           "--tasks-dir", str(tmp_path / "tasks")], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "bench_eval.py"),
+            "--model",
+            str(tiny_dir),
+            "--dtype",
+            "float32",
+            "--n-mc",
+            "4",
+            "--n-gen",
+            "2",
+            "--rounds",
+            "1",
+            "--out",
+            str(out),
+            "--tasks-dir",
+            str(tmp_path / "tasks"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
     rows = {r["task"]: r for r in result["rows"]}
@@ -219,8 +297,15 @@ def test_benchmark_script_runs_both_systems(tiny_dir, tmp_path):
         assert set(row["median_s"]) == {"hf", "paged_hf"} and row["speedup"] > 0
         assert row["metrics"]["hf"] == row["metrics"]["paged_hf"]  # float32: the same answers
     tokens, ref = rows["phf_mc"]["prefill_tokens"], rows["phf_mc"]["reference_tokens"]
-    assert ref["one_context_per_question_plus_choices"] <= tokens["paged_hf"] < ref["one_context_per_choice"]
-    assert "| multiple choice, 4 x 4 (loglikelihood) |" in proc.stdout and "prefill tokens" in proc.stdout
+    assert (
+        ref["one_context_per_question_plus_choices"]
+        <= tokens["paged_hf"]
+        < ref["one_context_per_choice"]
+    )
+    assert (
+        "| multiple choice, 4 x 4 (loglikelihood) |" in proc.stdout
+        and "prefill tokens" in proc.stdout
+    )
 
 
 def test_lm_evals_own_hf_backend_on_a_patched_model_object(tiny_dir, task_manager):
@@ -239,11 +324,17 @@ def test_lm_evals_own_hf_backend_on_a_patched_model_object(tiny_dir, task_manage
             paged_hf.patch(model)
         threads = torch.get_num_threads()
         try:
-            results[name] = lm_eval.simple_evaluate(model=HFLM(pretrained=model, tokenizer=tok, batch_size=4),
-                                                    tasks=["phf_gen"], task_manager=tm, log_samples=True)
+            results[name] = lm_eval.simple_evaluate(
+                model=HFLM(pretrained=model, tokenizer=tok, batch_size=4),
+                tasks=["phf_gen"],
+                task_manager=tm,
+                log_samples=True,
+            )
         finally:
             torch.set_num_threads(threads)
     ours, theirs = results["patched"], results["unpatched"]
     assert metrics(ours, "phf_gen") == metrics(theirs, "phf_gen")
-    assert [s["resps"] for s in ours["samples"]["phf_gen"]] == [s["resps"] for s in theirs["samples"]["phf_gen"]]
+    assert [s["resps"] for s in ours["samples"]["phf_gen"]] == [
+        s["resps"] for s in theirs["samples"]["phf_gen"]
+    ]
     assert any(s["resps"][0][0] for s in ours["samples"]["phf_gen"])

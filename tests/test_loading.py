@@ -1,4 +1,5 @@
 """Loading a model by name (paged_hf/frontends/loading.py), the one loader the CLI and the lm-eval backend share."""
+
 from __future__ import annotations
 
 import os
@@ -10,9 +11,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from paged_hf.frontends.loading import LoadError, load_model  # noqa: E402
 from tiny_models import make_tiny_model  # noqa: E402
 from tiny_tokenizer import make_tiny_tokenizer  # noqa: E402
+
+from paged_hf.frontends.loading import LoadError, load_model  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +28,9 @@ def test_a_checkpoint_directory_loads_in_the_dtype_asked(tiny_dir):
     assert tokenizer("ab")["input_ids"]
     reference = make_tiny_model("llama")
     for name, param in reference.state_dict().items():
-        torch.testing.assert_close(model.state_dict()[name].float(), param.to(torch.bfloat16).float())
+        torch.testing.assert_close(
+            model.state_dict()[name].float(), param.to(torch.bfloat16).float()
+        )
 
 
 def test_mistakes_name_the_argument_in_the_callers_words(tiny_dir, tmp_path):

@@ -1,4 +1,5 @@
 """RadixPrefixIndex: block-aligned matching, node splits, LRU eviction, salts, locks."""
+
 from __future__ import annotations
 
 import pytest
@@ -46,9 +47,9 @@ def test_match_after_insert():
     assert b == [10, 11, 12] and n is node
     assert ix.match_prefix(toks(1, 2))[1] == [10, 11]
     assert ix.match_prefix(toks(1))[1] == [10]
-    assert ix.match_prefix(toks(1, 2, 3, 4))[1] == [10, 11, 12]   # longer query: longest prefix
-    assert ix.match_prefix(toks(1, 9, 3))[1] == [10]               # diverges in block 2
-    assert ix.match_prefix(toks(2, 2, 3))[1] == []                 # diverges in block 1
+    assert ix.match_prefix(toks(1, 2, 3, 4))[1] == [10, 11, 12]  # longer query: longest prefix
+    assert ix.match_prefix(toks(1, 9, 3))[1] == [10]  # diverges in block 2
+    assert ix.match_prefix(toks(2, 2, 3))[1] == []  # diverges in block 1
     n0, b0 = ix.match_prefix([])
     assert b0 == [] and n0.is_root
     for b in (10, 11, 12):
@@ -70,11 +71,11 @@ def test_partial_block_tail_is_truncated_for_match():
 def test_insert_requires_whole_blocks():
     ix = RadixPrefixIndex(BS)
     with pytest.raises(ValueError):
-        ix.insert(toks(1, 2)[:7], [5, 6])      # 7 tokens do not fill 2 blocks
+        ix.insert(toks(1, 2)[:7], [5, 6])  # 7 tokens do not fill 2 blocks
     with pytest.raises(ValueError):
-        ix.insert(toks(1, 2)[:7], [5])         # nor 1 block
+        ix.insert(toks(1, 2)[:7], [5])  # nor 1 block
     with pytest.raises(ValueError):
-        ix.insert(toks(1, 2) + [3], [5, 6])    # a partial tail is never accepted
+        ix.insert(toks(1, 2) + [3], [5, 6])  # a partial tail is never accepted
     assert ix.num_blocks == 0 and ix.evictable_blocks == 0
     assert list(ix.iter_nodes()) == []
 
@@ -148,9 +149,9 @@ def test_match_splits_edge_and_keeps_lock_count():
 # ---- eviction -----------------------------------------------------------------------------
 def test_lru_eviction_order_and_match_refreshes():
     ix = RadixPrefixIndex(BS)
-    ix.insert(toks(1), [1])   # oldest
+    ix.insert(toks(1), [1])  # oldest
     ix.insert(toks(2), [2])
-    ix.insert(toks(3), [3])   # newest
+    ix.insert(toks(3), [3])  # newest
     ix.match_prefix(toks(1))  # 1 becomes the most recently used
     assert ix.evict(1) == [2]
     assert ix.evict(1) == [3]
@@ -163,7 +164,7 @@ def test_insert_refreshes_recency():
     ix = RadixPrefixIndex(BS)
     ix.insert(toks(1), [1])
     ix.insert(toks(2), [2])
-    ix.insert(toks(1), [9])   # already cached: a touch, not a new block
+    ix.insert(toks(1), [9])  # already cached: a touch, not a new block
     assert not ix.holds(9)
     assert ix.evict(1) == [2]
 
@@ -171,8 +172,8 @@ def test_insert_refreshes_recency():
 def test_evict_leaves_before_their_parents():
     ix = RadixPrefixIndex(BS)
     ix.insert(toks(1, 2), [1, 2])
-    ix.insert(toks(1, 3), [1, 3])   # splits: [1] -> {[2], [3]}
-    ix.insert(toks(5), [5])         # newest, but a leaf
+    ix.insert(toks(1, 3), [1, 3])  # splits: [1] -> {[2], [3]}
+    ix.insert(toks(5), [5])  # newest, but a leaf
     # leaves by age: [2] (t1), [3] (t2), then [1] once it is a leaf (touched at t2) before [5] (t3)
     assert ix.evict(3) == [2, 3, 1]
     assert ix.holds(5) and ix.num_blocks == 1
@@ -182,9 +183,9 @@ def test_evict_leaves_before_their_parents():
 
 def test_parent_that_becomes_a_leaf_keeps_its_own_recency():
     ix = RadixPrefixIndex(BS)
-    ix.insert(toks(1, 2), [1, 2])   # t1
-    ix.insert(toks(9), [9])         # t2
-    ix.match_prefix(toks(1))        # t3: splits [1] | [2], touches only [1]
+    ix.insert(toks(1, 2), [1, 2])  # t1
+    ix.insert(toks(9), [9])  # t2
+    ix.match_prefix(toks(1))  # t3: splits [1] | [2], touches only [1]
     # [2] (t1) goes first; then [1] is a leaf again, but touched at t3, after [9] (t2)
     assert ix.evict(2) == [2, 9]
     assert ix.holds(1)
@@ -262,11 +263,11 @@ def test_block_manager_salt_isolation():
 def test_eviction_never_touches_locked_paths():
     ix = RadixPrefixIndex(BS)
     deep, _ = ix.insert(toks(1, 2, 3, 4), [1, 2, 3, 4])
-    ix.insert(toks(1, 2, 5), [1, 2, 5])   # splits at [1, 2]
+    ix.insert(toks(1, 2, 5), [1, 2, 5])  # splits at [1, 2]
     ix.insert(toks(9, 9), [9, 10])
     ix.lock(deep)
     assert ix.evictable_blocks == 3 == recount_evictable(ix)
-    freed = ix.evict(100)                  # more than there is
+    freed = ix.evict(100)  # more than there is
     assert sorted(freed) == [5, 9, 10]
     for b in (1, 2, 3, 4):
         assert ix.holds(b)
@@ -283,7 +284,7 @@ def test_eviction_never_touches_locked_paths():
 def test_lock_of_ancestor_only_protects_ancestors():
     ix = RadixPrefixIndex(BS)
     ix.insert(toks(1, 2, 3), [1, 2, 3])
-    mid, _ = ix.match_prefix(toks(1, 2))   # splits [1, 2] | [3]
+    mid, _ = ix.match_prefix(toks(1, 2))  # splits [1, 2] | [3]
     ix.lock(mid)
     assert sorted(ix.evict(100)) == [3]
     assert ix.holds(1) and ix.holds(2)
@@ -324,11 +325,14 @@ def test_lock_ref_counts_along_path():
 
 # ---- random operations ------------------------------------------------------------------
 OPS = st.lists(
-    st.tuples(st.sampled_from(["insert", "match", "lock", "unlock", "evict"]),
-              st.lists(st.integers(0, 2), min_size=0, max_size=5),   # chunk values
-              st.sampled_from([None, "a"]),
-              st.integers(0, 6)),
-    max_size=40)
+    st.tuples(
+        st.sampled_from(["insert", "match", "lock", "unlock", "evict"]),
+        st.lists(st.integers(0, 2), min_size=0, max_size=5),  # chunk values
+        st.sampled_from([None, "a"]),
+        st.integers(0, 6),
+    ),
+    max_size=40,
+)
 
 
 @settings(max_examples=300, deadline=None)
@@ -337,7 +341,7 @@ def test_random_ops_keep_counters_consistent(ops):
     """evictable_blocks always equals a recount over unlocked nodes; locked blocks survive."""
     ix = RadixPrefixIndex(BS)
     next_block = iter(range(10_000))
-    locked: list = []   # nodes we hold a lock on (with multiplicity)
+    locked: list = []  # nodes we hold a lock on (with multiplicity)
     for kind, chunks, salt, k in ops:
         tokens = toks(*chunks)
         if kind == "insert":

@@ -7,16 +7,17 @@ through ``SamplingParams.from_generation_config``, draws N tokens from that row;
 frequency must be within 5 standard errors of transformers' probability, and a token transformers
 removes must never be drawn. Draws come from fixed seeds, so a run is deterministic.
 """
+
 from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import make_tiny_model
 from transformers import GenerationConfig
 
 from paged_hf import SamplingParams
-from paged_hf.requests.request import Request
 from paged_hf.execution.sampler import sample
-from tiny_models import make_tiny_model
+from paged_hf.requests.request import Request
 
 VOCAB = 16
 DRAWS = 20_000
@@ -40,7 +41,9 @@ def model():
 
 
 def _expected(model, gc: GenerationConfig, logits: torch.Tensor) -> torch.Tensor:
-    model._prepare_special_tokens(gc, device="cpu")  # as generate does: the EOS ban reads its tensors
+    model._prepare_special_tokens(
+        gc, device="cpu"
+    )  # as generate does: the EOS ban reads its tensors
     procs = model._get_logits_processor(gc, input_ids_seq_length=len(PROMPT), device="cpu")
     scores = procs(torch.tensor([PROMPT]), logits[None].clone())[0]
     return torch.softmax(scores, dim=-1)
@@ -58,11 +61,21 @@ def _requests(params: SamplingParams, seeded: bool) -> list[Request]:
 @pytest.mark.parametrize("seeded", [False, True], ids=["shared draw", "own generators"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_sampled_frequencies_match_transformers_processors(model, case, seeded):
-    gc = GenerationConfig(**{"do_sample": True, "top_k": 0, "top_p": 1.0, "eos_token_id": EOS, "max_new_tokens": 4,
-                             **CASES[case]})
+    gc = GenerationConfig(
+        **{
+            "do_sample": True,
+            "top_k": 0,
+            "top_p": 1.0,
+            "eos_token_id": EOS,
+            "max_new_tokens": 4,
+            **CASES[case],
+        }
+    )
     logits = torch.randn(VOCAB, generator=torch.Generator().manual_seed(len(case))) * 2
     expected = _expected(model, gc, logits)
-    assert (expected == 0).any() or case in ("temperature", "repetition_penalty"), "the case filters nothing"
+    assert (expected == 0).any() or case in ("temperature", "repetition_penalty"), (
+        "the case filters nothing"
+    )
 
     params = SamplingParams.from_generation_config(gc)
     torch.manual_seed(0)
@@ -70,7 +83,9 @@ def test_sampled_frequencies_match_transformers_processors(model, case, seeded):
     freq = torch.bincount(torch.tensor(tokens), minlength=VOCAB).double() / DRAWS
 
     removed = expected == 0
-    assert freq[removed].sum() == 0, f"drew tokens transformers removes: {removed.nonzero().flatten().tolist()}"
+    assert freq[removed].sum() == 0, (
+        f"drew tokens transformers removes: {removed.nonzero().flatten().tolist()}"
+    )
     p = expected.double()
     bound = 5 * (p * (1 - p) / DRAWS).sqrt() + 1e-4
     worst = ((freq - p).abs() / bound).max()
@@ -80,6 +95,7 @@ def test_sampled_frequencies_match_transformers_processors(model, case, seeded):
 def test_seeded_rows_draw_the_same_tokens_alone_or_in_a_batch():
     logits = torch.randn(6, VOCAB, generator=torch.Generator().manual_seed(3))
     params = SamplingParams(max_new_tokens=4, temperature=1.0)
+
     def reqs(seeds):
         out = []
         for s in seeds:
@@ -87,7 +103,8 @@ def test_seeded_rows_draw_the_same_tokens_alone_or_in_a_batch():
             r.generator = None if s is None else torch.Generator().manual_seed(s)
             out.append(r)
         return out
-    alone = [sample(logits[i:i + 1], reqs([s])).tokens[0] for i, s in ((1, 11), (4, 44))]
+
+    alone = [sample(logits[i : i + 1], reqs([s])).tokens[0] for i, s in ((1, 11), (4, 44))]
     torch.manual_seed(1)
     mixed = sample(logits, reqs([None, 11, None, None, 44, None])).tokens
     assert [mixed[1], mixed[4]] == alone
@@ -104,19 +121,21 @@ def test_greedy_max_op_is_torch_max(threads):
     assert cpa.load(), cpa.status()["error"]
     gen = torch.Generator().manual_seed(threads)
     x = torch.randn(12, 49_157, generator=gen)
-    x[1, [5, 900, 49_000]] = 50.0                       # a three-way tie: the first wins
-    x[2, 49_156] = 99.0                                 # the last column, past the last full vector
+    x[1, [5, 900, 49_000]] = 50.0  # a three-way tie: the first wins
+    x[2, 49_156] = 99.0  # the last column, past the last full vector
     x[3, 7] = float("nan")
     x[4, 100] = float("inf")
     x[5] = float("-inf")
-    x[6] = x[6].round()                                 # many ties
+    x[6] = x[6].round()  # many ties
     x[7, 12] = float("nan")
     x[7, 13] = float("inf")
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         for logits in (x, x[:, :11], x[::2, 3:], x.bfloat16(), x[::2, 3:].bfloat16()):
-            best, idx = torch.ops.paged_hf.greedy_max(logits.contiguous() if logits.shape[1] == 11 else logits)
+            best, idx = torch.ops.paged_hf.greedy_max(
+                logits.contiguous() if logits.shape[1] == 11 else logits
+            )
             want_best, want_idx = logits.max(dim=-1)
             assert torch.equal(best.isnan(), want_best.isnan())
             finite = ~want_best.isnan()
@@ -141,11 +160,16 @@ def test_a_plain_greedy_batch_takes_the_fast_path_and_the_same_tokens():
     plain = [Request(f"r{i}", [1, 2, 3], SamplingParams(max_new_tokens=4)) for i in range(6)]
     assert all(sampler._plain_greedy(r) for r in plain)
     fast = sample(logits, plain)
-    full = sampler.sample(logits.float(), plain, mask=lambda lg, err: None)  # a mask forces the full path
+    full = sampler.sample(
+        logits.float(), plain, mask=lambda lg, err: None
+    )  # a mask forces the full path
     assert fast.tokens == full.tokens and fast.errors.keys() == full.errors.keys() == {2, 4}
     assert fast.tokens[0] == int(logits[0].float().argmax())
-    for params in (SamplingParams(repetition_penalty=1.3), SamplingParams(logprobs=2),
-                   SamplingParams(min_new_tokens=3, stop_token_ids=(7,))):
+    for params in (
+        SamplingParams(repetition_penalty=1.3),
+        SamplingParams(logprobs=2),
+        SamplingParams(min_new_tokens=3, stop_token_ids=(7,)),
+    ):
         assert not sampler._plain_greedy(Request("x", [1, 2], params))
 
 
@@ -153,8 +177,9 @@ def test_a_requests_own_logits_processors_run_after_the_penalties_and_before_the
     """SamplingParams(logits_processors=[f]): f(token_ids, logits) sees the prompt and the tokens so
     far and the penalised fp32 row; what it returns is what the warpers and the draw see. One that
     raises, or returns another shape, ends its own request; the others' tokens do not change."""
-    import paged_hf
     from tiny_models import make_tiny_model
+
+    import paged_hf
 
     model = make_tiny_model("llama")
     engine = paged_hf.Engine(model)
@@ -167,8 +192,9 @@ def test_a_requests_own_logits_processors_run_after_the_penalties_and_before_the
         return out
 
     prompt = [5, 6, 7, 8]
-    params = paged_hf.SamplingParams(max_new_tokens=6, ignore_eos=True, logits_processors=[only_odd],
-                                     repetition_penalty=1.5)
+    params = paged_hf.SamplingParams(
+        max_new_tokens=6, ignore_eos=True, logits_processors=[only_odd], repetition_penalty=1.5
+    )
     out = engine.generate([prompt], params)[0]
     assert all(t % 2 == 1 for t in out.token_ids)
     assert [s[0] for s in seen] == [prompt + out.token_ids[:i] for i in range(6)]
@@ -183,7 +209,12 @@ def test_a_requests_own_logits_processors_run_after_the_penalties_and_before_the
     alone = engine.generate([[9, 10, 11]], plain)[0].token_ids
     bad, wrong_shape, other = engine.generate(
         [prompt, prompt, [9, 10, 11]],
-        [plain.with_(logits_processors=[raises]), plain.with_(logits_processors=[lambda ids, lg: lg[:3]]), plain])
+        [
+            plain.with_(logits_processors=[raises]),
+            plain.with_(logits_processors=[lambda ids, lg: lg[:3]]),
+            plain,
+        ],
+    )
     assert bad.finish_reason == "error" and "on purpose" in bad.error
     assert wrong_shape.finish_reason == "error" and "shape" in wrong_shape.error
     assert other.error is None and other.token_ids == alone

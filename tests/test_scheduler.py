@@ -1,24 +1,33 @@
 """Scheduler unit tests: batch order, chunked prefill, prefix hits, preemption, admission
 checks, copy-on-write for parallel samples, and computing a shared prefix once."""
+
 from __future__ import annotations
 
 import pytest
 
 from paged_hf.cache.block_manager import BlockManager
+from paged_hf.engine.scheduler import Scheduler, SchedulerOutput
 from paged_hf.requests.request import FinishReason, Request, RequestStatus
 from paged_hf.requests.sampling_params import SamplingParams
-from paged_hf.engine.scheduler import Scheduler, SchedulerOutput
 
 
-def make(num_blocks: int = 64, block_size: int = 4, budget: int = 32, max_seqs: int = 8,
-         caching: bool = True) -> tuple[BlockManager, Scheduler]:
+def make(
+    num_blocks: int = 64,
+    block_size: int = 4,
+    budget: int = 32,
+    max_seqs: int = 8,
+    caching: bool = True,
+) -> tuple[BlockManager, Scheduler]:
     kv = BlockManager(num_blocks, block_size, enable_prefix_caching=caching)
     return kv, Scheduler(kv, budget, max_seqs)
 
 
-def req(rid: str, prompt: list[int], max_new: int = 4, n: int = 1, salt: str | None = None,
-        **kw) -> Request:
-    return Request(rid, list(prompt), SamplingParams(max_new_tokens=max_new, n=n, cache_salt=salt), **kw)
+def req(
+    rid: str, prompt: list[int], max_new: int = 4, n: int = 1, salt: str | None = None, **kw
+) -> Request:
+    return Request(
+        rid, list(prompt), SamplingParams(max_new_tokens=max_new, n=n, cache_salt=salt), **kw
+    )
 
 
 def det_token(r: Request) -> int:
@@ -34,8 +43,17 @@ def step(s: Scheduler, token=det_token, now: float = 0.0) -> SchedulerOutput:
     for r, _ in out.scheduled:
         if r.num_pending_tokens == 0:
             if r.params.n > 1 and not r.forked and r.parent is None:
-                kids = [Request(f"{r.request_id}.{k}", r.prompt_ids, r.params, eos_token_ids=r.eos_token_ids,
-                                parent=r, sample_index=k) for k in range(1, r.params.n)]
+                kids = [
+                    Request(
+                        f"{r.request_id}.{k}",
+                        r.prompt_ids,
+                        r.params,
+                        eos_token_ids=r.eos_token_ids,
+                        parent=r,
+                        sample_index=k,
+                    )
+                    for k in range(1, r.params.n)
+                ]
                 s.fork(r, kids)
                 for k in kids:
                     sampled[k] = token(k)
@@ -188,13 +206,13 @@ def test_preemption_requeues_latest_at_front_and_keeps_tokens(caching):
             break
         b_tokens_before = list(b.output_ids)
         out = step(s)
-        assert a not in out.preempted                     # the oldest running request keeps going
+        assert a not in out.preempted  # the oldest running request keeps going
         if out.preempted and preempted_at is None:
             preempted_at = i
-            assert out.preempted == [b]                  # the most recently admitted one
+            assert out.preempted == [b]  # the most recently admitted one
             assert b not in [r for r, _ in out.scheduled]
             assert b.status is RequestStatus.PREEMPTED
-            assert list(s.waiting) == [b, c]             # requeued at the front
+            assert list(s.waiting) == [b, c]  # requeued at the front
             assert b.block_table == [] and b.num_computed_tokens == 0 and b.prefix_node is None
             assert b.output_ids == b_tokens_before and len(b_tokens_before) > 0
             assert [r for r, _ in out.scheduled] == [a]
@@ -214,7 +232,7 @@ def test_check_fits_rejects_requests_that_never_fit():
     small = req("small", range(40, 43), max_new=3)
     s.add(small)
     step(s)
-    big = req("too-big-17", range(10), max_new=10)   # 20 tokens = 5 blocks > 4
+    big = req("too-big-17", range(10), max_new=10)  # 20 tokens = 5 blocks > 4
     with pytest.raises(ValueError, match="too-big-17"):
         s.check_fits(big)
     with pytest.raises(ValueError, match="too-big-17"):
@@ -222,7 +240,7 @@ def test_check_fits_rejects_requests_that_never_fit():
     assert big not in s.waiting and s.running == [small]
 
     # the limit is inclusive, and max_model_len caps the length that has to fit
-    exact = req("exact", range(10), max_new=6)       # 16 tokens = 4 blocks
+    exact = req("exact", range(10), max_new=6)  # 16 tokens = 4 blocks
     capped = req("capped", range(20, 30), max_new=10, max_model_len=16)
     for r in (exact, capped):
         s.add(r)
@@ -252,7 +270,7 @@ def test_check_fits_rejects_more_samples_than_sequences():
 @pytest.mark.parametrize("caching", [True, False])
 def test_parallel_samples_copy_a_shared_partial_block(caching):
     kv, s = make(block_size=4, budget=32, caching=caching)
-    p = req("p", range(6), max_new=4, n=2)            # 6 tokens: the second block is partial
+    p = req("p", range(6), max_new=4, n=2)  # 6 tokens: the second block is partial
     s.add(p)
     out = step(s)
     assert out.scheduled == [(p, 6)] and out.block_copies == []
@@ -266,7 +284,7 @@ def test_parallel_samples_copy_a_shared_partial_block(caching):
     assert len(out.block_copies) == 1
     src, dst = out.block_copies[0]
     assert src == b1 and dst not in (b0, b1)
-    assert p.block_table == [b0, dst] and child.block_table == [b0, b1]   # the last holder keeps it
+    assert p.block_table == [b0, dst] and child.block_table == [b0, b1]  # the last holder keeps it
     assert kv.pool.refcount[b0] == 2 and kv.pool.refcount[b1] == 1 and kv.pool.refcount[dst] == 1
 
     out = step(s)
@@ -280,10 +298,10 @@ def test_fork_after_chunked_prefill_shares_the_prefix_lock():
     kv, s = make(block_size=4, budget=8)
     p = req("p", range(14), max_new=3, n=2)
     s.add(p)
-    step(s)                                          # first chunk: 8 tokens = 2 cached blocks
+    step(s)  # first chunk: 8 tokens = 2 cached blocks
     node = p.prefix_node
     assert node is not None and node.lock_ref == 1 and p.num_tree_blocks == 2
-    step(s)                                          # last chunk, sample, fork, cache block 3
+    step(s)  # last chunk, sample, fork, cache block 3
     (child,) = [r for r in s.running if r is not p]
     assert child.prefix_node is p.prefix_node and p.num_tree_blocks == child.num_tree_blocks == 3
     assert p.prefix_node.lock_ref == 2 and node.lock_ref == 2
@@ -311,7 +329,7 @@ def test_parallel_samples_three_way_copy():
 
 def test_parallel_samples_with_aligned_prompt_need_no_copy():
     kv, s = make(block_size=4, budget=32)
-    p = req("p", range(8), max_new=3, n=2)            # 8 tokens: both blocks full
+    p = req("p", range(8), max_new=3, n=2)  # 8 tokens: both blocks full
     s.add(p)
     step(s)
     out = step(s)
@@ -329,9 +347,11 @@ def prefill_tokens(outs: list[SchedulerOutput], reqs) -> int:
 
 @pytest.mark.parametrize("budget", [64, 16, 12])
 def test_concurrent_shared_prefix_is_computed_once(budget):
-    prefix = list(range(100, 132))                   # 32 tokens = 8 blocks of 4
+    prefix = list(range(100, 132))  # 32 tokens = 8 blocks of 4
     kv, s = make(num_blocks=128, block_size=4, budget=budget, max_seqs=4)
-    reqs = [req(f"r{i}", prefix + [10 * i + 1, 10 * i + 2, 10 * i + 3], max_new=2) for i in range(4)]
+    reqs = [
+        req(f"r{i}", prefix + [10 * i + 1, 10 * i + 2, 10 * i + 3], max_new=2) for i in range(4)
+    ]
     for r in reqs:
         s.add(r)
     outs = [step(s)]
@@ -381,7 +401,11 @@ def test_rows_held_for_their_call_give_way_to_the_rows_they_wait_for():
 
     kv, s = make(num_blocks=4, block_size=4, budget=32)
     calls = []
-    criteria = lambda ids, scores: calls.append(ids.shape[1]) or torch.zeros(ids.shape[0], dtype=torch.bool)  # noqa: E731
+
+    def criteria(ids, scores):
+        calls.append(ids.shape[1])
+        return torch.zeros(ids.shape[0], dtype=torch.bool)
+
     a, b = req("a", range(1, 9), max_new=6), req("b", range(11, 19), max_new=6)
     group = CallGroup(torch.tensor([a.prompt_ids, b.prompt_ids]), 1, criteria, 0, True, 6)
     group.join(a, 0)

@@ -6,6 +6,7 @@ included: it is in the logits the model returns), with and without prefix-cache 
 4-token blocks and a 16-token budget so chunked prefill cuts through contexts and
 continuations. SmolLM2 in bfloat16 agrees within a stated tolerance.
 """
+
 from __future__ import annotations
 
 import math
@@ -13,12 +14,12 @@ import random
 
 import pytest
 import torch
+from tiny_models import FAMILIES, make_tiny_model, tiny_prompts
+from tiny_tokenizer import make_tiny_tokenizer
 
 import paged_hf
 from paged_hf import SamplingParams
 from paged_hf.engine.scoring import encode_pair, rolling_windows
-from tiny_models import FAMILIES, make_tiny_model, tiny_prompts
-from tiny_tokenizer import make_tiny_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -44,7 +45,7 @@ BF16_MEAN_ERR = 0.06
 def reference_logprobs(model, context: list[int], continuation: list[int]) -> torch.Tensor:
     """log_softmax (float32) of transformers' own forward, at the continuation's tokens."""
     logits = model(torch.tensor([context + continuation])).logits[0].float()
-    lp = torch.log_softmax(logits, dim=-1)[len(context) - 1: len(context) + len(continuation) - 1]
+    lp = torch.log_softmax(logits, dim=-1)[len(context) - 1 : len(context) + len(continuation) - 1]
     return lp.gather(1, torch.tensor(continuation)[:, None])[:, 0]
 
 
@@ -61,14 +62,22 @@ def workload(vocab: int, seed: int = 1):
 def test_scores_equal_a_plain_forward(family, prefix_caching):
     model = make_tiny_model(family)
     pairs = workload(model.config.vocab_size)
-    engine = paged_hf.Engine(model, block_size=4, max_num_batched_tokens=16, max_num_seqs=8,
-                             enable_prefix_caching=prefix_caching)
+    engine = paged_hf.Engine(
+        model,
+        block_size=4,
+        max_num_batched_tokens=16,
+        max_num_seqs=8,
+        enable_prefix_caching=prefix_caching,
+    )
     outs = engine.score(pairs)
     for (ctx, cont), out in zip(pairs, outs):
         assert out.error is None, out.error
         ref = reference_logprobs(model, ctx, cont)
         assert out.token_ids == cont
-        assert torch.allclose(torch.tensor(out.token_logprobs), ref, atol=FP32_TOL, rtol=0), (family, out)
+        assert torch.allclose(torch.tensor(out.token_logprobs), ref, atol=FP32_TOL, rtol=0), (
+            family,
+            out,
+        )
         assert out.logprob == pytest.approx(float(ref.sum()), abs=FP32_TOL * len(cont))
         # a prefix hit never reaches the position whose logits score the first continuation token
         assert out.num_cached_tokens <= len(ctx) - 1
@@ -101,10 +110,14 @@ def test_prefix_hit_is_cut_at_the_context_boundary():
     ctx = tiny_prompts(vocab, 1, 16, seed=5)[0]  # exactly 4 blocks
     cont = tiny_prompts(vocab, 1, 6, seed=6)[0]
     engine = paged_hf.Engine(model, block_size=4)
-    engine.generate([ctx + cont + [7, 8, 9, 10]], SamplingParams(max_new_tokens=1))  # caches ctx + cont
+    engine.generate(
+        [ctx + cont + [7, 8, 9, 10]], SamplingParams(max_new_tokens=1)
+    )  # caches ctx + cont
     out = engine.score([(ctx, cont)])[0]
     assert out.num_cached_tokens == 12  # 15 tokens may come from the cache: 3 full blocks
-    assert torch.allclose(torch.tensor(out.token_logprobs), reference_logprobs(model, ctx, cont), atol=FP32_TOL)
+    assert torch.allclose(
+        torch.tensor(out.token_logprobs), reference_logprobs(model, ctx, cont), atol=FP32_TOL
+    )
 
 
 def test_scoring_keeps_only_the_rows_it_needs():
@@ -125,7 +138,9 @@ def test_scoring_keeps_only_the_rows_it_needs():
     engine.runner.execute = watched
     out = engine.score([(ctx, cont)])[0]
     assert [s[0] for s in shapes] == [0, 0, 0, 2, 1]
-    assert torch.allclose(torch.tensor(out.token_logprobs), reference_logprobs(model, ctx, cont), atol=FP32_TOL)
+    assert torch.allclose(
+        torch.tensor(out.token_logprobs), reference_logprobs(model, ctx, cont), atol=FP32_TOL
+    )
 
 
 def test_scoring_runs_batched_with_generation_and_preemption():
@@ -136,7 +151,9 @@ def test_scoring_runs_batched_with_generation_and_preemption():
     prompts = tiny_prompts(vocab, 4, [9, 14, 6, 20], seed=11)
     params = SamplingParams(max_new_tokens=12, ignore_eos=True)
     alone = [o.token_ids for o in paged_hf.Engine(model, block_size=4).generate(prompts, params)]
-    engine = paged_hf.Engine(model, block_size=4, num_blocks=16, max_num_batched_tokens=16, max_num_seqs=6)
+    engine = paged_hf.Engine(
+        model, block_size=4, num_blocks=16, max_num_batched_tokens=16, max_num_seqs=6
+    )
     gen_ids = [engine.add_request(p, params) for p in prompts]
     pairs = workload(vocab, seed=12)
     score_ids = [engine.add_score_request(c, k) for c, k in pairs]
@@ -145,7 +162,9 @@ def test_scoring_runs_batched_with_generation_and_preemption():
     assert [o.token_ids for o in outs[:4]] == alone
     for (ctx, cont), out in zip(pairs, outs[4:]):
         assert out.error is None
-        assert torch.allclose(torch.tensor(out.token_logprobs), reference_logprobs(model, ctx, cont), atol=FP32_TOL)
+        assert torch.allclose(
+            torch.tensor(out.token_logprobs), reference_logprobs(model, ctx, cont), atol=FP32_TOL
+        )
 
 
 def test_prompt_logprobs_of_generation_requests():
@@ -166,10 +185,13 @@ def test_prompt_logprobs_of_generation_requests():
 
 
 def test_rolling_windows_are_lm_evals():
-    lm_eval_utils = pytest.importorskip("lm_eval.utils", reason="the eval extra (lm-eval==0.4.13) is installed by "
-                                                                "make install")
-    get_rolling_token_windows, make_disjoint_window = (lm_eval_utils.get_rolling_token_windows,
-                                                       lm_eval_utils.make_disjoint_window)
+    lm_eval_utils = pytest.importorskip(
+        "lm_eval.utils", reason="the eval extra (lm-eval==0.4.13) is installed by make install"
+    )
+    get_rolling_token_windows, make_disjoint_window = (
+        lm_eval_utils.get_rolling_token_windows,
+        lm_eval_utils.make_disjoint_window,
+    )
 
     rng = random.Random(0)
     for _ in range(200):
@@ -196,11 +218,13 @@ def test_rolling_loglikelihood_equals_transformers_over_windows(family):
         expected, done = [], 0
         while done < len(text):
             end = min(len(text), done + window)
-            ctx = [1] if done == 0 else text[max(0, end - window - 1): done]
+            ctx = [1] if done == 0 else text[max(0, end - window - 1) : done]
             expected += reference_logprobs(model, ctx, text[done:end]).tolist()
             done = end
         assert out.token_ids == text and len(out.token_logprobs) == len(text)
-        assert torch.allclose(torch.tensor(out.token_logprobs), torch.tensor(expected), atol=FP32_TOL)
+        assert torch.allclose(
+            torch.tensor(out.token_logprobs), torch.tensor(expected), atol=FP32_TOL
+        )
         assert out.logprob == pytest.approx(math.fsum(expected), abs=1e-3)
 
 
@@ -215,15 +239,27 @@ def test_text_pairs_are_tokenized_as_lm_eval_does():
     assert a.token_ids == b.token_ids and a.logprob == pytest.approx(b.logprob, abs=1e-6)
     # an empty context is the BOS token
     empty = engine.score([("", "abc")])[0]
-    assert empty.error is None and empty.token_ids == tok("abc", add_special_tokens=False)["input_ids"]
+    assert (
+        empty.error is None and empty.token_ids == tok("abc", add_special_tokens=False)["input_ids"]
+    )
 
 
 def test_bad_scoring_requests_are_refused_alone():
     model = make_tiny_model("llama")
     engine = paged_hf.Engine(model, max_model_len=64)
     good = ([5, 6, 7], [8, 9])
-    outs = engine.score([good, ([], [5]), ([5], []), ([5], [10**6]), ([5] * 60, [6] * 6), ("text", "pair"),
-                         ([5], "mixed"), good])
+    outs = engine.score(
+        [
+            good,
+            ([], [5]),
+            ([5], []),
+            ([5], [10**6]),
+            ([5] * 60, [6] * 6),
+            ("text", "pair"),
+            ([5], "mixed"),
+            good,
+        ]
+    )
     assert outs[0].error is None and outs[-1].error is None and outs[0].logprob == outs[-1].logprob
     messages = [o.error for o in outs[1:-1]]
     assert "empty context" in messages[0] and "empty continuation" in messages[1]
@@ -257,7 +293,11 @@ def test_a_scoring_failure_inside_a_step_ends_that_request_alone(monkeypatch):
     assert failed[0].finish_reason == "error"
     for (ctx, cont), out in zip(pairs, outs):
         if out.error is None:
-            assert torch.allclose(torch.tensor(out.token_logprobs), reference_logprobs(model, ctx, cont), atol=FP32_TOL)
+            assert torch.allclose(
+                torch.tensor(out.token_logprobs),
+                reference_logprobs(model, ctx, cont),
+                atol=FP32_TOL,
+            )
     assert not engine.requests and engine.kv.pool.num_used == 0
 
 
@@ -265,9 +305,11 @@ def test_smollm2_bf16_scores_within_tolerance(smollm2, smollm2_fp32):
     model, tok = smollm2
     fp32_model = smollm2_fp32[0]
     engine = paged_hf.Engine(model, tok, max_num_batched_tokens=64)
-    context = ("Answer with the name of a city.\nQuestion: What is the capital of Italy?\nAnswer: Rome\n"
-               "Question: What is the capital of Spain?\nAnswer: Madrid\nQuestion: What is the capital of France?\n"
-               "Answer:")
+    context = (
+        "Answer with the name of a city.\nQuestion: What is the capital of Italy?\nAnswer: Rome\n"
+        "Question: What is the capital of Spain?\nAnswer: Madrid\nQuestion: What is the capital of France?\n"
+        "Answer:"
+    )
     pairs = [(context, c) for c in (" Paris", " Rome", " the city of Lyon", " Berlin")]
     pairs += [("The quick brown fox jumps over the", " lazy dog"), ("1, 2, 3, 4,", " 5, 6, 7")]
     outs = engine.score(pairs)
@@ -278,7 +320,9 @@ def test_smollm2_bf16_scores_within_tolerance(smollm2, smollm2_fp32):
         ids = encode_pair(tok, ctx, cont)
         truth = reference_logprobs(fp32_model, *ids)
         diff = (torch.tensor(out.token_logprobs) - truth).abs()
-        assert diff.max() < BF16_TOKEN_TOL and abs(out.logprob - float(truth.sum())) < BF16_SUM_TOL, (cont, diff)
+        assert (
+            diff.max() < BF16_TOKEN_TOL and abs(out.logprob - float(truth.sum())) < BF16_SUM_TOL
+        ), (cont, diff)
         engine_err.append(diff)
         hf_err.append((reference_logprobs(model, *ids) - truth).abs())
     engine_mean, hf_mean = torch.cat(engine_err).mean(), torch.cat(hf_err).mean()
@@ -298,9 +342,9 @@ def test_scoring_under_faults_preemption_and_chunking(fault):
     nothing leaks, and the same engine then serves the workload again as a fresh one would."""
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
+    from tiny_models import N_SPECIAL
 
     import paged_hf.engine.scoring as scoring
-    from tiny_models import N_SPECIAL
 
     model = _float64_llama()
     vocab = model.config.vocab_size
@@ -309,26 +353,49 @@ def test_scoring_under_faults_preemption_and_chunking(fault):
     @given(data=st.data())
     def run(data):
         token = st.integers(N_SPECIAL, vocab - 1)
-        contexts = data.draw(st.lists(st.lists(token, min_size=1, max_size=14), min_size=1, max_size=3))
+        contexts = data.draw(
+            st.lists(st.lists(token, min_size=1, max_size=14), min_size=1, max_size=3)
+        )
         items = []
         for _ in range(data.draw(st.integers(2, 6))):
             if data.draw(st.booleans()):
-                items.append(("score", data.draw(st.sampled_from(contexts)), data.draw(st.lists(token, min_size=1, max_size=6))))
+                items.append(
+                    (
+                        "score",
+                        data.draw(st.sampled_from(contexts)),
+                        data.draw(st.lists(token, min_size=1, max_size=6)),
+                    )
+                )
             else:
-                items.append(("gen", data.draw(st.sampled_from(contexts)) + data.draw(st.lists(token, min_size=1, max_size=4)),
-                              data.draw(st.integers(1, 6))))
+                items.append(
+                    (
+                        "gen",
+                        data.draw(st.sampled_from(contexts))
+                        + data.draw(st.lists(token, min_size=1, max_size=4)),
+                        data.draw(st.integers(1, 6)),
+                    )
+                )
         bs = data.draw(st.sampled_from([2, 4]))
         longest = max(len(it[1]) + (len(it[2]) if it[0] == "score" else it[2]) for it in items)
-        config = dict(block_size=bs, num_blocks=-(-longest // bs) + data.draw(st.sampled_from([0, 1, 3, 12])),
-                      max_num_batched_tokens=data.draw(st.sampled_from([8, 16, 64])),
-                      max_num_seqs=data.draw(st.sampled_from([2, 4, 8])),
-                      enable_prefix_caching=data.draw(st.booleans()),
-                      preemption_mode=data.draw(st.sampled_from(["recompute", "swap"])))
+        config = dict(
+            block_size=bs,
+            num_blocks=-(-longest // bs) + data.draw(st.sampled_from([0, 1, 3, 12])),
+            max_num_batched_tokens=data.draw(st.sampled_from([8, 16, 64])),
+            max_num_seqs=data.draw(st.sampled_from([2, 4, 8])),
+            enable_prefix_caching=data.draw(st.booleans()),
+            preemption_mode=data.draw(st.sampled_from(["recompute", "swap"])),
+        )
         where = data.draw(st.integers(0, 8))
 
         def submit(engine):
-            return [engine.add_score_request(it[1], it[2]) if it[0] == "score" else
-                    engine.add_request(it[1], SamplingParams(max_new_tokens=it[2], ignore_eos=True)) for it in items]
+            return [
+                engine.add_score_request(it[1], it[2])
+                if it[0] == "score"
+                else engine.add_request(
+                    it[1], SamplingParams(max_new_tokens=it[2], ignore_eos=True)
+                )
+                for it in items
+            ]
 
         def results(outs):
             return [o.token_logprobs if hasattr(o, "token_logprobs") else o.token_ids for o in outs]
@@ -344,7 +411,9 @@ def test_scoring_under_faults_preemption_and_chunking(fault):
             calls[0] += 1
             if fault.startswith("forward") and calls[0] == where + 1:
                 touched.update(r.request_id for r, _ in scheduled)
-                raise RuntimeError("device error") if fault == "forward_error" else KeyboardInterrupt
+                raise (
+                    RuntimeError("device error") if fault == "forward_error" else KeyboardInterrupt
+                )
             return execute(scheduled, copies)
 
         def faulty_rows(logits, targets, top_k):
@@ -374,15 +443,20 @@ def test_scoring_under_faults_preemption_and_chunking(fault):
             else:
                 assert same(value, expected), (fault, rid)
         assert not engine.requests and engine.kv.pool.num_used == 0
-        assert all(same(a, b) for a, b in zip(results(engine.run_until_done(submit(engine))), reference))
+        assert all(
+            same(a, b) for a, b in zip(results(engine.run_until_done(submit(engine))), reference)
+        )
         assert engine.kv.pool.num_used == 0
 
     def same(a, b):
         """Token ids exactly; logprobs to 1e-6: a cache hit or another batch cuts chunks
         differently, and a one-token chunk attends through the decode path, whose softmax is
         float32 even for a float64 model (a wrong cache or mask is off by far more)."""
-        return a == b if not a or isinstance(a[0], int) else torch.allclose(torch.tensor(a), torch.tensor(b),
-                                                                              rtol=0, atol=1e-6)
+        return (
+            a == b
+            if not a or isinstance(a[0], int)
+            else torch.allclose(torch.tensor(a), torch.tensor(b), rtol=0, atol=1e-6)
+        )
 
     run()
 

@@ -5,14 +5,12 @@ from __future__ import annotations
 import threading
 
 import pytest
-import torch
+from tiny_models import make_tiny_model
+from tiny_tokenizer import make_tiny_tokenizer
 
 import paged_hf
 from paged_hf import SamplingParams
 from paged_hf.frontends.serve import EngineStopped, IncrementalDetokenizer
-from tiny_models import make_tiny_model
-from tiny_tokenizer import make_tiny_tokenizer
-
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -37,8 +35,10 @@ def bg(model, tokenizer):
 def test_stream_deltas_concatenate_to_the_final_text(bg, model, tokenizer):
     # a random byte-level model emits many split multi-byte characters: each must wait for its end
     prompts = ["héllo wörld", "東京 tower 🙂", "the quick brown fox", "naïve café"]
-    handles = [bg.submit(p, SamplingParams(max_new_tokens=48, temperature=1.0, seed=i))
-               for i, p in enumerate(prompts)]
+    handles = [
+        bg.submit(p, SamplingParams(max_new_tokens=48, temperature=1.0, seed=i))
+        for i, p in enumerate(prompts)
+    ]
     results = {}
 
     def consume(k, h):
@@ -55,10 +55,13 @@ def test_stream_deltas_concatenate_to_the_final_text(bg, model, tokenizer):
         assert "".join(results[k]) == out.text
         assert len(results[k]) > 1
         # the stream matches the engine's own run of the same request
-        ref = paged_hf.Engine(model, tokenizer).generate([prompts[k]], SamplingParams(
-            max_new_tokens=48, temperature=1.0, seed=k))[0]
+        ref = paged_hf.Engine(model, tokenizer).generate(
+            [prompts[k]], SamplingParams(max_new_tokens=48, temperature=1.0, seed=k)
+        )[0]
         assert out.token_ids == ref.token_ids
-        split_chars += sum(1 for t in out.token_ids if 0x80 + 4 <= t < 4 + 256)  # non-ASCII byte tokens
+        split_chars += sum(
+            1 for t in out.token_ids if 0x80 + 4 <= t < 4 + 256
+        )  # non-ASCII byte tokens
     assert split_chars > 0, "the test should exercise multi-byte characters"
     # token ids without a tokenizer-free view: the raw ids are there too
     assert list(handles[0].token_ids()) == handles[0].result().token_ids
@@ -88,7 +91,10 @@ def test_cancel_frees_blocks_at_once(bg):
     assert not bg.engine.requests
     h.cancel()  # a finished request: no-op
     # the engine keeps serving
-    assert bg.generate("after", SamplingParams(max_new_tokens=3)).finish_reason in ("stop", "length")
+    assert bg.generate("after", SamplingParams(max_new_tokens=3)).finish_reason in (
+        "stop",
+        "length",
+    )
 
 
 def test_bad_input_raises_at_submit_in_the_callers_thread(bg):
@@ -163,7 +169,14 @@ def test_n_samples_and_stats_frame_and_plot(bg):
     assert len(out.completions) == 3
     assert "".join(h.stream()) == out.text  # the stream follows the first sample
     frame = bg.stats_frame()
-    assert list(frame.columns)[:6] == ["step", "time", "running", "waiting", "tokens", "blocks_used"]
+    assert list(frame.columns)[:6] == [
+        "step",
+        "time",
+        "running",
+        "waiting",
+        "tokens",
+        "blocks_used",
+    ]
     assert len(frame) == bg.stats()["steps"] and frame["time"].iloc[0] == 0
     fig = bg.plot()
     assert len(fig.axes) == 3

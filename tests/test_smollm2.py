@@ -1,17 +1,24 @@
 """Real weights: SmolLM2-135M-Instruct (bf16) patched vs transformers' own greedy generate."""
+
 from __future__ import annotations
 
 import copy
 
 import torch
-
-import paged_hf
 from oracle import teacher_forced_violations
 
-QUESTIONS = ["What is the capital of France?", "Name three primary colors.",
-             "Write one sentence about the sea.", "What color is the sky on a clear day?",
-             "Give me a synonym for happy.", "How many legs does a spider have?", "What is 12 times 12?",
-             "Name a famous painter."]
+import paged_hf
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Name three primary colors.",
+    "Write one sentence about the sea.",
+    "What color is the sky on a clear day?",
+    "Give me a synonym for happy.",
+    "How many legs does a spider have?",
+    "What is 12 times 12?",
+    "Name a famous painter.",
+]
 # bf16 logits of two different (both correct) attention kernels differ by a few 1e-2;
 # a wrong cache or mask moves them by whole units.
 BF16_TOL = 0.125
@@ -23,8 +30,12 @@ FP32_TOL = 0.5
 
 
 def _chat_batch(tok):
-    chats = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
-             for q in QUESTIONS]
+    chats = [
+        tok.apply_chat_template(
+            [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False
+        )
+        for q in QUESTIONS
+    ]
     tok.padding_side = "left"
     return chats, tok(chats, return_tensors="pt", padding=True)
 
@@ -51,13 +62,22 @@ def test_smollm2_patched_generate_equals_transformers(smollm2, smollm2_fp32):
         prompt, gen = tok(chat)["input_ids"], _generated(got, i, width, tok.eos_token_id)
         far = teacher_forced_violations(model, prompt, gen, BF16_TOL)
         if far:  # each such step a near-tie in fp32 too
-            near = {step for step, *_ in far} - {step for step, *_ in teacher_forced_violations(
-                smollm2_fp32[0], prompt, gen, FP32_TOL)}
+            near = {step for step, *_ in far} - {
+                step
+                for step, *_ in teacher_forced_violations(smollm2_fp32[0], prompt, gen, FP32_TOL)
+            }
             assert near == {step for step, *_ in far}, (texts[i], far)
 
     model32 = smollm2_fp32[0]
-    got = paged_hf.patch(copy.deepcopy(model32)).generate(**batch, max_new_tokens=24, do_sample=False)
+    got = paged_hf.patch(copy.deepcopy(model32)).generate(
+        **batch, max_new_tokens=24, do_sample=False
+    )
     for i, chat in enumerate(chats):
         prompt = tok(chat)["input_ids"]
-        alone = model32.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False)[0, len(prompt):].tolist()
-        assert _generated(got, i, width, tok.eos_token_id) == alone, (QUESTIONS[i], tok.decode(alone))
+        alone = model32.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False)[
+            0, len(prompt) :
+        ].tolist()
+        assert _generated(got, i, width, tok.eos_token_id) == alone, (
+            QUESTIONS[i],
+            tok.decode(alone),
+        )

@@ -2,6 +2,7 @@
 the decode batch is moved to slots 0..N-1 so its mixers update the states in place; each move
 carries a state with its request. Random schedules of takes, give-backs and renumberings, with
 the slots' memory simulated: every request must keep its own state, in a slot only it holds."""
+
 from __future__ import annotations
 
 from hypothesis import given, settings
@@ -15,15 +16,19 @@ from paged_hf.requests.sampling_params import SamplingParams
 def _check(slots: StateSlots, live: list[Request], memory: list) -> None:
     owned = {r.state_slot for r in live}
     assert len(owned) == len(live), "two requests share a slot"
-    assert sorted(owned | set(slots._free)) == list(range(slots.num_slots)) and not owned & set(slots._free)
+    assert sorted(owned | set(slots._free)) == list(range(slots.num_slots)) and not owned & set(
+        slots._free
+    )
     assert slots.num_used == len(live)
     for r in live:
         assert memory[r.state_slot] == r.request_id, "a request's state did not move with it"
 
 
 @settings(max_examples=200, deadline=None)
-@given(num_slots=st.integers(1, 12), ops=st.lists(st.tuples(st.sampled_from("tgr"), st.integers(0, 2 ** 16)),
-                                                  max_size=60))
+@given(
+    num_slots=st.integers(1, 12),
+    ops=st.lists(st.tuples(st.sampled_from("tgr"), st.integers(0, 2**16)), max_size=60),
+)
 def test_renumbering_moves_each_state_with_its_request(num_slots, ops):
     slots = StateSlots(num_slots)
     memory: list = [None] * num_slots  # what each slot's state is: its owner's id

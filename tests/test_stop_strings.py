@@ -6,6 +6,7 @@ tokenizer (random outputs hold split multi-byte characters) and on SmolLM2 in fl
 tokens then agree exactly, so any difference is a stop-string difference). The returned text
 must be the output decoded at once, cut before the stop string (or after it).
 """
+
 from __future__ import annotations
 
 import copy
@@ -15,12 +16,12 @@ import threading
 
 import pytest
 import torch
+from tiny_models import make_tiny_model
+from tiny_tokenizer import make_tiny_tokenizer
 
 import paged_hf
 from paged_hf import SamplingParams
 from paged_hf.requests.detokenizer import IncrementalDetokenizer, StopStrings
-from tiny_models import make_tiny_model
-from tiny_tokenizer import make_tiny_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -53,12 +54,13 @@ def expected_stop(tok, tokens: list[int], stops: list[str], include: bool) -> tu
 def clean_substring(text: str, start: int, length: int) -> str:
     """The first ``length`` characters of ``text`` from ``start`` on that hold no U+FFFD."""
     for i in range(max(0, start), len(text) - length + 1):
-        if "\ufffd" not in text[i: i + length]:
-            return text[i: i + length]
+        if "\ufffd" not in text[i : i + length]:
+            return text[i : i + length]
     raise AssertionError(f"no clean substring in {text!r}")
 
 
 # ---- the detokenizer ------------------------------------------------------------------------------
+
 
 def test_incremental_detokenizer_equals_a_full_decode_and_reads_short_windows(tok, smollm2):
     for tokenizer in (tok, smollm2[1]):
@@ -76,7 +78,11 @@ def test_incremental_detokenizer_equals_a_full_decode_and_reads_short_windows(to
         assert "".join(deltas) == tokenizer.decode(ids, skip_special_tokens=True)
         assert "\ufffd" not in "".join(deltas)  # a split character waits for its last byte
         # O(window) per token, never a re-decode of the output: each decode reads a few tokens
-        assert max(windows) <= 6 and sum(windows) <= 5 * len(ids), (max(windows), sum(windows), len(ids))
+        assert max(windows) <= 6 and sum(windows) <= 5 * len(ids), (
+            max(windows),
+            sum(windows),
+            len(ids),
+        )
 
 
 def test_detokenizer_on_random_bytes_adds_up(tok):
@@ -90,6 +96,7 @@ def test_detokenizer_on_random_bytes_adds_up(tok):
 
 
 # ---- the matcher --------------------------------------------------------------------------------
+
 
 def test_stop_strings_split_over_tokens_several_unicode_include(tok):
     def run(text, stops, include=False, context=""):
@@ -132,12 +139,16 @@ def test_safe_text_never_shows_the_start_of_a_stop_string(tok):
 
 # ---- the engine ---------------------------------------------------------------------------------
 
+
 def test_engine_stops_where_transformers_does(model64, tok):
     """Stop strings picked from the unstopped greedy outputs (across tokens, several per
     request, the second listed starting earlier): the engine keeps exactly the tokens up to the
     one completing the stop string, as transformers' generate(stop_strings=...), and cuts the
     text there; patched generate returns transformers' sequences."""
-    prompts = [tok(p, add_special_tokens=False)["input_ids"] for p in ("hello there", "the cat", "naïve", "qz")]
+    prompts = [
+        tok(p, add_special_tokens=False)["input_ids"]
+        for p in ("hello there", "the cat", "naïve", "qz")
+    ]
     base = SamplingParams(max_new_tokens=30, ignore_eos=True)
     engine = paged_hf.Engine(model64, tok, block_size=4, max_num_batched_tokens=16)
     plain = [o.token_ids for o in engine.generate(prompts, base)]
@@ -149,7 +160,9 @@ def test_engine_stops_where_transformers_does(model64, tok):
         # starts earlier (a random model emits stray bytes, U+FFFD in text: stop strings avoid them)
         stops.append([clean_substring(text, mid, 3), clean_substring(text, mid - 6, 2)])
     for include in (False, True):
-        outs = engine.generate(prompts, [base.with_(stop=ss, include_stop_str_in_output=include) for ss in stops])
+        outs = engine.generate(
+            prompts, [base.with_(stop=ss, include_stop_str_in_output=include) for ss in stops]
+        )
         for out, tokens, ss in zip(outs, plain, stops):
             want_ids, want_text = expected_stop(tok, tokens, ss, include)
             assert out.token_ids == want_ids and out.text == want_text, (ss, out.text, want_text)
@@ -158,11 +171,20 @@ def test_engine_stops_where_transformers_does(model64, tok):
     patched = paged_hf.patch(copy.deepcopy(model64), block_size=4)
     for prompt, ss in zip(prompts, stops):
         ids = torch.tensor([prompt])
-        kw = dict(max_new_tokens=30, do_sample=False, stop_strings=ss, tokenizer=tok, pad_token_id=0,
-                  eos_token_id=None)
+        kw = dict(
+            max_new_tokens=30,
+            do_sample=False,
+            stop_strings=ss,
+            tokenizer=tok,
+            pad_token_id=0,
+            eos_token_id=None,
+        )
         ref = model64.generate(ids, **kw)
         assert patched.generate(ids, **kw).tolist() == ref.tolist()
-        assert engine.generate([prompt], base.with_(stop=ss))[0].token_ids == ref[0, len(prompt):].tolist()
+        assert (
+            engine.generate([prompt], base.with_(stop=ss))[0].token_ids
+            == ref[0, len(prompt) :].tolist()
+        )
 
 
 def test_multibyte_stop_strings_in_sampled_outputs(model64, tok):
@@ -186,8 +208,12 @@ def test_multibyte_stop_strings_in_sampled_outputs(model64, tok):
 
 def test_stop_strings_are_validated_at_admission(model64, tok):
     assert SamplingParams(stop="abc").stop == ("abc",)
-    for bad, match in (([""], "non-empty"), ([1], "list of strings"), (["x" * 2000], "at most 1024"),
-                       (["a"] * 65, "at most 64")):
+    for bad, match in (
+        ([""], "non-empty"),
+        ([1], "list of strings"),
+        (["x" * 2000], "at most 1024"),
+        (["a"] * 65, "at most 64"),
+    ):
         with pytest.raises(ValueError, match=match):
             SamplingParams(stop=bad)
     with pytest.raises(ValueError, match="include_stop_str_in_output"):
@@ -197,8 +223,9 @@ def test_stop_strings_are_validated_at_admission(model64, tok):
     assert out.finish_reason == "error" and "stop=['ab'] needs a tokenizer" in out.error
     assert out.error.startswith("request paged_hf:")
     with pytest.raises(ValueError, match="stop_strings need the model's tokenizer"):
-        paged_hf.patch(copy.deepcopy(model64)).generate(torch.tensor([[5, 6]]), max_new_tokens=3,
-                                                        stop_strings=["x"])
+        paged_hf.patch(copy.deepcopy(model64)).generate(
+            torch.tensor([[5, 6]]), max_new_tokens=3, stop_strings=["x"]
+        )
 
 
 def test_a_stop_check_that_raises_ends_that_request_alone(model64, tok):
@@ -221,9 +248,15 @@ def test_a_stop_check_that_raises_ends_that_request_alone(model64, tok):
 
     engine.tokenizer = Fragile()
     outs = engine.generate(prompts, base.with_(stop=["zzzz"]))
-    assert outs[1].finish_reason == "error" and "stop strings failed: UnicodeDecodeError" in outs[1].error
+    assert (
+        outs[1].finish_reason == "error"
+        and "stop strings failed: UnicodeDecodeError" in outs[1].error
+    )
     assert outs[1].token_ids == plain[1].token_ids[: k + 1]
-    assert [o.token_ids for i, o in enumerate(outs) if i != 1] == [plain[0].token_ids, plain[2].token_ids]
+    assert [o.token_ids for i, o in enumerate(outs) if i != 1] == [
+        plain[0].token_ids,
+        plain[2].token_ids,
+    ]
     assert not engine.requests and engine.kv.pool.num_used == 0
 
 
@@ -255,10 +288,13 @@ def test_generate_dataset_and_cli_take_stops(model64, tok, tmp_path):
     plain = paged_hf.Engine(model64, tok).generate(prompts, base)
     stop = plain[0].text[5:7]
     ds = datasets.Dataset.from_dict({"prompt": prompts})
-    out = paged_hf.generate_dataset(model64, tok, ds, sampling_params=base.with_(stop=[stop]), progress=False,
-                                    chat=False)  # the prompts as they are, as the reference has them
+    out = paged_hf.generate_dataset(
+        model64, tok, ds, sampling_params=base.with_(stop=[stop]), progress=False, chat=False
+    )  # the prompts as they are, as the reference has them
     for row, ref in zip(out, plain):
-        assert row["generation"] == (ref.text[: ref.text.find(stop)] if stop in ref.text else ref.text)
+        assert row["generation"] == (
+            ref.text[: ref.text.find(stop)] if stop in ref.text else ref.text
+        )
     assert out[0]["generation_finish_reason"] == "stop"
 
     model_dir = tmp_path / "model"
@@ -268,9 +304,27 @@ def test_generate_dataset_and_cli_take_stops(model64, tok, tmp_path):
     data.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
     f32 = paged_hf.Engine(make_tiny_model("llama"), tok).generate(prompts, base)
     stop = f32[1].text[3:5]
-    argv = ["generate", "--model", str(model_dir), "--input", str(data), "--output", str(tmp_path / "o.jsonl"),
-            "--max-new-tokens", "20", "--ignore-eos", "--dtype", "float32", "--no-progress", "--raw",
-            "--stop", stop.encode("unicode_escape").decode(), "--stop", "zzzz", "--include-stop-str"]
+    argv = [
+        "generate",
+        "--model",
+        str(model_dir),
+        "--input",
+        str(data),
+        "--output",
+        str(tmp_path / "o.jsonl"),
+        "--max-new-tokens",
+        "20",
+        "--ignore-eos",
+        "--dtype",
+        "float32",
+        "--no-progress",
+        "--raw",
+        "--stop",
+        stop.encode("unicode_escape").decode(),
+        "--stop",
+        "zzzz",
+        "--include-stop-str",
+    ]
     assert cli.main(argv) == 0
     rows = [json.loads(line) for line in (tmp_path / "o.jsonl").read_text().splitlines()]
     for row, ref in zip(rows, f32):
@@ -282,10 +336,18 @@ def test_smollm2_stop_strings_equal_transformers(smollm2_fp32):
     """One transformers call (its StopStringCriteria reads SmolLM2's 49k-token vocabulary once,
     ~30 s here) against patched generate and the engine's SamplingParams.stop."""
     model, tok = smollm2_fp32
-    questions = ["What is the capital of France?", "List three fruits, one per line.",
-                 "Write two short sentences about the sea.", "Say hello in French and in Japanese."]
-    chats = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
-             for q in questions]
+    questions = [
+        "What is the capital of France?",
+        "List three fruits, one per line.",
+        "Write two short sentences about the sea.",
+        "Say hello in French and in Japanese.",
+    ]
+    chats = [
+        tok.apply_chat_template(
+            [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False
+        )
+        for q in questions
+    ]
     # "Paris" is a whole token, "\n2." spans tokens, " lif" ends inside the token " life",
     # "ç" is a multi-byte character inside "français"
     stops = ["Paris", "\n2.", " lif", "ç"]
@@ -297,7 +359,9 @@ def test_smollm2_stop_strings_equal_transformers(smollm2_fp32):
     assert patched.generate(**batch, **kw).tolist() == ref.tolist()
     width = batch["input_ids"].shape[1]
     engine = paged_hf.Engine(model, tok)
-    outs = engine.generate([tok(c)["input_ids"] for c in chats], SamplingParams(max_new_tokens=40, stop=stops))
+    outs = engine.generate(
+        [tok(c)["input_ids"] for c in chats], SamplingParams(max_new_tokens=40, stop=stops)
+    )
     hits = 0
     for row, out in zip(ref[:, width:].tolist(), outs):
         # transformers pads a finished row (SmolLM2's pad token is its EOS)

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from tiny_models import (
     FAMILIES,
     N_SPECIAL,
     SLIDING_FAMILIES,
-    SOFTCAP_FAMILIES,
     SLIDING_WINDOW,
+    SOFTCAP_FAMILIES,
     make_tiny_model,
     probe_attention,
     tiny_prompts,
@@ -81,7 +80,9 @@ def test_attention_kwargs(family):
         reference = model(x).logits
     logits, layers = _probe_forward(model, x)
     assert torch.equal(logits, reference), "the probe must not change outputs"
-    assert model.config._attn_implementation in ("sdpa", "eager"), "probe did not restore the implementation"
+    assert model.config._attn_implementation in ("sdpa", "eager"), (
+        "probe did not restore the implementation"
+    )
 
     assert [r["sliding_window"] for r in layers] == EXPECTED_SLIDING[family]
     assert (family in SLIDING_FAMILIES) == any(r["sliding_window"] for r in layers)

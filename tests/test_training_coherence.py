@@ -5,15 +5,16 @@ transformers is the oracle: after each update the engine's tokens are teacher-fo
 updated model itself (fp32), or equal a fresh engine's on the updated weights bit for bit (bf16,
 where rounding follows the batch shape, so only the same kernel on the same shapes is exact).
 """
+
 from __future__ import annotations
 
 import pytest
 import torch
+from oracle import assert_logprobs_close, assert_teacher_forced
+from tiny_models import make_tiny_model, tiny_prompts
 
 import paged_hf
-from oracle import assert_logprobs_close, assert_teacher_forced
 from paged_hf.cache.coherence import WeightsWatch
-from tiny_models import make_tiny_model, tiny_prompts
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -21,9 +22,13 @@ GREEDY = paged_hf.SamplingParams(max_new_tokens=6, ignore_eos=True, logprobs=2)
 SMALL = dict(block_size=4, num_blocks=96)
 
 
-def _train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ids: list[list[int]]) -> None:
+def _train_step(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, ids: list[list[int]]
+) -> None:
     batch = torch.tensor(ids)
-    loss = model(input_ids=batch, labels=batch).loss  # plain forward of a patched model trains as before
+    loss = model(
+        input_ids=batch, labels=batch
+    ).loss  # plain forward of a patched model trains as before
     loss.backward()
     optimizer.step()
     optimizer.zero_grad()
@@ -36,26 +41,38 @@ def test_fused_adamw_between_generates_is_seen(dtype):
     prompts = tiny_prompts(model.config.vocab_size, 3, [12, 12, 12], seed=7)
     engine = paged_hf.Engine(model, **SMALL)
     if dtype == torch.bfloat16:
-        assert engine.runner.packed is not None, "bf16 on a CPU runs on packed weights: they must be packed again"
+        assert engine.runner.packed is not None, (
+            "bf16 on a CPU runs on packed weights: they must be packed again"
+        )
     engine.generate(prompts, GREEDY)
-    assert all(o.num_cached_tokens > 0 for o in engine.generate(prompts, GREEDY)), "unchanged weights: hits"
+    assert all(o.num_cached_tokens > 0 for o in engine.generate(prompts, GREEDY)), (
+        "unchanged weights: hits"
+    )
     before = [o.token_ids for o in engine.generate(prompts, GREEDY)]
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.05, fused=True)
     versions = [p._version for p in model.parameters()]
     _train_step(model, optimizer, prompts)
-    assert [p._version for p in model.parameters()] == versions, "fused AdamW moves no counter (else this test is moot)"
+    assert [p._version for p in model.parameters()] == versions, (
+        "fused AdamW moves no counter (else this test is moot)"
+    )
 
     after = engine.generate(prompts, GREEDY)
-    assert all(o.num_cached_tokens == 0 for o in after), "no block computed by the old weights may be served"
-    assert [o.token_ids for o in after] != before, "the update must change the tokens for this test to mean anything"
+    assert all(o.num_cached_tokens == 0 for o in after), (
+        "no block computed by the old weights may be served"
+    )
+    assert [o.token_ids for o in after] != before, (
+        "the update must change the tokens for this test to mean anything"
+    )
     if dtype == torch.float32:
         for prompt, out in zip(prompts, after):
             assert_teacher_forced(model, prompt, out.token_ids, what="after a fused AdamW step")
             assert_logprobs_close(model, prompt, out.token_ids, out.completions[0].logprobs)
     else:
         fresh = paged_hf.Engine(model, **SMALL).generate(prompts, GREEDY)
-        assert [o.completions[0].logprobs for o in after] == [o.completions[0].logprobs for o in fresh]
+        assert [o.completions[0].logprobs for o in after] == [
+            o.completions[0].logprobs for o in fresh
+        ]
 
 
 def test_an_optimizer_over_another_model_leaves_the_cache_alone():
@@ -106,12 +123,20 @@ def test_the_watch_names_what_changed():
 
 # ---- PEFT adapters: part of the cache key -----------------------------------------------------------
 
+
 def _lora_model():
     peft = pytest.importorskip("peft", reason="peft is in the test extra (make install)")
     base = make_tiny_model("llama")
-    model = peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj", "gate_proj"],
-                                                      init_lora_weights=False), adapter_name="first")
-    model.add_adapter("second", peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    model = peft.get_peft_model(
+        base,
+        peft.LoraConfig(
+            r=4, target_modules=["q_proj", "v_proj", "gate_proj"], init_lora_weights=False
+        ),
+        adapter_name="first",
+    )
+    model.add_adapter(
+        "second", peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    )
     return model.eval()
 
 
@@ -124,7 +149,9 @@ def test_adapter_switches_merges_and_disabling_give_transformers_results():
         outs = engine.generate(prompts, GREEDY)
         for prompt, out in zip(prompts, outs):
             assert_teacher_forced(model, prompt, out.token_ids, what=what)
-            assert_logprobs_close(model, prompt, out.token_ids, out.completions[0].logprobs, what=what)
+            assert_logprobs_close(
+                model, prompt, out.token_ids, out.completions[0].logprobs, what=what
+            )
         return outs
 
     check("adapter a")
@@ -134,8 +161,12 @@ def test_adapter_switches_merges_and_disabling_give_transformers_results():
     model.set_adapter("second")
     assert all(o.num_cached_tokens == 0 for o in check("adapter b"))
     model.set_adapter("first")
-    assert all(o.num_cached_tokens > 0 for o in check("back to adapter a")), "a's blocks stay cached under its key"
+    assert all(o.num_cached_tokens > 0 for o in check("back to adapter a")), (
+        "a's blocks stay cached under its key"
+    )
     model.merge_adapter()
-    assert all(o.num_cached_tokens == 0 for o in check("adapter a merged")), "merging writes the base weights"
+    assert all(o.num_cached_tokens == 0 for o in check("adapter a merged")), (
+        "merging writes the base weights"
+    )
     model.unmerge_adapter()
     check("adapter a unmerged")

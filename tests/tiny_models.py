@@ -25,16 +25,26 @@ from transformers import (
     GPT2Config,
     LlamaConfig,
     MistralConfig,
+    Phi3Config,
     PreTrainedConfig,
     PreTrainedModel,
-    Phi3Config,
     Qwen2Config,
     Qwen3Config,
 )
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
-FAMILIES = ("llama", "llama_mqa", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "gpt2")
+FAMILIES = (
+    "llama",
+    "llama_mqa",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "gemma2",
+    "gemma3_text",
+    "phi3",
+    "gpt2",
+)
 # Families with a sliding window on at least one layer, and those whose attention is softcapped.
 SLIDING_FAMILIES = ("mistral", "qwen2", "gemma2", "gemma3_text")
 SOFTCAP_FAMILIES = ("gemma2",)
@@ -89,7 +99,11 @@ def make_config(family: str) -> PreTrainedConfig:
         # layers 0-1 full, 2-3 sliding. No head_dim field: it is hidden_size // heads = 16.
         common = {k: v for k, v in _COMMON.items() if k != "head_dim"}
         return Qwen2Config(
-            **common, num_hidden_layers=4, use_sliding_window=True, sliding_window=SLIDING_WINDOW, max_window_layers=2
+            **common,
+            num_hidden_layers=4,
+            use_sliding_window=True,
+            sliding_window=SLIDING_WINDOW,
+            max_window_layers=2,
         )
     if family == "qwen3":
         # Full attention everywhere (as released); the feature here is q_norm/k_norm.
@@ -113,7 +127,12 @@ def make_config(family: str) -> PreTrainedConfig:
             **_COMMON,
             num_hidden_layers=4,
             sliding_window=SLIDING_WINDOW,
-            layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+            layer_types=[
+                "sliding_attention",
+                "sliding_attention",
+                "full_attention",
+                "sliding_attention",
+            ],
             query_pre_attn_scalar=32,
         )
     if family == "phi3":
@@ -125,7 +144,11 @@ def make_config(family: str) -> PreTrainedConfig:
             **common,
             num_hidden_layers=2,
             sliding_window=None,
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.5,
+            },
         )
     if family == "gpt2":
         # Learned absolute positions, no rotary; scaling = head_dim**-0.5 / (layer_idx + 1).
@@ -176,7 +199,9 @@ def make_tiny_model(
     attn = attn_implementation or default_attn_implementation(family)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(
+            config, attn_implementation=attn, dtype=torch.float32
+        )
     if family in _EMBEDDING_SCALE:
         _shrink_tied_embeddings(model, _EMBEDDING_SCALE[family])
     if dtype != torch.float32:
@@ -211,18 +236,21 @@ def tiny_prompts(
         allowed = allowed[allowed != eos_token_id]
     generator = torch.Generator().manual_seed(seed)
     return [
-        allowed[torch.randint(len(allowed), (length,), generator=generator)].tolist() for length in lengths
+        allowed[torch.randint(len(allowed), (length,), generator=generator)].tolist()
+        for length in lengths
     ]
 
 
-def left_pad(prompts: Sequence[Sequence[int]], pad: int = PAD_ID) -> tuple[torch.Tensor, torch.Tensor]:
+def left_pad(
+    prompts: Sequence[Sequence[int]], pad: int = PAD_ID
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``input_ids`` and ``attention_mask`` of prompts padded on the left, as a generate call gets them."""
     width = max(map(len, prompts))
     ids = torch.full((len(prompts), width), pad)
     mask = torch.zeros_like(ids)
     for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p)
-        mask[i, width - len(p):] = 1
+        ids[i, width - len(p) :] = torch.tensor(p)
+        mask[i, width - len(p) :] = 1
     return ids, mask
 
 
@@ -273,11 +301,33 @@ def probe_attention(model: PreTrainedModel) -> Iterator[list[dict[str, Any]]]:
 # Every config below is written out so the feature is visible; tests/test_architectures.py checks
 # that patch really finds it in the model (a window on the right layers, a chunk, sinks, MLA widths,
 # per-layer head widths) before comparing generations with transformers.
-ARCHITECTURES = ("olmo2", "granite", "cohere2", "starcoder2", "smollm3", "mixtral", "qwen2_moe", "qwen3_moe",
-                 "llama4_text", "gpt_oss", "deepseek_v3", "gemma4_text", "qwen2_vl")
-_SMALL = dict(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=1024, initializer_range=INITIALIZER_RANGE,
-              pad_token_id=PAD_ID, bos_token_id=BOS_ID, eos_token_id=EOS_ID)
+ARCHITECTURES = (
+    "olmo2",
+    "granite",
+    "cohere2",
+    "starcoder2",
+    "smollm3",
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+    "llama4_text",
+    "gpt_oss",
+    "deepseek_v3",
+    "gemma4_text",
+    "qwen2_vl",
+)
+_SMALL = dict(
+    vocab_size=VOCAB_SIZE,
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+    initializer_range=INITIALIZER_RANGE,
+    pad_token_id=PAD_ID,
+    bos_token_id=BOS_ID,
+    eos_token_id=EOS_ID,
+)
 _MOE = dict(num_experts_per_tok=2, moe_intermediate_size=32)
 
 
@@ -287,48 +337,130 @@ def make_arch_config(name: str) -> PreTrainedConfig:
 
     if name == "olmo2":  # q/k norms over all heads, post-norm blocks
         return T.Olmo2Config(**_SMALL, num_hidden_layers=2)
-    if name == "granite":  # embedding / residual / attention / logits multipliers; scaling = attention_multiplier
-        return T.GraniteConfig(**_SMALL, num_hidden_layers=2, embedding_multiplier=2.0, residual_multiplier=0.5,
-                               attention_multiplier=0.2, logits_scaling=2.0)
+    if (
+        name == "granite"
+    ):  # embedding / residual / attention / logits multipliers; scaling = attention_multiplier
+        return T.GraniteConfig(
+            **_SMALL,
+            num_hidden_layers=2,
+            embedding_multiplier=2.0,
+            residual_multiplier=0.5,
+            attention_multiplier=0.2,
+            logits_scaling=2.0,
+        )
     if name == "cohere2":  # sliding, sliding, sliding, full; parallel attention + MLP
-        return T.Cohere2Config(**_SMALL, num_hidden_layers=4, head_dim=16, sliding_window=SLIDING_WINDOW,
-                               layer_types=["sliding_attention"] * 3 + ["full_attention"])
+        return T.Cohere2Config(
+            **_SMALL,
+            num_hidden_layers=4,
+            head_dim=16,
+            sliding_window=SLIDING_WINDOW,
+            layer_types=["sliding_attention"] * 3 + ["full_attention"],
+        )
     if name == "starcoder2":  # every layer slides; biases; LayerNorm
         return T.Starcoder2Config(**_SMALL, num_hidden_layers=2, sliding_window=SLIDING_WINDOW)
     if name == "smollm3":  # NoPE every 4th layer (layer 3 has no RoPE)
         return T.SmolLM3Config(**_SMALL, num_hidden_layers=4, no_rope_layer_interval=4)
     if name == "mixtral":  # sparse MoE, every layer slides
-        return T.MixtralConfig(**_SMALL, num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2,
-                               sliding_window=SLIDING_WINDOW)
-    if name == "qwen2_moe":  # MoE with a shared expert; sliding on: the window lives in the mask only
-        return T.Qwen2MoeConfig(**_SMALL, **_MOE, num_hidden_layers=4, num_experts=4, shared_expert_intermediate_size=32,
-                                use_sliding_window=True, sliding_window=SLIDING_WINDOW, max_window_layers=4)
+        return T.MixtralConfig(
+            **_SMALL,
+            num_hidden_layers=2,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=SLIDING_WINDOW,
+        )
+    if (
+        name == "qwen2_moe"
+    ):  # MoE with a shared expert; sliding on: the window lives in the mask only
+        return T.Qwen2MoeConfig(
+            **_SMALL,
+            **_MOE,
+            num_hidden_layers=4,
+            num_experts=4,
+            shared_expert_intermediate_size=32,
+            use_sliding_window=True,
+            sliding_window=SLIDING_WINDOW,
+            max_window_layers=4,
+        )
     if name == "qwen3_moe":  # MoE with q/k norms
         return T.Qwen3MoeConfig(**_SMALL, **_MOE, num_hidden_layers=2, num_experts=4, head_dim=16)
-    if name == "llama4_text":  # chunked attention on 3 of 4 layers (the 4th is full, without RoPE), MoE
-        return T.Llama4TextConfig(**_SMALL, num_hidden_layers=4, head_dim=16, intermediate_size_mlp=128,
-                                  num_local_experts=4, num_experts_per_tok=1, attention_chunk_size=SLIDING_WINDOW)
+    if (
+        name == "llama4_text"
+    ):  # chunked attention on 3 of 4 layers (the 4th is full, without RoPE), MoE
+        return T.Llama4TextConfig(
+            **_SMALL,
+            num_hidden_layers=4,
+            head_dim=16,
+            intermediate_size_mlp=128,
+            num_local_experts=4,
+            num_experts_per_tok=1,
+            attention_chunk_size=SLIDING_WINDOW,
+        )
     if name == "gpt_oss":  # attention sinks (s_aux), alternating sliding / full, MoE
-        return T.GptOssConfig(**{**_SMALL, "intermediate_size": 32}, num_hidden_layers=4, head_dim=16,
-                              num_local_experts=4, num_experts_per_tok=2, sliding_window=SLIDING_WINDOW)
+        return T.GptOssConfig(
+            **{**_SMALL, "intermediate_size": 32},
+            num_hidden_layers=4,
+            head_dim=16,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=SLIDING_WINDOW,
+        )
     if name == "deepseek_v3":  # MLA: K of 8 + 8 (nope + rope), V of 12; MoE after the first layer
-        return T.DeepseekV3Config(**{**_SMALL, "num_key_value_heads": 4}, **_MOE, num_hidden_layers=2,
-                                  q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
-                                  v_head_dim=12, n_routed_experts=4, n_shared_experts=1, n_group=1, topk_group=1,
-                                  first_k_dense_replace=1)
-    if name == "gemma4_text":  # per-layer geometry: sliding layers 2 KV heads of 16, the full layer 1 of 32
-        return T.Gemma4TextConfig(**_SMALL, num_hidden_layers=4, head_dim=16, global_head_dim=32,
-                                  num_global_key_value_heads=1, sliding_window=SLIDING_WINDOW,
-                                  hidden_size_per_layer_input=16, vocab_size_per_layer_input=VOCAB_SIZE,
-                                  layer_types=["sliding_attention"] * 3 + ["full_attention"])
-    if name == "qwen2_vl":  # the text path of an image-text model: M-RoPE (3 position sections) over text
-        text = {k: v for k, v in _SMALL.items() if k not in ("pad_token_id", "bos_token_id", "eos_token_id")}
+        return T.DeepseekV3Config(
+            **{**_SMALL, "num_key_value_heads": 4},
+            **_MOE,
+            num_hidden_layers=2,
+            q_lora_rank=32,
+            kv_lora_rank=16,
+            qk_nope_head_dim=8,
+            qk_rope_head_dim=8,
+            v_head_dim=12,
+            n_routed_experts=4,
+            n_shared_experts=1,
+            n_group=1,
+            topk_group=1,
+            first_k_dense_replace=1,
+        )
+    if (
+        name == "gemma4_text"
+    ):  # per-layer geometry: sliding layers 2 KV heads of 16, the full layer 1 of 32
+        return T.Gemma4TextConfig(
+            **_SMALL,
+            num_hidden_layers=4,
+            head_dim=16,
+            global_head_dim=32,
+            num_global_key_value_heads=1,
+            sliding_window=SLIDING_WINDOW,
+            hidden_size_per_layer_input=16,
+            vocab_size_per_layer_input=VOCAB_SIZE,
+            layer_types=["sliding_attention"] * 3 + ["full_attention"],
+        )
+    if (
+        name == "qwen2_vl"
+    ):  # the text path of an image-text model: M-RoPE (3 position sections) over text
+        text = {
+            k: v
+            for k, v in _SMALL.items()
+            if k not in ("pad_token_id", "bos_token_id", "eos_token_id")
+        }
         return T.Qwen2VLConfig(
-            text_config=dict(**text, num_hidden_layers=2,
-                             rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}),
+            text_config=dict(
+                **text,
+                num_hidden_layers=2,
+                rope_parameters={
+                    "rope_type": "default",
+                    "rope_theta": 10000.0,
+                    "mrope_section": [2, 3, 3],
+                },
+            ),
             vision_config=dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2),
-            image_token_id=VOCAB_SIZE - 3, video_token_id=VOCAB_SIZE - 2, vision_start_token_id=VOCAB_SIZE - 4,
-            vision_end_token_id=VOCAB_SIZE - 5, pad_token_id=PAD_ID, bos_token_id=BOS_ID, eos_token_id=EOS_ID)
+            image_token_id=VOCAB_SIZE - 3,
+            video_token_id=VOCAB_SIZE - 2,
+            vision_start_token_id=VOCAB_SIZE - 4,
+            vision_end_token_id=VOCAB_SIZE - 5,
+            pad_token_id=PAD_ID,
+            bos_token_id=BOS_ID,
+            eos_token_id=EOS_ID,
+        )
     raise ValueError(f"unknown architecture {name!r}; known: {ARCHITECTURES}")
 
 
@@ -341,9 +473,13 @@ def make_arch_model(name: str, seed: int = 0) -> PreTrainedModel:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = auto.from_config(config, dtype=torch.float32)
-    if name == "gemma4_text":  # tied embeddings scaled by sqrt(hidden): shrink them, as for gemma2/3 above
+    if (
+        name == "gemma4_text"
+    ):  # tied embeddings scaled by sqrt(hidden): shrink them, as for gemma2/3 above
         with torch.no_grad():
             model.get_input_embeddings().weight.mul_(1 / 16)
-            model.model.norm.weight.mul_(16)  # Gemma 4's norm multiplies by weight itself, not 1 + weight
+            model.model.norm.weight.mul_(
+                16
+            )  # Gemma 4's norm multiplies by weight itself, not 1 + weight
     model.generation_config.pad_token_id = PAD_ID
     return model.eval()

@@ -37,7 +37,13 @@ def make_tiny_tokenizer() -> PreTrainedTokenizerFast:
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
-                                   unk_token="<unk>", clean_up_tokenization_spaces=False)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        clean_up_tokenization_spaces=False,
+    )
     fast.chat_template = CHAT_TEMPLATE
     return fast

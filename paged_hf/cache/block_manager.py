@@ -5,6 +5,7 @@ The pool counts references; the prefix index knows which blocks hold which prefi
 file keeps each request's block table consistent with both. It never touches tensors: a
 copy-on-write returns the (src, dst) block pairs the backend must copy before the step.
 """
+
 from __future__ import annotations
 
 from typing import Hashable, Sequence
@@ -21,10 +22,17 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 namespace: Hashable = "", state_slots: StateSlots | None = None,
-                 checkpoint_interval: int | None = None, groups: Sequence[CacheGroup] = (FULL,),
-                 step_tokens: int | None = None) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        namespace: Hashable = "",
+        state_slots: StateSlots | None = None,
+        checkpoint_interval: int | None = None,
+        groups: Sequence[CacheGroup] = (FULL,),
+        step_tokens: int | None = None,
+    ) -> None:
         """``state_slots``: a hybrid model's state slots; a request takes one with its first blocks
         and gives it back with them. With prefix caching, a prompt's state is checkpointed every
         ``checkpoint_interval`` tokens (a block multiple) and at its last full block, and a prefix
@@ -39,10 +47,18 @@ class BlockManager:
         self.step_tokens = step_tokens or block_size
         self.state = state_slots
         on_drop = state_slots.dropped if state_slots is not None else None
-        self.index = RadixPrefixIndex(block_size, namespace, on_drop, self.groups) if enable_prefix_caching else None
+        self.index = (
+            RadixPrefixIndex(block_size, namespace, on_drop, self.groups)
+            if enable_prefix_caching
+            else None
+        )
         self.pool = BlockPool(num_blocks, block_size, self.index)
-        self.state_copies: list[tuple[int, int]] = []  # (src, dst) slots to copy before the next step
-        self.checkpoints = self.index is not None and state_slots is not None and state_slots.num_checkpoints > 0
+        self.state_copies: list[
+            tuple[int, int]
+        ] = []  # (src, dst) slots to copy before the next step
+        self.checkpoints = (
+            self.index is not None and state_slots is not None and state_slots.num_checkpoints > 0
+        )
         interval = checkpoint_interval or block_size
         self.checkpoint_interval = max(block_size, interval // block_size * block_size)
 
@@ -85,7 +101,9 @@ class BlockManager:
         self.index.lock(node)
         req.prefix_node = node
         req.block_tables = tables
-        req.kv_released = [g.first_needed_block(n * self.block_size, self.block_size) for g in self.groups]
+        req.kv_released = [
+            g.first_needed_block(n * self.block_size, self.block_size) for g in self.groups
+        ]
         req.num_tree_blocks = n
         req.num_computed_tokens = n * self.block_size
         return req.num_computed_tokens
@@ -109,8 +127,10 @@ class BlockManager:
         else:
             ends = range(len(tables[0]), 0, -1)
         for n in ends:
-            if all(g.is_full or all(b >= 0 for b in t[g.first_needed_block(n * bs, bs): n])
-                   for g, t in zip(self.groups, tables)):
+            if all(
+                g.is_full or all(b >= 0 for b in t[g.first_needed_block(n * bs, bs) : n])
+                for g, t in zip(self.groups, tables)
+            ):
                 return n
         return 0
 
@@ -169,8 +189,12 @@ class BlockManager:
         if not req.block_tables:
             return None
         table, idx = req.block_tables[g], req.num_computed_tokens // self.block_size
-        if req.num_computed_tokens % self.block_size and idx < len(table) and table[idx] >= 0 \
-                and self.pool.refcount[table[idx]] > 1:
+        if (
+            req.num_computed_tokens % self.block_size
+            and idx < len(table)
+            and table[idx] >= 0
+            and self.pool.refcount[table[idx]] > 1
+        ):
             return idx
         return None
 
@@ -182,7 +206,9 @@ class BlockManager:
             if group.is_full or not req.block_tables:
                 continue
             table = req.block_tables[g]
-            first = min(group.first_needed_block(req.num_computed_tokens, self.block_size), len(table))
+            first = min(
+                group.first_needed_block(req.num_computed_tokens, self.block_size), len(table)
+            )
             gone = []
             for i in range(req.kv_released[g], first):
                 if table[i] >= 0:
@@ -198,7 +224,7 @@ class BlockManager:
         after group (what swap preemption copies out, and back in, in the same order)."""
         bs, out = self.block_size, []
         for group, table in zip(self.groups, req.block_tables):
-            part = table[group.first_needed_block(num_tokens, bs): blocks_for(num_tokens, bs)]
+            part = table[group.first_needed_block(num_tokens, bs) : blocks_for(num_tokens, bs)]
             assert all(b >= 0 for b in part), f"request {req.request_id}: a needed block was freed"
             out.extend(part)
         return out
@@ -225,14 +251,19 @@ class BlockManager:
         bs, start = self.block_size, req.num_computed_tokens
         last = self.hit_limit(req) // bs * bs
         end = min(start + n_new, last)
-        points = [p for p in range(start // bs * bs + bs, end + 1, bs)
-                  if p > start and (p % self.checkpoint_interval == 0 or p == last)]
+        points = [
+            p
+            for p in range(start // bs * bs + bs, end + 1, bs)
+            if p > start and (p % self.checkpoint_interval == 0 or p == last)
+        ]
         if whole_chunks_only:
             points = [p for p in points if p == start + n_new]
         else:
             cuts: list[int] = []
             for p in points:
-                if start + n_new - p != 1 and not (p - (cuts[-1] if cuts else start) == 1 and p > 1):
+                if start + n_new - p != 1 and not (
+                    p - (cuts[-1] if cuts else start) == 1 and p > 1
+                ):
                     cuts.append(p)
             points = cuts
         for p in points:
@@ -258,9 +289,13 @@ class BlockManager:
             # under the namespace it was admitted with: KV computed before a weight update never
             # joins the tree that requests admitted after it read
             tables = req.block_tables
-            node, tree_blocks = self.index.insert(req.token_ids[: n_full * self.block_size], tables[0][:n_full],
-                                                  req.cache_salt, req.cache_namespace,
-                                                  [t[:n_full] for t in tables[1:]])
+            node, tree_blocks = self.index.insert(
+                req.token_ids[: n_full * self.block_size],
+                tables[0][:n_full],
+                req.cache_salt,
+                req.cache_namespace,
+                [t[:n_full] for t in tables[1:]],
+            )
             self.index.lock(node)
             if req.prefix_node is not None:
                 self.index.unlock(req.prefix_node)
@@ -284,11 +319,15 @@ class BlockManager:
         done = [(p, s) for p, s in req.pending_checkpoints if p <= req.num_computed_tokens]
         if not done:
             return
-        req.pending_checkpoints = [(p, s) for p, s in req.pending_checkpoints if p > req.num_computed_tokens]
+        req.pending_checkpoints = [
+            (p, s) for p, s in req.pending_checkpoints if p > req.num_computed_tokens
+        ]
         bs = self.block_size
         for p, slot in done:
             tables = [t[: p // bs] for t in req.block_tables]
-            node, _ = self.index.insert(req.token_ids[:p], tables[0], req.cache_salt, req.cache_namespace, tables[1:])
+            node, _ = self.index.insert(
+                req.token_ids[:p], tables[0], req.cache_salt, req.cache_namespace, tables[1:]
+            )
             self.state.attach(slot, node)
 
     def free(self, req: Request) -> None:
@@ -299,7 +338,9 @@ class BlockManager:
             req.prefix_node = None
         tables = req.block_tables
         longest = max((len(t) for t in tables), default=0)
-        self.pool.decref([t[i] for i in range(longest - 1, -1, -1) for t in tables if i < len(t) and t[i] >= 0])
+        self.pool.decref(
+            [t[i] for i in range(longest - 1, -1, -1) for t in tables if i < len(t) and t[i] >= 0]
+        )
         req.block_tables = []
         req.kv_released = []
         req.num_tree_blocks = 0
@@ -342,16 +383,36 @@ class BlockManager:
     def reassign(self, pairs: list[tuple[Request, Request]]) -> None:
         """Beam search: each ``(beam, parent)`` pair's beam gives back its blocks and takes its parent's,
         as the parents hold them now, by reference (a shared partial block is copied on write)."""
-        held = [([list(t) for t in p.block_tables], list(p.kv_released), p.num_computed_tokens, p.num_tree_blocks,
-                 p.prefix_node, p.cache_namespace) for _, p in pairs]
-        for tables, _, _, _, node, _ in held:  # the parents' references first: a beam may be another's parent
+        held = [
+            (
+                [list(t) for t in p.block_tables],
+                list(p.kv_released),
+                p.num_computed_tokens,
+                p.num_tree_blocks,
+                p.prefix_node,
+                p.cache_namespace,
+            )
+            for _, p in pairs
+        ]
+        for (
+            tables,
+            _,
+            _,
+            _,
+            node,
+            _,
+        ) in held:  # the parents' references first: a beam may be another's parent
             self.pool.incref([b for t in tables for b in t if b >= 0])
             if node is not None:
                 self.index.lock(node)
         for beam, _ in pairs:
             self.free(beam)
         for (beam, _), (tables, released, computed, tree, node, namespace) in zip(pairs, held):
-            beam.block_tables, beam.kv_released, beam.num_computed_tokens = tables, released, computed
+            beam.block_tables, beam.kv_released, beam.num_computed_tokens = (
+                tables,
+                released,
+                computed,
+            )
             beam.num_tree_blocks, beam.prefix_node, beam.cache_namespace = tree, node, namespace
 
     def take_state_copies(self) -> list[tuple[int, int]]:

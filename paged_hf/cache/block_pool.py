@@ -6,6 +6,7 @@ is either truly free or, when the prefix index holds it, cached: kept for reuse 
 allocation needs the room, which takes free blocks first, then evicts least recently used
 cached ones.
 """
+
 from __future__ import annotations
 
 from typing import Iterable
@@ -14,7 +15,9 @@ from .prefix_index import RadixPrefixIndex
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, block_size: int, index: RadixPrefixIndex | None = None) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, index: RadixPrefixIndex | None = None
+    ) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks={num_blocks}, must be >= 1")
         if block_size < 1:
@@ -58,8 +61,12 @@ class BlockPool:
         if n > len(self._free):
             evicted = self.index.evict(n - len(self._free))
             self.evictions += len(evicted)
-            for b in reversed(evicted):  # onto the stack so that they come off least recently used first
-                assert self.refcount[b] == 0, f"evicted block {b} still has refcount {self.refcount[b]}"
+            for b in reversed(
+                evicted
+            ):  # onto the stack so that they come off least recently used first
+                assert self.refcount[b] == 0, (
+                    f"evicted block {b} still has refcount {self.refcount[b]}"
+                )
                 self._release(b)
         out = [self._free.pop() for _ in range(n)]
         for b in out:
@@ -88,7 +95,9 @@ class BlockPool:
             self.refcount[b] -= 1
             if self.refcount[b] == 0:
                 if self.index is not None and self.index.holds(b):
-                    self.index.unused(b)  # cached: a sliding group's page may now be evicted by itself
+                    self.index.unused(
+                        b
+                    )  # cached: a sliding group's page may now be evicted by itself
                 else:
                     self._release(b)
 

@@ -9,6 +9,7 @@ derived from the weights (prefix cache, packed CPU weights, captured CUDA graphs
 switch moves the prefix cache to that adapter state's own namespace, and a lost patch stops the
 engine with an error (``binding.check_still_patched``).
 """
+
 from __future__ import annotations
 
 import time
@@ -18,7 +19,9 @@ from typing import Any
 
 import torch
 
-_WATCHES: "weakref.WeakSet[WeightsWatch]" = weakref.WeakSet()  # every live watch, for the hook below
+_WATCHES: "weakref.WeakSet[WeightsWatch]" = (
+    weakref.WeakSet()
+)  # every live watch, for the hook below
 _HOOK: Any = None
 
 
@@ -39,6 +42,7 @@ def _watch_optimizer_steps(watch: "WeightsWatch") -> None:
     global _HOOK
     if _HOOK is None:
         from torch.optim.optimizer import register_optimizer_step_post_hook
+
         _HOOK = register_optimizer_step_post_hook(_on_optimizer_step)
     _WATCHES.add(watch)
 
@@ -46,7 +50,9 @@ def _watch_optimizer_steps(watch: "WeightsWatch") -> None:
 @dataclass(frozen=True)
 class WeightChange:
     why: str
-    moved: bool  # a tensor has new storage: anything holding its old address (a CUDA graph) is stale
+    moved: (
+        bool  # a tensor has new storage: anything holding its old address (a CUDA graph) is stale
+    )
 
 
 class WeightsWatch:
@@ -124,7 +130,10 @@ class WeightsWatch:
                 if b is not None:
                     buffers[id(b)] = b
             # found by what their class carries, not by importing peft
-            if all(hasattr(type(m), name) for name in ("merged_adapters", "_disable_adapters", "active_adapters")):
+            if all(
+                hasattr(type(m), name)
+                for name in ("merged_adapters", "_disable_adapters", "active_adapters")
+            ):
                 self._tuner_layers.append(m)
         self.param_ids = set(params)
         tensors = [*params.values(), *buffers.values()]
@@ -133,16 +142,21 @@ class WeightsWatch:
         self._counted = [t for t in tensors if not t.is_inference()]
         self._uncounted = [t for t in tensors if t.is_inference()]
         ids = tuple((id(t), t.data_ptr()) for t in tensors)
-        if ids != getattr(self, "_ids", None):  # the same tensors at the same addresses keep their views
+        if ids != getattr(
+            self, "_ids", None
+        ):  # the same tensors at the same addresses keep their views
             self._samples = _sample_views(tensors, self.SAMPLES)
         self._ids = ids
         self._scanned_at = time.perf_counter()
 
     def _read(self) -> tuple:
-        return (tuple(t._version for t in self._counted),
-                tuple(t.data_ptr() for t in self._counted) + tuple(t.data_ptr() for t in self._uncounted),
-                tuple(i for i, _ in self._ids),
-                tuple(tuple(m.merged_adapters) for m in self._tuner_layers))
+        return (
+            tuple(t._version for t in self._counted),
+            tuple(t.data_ptr() for t in self._counted)
+            + tuple(t.data_ptr() for t in self._uncounted),
+            tuple(i for i, _ in self._ids),
+            tuple(tuple(m.merged_adapters) for m in self._tuner_layers),
+        )
 
     def _sample(self) -> list[torch.Tensor]:
         with torch.no_grad():
@@ -158,7 +172,7 @@ def _sample_views(tensors: list[torch.Tensor], k: int) -> list[list[torch.Tensor
             continue
         flat = t.detach().view(-1)
         step = max(1, flat.numel() // k)
-        groups.setdefault((flat.dtype, flat.device), []).append(flat[step // 2::step][:k])
+        groups.setdefault((flat.dtype, flat.device), []).append(flat[step // 2 :: step][:k])
     return list(groups.values())
 
 

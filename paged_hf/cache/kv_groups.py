@@ -10,6 +10,7 @@ group's layers) is the same bytes whichever group holds it: one pool, one free l
 them all. Group 0 is always a full-attention group: the prefix index's tree is keyed on its blocks.
 This file is plain data; the layout (paged_hf/execution/kv_geometry.py) decides the groups.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -63,7 +64,9 @@ class CacheGroup:
 FULL = CacheGroup()
 
 
-def most_blocks(groups: tuple[CacheGroup, ...], num_tokens: int, step_tokens: int, block_size: int) -> int:
+def most_blocks(
+    groups: tuple[CacheGroup, ...], num_tokens: int, step_tokens: int, block_size: int
+) -> int:
     """The most pages a request of ``num_tokens`` holds at once, over every group."""
     return sum(g.most_blocks(num_tokens, step_tokens, block_size) for g in groups)
 
@@ -72,6 +75,7 @@ def most_blocks(groups: tuple[CacheGroup, ...], num_tokens: int, step_tokens: in
 class SlabPlaces:
     """Where each layer's KV lives under ``groups``: its group, its slab, and per slab the layer whose
     geometry the slab has (the same at that place in every group)."""
+
     groups: tuple[CacheGroup, ...]
     group_of: tuple[int, ...]
     slab_of: tuple[int, ...]
@@ -86,5 +90,7 @@ class SlabPlaces:
             for j, layer in enumerate(group.layers):
                 group_of[layer], slab_of[layer] = g, j
         slabs = max((len(g.layers) for g in groups), default=0)
-        slab_layers = tuple(next(g.layers[j] for g in groups if len(g.layers) > j) for j in range(slabs))
+        slab_layers = tuple(
+            next(g.layers[j] for g in groups if len(g.layers) > j) for j in range(slabs)
+        )
         return cls(tuple(groups), tuple(group_of), tuple(slab_of), slab_layers)

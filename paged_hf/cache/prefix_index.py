@@ -15,6 +15,7 @@ attention); a sliding or chunked group's page is "loose": once nobody uses it (i
 running request's window, or its request ended) it may be evicted by itself, least recently
 released first, its node staying. Eviction takes loose pages and leaves by one clock.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -28,8 +29,13 @@ from .kv_groups import FULL, CacheGroup
 class Node:
     __slots__ = ("key", "blocks", "extra", "children", "parent", "lock_ref", "last_access", "state")
 
-    def __init__(self, key: tuple[int, ...], blocks: list[int], parent: "Node | None",
-                 extra: list[list[int]] | None = None) -> None:
+    def __init__(
+        self,
+        key: tuple[int, ...],
+        blocks: list[int],
+        parent: "Node | None",
+        extra: list[list[int]] | None = None,
+    ) -> None:
         self.key = key  # tokens; len(key) == len(blocks) * block_size
         self.blocks = blocks
         self.extra = extra or []  # groups 1..: a page per position of this node, -1 where none
@@ -52,12 +58,19 @@ class Node:
         return self.parent is None
 
     def __repr__(self) -> str:
-        return f"Node(blocks={self.blocks}, lock_ref={self.lock_ref}, children={len(self.children)})"
+        return (
+            f"Node(blocks={self.blocks}, lock_ref={self.lock_ref}, children={len(self.children)})"
+        )
 
 
 class RadixPrefixIndex:
-    def __init__(self, block_size: int, namespace: Hashable = "", on_drop_state: Callable[[int], None] | None = None,
-                 groups: Sequence[CacheGroup] = (FULL,)) -> None:
+    def __init__(
+        self,
+        block_size: int,
+        namespace: Hashable = "",
+        on_drop_state: Callable[[int], None] | None = None,
+        groups: Sequence[CacheGroup] = (FULL,),
+    ) -> None:
         """``on_drop_state``: called with a node's state checkpoint when the node's end goes (evicted,
         or trimmed): a checkpoint is only good at exactly the position it was taken. ``groups``: the
         cache groups, group 0 a full one."""
@@ -74,8 +87,12 @@ class RadixPrefixIndex:
         assert self.groups[0].is_full, "group 0 keys the tree: it must be a full-attention group"
         self._num_extra = len(self.groups) - 1
         self._loose_kind = [not g.is_full for g in self.groups[1:]]
-        self._bound = 1 + sum(not loose for loose in self._loose_kind)  # pages per position counted by locks
-        self._where: dict[int, tuple[Node, int]] = {}  # loose-kind page -> (its node, its extra group)
+        self._bound = 1 + sum(
+            not loose for loose in self._loose_kind
+        )  # pages per position counted by locks
+        self._where: dict[
+            int, tuple[Node, int]
+        ] = {}  # loose-kind page -> (its node, its extra group)
         self._loose: OrderedDict[int, int] = OrderedDict()  # unused loose pages -> when released
 
     # ---- queries -------------------------------------------------------------------------
@@ -93,8 +110,9 @@ class RadixPrefixIndex:
     def num_blocks(self) -> int:
         return len(self._held)
 
-    def match_prefix(self, tokens: Sequence[int], cache_salt: Hashable = None,
-                     namespace: Hashable = None) -> tuple[Node, list[int]]:
+    def match_prefix(
+        self, tokens: Sequence[int], cache_salt: Hashable = None, namespace: Hashable = None
+    ) -> tuple[Node, list[int]]:
         """Longest cached block-aligned prefix of ``tokens``: (deepest node, its block ids).
 
         The node's path covers exactly the returned blocks (an edge matched part-way is split).
@@ -127,8 +145,14 @@ class RadixPrefixIndex:
             self.evictable_blocks -= 1
 
     # ---- updates -------------------------------------------------------------------------
-    def insert(self, tokens: Sequence[int], blocks: Sequence[int], cache_salt: Hashable = None,
-               namespace: Hashable = None, extra: Sequence[Sequence[int]] = ()) -> tuple[Node, list[int]]:
+    def insert(
+        self,
+        tokens: Sequence[int],
+        blocks: Sequence[int],
+        cache_salt: Hashable = None,
+        namespace: Hashable = None,
+        extra: Sequence[Sequence[int]] = (),
+    ) -> tuple[Node, list[int]]:
         """Record that ``blocks`` hold the KV of ``tokens`` (whole blocks only); ``extra``: per
         further group, the caller's pages of those positions (-1 where it holds none).
 
@@ -139,10 +163,14 @@ class RadixPrefixIndex:
         """
         bs = self.block_size
         if len(tokens) != len(blocks) * bs:
-            raise ValueError(f"insert: {len(tokens)} tokens do not fill {len(blocks)} blocks of {bs}")
+            raise ValueError(
+                f"insert: {len(tokens)} tokens do not fill {len(blocks)} blocks of {bs}"
+            )
         if len(extra) != self._num_extra or any(len(t) != len(blocks) for t in extra):
-            raise ValueError(f"insert: {len(extra)} extra tables for {self._num_extra} further groups, "
-                             f"each of {len(blocks)} pages")
+            raise ValueError(
+                f"insert: {len(extra)} extra tables for {self._num_extra} further groups, "
+                f"each of {len(blocks)} pages"
+            )
         now = next(self._clock)
         node, path_blocks, n = self._walk(tokens, self.root(cache_salt, namespace), now)
         if self._num_extra and n:
@@ -152,8 +180,10 @@ class RadixPrefixIndex:
             new_extra = [list(t[n:]) for t in extra]
             pages = new_blocks + [b for t in new_extra for b in t if b >= 0]
             if any(b in self._held for b in pages):
-                raise ValueError(f"insert: a block in {pages} is already cached under another prefix")
-            child = Node(tuple(tokens[n * bs:]), new_blocks, node, new_extra)
+                raise ValueError(
+                    f"insert: a block in {pages} is already cached under another prefix"
+                )
+            child = Node(tuple(tokens[n * bs :]), new_blocks, node, new_extra)
             child.last_access = now
             node.children[child.key[:bs]] = child
             self._held.update(pages)
@@ -174,7 +204,9 @@ class RadixPrefixIndex:
                     page = table[start + i]
                     if mine[i] < 0 and page >= 0:
                         if page in self._held:
-                            raise ValueError(f"insert: page {page} is already cached under another prefix")
+                            raise ValueError(
+                                f"insert: page {page} is already cached under another prefix"
+                            )
                         mine[i] = page
                         self._held.add(page)
                         if self._loose_kind[g]:
@@ -225,7 +257,9 @@ class RadixPrefixIndex:
             _, _, leaf = heapq.heappop(heap)
             if leaf.lock_ref or leaf.children or leaf.parent is None:
                 continue  # changed since it was pushed
-            per_position = self._bound + sum(b >= 0 for t in leaf.extra for b in t) / len(leaf.blocks)
+            per_position = self._bound + sum(b >= 0 for t in leaf.extra for b in t) / len(
+                leaf.blocks
+            )
             take = min(len(leaf.blocks), max(1, int(-(-(n_blocks - len(freed)) // per_position))))
             self._drop_state(leaf)  # its end goes, trimmed or removed
             keep = len(leaf.blocks) - take
@@ -278,7 +312,9 @@ class RadixPrefixIndex:
 
     def forget_empty_roots(self) -> None:
         """Drop the roots of other namespaces that hold nothing (left behind by namespace changes)."""
-        for key in [k for k, root in self._roots.items() if not root.children and k[0] != self.namespace]:
+        for key in [
+            k for k, root in self._roots.items() if not root.children and k[0] != self.namespace
+        ]:
             del self._roots[key]
 
     # ---- internals -----------------------------------------------------------------------
@@ -288,12 +324,16 @@ class RadixPrefixIndex:
         blocks: list[int] = []
         i = 0  # blocks matched so far
         while i < n_full:
-            child = node.children.get(tuple(tokens[i * bs:(i + 1) * bs]))
+            child = node.children.get(tuple(tokens[i * bs : (i + 1) * bs]))
             if child is None:
                 break
             k = 1
-            while k < len(child.blocks) and i + k < n_full and \
-                    tuple(tokens[(i + k) * bs:(i + k + 1) * bs]) == child.key[k * bs:(k + 1) * bs]:
+            while (
+                k < len(child.blocks)
+                and i + k < n_full
+                and tuple(tokens[(i + k) * bs : (i + k + 1) * bs])
+                == child.key[k * bs : (k + 1) * bs]
+            ):
                 k += 1
             if k < len(child.blocks):
                 child = self._split(child, k)
@@ -312,7 +352,7 @@ class RadixPrefixIndex:
         upper.lock_ref = node.lock_ref
         upper.last_access = node.last_access
         node.parent.children[upper.key[:bs]] = upper
-        node.key = node.key[k * bs:]
+        node.key = node.key[k * bs :]
         node.blocks = node.blocks[k:]
         node.parent = upper
         upper.children[node.key[:bs]] = node

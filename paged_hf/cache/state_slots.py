@@ -12,6 +12,7 @@ Two kinds of slot, numbered in one range:
   attached to its node after the step, and dropped when its node's end is evicted or, least
   recently used first, when a new one needs its room.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -27,10 +28,14 @@ class StateSlots:
             raise ValueError(f"num_slots={num_slots}, must be >= 1")
         self.num_slots = num_slots
         self.num_checkpoints = num_checkpoints
-        self._free = list(range(num_slots))  # a heap: the lowest first, so running slots stay near the front
+        self._free = list(
+            range(num_slots)
+        )  # a heap: the lowest first, so running slots stay near the front
         self._owner: dict[int, Request] = {}  # running slot -> the request holding it
         self._ckpt_free = list(range(num_slots + num_checkpoints - 1, num_slots - 1, -1))
-        self._attached: OrderedDict[int, Any] = OrderedDict()  # checkpoint -> its node, least recently used first
+        self._attached: OrderedDict[int, Any] = (
+            OrderedDict()
+        )  # checkpoint -> its node, least recently used first
         self._pending: set[int] = set()  # taken during a step, not attached yet
         self.checkpoint_hits = 0
 
@@ -60,8 +65,10 @@ class StateSlots:
         """The request's slot, taken now if it holds none."""
         if req.state_slot is None:
             if not self._free:
-                raise RuntimeError(f"request {req.request_id}: no free state slot ({self.num_slots} in use); "
-                                   "the scheduler admits at most max_num_seqs sequences (this is a bug)")
+                raise RuntimeError(
+                    f"request {req.request_id}: no free state slot ({self.num_slots} in use); "
+                    "the scheduler admits at most max_num_seqs sequences (this is a bug)"
+                )
             req.state_slot = heapq.heappop(self._free)
             self._owner[req.state_slot] = req
         return req.state_slot

@@ -8,6 +8,7 @@ model, stop strings have a tokenizer to read them. Errors name the request.
 ``config``, ``tokenizer``, ``vocab_size``, ``max_model_len``, ``eos_token_ids``, ``scheduler``,
 ``requests`` and ``runner.device``.
 """
+
 from __future__ import annotations
 
 import logging
@@ -18,17 +19,22 @@ import torch
 from ..config import EngineConfig
 from ..execution.runner import max_positions
 from ..requests.detokenizer import StopStrings
-from .structured import StructuredOutputs
 from ..requests.request import AUTO_ID_PREFIX, Request
 from ..requests.sampling_params import SamplingParams
 from .binding import check_still_patched
+from .structured import StructuredOutputs
 
 logger = logging.getLogger("paged_hf")
 
 
 class Admission:
-    def add_request(self, prompt: Any, params: SamplingParams | None = None,
-                    request_id: str | None = None, eos_token_ids: frozenset[int] | None = None) -> str:
+    def add_request(
+        self,
+        prompt: Any,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        eos_token_ids: frozenset[int] | None = None,
+    ) -> str:
         """Queue one prompt (token ids, or a string with a tokenizer). Bad input raises
         ValueError naming the request; nothing else is disturbed. ``eos_token_ids`` replaces the
         model's EOS ids for this request (transformers' generate takes them from its config).
@@ -36,28 +42,42 @@ class Admission:
         (``"paged_hf:<n>"``); returns the id."""
         return self._add(self._new_id(request_id), prompt, params, eos_token_ids)
 
-    def _add(self, rid: str, prompt: Any, params: SamplingParams | None,
-             eos_token_ids: frozenset[int] | None = None, stop_strings: StopStrings | None = None,
-             encoder_token_ids: tuple[int, ...] | None = None) -> str:
+    def _add(
+        self,
+        rid: str,
+        prompt: Any,
+        params: SamplingParams | None,
+        eos_token_ids: frozenset[int] | None = None,
+        stop_strings: StopStrings | None = None,
+        encoder_token_ids: tuple[int, ...] | None = None,
+    ) -> str:
         """``stop_strings``: a matcher of the caller's making (``model.generate``'s, with
         transformers' semantics) instead of one for ``params.stop``; ``encoder_token_ids``: the
         tokens ``encoder_repetition_penalty`` favours instead of the prompt's."""
         check_still_patched(self.model, self._patch_state)
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
-            raise TypeError(f"request {rid}: params must be SamplingParams, got {type(params).__name__}")
+            raise TypeError(
+                f"request {rid}: params must be SamplingParams, got {type(params).__name__}"
+            )
         params.validate(f"request {rid}")
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(params, name)
             if k is not None and k > self.vocab_size:
-                raise ValueError(f"request {rid}: {name}={k} exceeds the vocabulary ({self.vocab_size})")
+                raise ValueError(
+                    f"request {rid}: {name}={k} exceeds the vocabulary ({self.vocab_size})"
+                )
         if params.stop and self.tokenizer is None:
-            raise ValueError(f"request {rid}: stop={list(params.stop)!r} needs a tokenizer to read the text "
-                             "(Engine(model, tokenizer)); stop_token_ids need none")
+            raise ValueError(
+                f"request {rid}: stop={list(params.stop)!r} needs a tokenizer to read the text "
+                "(Engine(model, tokenizer)); stop_token_ids need none"
+            )
         bad_stop = [t for t in params.stop_token_ids if t >= self.vocab_size]
         if bad_stop:
-            raise ValueError(f"request {rid}: stop token id {bad_stop[0]} is outside the vocabulary "
-                             f"[0, {self.vocab_size})")
+            raise ValueError(
+                f"request {rid}: stop token id {bad_stop[0]} is outside the vocabulary "
+                f"[0, {self.vocab_size})"
+            )
         ids = self._prompt_ids(rid, prompt)
         eos = self.eos_token_ids if eos_token_ids is None else frozenset(eos_token_ids)
         req = Request(rid, ids, params, eos, self.max_model_len)
@@ -85,13 +105,17 @@ class Admission:
             raise ValueError(f"request {rid}: {what} must be token ids (int)")
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
-            raise ValueError(f"request {rid}: {what} token id {bad[0]} is outside the vocabulary "
-                             f"[0, {self.vocab_size})")
+            raise ValueError(
+                f"request {rid}: {what} token id {bad[0]} is outside the vocabulary "
+                f"[0, {self.vocab_size})"
+            )
         media = [t for t in ids if t in self._patch_state.media_token_ids]
         if media:
-            raise ValueError(f"request {rid}: {what} token id {media[0]} is this model's image/video/audio "
-                             "placeholder; media inputs are not supported yet (paged_hf runs the text path of "
-                             "multimodal models)")
+            raise ValueError(
+                f"request {rid}: {what} token id {media[0]} is this model's image/video/audio "
+                "placeholder; media inputs are not supported yet (paged_hf runs the text path of "
+                "multimodal models)"
+            )
 
     def _grammar(self, rid: str, params: SamplingParams) -> Any:
         """A matcher of the request's structured-output constraint (compiled once per text), or None."""
@@ -100,8 +124,10 @@ class Admission:
             return None
         kind, text = constraint
         if self.tokenizer is None:
-            raise ValueError(f"request {rid}: {kind} needs a tokenizer to map the grammar onto tokens "
-                             "(Engine(model, tokenizer))")
+            raise ValueError(
+                f"request {rid}: {kind} needs a tokenizer to map the grammar onto tokens "
+                "(Engine(model, tokenizer))"
+            )
         if self.structured is None:
             try:
                 self.structured = StructuredOutputs(self.tokenizer, self.vocab_size)
@@ -111,30 +137,45 @@ class Admission:
             return self.structured.matcher(kind, text)
         except Exception as e:  # noqa: BLE001 - xgrammar says what is wrong with it
             what = text if len(text) <= 200 else text[:200] + "..."
-            raise ValueError(f"request {rid}: its {kind} does not compile ({type(e).__name__}: {e}): {what}") from None
+            raise ValueError(
+                f"request {rid}: its {kind} does not compile ({type(e).__name__}: {e}): {what}"
+            ) from None
 
     def _stop_strings(self, params: SamplingParams) -> StopStrings | None:
         if not params.stop:
             return None
         return StopStrings(self.tokenizer, params.stop, params.include_stop_str_in_output)
 
-    def add_score_request(self, context: Any, continuation: Any, request_id: str | None = None, *,
-                          top_logprobs: int | None = None, cache_salt: str | None = None) -> str:
+    def add_score_request(
+        self,
+        context: Any,
+        continuation: Any,
+        request_id: str | None = None,
+        *,
+        top_logprobs: int | None = None,
+        cache_salt: str | None = None,
+    ) -> str:
         """Queue one scoring request (see ``score``); returns its id. ``run_until_done`` gives
         its ``ScoreOutput``."""
         from .scoring import add_score_request
 
-        return add_score_request(self, self._new_id(request_id), context, continuation, top_logprobs, cache_salt)
+        return add_score_request(
+            self, self._new_id(request_id), context, continuation, top_logprobs, cache_salt
+        )
 
     def _new_id(self, request_id: Any) -> str:
         if request_id is None:
             return f"{AUTO_ID_PREFIX}{next(self._ids)}"
         if isinstance(request_id, bool) or not isinstance(request_id, (str, int)):
-            raise TypeError(f"request_id={request_id!r}: must be a str (or None for an id the engine makes)")
+            raise TypeError(
+                f"request_id={request_id!r}: must be a str (or None for an id the engine makes)"
+            )
         rid = str(request_id)
         if rid.startswith(AUTO_ID_PREFIX):
-            raise ValueError(f"request {rid}: ids starting with {AUTO_ID_PREFIX!r} are the ones the engine makes; "
-                             "choose another, or pass none")
+            raise ValueError(
+                f"request {rid}: ids starting with {AUTO_ID_PREFIX!r} are the ones the engine makes; "
+                "choose another, or pass none"
+            )
         if rid in self.requests:
             raise ValueError(f"request {rid}: id already in use")
         return rid
@@ -142,20 +183,26 @@ class Admission:
     def _prompt_ids(self, rid: str, prompt: Any) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError(f"request {rid}: a text prompt needs a tokenizer (Engine(model, tokenizer))")
+                raise ValueError(
+                    f"request {rid}: a text prompt needs a tokenizer (Engine(model, tokenizer))"
+                )
             ids = self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
         elif isinstance(prompt, torch.Tensor):
             ids = prompt.flatten().tolist()
         elif isinstance(prompt, (list, tuple)):
             ids = list(prompt)
         else:
-            raise ValueError(f"request {rid}: a prompt is text or a list of token ids, got {type(prompt).__name__}")
+            raise ValueError(
+                f"request {rid}: a prompt is text or a list of token ids, got {type(prompt).__name__}"
+            )
         if not ids:
             raise ValueError(f"request {rid}: empty prompt")
         self._check_token_ids(rid, ids, "prompt")
         if len(ids) >= self.max_model_len:
-            raise ValueError(f"request {rid}: prompt has {len(ids)} tokens, max_model_len is {self.max_model_len} "
-                             "(room for at least one new token is needed)")
+            raise ValueError(
+                f"request {rid}: prompt has {len(ids)} tokens, max_model_len is {self.max_model_len} "
+                "(room for at least one new token is needed)"
+            )
         return ids
 
     def _generator(self, params: SamplingParams, sample_index: int) -> torch.Generator | None:
@@ -173,8 +220,10 @@ def max_model_len_for(model: torch.nn.Module, asked: int | None) -> int:
     if asked is None:
         return default or (1 << 31)
     if most is not None and asked > most:
-        raise ValueError(f"max_model_len={asked} exceeds the {most} positions this {model.config.model_type} model "
-                         f"can encode (max_position_embeddings / n_positions{', with its RoPE scaling' if most != default else ''})")
+        raise ValueError(
+            f"max_model_len={asked} exceeds the {most} positions this {model.config.model_type} model "
+            f"can encode (max_position_embeddings / n_positions{', with its RoPE scaling' if most != default else ''})"
+        )
     return asked
 
 
@@ -185,19 +234,26 @@ def within_limits(config: EngineConfig, max_model_len: int, limits: dict) -> int
         value = max_model_len if option == "max_model_len" else getattr(config, option)
         if value <= limit:
             continue
-        if option == "max_model_len" and config.max_model_len is None:  # the default: lower it, say so once
+        if (
+            option == "max_model_len" and config.max_model_len is None
+        ):  # the default: lower it, say so once
             logger.info("paged_hf: max_model_len lowered to %d: %s", limit, why)
             max_model_len = limit
         else:
-            raise ValueError(f"{option}={value} exceeds {limit}, the most this model runs exactly with: {why}")
+            raise ValueError(
+                f"{option}={value} exceeds {limit}, the most this model runs exactly with: {why}"
+            )
     return max_model_len
 
 
 def eos_ids(model: torch.nn.Module, tokenizer: Any) -> frozenset[int]:
     ids: set[int] = set()
     gc = getattr(model, "generation_config", None)
-    for src in (getattr(gc, "eos_token_id", None), getattr(model.config, "eos_token_id", None),
-                getattr(tokenizer, "eos_token_id", None)):
+    for src in (
+        getattr(gc, "eos_token_id", None),
+        getattr(model.config, "eos_token_id", None),
+        getattr(tokenizer, "eos_token_id", None),
+    ):
         if src is None:
             continue
         ids.update([src] if isinstance(src, int) else list(src))

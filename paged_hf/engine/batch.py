@@ -4,6 +4,7 @@ Each submits its requests, steps the engine until they finish and returns their 
 input order; interrupted (any exception, ``KeyboardInterrupt`` included) it aborts what it
 submitted before raising. ``BatchCalls`` is a part of ``Engine`` (paged_hf/engine/engine.py).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -21,9 +22,14 @@ logger = logging.getLogger("paged_hf")
 
 
 class BatchCalls:
-    def generate(self, prompts: Sequence[Any], params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 *, on_token: Callable[[str, int], None] | None = None,
-                 progress: bool = False) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: Sequence[Any],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        on_token: Callable[[str, int], None] | None = None,
+        progress: bool = False,
+    ) -> list[RequestOutput]:
         """Run prompts to completion with continuous batching; outputs come back in input order.
 
         A prompt that is refused (empty, too long, bad ids, bad params, cannot fit the pool) or
@@ -45,21 +51,31 @@ class BatchCalls:
                 try:
                     ids.append(self._add(rid, prompt, p))
                 except Exception as e:  # noqa: BLE001 - this prompt's problem alone (a tokenizer may raise anything)
-                    message = str(e) if isinstance(e, (ValueError, TypeError)) else \
-                        f"request {rid}: {type(e).__name__}: {e}"
+                    message = (
+                        str(e)
+                        if isinstance(e, (ValueError, TypeError))
+                        else f"request {rid}: {type(e).__name__}: {e}"
+                    )
                     logger.warning("paged_hf: %s", message)
                     ids.append(None)
                     errors[i] = RequestOutput(rid, [], error=message)
         except BaseException:
             self.abort_all(rid for rid in ids if rid is not None)
             raise
-        outputs = self.run_until_done([rid for rid in ids if rid is not None], on_token=on_token,
-                                      progress=progress)
+        outputs = self.run_until_done(
+            [rid for rid in ids if rid is not None], on_token=on_token, progress=progress
+        )
         it = iter(outputs)
         return [errors[i] if rid is None else next(it) for i, rid in enumerate(ids)]
 
-    def score(self, pairs: Sequence[tuple[Any, Any]], *, top_logprobs: int | None = None,
-              cache_salt: str | None = None, progress: bool = False) -> list[ScoreOutput]:
+    def score(
+        self,
+        pairs: Sequence[tuple[Any, Any]],
+        *,
+        top_logprobs: int | None = None,
+        cache_salt: str | None = None,
+        progress: bool = False,
+    ) -> list[ScoreOutput]:
         """The loglikelihood of each continuation given its context, in input order.
 
         ``pairs``: ``(context, continuation)`` as text (tokenized as lm-evaluation-harness does:
@@ -76,8 +92,15 @@ class BatchCalls:
 
         return score(self, pairs, top_logprobs, cache_salt, progress)
 
-    def score_rolling(self, texts: Sequence[Any], *, window: int | None = None, prefix_token: int | None = None,
-                      cache_salt: str | None = None, progress: bool = False) -> list[ScoreOutput]:
+    def score_rolling(
+        self,
+        texts: Sequence[Any],
+        *,
+        window: int | None = None,
+        prefix_token: int | None = None,
+        cache_salt: str | None = None,
+        progress: bool = False,
+    ) -> list[ScoreOutput]:
         """The loglikelihood of each whole text (perplexity tasks): every token scored once, in
         windows of at most ``window`` tokens (default ``max_model_len``), the first conditioned on
         ``prefix_token`` (default the tokenizer's BOS, else EOS), each later one on as much of the
@@ -91,20 +114,43 @@ class BatchCalls:
 
         return score_rolling(self, texts, window, prefix_token, cache_salt, progress)
 
-    def beam_search(self, prompts: Sequence[Any], num_beams: int = 4, max_new_tokens: int = 16, *,
-                    num_return_sequences: int = 1, length_penalty: float = 1.0, early_stopping: bool | str = False,
-                    eos_token_ids: Sequence[int] | None = None, logits_processors: Sequence[Any] = ()
-                    ) -> list[list[tuple[list[int], float]]]:
+    def beam_search(
+        self,
+        prompts: Sequence[Any],
+        num_beams: int = 4,
+        max_new_tokens: int = 16,
+        *,
+        num_return_sequences: int = 1,
+        length_penalty: float = 1.0,
+        early_stopping: bool | str = False,
+        eos_token_ids: Sequence[int] | None = None,
+        logits_processors: Sequence[Any] = (),
+    ) -> list[list[tuple[list[int], float]]]:
         """Beam search, transformers' own (``generate(num_beams=...)``'s hypotheses and scores), each
         prompt's beams sharing its blocks and batching with everything else. Per prompt, the
         ``num_return_sequences`` best (generated token ids, score), best first. ``logits_processors``:
         transformers ``LogitsProcessor`` s, on the beams' log-probabilities as its beam search runs them."""
         from .beam_group import beam_search
-        return beam_search(self, list(prompts), num_beams, max_new_tokens, num_return_sequences, length_penalty,
-                           early_stopping, eos_token_ids, logits_processors)
 
-    def run_until_done(self, request_ids: Sequence[str], *, on_token: Callable[[str, int], None] | None = None,
-                       progress: bool = False) -> list[RequestOutput]:
+        return beam_search(
+            self,
+            list(prompts),
+            num_beams,
+            max_new_tokens,
+            num_return_sequences,
+            length_penalty,
+            early_stopping,
+            eos_token_ids,
+            logits_processors,
+        )
+
+    def run_until_done(
+        self,
+        request_ids: Sequence[str],
+        *,
+        on_token: Callable[[str, int], None] | None = None,
+        progress: bool = False,
+    ) -> list[RequestOutput]:
         """Step until the given (already added) requests finish; their outputs in the given order.
 
         ``on_token(request_id, token)`` runs after each step for every token sampled; if it raises,
@@ -133,8 +179,9 @@ class BatchCalls:
         finally:
             self.scheduler.batch_call = before
 
-    def _run(self, roots: list[Request], on_token: Callable[[str, int], None] | None, progress: bool
-             ) -> list[RequestOutput]:
+    def _run(
+        self, roots: list[Request], on_token: Callable[[str, int], None] | None, progress: bool
+    ) -> list[RequestOutput]:
         open_roots = {root for root in roots if not root.group_finished}
         bar = _progress(len(roots)) if progress else None
         if bar is not None:
@@ -147,21 +194,28 @@ class BatchCalls:
                 sampled, finished = self.step()
                 failed = self._run_callbacks(on_token, sampled)
                 # an abort from a callback can end any request: then look at all of them
-                touched = open_roots if self._aborts != aborts else \
-                    {(r.parent or r) for r in finished + failed} & open_roots
+                touched = (
+                    open_roots
+                    if self._aborts != aborts
+                    else {(r.parent or r) for r in finished + failed} & open_roots
+                )
                 done = [root for root in touched if root.group_finished]
                 open_roots.difference_update(done)
                 if bar is not None and done:
                     bar.update(len(done))
         except BaseException:
-            self.abort_all(root.request_id for root in roots if self.requests.get(root.request_id) is root)
+            self.abort_all(
+                root.request_id for root in roots if self.requests.get(root.request_id) is root
+            )
             raise
         finally:
             if bar is not None:
                 bar.close()
         return [self._collect_root(root) for root in roots]
 
-    def _run_callbacks(self, on_token: Callable[[str, int], None] | None, sampled: dict[Request, int]) -> list[Request]:
+    def _run_callbacks(
+        self, on_token: Callable[[str, int], None] | None, sampled: dict[Request, int]
+    ) -> list[Request]:
         """Call ``on_token`` for each sampled token; a request whose callback raises ends with an error."""
         failed: list[Request] = []
         if on_token is None:
@@ -170,7 +224,10 @@ class BatchCalls:
             try:
                 on_token(req.request_id, tok)
             except Exception as e:  # noqa: BLE001 - the callback's failure is its request's alone
-                self.fail(req, f"request {req.request_id}: on_token callback raised {type(e).__name__}: {e}")
+                self.fail(
+                    req,
+                    f"request {req.request_id}: on_token callback raised {type(e).__name__}: {e}",
+                )
                 failed.append(req)
         return failed
 
@@ -189,4 +246,5 @@ class BatchCalls:
 
 def _progress(total: int):
     from tqdm.auto import tqdm
+
     return tqdm(total=total, desc="paged_hf", unit="req")

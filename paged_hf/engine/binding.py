@@ -6,6 +6,7 @@ the paged attention implementation and leaves a ``PatchState`` on the model. The
 attention implementation must stay paged) and never imports the model side: the dependency runs
 one way, model side -> engine.
 """
+
 from __future__ import annotations
 
 import weakref
@@ -35,7 +36,7 @@ class PatchState:
     limits: dict = field(default_factory=dict)
     state: StateLayout | None = None  # a hybrid model's stateful layers (None: attention only)
     config: dict[str, Any] = field(default_factory=dict)  # engine options given to patch()
-    engine: Any = None       # created on first generate, kept so the prefix cache survives calls
+    engine: Any = None  # created on first generate, kept so the prefix cache survives calls
     tokenizer: Any = None
     # builds the engine behind ``model.generate`` (set by patch: the model side builds engines)
     engine_factory: Callable[[], Any] | None = None
@@ -47,7 +48,9 @@ class PatchState:
         """The engine behind the patched ``generate``, built on first use."""
         if self.engine is None:
             if self.engine_factory is None:
-                raise ValueError("this model's attention is paged but it was not patched with paged_hf.patch")
+                raise ValueError(
+                    "this model's attention is paged but it was not patched with paged_hf.patch"
+                )
             self.engine = self.engine_factory()
         return self.engine
 
@@ -59,10 +62,14 @@ def patch_state(model: torch.nn.Module) -> PatchState | None:
 def check_still_patched(model: torch.nn.Module, state: PatchState) -> None:
     """Raise if the model is no longer patched as it was when the engine was built."""
     if patch_state(model) is not state:
-        raise RuntimeError("paged_hf engine: its model was unpatched (or patched again) after the engine was built; "
-                           "build a new engine (or use paged_hf.engine_for(model))")
+        raise RuntimeError(
+            "paged_hf engine: its model was unpatched (or patched again) after the engine was built; "
+            "build a new engine (or use paged_hf.engine_for(model))"
+        )
     for cfg in state.attention_configs or (model.config,):
         impl = cfg._attn_implementation
         if impl != attention.NAME:
-            raise RuntimeError(f"paged_hf engine: the model's attention implementation is now {impl!r} "
-                               f"(set_attn_implementation after patch); the engine needs {attention.NAME!r}")
+            raise RuntimeError(
+                f"paged_hf engine: the model's attention implementation is now {impl!r} "
+                f"(set_attn_implementation after patch); the engine needs {attention.NAME!r}"
+            )

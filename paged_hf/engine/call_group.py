@@ -18,6 +18,7 @@ callbacks see exactly as transformers shows it:
 
 A callback that raises ends its own call (every row of it), no one else's.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -39,13 +40,28 @@ class CallGroup:
 
     chooses_tokens = False
 
-    def __init__(self, rows: torch.Tensor, n: int, criteria: Any, pad: int, pads_finished: bool,
-                 max_new_tokens: int, device: torch.device | None = None) -> None:
+    def __init__(
+        self,
+        rows: torch.Tensor,
+        n: int,
+        criteria: Any,
+        pad: int,
+        pads_finished: bool,
+        max_new_tokens: int,
+        device: torch.device | None = None,
+    ) -> None:
         prompts = rows.detach().to("cpu", torch.long).repeat_interleave(n, dim=0)
         self.width = prompts.shape[1]
-        self.view = torch.full((prompts.shape[0], self.width + max_new_tokens), pad, dtype=torch.long)
-        self.view[:, :self.width] = prompts
-        self.criteria, self.pad, self.pads_finished, self.device = criteria, pad, pads_finished, device
+        self.view = torch.full(
+            (prompts.shape[0], self.width + max_new_tokens), pad, dtype=torch.long
+        )
+        self.view[:, : self.width] = prompts
+        self.criteria, self.pad, self.pads_finished, self.device = (
+            criteria,
+            pad,
+            pads_finished,
+            device,
+        )
         self.members: list[Request | None] = [None] * prompts.shape[0]  # samples join when forked
         self.row_of: dict[int, int] = {}  # id(request) -> its row
         self.done = [False] * prompts.shape[0]  # transformers' ~unfinished_sequences
@@ -68,7 +84,10 @@ class CallGroup:
 
     def ready(self) -> bool:
         """Every row has its token for the next step, or has ended."""
-        return all(req is not None and (req.is_finished or req.num_output_tokens > self.steps) for req in self.members)
+        return all(
+            req is not None and (req.is_finished or req.num_output_tokens > self.steps)
+            for req in self.members
+        )
 
     def advance(self) -> list[Ending]:
         """Run the criteria for each step every row has finished; the rows to end."""
@@ -94,33 +113,44 @@ class CallGroup:
                         ending.append((req, FinishReason.STOP, STOP_REASON))
         if all(self.done):  # the call is over: rows that ran on past their own stop end with it
             stopped = {id(req) for req, _, _ in ending}
-            ending += [e for e in self._end_rest(FinishReason.STOP, STOP_REASON) if id(e[0]) not in stopped]
+            ending += [
+                e for e in self._end_rest(FinishReason.STOP, STOP_REASON) if id(e[0]) not in stopped
+            ]
         return ending
 
     def _is_done(self, answer: Any) -> list[bool]:
         return torch.as_tensor(answer, dtype=torch.bool).cpu().expand(len(self.members)).tolist()
 
     def _input_ids(self) -> torch.Tensor:
-        view = self.view[:, :self.width + self.steps]
+        view = self.view[:, : self.width + self.steps]
         return view if self.device is None or self.device.type == "cpu" else view.to(self.device)
 
     def _end_rest(self, reason: FinishReason, text: str | None) -> list[Ending]:
         """Every row of the call that has not ended, to end with ``reason``."""
-        return [(req, reason, text) for req in self.members if req is not None and not req.is_finished]
+        return [
+            (req, reason, text) for req in self.members if req is not None and not req.is_finished
+        ]
 
     def _fail(self, error: BaseException, what: str) -> list[Ending]:
         self.error = error
-        return self._end_rest(FinishReason.ERROR, f"its generate call's {what} raised {type(error).__name__}: {error}")
+        return self._end_rest(
+            FinishReason.ERROR, f"its generate call's {what} raised {type(error).__name__}: {error}"
+        )
 
     def _failed_rows(self) -> list[Ending]:
         """A row that failed or was aborted fails its call: a tensor result has no per-row errors,
         and rows waiting for it would wait for ever."""
-        lost = [req for req in self.members
-                if req is not None and req.finish_reason in (FinishReason.ERROR, FinishReason.ABORT)]
+        lost = [
+            req
+            for req in self.members
+            if req is not None and req.finish_reason in (FinishReason.ERROR, FinishReason.ABORT)
+        ]
         if not lost:
             return []
-        return self._end_rest(FinishReason.ERROR,
-                              f"row {self.row_of[id(lost[0])]} of its generate call ended: {lost[0].error or 'aborted'}")
+        return self._end_rest(
+            FinishReason.ERROR,
+            f"row {self.row_of[id(lost[0])]} of its generate call ended: {lost[0].error or 'aborted'}",
+        )
 
 
 class JointCallGroup(CallGroup):
@@ -132,9 +162,20 @@ class JointCallGroup(CallGroup):
 
     chooses_tokens = True
 
-    def __init__(self, rows: torch.Tensor, n: int, criteria: Any, pad: int, pads_finished: bool,
-                 max_new_tokens: int, device: torch.device | None, processors: Any, do_sample: bool,
-                 scores: bool, logits: bool) -> None:
+    def __init__(
+        self,
+        rows: torch.Tensor,
+        n: int,
+        criteria: Any,
+        pad: int,
+        pads_finished: bool,
+        max_new_tokens: int,
+        device: torch.device | None,
+        processors: Any,
+        do_sample: bool,
+        scores: bool,
+        logits: bool,
+    ) -> None:
         super().__init__(rows, n, criteria, pad, pads_finished, max_new_tokens, device)
         self.processors, self.do_sample = processors, do_sample
         self.scores: tuple | None = () if scores else None
@@ -154,7 +195,9 @@ class JointCallGroup(CallGroup):
         offered them (then they are taken); else None."""
         if self.over or len(self.offered) < len(self.members) or None in self.members:
             return None
-        logits = torch.stack([self.offered[i] for i in range(len(self.members))]).to(device, torch.float32)
+        logits = torch.stack([self.offered[i] for i in range(len(self.members))]).to(
+            device, torch.float32
+        )
         self.offered = {}
         return logits
 
@@ -170,10 +213,15 @@ class JointCallGroup(CallGroup):
                 self.scores += (scores,)
             if self.logits is not None:
                 self.logits += (raw,)
-            tokens = torch.multinomial(torch.softmax(scores, dim=-1), 1).squeeze(1) if self.do_sample \
+            tokens = (
+                torch.multinomial(torch.softmax(scores, dim=-1), 1).squeeze(1)
+                if self.do_sample
                 else torch.argmax(scores, dim=-1)
+            )
             if self.pads_finished:
-                tokens = torch.where(torch.tensor(self.done, device=tokens.device), self.pad, tokens)
+                tokens = torch.where(
+                    torch.tensor(self.done, device=tokens.device), self.pad, tokens
+                )
             self.view[:, self.width + self.steps] = tokens.cpu()
             self.steps += 1
             is_done = self._is_done(self.criteria(self._input_ids(), self.scores))
@@ -187,7 +235,9 @@ class JointCallGroup(CallGroup):
         failed = self._failed_rows()
         if failed:
             return failed
-        if self.over or any(req.is_finished for req in self.members):  # its length: every row at once
+        if self.over or any(
+            req.is_finished for req in self.members
+        ):  # its length: every row at once
             return self._end_rest(FinishReason.STOP, STOP_REASON)
         return []
 

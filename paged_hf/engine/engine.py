@@ -12,6 +12,7 @@ The class is assembled from its seams, each a file of its own:
 This file builds the engine (sizing the KV pool, the scheduler, the runner) and holds what spans
 them: weight coherence, abort / fail, warm-up and stats.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -48,7 +49,9 @@ class EngineStats:
     generated_tokens: int = 0
     steps: int = 0
     peak_blocks_used: int = 0
-    peak_blocks_shared: int = 0  # references beyond a block's first, at the step with the most (blocks sharing saved)
+    peak_blocks_shared: int = (
+        0  # references beyond a block's first, at the step with the most (blocks sharing saved)
+    )
     peak_bytes: int = 0  # KV pages and state slots held, at the step that held the most
     peak_running: int = 0  # sequences running in one step, at most
     kv_waste_sum: float = 0.0
@@ -65,14 +68,18 @@ class Engine(Admission, StepLoop, OutputAssembly, BatchCalls):
         self.config = EngineConfig.from_kwargs(**config)
         state = patch_state(model)
         if state is None:
-            raise ValueError("this model's attention is not paged: build the engine with paged_hf.Engine(model), "
-                             "or call paged_hf.patch(model) first")
+            raise ValueError(
+                "this model's attention is not paged: build the engine with paged_hf.Engine(model), "
+                "or call paged_hf.patch(model) first"
+            )
         self.layout = state.layout
         self.model = model
         auto_prefill_cap = self.config.max_prefill_tokens_while_decoding == "auto"
         self.config.resolve_for(next(model.parameters()).device)
         self.tokenizer = tokenizer
-        self.max_model_len = within_limits(self.config, max_model_len_for(model, self.config.max_model_len), state.limits)
+        self.max_model_len = within_limits(
+            self.config, max_model_len_for(model, self.config.max_model_len), state.limits
+        )
         self.vocab_size = model.config.get_text_config().vocab_size
         self.eos_token_ids = eos_ids(model, tokenizer)
         self.state_layout = state.state
@@ -86,29 +93,60 @@ class Engine(Admission, StepLoop, OutputAssembly, BatchCalls):
         self._cache_generation = 0
         self._weights = WeightsWatch(model)
         self._adapters = self._weights.adapter_state()
-        slots = StateSlots(self.config.max_num_seqs, self._num_checkpoints) if self.state_layout is not None else None
+        slots = (
+            StateSlots(self.config.max_num_seqs, self._num_checkpoints)
+            if self.state_layout is not None
+            else None
+        )
         # a blocking batch call on a CPU takes wider steps, unless the budget was set (or the model keeps
         # recurrent state, whose checkpoints follow the budget)
-        batch_budget = DEFAULT_CPU_BATCH_CALL_TOKENS if (
-            "max_num_batched_tokens" not in config and self.state_layout is None
-            and next(model.parameters()).device.type == "cpu") else None
+        batch_budget = (
+            DEFAULT_CPU_BATCH_CALL_TOKENS
+            if (
+                "max_num_batched_tokens" not in config
+                and self.state_layout is None
+                and next(model.parameters()).device.type == "cpu"
+            )
+            else None
+        )
         # a hybrid's prompts are checkpointed every step budget's worth of tokens (and at their last full block)
-        self.kv = BlockManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching, self._cache_key(),
-                               slots, checkpoint_interval=self.config.max_num_batched_tokens, groups=self.groups,
-                               step_tokens=max(self.config.max_num_batched_tokens, batch_budget or 0))
-        self.scheduler = Scheduler(self.kv, self.config.max_num_batched_tokens, self.config.max_num_seqs,
-                                   self.config.preemption_mode, self.config.max_prefill_tokens_while_decoding,
-                                   continues_chunks=self.state_layout is None or self.state_layout.continues_chunks)
+        self.kv = BlockManager(
+            num_blocks,
+            self.config.block_size,
+            self.config.enable_prefix_caching,
+            self._cache_key(),
+            slots,
+            checkpoint_interval=self.config.max_num_batched_tokens,
+            groups=self.groups,
+            step_tokens=max(self.config.max_num_batched_tokens, batch_budget or 0),
+        )
+        self.scheduler = Scheduler(
+            self.kv,
+            self.config.max_num_batched_tokens,
+            self.config.max_num_seqs,
+            self.config.preemption_mode,
+            self.config.max_prefill_tokens_while_decoding,
+            continues_chunks=self.state_layout is None or self.state_layout.continues_chunks,
+        )
         self.scheduler.lift_cap_in_batch_calls = auto_prefill_cap
         self.scheduler.batch_call_budget = batch_budget
-        self.runner = ModelRunner(model, self.config, num_blocks, self.layout, self.state_layout,
-                                  slots.total if slots is not None else 0, groups=self.groups)
+        self.runner = ModelRunner(
+            model,
+            self.config,
+            num_blocks,
+            self.layout,
+            self.state_layout,
+            slots.total if slots is not None else 0,
+            groups=self.groups,
+        )
         # requests by id until collected or aborted; samples 1..n-1 of n > 1 live on their root
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._stats = EngineStats()
         self._aborts = 0  # counts aborts, so run_until_done notices ones made from its callbacks
-        self.structured = None  # structured outputs' compiler, made for the first constrained request
+        self.structured = (
+            None  # structured outputs' compiler, made for the first constrained request
+        )
         self.serving = False  # a BackgroundEngine steps this engine
         self._patch_state = state
         state.engines.add(self)
@@ -128,6 +166,7 @@ class Engine(Admission, StepLoop, OutputAssembly, BatchCalls):
                 budget = int(torch.cuda.mem_get_info(device)[0] * cfg.kv_cache_memory)
             else:  # gpu_memory_utilization of the total, less what the largest step needs
                 from ..execution.cuda_memory import profile_kv_budget
+
                 budget = profile_kv_budget(self.model, cfg, self.layout)
         else:
             budget = int(cfg.kv_cache_memory or DEFAULT_CPU_KV_BYTES)
@@ -136,8 +175,12 @@ class Engine(Admission, StepLoop, OutputAssembly, BatchCalls):
             if cfg.num_blocks is not None:
                 return cfg.num_blocks
         # never more than every running sequence at full length could use
-        useful = cfg.max_num_seqs * most_blocks(self.groups, min(self.max_model_len, 1 << 20),
-                                                cfg.max_num_batched_tokens, cfg.block_size)
+        useful = cfg.max_num_seqs * most_blocks(
+            self.groups,
+            min(self.max_model_len, 1 << 20),
+            cfg.max_num_batched_tokens,
+            cfg.block_size,
+        )
         if per_block == 0:  # stateful layers only: blocks hold no KV, they only count tokens
             return cfg.max_num_seqs * -(-min(self.max_model_len, 1 << 16) // cfg.block_size)
         num_blocks = min(budget // per_block, useful)
@@ -149,20 +192,29 @@ class Engine(Admission, StepLoop, OutputAssembly, BatchCalls):
         """Bytes of the state slots: ``max_num_seqs`` running ones and, with prefix caching, half as
         many prefix checkpoints; by default no more than half the budget holds."""
         cfg, per_slot = self.config, self.state_layout.bytes_per_slot()
-        share = 1.5 if cfg.enable_prefix_caching else 1.0  # checkpoints: half a slot per running sequence
+        share = (
+            1.5 if cfg.enable_prefix_caching else 1.0
+        )  # checkpoints: half a slot per running sequence
         fit = max(1, int(budget // 2 // per_slot / share))
         if not explicit_max_num_seqs and fit < cfg.max_num_seqs:
-            logger.info("paged_hf: max_num_seqs lowered to %d: a sequence's state takes %s bytes (%s), and the "
-                        "states%s may take half of the %s-byte KV budget (kv_cache_memory)", fit, f"{per_slot:,}",
-                        self.state_layout.describe(), " and their prefix checkpoints" if share > 1 else "",
-                        f"{budget:,}")
+            logger.info(
+                "paged_hf: max_num_seqs lowered to %d: a sequence's state takes %s bytes (%s), and the "
+                "states%s may take half of the %s-byte KV budget (kv_cache_memory)",
+                fit,
+                f"{per_slot:,}",
+                self.state_layout.describe(),
+                " and their prefix checkpoints" if share > 1 else "",
+                f"{budget:,}",
+            )
             cfg.max_num_seqs = fit
         self._num_checkpoints = max(1, cfg.max_num_seqs // 2) if cfg.enable_prefix_caching else 0
         need = (cfg.max_num_seqs + self._num_checkpoints) * per_slot
         if need >= budget and cfg.num_blocks is None:
-            raise ValueError(f"max_num_seqs={cfg.max_num_seqs} sequences' state and {self._num_checkpoints} prefix "
-                             f"checkpoints take {need:,} bytes ({per_slot:,} each: {self.state_layout.describe()}), not "
-                             f"less than the KV budget of {budget:,} bytes; lower max_num_seqs or raise kv_cache_memory")
+            raise ValueError(
+                f"max_num_seqs={cfg.max_num_seqs} sequences' state and {self._num_checkpoints} prefix "
+                f"checkpoints take {need:,} bytes ({per_slot:,} each: {self.state_layout.describe()}), not "
+                f"less than the KV budget of {budget:,} bytes; lower max_num_seqs or raise kv_cache_memory"
+            )
         return need
 
     def warmup(self) -> float:
@@ -180,7 +232,10 @@ class Engine(Admission, StepLoop, OutputAssembly, BatchCalls):
         start = time.perf_counter()
         vocab, bs = self.vocab_size, self.config.block_size
         room = max(1, self.max_model_len - 4)
-        prompts = ([(7 * i + 3) % vocab for i in range(min(2 * bs + 1, room))], [3 % vocab, 5 % vocab][:room])
+        prompts = (
+            [(7 * i + 3) % vocab for i in range(min(2 * bs + 1, room))],
+            [3 % vocab, 5 % vocab][:room],
+        )
         params = SamplingParams(max_new_tokens=3, ignore_eos=True)
         rids = [self.add_request(p, params) for p in prompts]
         self.run_until_done(rids)
@@ -221,7 +276,9 @@ class Engine(Admission, StepLoop, OutputAssembly, BatchCalls):
         prefix cache is emptied. The next step wakes the engine (``wake_up``): the memory is
         allocated again, empty. Only an idle engine sleeps."""
         if self.is_busy:
-            raise RuntimeError("Engine.sleep(): requests are still live; let them finish or abort them first")
+            raise RuntimeError(
+                "Engine.sleep(): requests are still live; let them finish or abort them first"
+            )
         self.kv.pool.drop_cached()
         self.runner.sleep()
         logger.info("paged_hf: the engine sleeps; its KV cache is released")
@@ -260,12 +317,16 @@ class Engine(Admission, StepLoop, OutputAssembly, BatchCalls):
         change = self._weights.changed(rescan)
         if change is not None:
             self._weights_changed(change.moved)
-            logger.info("paged_hf: the model's weights changed (%s); the prefix cache was reset", change.why)
+            logger.info(
+                "paged_hf: the model's weights changed (%s); the prefix cache was reset", change.why
+            )
         adapters = self._weights.adapter_state()
         if adapters != self._adapters:  # blocks cached under the previous state stay, under its key
             self._adapters = adapters
             self.kv.switch_namespace(self._cache_key())
-            logger.info("paged_hf: the model's adapter state changed; the prefix cache serves that state's blocks")
+            logger.info(
+                "paged_hf: the model's adapter state changed; the prefix cache serves that state's blocks"
+            )
         return change is not None
 
     @property
@@ -283,35 +344,48 @@ class Engine(Admission, StepLoop, OutputAssembly, BatchCalls):
         for req in self.scheduler.running:
             for pages, table in zip(held, req.block_tables):
                 pages.update(b for b in table if b >= 0)
-        return [{"kind": g.kind, "layers": len(g.layers), "blocks_used": len(pages)}
-                for g, pages in zip(self.groups, held)]
+        return [
+            {"kind": g.kind, "layers": len(g.layers), "blocks_used": len(pages)}
+            for g, pages in zip(self.groups, held)
+        ]
 
     def stats(self) -> dict[str, Any]:
         s, pool = self._stats, self.kv.pool
-        state = {} if self.kv.state is None else {
-            "state_slots": self.kv.state.num_slots, "state_slots_used": self.kv.state.num_used,
-            "state_checkpoints": self.kv.state.num_checkpoints_held, "state_checkpoint_hits": self.kv.state.checkpoint_hits,
-            "state_bytes": 0 if self.runner.asleep else self.runner.states.nbytes}
+        state = (
+            {}
+            if self.kv.state is None
+            else {
+                "state_slots": self.kv.state.num_slots,
+                "state_slots_used": self.kv.state.num_used,
+                "state_checkpoints": self.kv.state.num_checkpoints_held,
+                "state_checkpoint_hits": self.kv.state.checkpoint_hits,
+                "state_bytes": 0 if self.runner.asleep else self.runner.states.nbytes,
+            }
+        )
         structured = {} if self.structured is None else self.structured.stats()
-        return state | structured | {
-            "prompt_tokens": s.prompt_tokens,
-            "prefill_tokens_computed": s.prefill_tokens_computed,
-            "prefix_hit_tokens": self.scheduler.prefix_hit_tokens,
-            "generated_tokens": s.generated_tokens,
-            "preemptions": self.scheduler.num_preemptions,
-            "steps": s.steps,
-            "num_blocks": pool.num_blocks,
-            "blocks_used": pool.num_used,
-            "blocks_cached": pool.num_cached,
-            "blocks_free": pool.num_free,
-            "peak_blocks_used": s.peak_blocks_used,
-            "peak_blocks_shared": s.peak_blocks_shared,
-            "kv_bytes_peak": s.peak_bytes,
-            "peak_running": s.peak_running,
-            "page_bytes": self.page_bytes,
-            "cache_groups": self.group_stats(),
-            "kv_waste": s.kv_waste_sum / s.steps if s.steps else 0.0,
-            "block_size": self.kv.block_size,
-            "backend": self.runner.backend_name,
-            "asleep": self.runner.asleep,
-        }
+        return (
+            state
+            | structured
+            | {
+                "prompt_tokens": s.prompt_tokens,
+                "prefill_tokens_computed": s.prefill_tokens_computed,
+                "prefix_hit_tokens": self.scheduler.prefix_hit_tokens,
+                "generated_tokens": s.generated_tokens,
+                "preemptions": self.scheduler.num_preemptions,
+                "steps": s.steps,
+                "num_blocks": pool.num_blocks,
+                "blocks_used": pool.num_used,
+                "blocks_cached": pool.num_cached,
+                "blocks_free": pool.num_free,
+                "peak_blocks_used": s.peak_blocks_used,
+                "peak_blocks_shared": s.peak_blocks_shared,
+                "kv_bytes_peak": s.peak_bytes,
+                "peak_running": s.peak_running,
+                "page_bytes": self.page_bytes,
+                "cache_groups": self.group_stats(),
+                "kv_waste": s.kv_waste_sum / s.steps if s.steps else 0.0,
+                "block_size": self.kv.block_size,
+                "backend": self.runner.backend_name,
+                "asleep": self.runner.asleep,
+            }
+        )

@@ -4,6 +4,7 @@
 ``OutputAssembly`` is a part of ``Engine`` (paged_hf/engine/engine.py); it reads the engine's
 ``tokenizer`` and ``requests``.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -19,7 +20,9 @@ class Completion:
     text: str | None = None
     logprobs: list | None = None  # per token: (chosen logprob, {token: logprob} top-k)
     error: str | None = None  # why this sample failed (finish_reason "error")
-    stop_reason: str | int | None = None  # the stop string or stop token id that ended it (None: EOS or other)
+    stop_reason: str | int | None = (
+        None  # the stop string or stop token id that ended it (None: EOS or other)
+    )
 
 
 @dataclass
@@ -30,10 +33,10 @@ class RequestOutput:
     request_id: str
     prompt_token_ids: list[int]
     completions: list[Completion] = field(default_factory=list)
-    ttft: float | None = None     # seconds from arrival to first token
+    ttft: float | None = None  # seconds from arrival to first token
     latency: float | None = None  # seconds from arrival to finish
-    num_cached_tokens: int = 0    # prompt tokens served from the prefix cache
-    error: str | None = None      # set when the request was refused or failed; the others still ran
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    error: str | None = None  # set when the request was refused or failed; the others still ran
     # with SamplingParams(prompt_logprobs=k): None for the first prompt token, then per token
     # (its logprob, {token: logprob} of the k most likely)
     prompt_logprobs: list | None = None
@@ -65,31 +68,52 @@ class OutputAssembly:
         root = group[0].parent or group[0]
         return self._collect_root(root)
 
-    def make_output(self, root: Request, samples: list[Request] | None = None) -> RequestOutput | ScoreOutput:
+    def make_output(
+        self, root: Request, samples: list[Request] | None = None
+    ) -> RequestOutput | ScoreOutput:
         if root.prefill_only:
             return score_output(root)
         samples = root.samples if samples is None else sorted(samples, key=lambda r: r.sample_index)
         completions = [self._completion(r) for r in samples]
         last = max((r.finish_time or 0.0) for r in samples)
-        first = min((r.first_token_time for r in samples if r.first_token_time is not None), default=None)
+        first = min(
+            (r.first_token_time for r in samples if r.first_token_time is not None), default=None
+        )
         error = next((c.error for c in completions if c.error is not None), None)
-        return RequestOutput(root.request_id, list(root.prompt_ids), completions,
-                             ttft=None if first is None else first - root.arrival_time,
-                             latency=last - root.arrival_time if last else None,
-                             num_cached_tokens=root.num_cached_tokens, error=error,
-                             prompt_logprobs=prompt_logprobs_output(root))
+        return RequestOutput(
+            root.request_id,
+            list(root.prompt_ids),
+            completions,
+            ttft=None if first is None else first - root.arrival_time,
+            latency=last - root.arrival_time if last else None,
+            num_cached_tokens=root.num_cached_tokens,
+            error=error,
+            prompt_logprobs=prompt_logprobs_output(root),
+        )
 
     def _completion(self, r: Request) -> Completion:
         reason, error, text = r.finish_reason, r.error, None
         try:
             # cut at the stop string, or the whole output decoded at once
-            text = r.stop_strings.text if r.stop_strings is not None and r.stop_strings.hit is not None \
+            text = (
+                r.stop_strings.text
+                if r.stop_strings is not None and r.stop_strings.hit is not None
                 else self.decode(r.output_ids)
+            )
         except Exception as e:  # noqa: BLE001 - a tokenizer failing on these ids fails this request alone
             reason = FinishReason.ERROR
-            error = error or f"request {r.request_id}: detokenizing its output failed: {type(e).__name__}: {e}"
-        return Completion(list(r.output_ids), reason.value if reason else None, text,
-                          list(r.logprobs) if r.params.logprobs is not None else None, error, r.stop_reason)
+            error = (
+                error
+                or f"request {r.request_id}: detokenizing its output failed: {type(e).__name__}: {e}"
+            )
+        return Completion(
+            list(r.output_ids),
+            reason.value if reason else None,
+            text,
+            list(r.logprobs) if r.params.logprobs is not None else None,
+            error,
+            r.stop_reason,
+        )
 
     def decode(self, token_ids: list[int]) -> str | None:
         if self.tokenizer is None:

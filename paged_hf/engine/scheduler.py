@@ -5,6 +5,7 @@ free KV blocks; preempt (recompute or swap) when blocks run out.
 Every request is the same thing to the scheduler: tokens whose KV is not computed yet. A
 decode has one such token; a prompt has many and may take several steps (chunked prefill).
 """
+
 from __future__ import annotations
 
 from collections import deque
@@ -22,7 +23,9 @@ class SchedulerOutput:
     # swap preemption, done by the backend before the step (swap-outs first: their blocks are free now)
     swap_out: list[tuple[Request, list[int]]] = field(default_factory=list)
     swap_in: list[tuple[Request, list[int]]] = field(default_factory=list)
-    state_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) state slots before the step
+    state_copies: list[tuple[int, int]] = field(
+        default_factory=list
+    )  # (src, dst) state slots before the step
     finished: list[Request] = field(default_factory=list)  # filled in by ``update``
 
     @property
@@ -35,18 +38,28 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, kv: BlockManager, max_num_batched_tokens: int, max_num_seqs: int,
-                 preemption_mode: str = "recompute", max_prefill_tokens_while_decoding: int | None = None,
-                 continues_chunks: bool = True) -> None:
+    def __init__(
+        self,
+        kv: BlockManager,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        preemption_mode: str = "recompute",
+        max_prefill_tokens_while_decoding: int | None = None,
+        continues_chunks: bool = True,
+    ) -> None:
         """``continues_chunks=False``: the model's stateful layers cannot carry their state into a
         chunk of several tokens (Mamba1-style mixers), so after a request's first chunk its prompt
         goes on one token at a time."""
         if max_num_batched_tokens < 1 or max_num_seqs < 1:
-            raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens} and max_num_seqs={max_num_seqs} "
-                             "must both be >= 1")
+            raise ValueError(
+                f"max_num_batched_tokens={max_num_batched_tokens} and max_num_seqs={max_num_seqs} "
+                "must both be >= 1"
+            )
         if max_num_seqs > max_num_batched_tokens:
             # every running decode needs one token of budget per step, or decodes could starve
-            raise ValueError(f"max_num_seqs={max_num_seqs} exceeds max_num_batched_tokens={max_num_batched_tokens}")
+            raise ValueError(
+                f"max_num_seqs={max_num_seqs} exceeds max_num_batched_tokens={max_num_batched_tokens}"
+            )
         self.kv = kv
         self.preemption_mode = preemption_mode
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -69,16 +82,24 @@ class Scheduler:
         """A request that could never fit the whole pool alone is refused up front."""
         if req.seqs_when_running > self.max_num_seqs:
             # it would wait at the head of the queue forever, and block everything behind it
-            raise ValueError(f"request {req.request_id}: n={req.params.n} parallel samples exceed "
-                             f"max_num_seqs={self.max_num_seqs}")
-        longest = req.num_prompt_tokens if req.prefill_only else \
-            min(req.num_prompt_tokens + req.params.max_new_tokens, req.max_model_len)
+            raise ValueError(
+                f"request {req.request_id}: n={req.params.n} parallel samples exceed "
+                f"max_num_seqs={self.max_num_seqs}"
+            )
+        longest = (
+            req.num_prompt_tokens
+            if req.prefill_only
+            else min(req.num_prompt_tokens + req.params.max_new_tokens, req.max_model_len)
+        )
         need = self.kv.most_blocks(longest)
         if need > self.kv.num_blocks:
-            what = f"prompt ({req.num_prompt_tokens})" + \
-                ("" if req.prefill_only else f" + max_new_tokens ({req.params.max_new_tokens})")
-            raise ValueError(f"request {req.request_id}: {what} needs {need} KV blocks, the pool has "
-                             f"{self.kv.num_blocks} of {self.kv.block_size} tokens")
+            what = f"prompt ({req.num_prompt_tokens})" + (
+                "" if req.prefill_only else f" + max_new_tokens ({req.params.max_new_tokens})"
+            )
+            raise ValueError(
+                f"request {req.request_id}: {what} needs {need} KV blocks, the pool has "
+                f"{self.kv.num_blocks} of {self.kv.block_size} tokens"
+            )
 
     def add(self, req: Request) -> None:
         self.check_fits(req)
@@ -96,7 +117,11 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(scheduled=[])
         chosen: dict[Request, int] = {}
-        budget = self.batch_call_budget if self.batch_call and self.batch_call_budget else self.max_num_batched_tokens
+        budget = (
+            self.batch_call_budget
+            if self.batch_call and self.batch_call_budget
+            else self.max_num_batched_tokens
+        )
 
         # 1. running requests: decodes first (one token each), then unfinished prefills
         decodes = [r for r in self.running if r.num_pending_tokens == 1]
@@ -158,7 +183,9 @@ class Scheduler:
                 n = self._no_lone_token(req, n)
             if not self.kv.allocate_slots(req, n, out.block_copies):
                 self.kv.free(req)
-                if not chosen and self._preempt_held(out):  # rows that wait on it hold the blocks it needs
+                if not chosen and self._preempt_held(
+                    out
+                ):  # rows that wait on it hold the blocks it needs
                     continue
                 break
             self.waiting.popleft()
@@ -193,7 +220,11 @@ class Scheduler:
         return n
 
     def _prefill_room(self, budget: int, decoding: bool) -> int:
-        cap = None if self.batch_call and self.lift_cap_in_batch_calls else self.max_prefill_tokens_while_decoding
+        cap = (
+            None
+            if self.batch_call and self.lift_cap_in_batch_calls
+            else self.max_prefill_tokens_while_decoding
+        )
         return budget if cap is None or not decoding else min(budget, cap)
 
     def _blocks_in_flight(self, chosen: dict[Request, int]) -> set:
@@ -205,7 +236,7 @@ class Scheduler:
         for req, n in chosen.items():
             first, last = req.num_computed_tokens // bs + 1, (req.num_computed_tokens + n) // bs
             if n >= 2 and last >= first:
-                keys.update(_block_keys(req, bs, last)[first - 1:])
+                keys.update(_block_keys(req, bs, last)[first - 1 :])
         return keys
 
     def _waits_for_sibling_prefill(self, req: Request, pending: set) -> bool:
@@ -219,7 +250,11 @@ class Scheduler:
     def _victim(self) -> Request:
         """Who is preempted for blocks: a row held for its generate call's others (it is idle), else
         the latest admitted."""
-        held = [r for r in self.running if _held(r)] if any(r.group is not None for r in self.running) else ()
+        held = (
+            [r for r in self.running if _held(r)]
+            if any(r.group is not None for r in self.running)
+            else ()
+        )
         return held[-1] if held else self.running[-1]
 
     def _preempt_held(self, out: SchedulerOutput) -> bool:
@@ -269,7 +304,11 @@ class Scheduler:
         and its KV where both run (else the beam recomputes it when next scheduled)."""
         moved = [(beam, parent) for beam, parent in pairs if beam is not parent]
         tokens = {id(parent): list(parent.token_ids) for _, parent in moved}
-        both = [(b, p) for b, p in moved if b.status is RequestStatus.RUNNING and p.status is RequestStatus.RUNNING]
+        both = [
+            (b, p)
+            for b, p in moved
+            if b.status is RequestStatus.RUNNING and p.status is RequestStatus.RUNNING
+        ]
         self.kv.reassign(both)
         for beam, parent in moved:
             if beam.status is RequestStatus.RUNNING and (beam, parent) not in both:
@@ -277,7 +316,9 @@ class Scheduler:
             beam.swapped_tokens, beam.swap_handle = 0, None
             beam.token_ids = list(tokens[id(parent)])
 
-    def update(self, out: SchedulerOutput, sampled: dict[Request, int], now: float) -> list[Request]:
+    def update(
+        self, out: SchedulerOutput, sampled: dict[Request, int], now: float
+    ) -> list[Request]:
         """Record this step's sampled tokens, cache newly full blocks, release finished requests."""
         finished = [req for req, token in sampled.items() if req.append_token(token, now)]
         for req in self.running:
@@ -332,6 +373,6 @@ def _block_keys(req: Request, block_size: int, n_blocks: int) -> list[tuple]:
     whole prefix."""
     keys, h = [], None
     for b in range(n_blocks):
-        h = hash((h, tuple(req.token_ids[b * block_size:(b + 1) * block_size])))
+        h = hash((h, tuple(req.token_ids[b * block_size : (b + 1) * block_size])))
         keys.append((req.cache_namespace, req.cache_salt, h))
     return keys

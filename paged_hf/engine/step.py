@@ -5,6 +5,7 @@ with ``finish_reason`` "error"; a step that fails as a whole ends exactly the re
 touched; an interrupted step is undone. ``StepLoop`` is a part of ``Engine``
 (paged_hf/engine/engine.py); it drives the engine's ``scheduler``, ``runner`` and ``kv``.
 """
+
 from __future__ import annotations
 
 import logging
@@ -23,8 +24,9 @@ from .scoring import score_step_rows
 logger = logging.getLogger("paged_hf")
 
 
-def _hand_joint_rows_to_their_groups(rows: list[Request], logits: torch.Tensor
-                                     ) -> tuple[list[Request], torch.Tensor, list[Any]]:
+def _hand_joint_rows_to_their_groups(
+    rows: list[Request], logits: torch.Tensor
+) -> tuple[list[Request], torch.Tensor, list[Any]]:
     """Rows whose generate call picks its rows' tokens together (paged_hf/engine/call_group.py)
     hand their logits to it; the rest are sampled here."""
     keep, groups = [], {}
@@ -36,8 +38,11 @@ def _hand_joint_rows_to_their_groups(rows: list[Request], logits: torch.Tensor
             keep.append(i)
     if not groups:
         return rows, logits, []
-    return [rows[i] for i in keep], logits[torch.tensor(keep, dtype=torch.long, device=logits.device)], \
-        list(groups.values())
+    return (
+        [rows[i] for i in keep],
+        logits[torch.tensor(keep, dtype=torch.long, device=logits.device)],
+        list(groups.values()),
+    )
 
 
 class StepLoop:
@@ -57,10 +62,15 @@ class StepLoop:
         out = sched.schedule()
         if out.is_empty:
             if sched.has_unfinished:
-                raise RuntimeError("scheduler made no progress with requests pending (this is a bug)")
+                raise RuntimeError(
+                    "scheduler made no progress with requests pending (this is a bug)"
+                )
             return {}, []
-        decode_tokens = sum(1 for req, n in out.scheduled
-                            if n == 1 and req.num_output_tokens > 0 and req.num_pending_tokens == 1)
+        decode_tokens = sum(
+            1
+            for req, n in out.scheduled
+            if n == 1 and req.num_output_tokens > 0 and req.num_pending_tokens == 1
+        )
         forked: list[Request] = []
         try:
             # forked samples' states first: a sample preempted before its first step swaps out its copy
@@ -76,9 +86,12 @@ class StepLoop:
             logits, meta = self.runner.execute(out.scheduled, out.block_copies)
             sched.mark_computed(out)
             # logits: the sampled rows, then the scored ones (prompt logprobs, scoring requests)
-            scores, score_errors = score_step_rows(logits[len(meta.sampled_requests):], meta.score_rows) \
-                if meta.score_rows else ({}, {})
-            logits = logits[:len(meta.sampled_requests)]
+            scores, score_errors = (
+                score_step_rows(logits[len(meta.sampled_requests) :], meta.score_rows)
+                if meta.score_rows
+                else ({}, {})
+            )
+            logits = logits[: len(meta.sampled_requests)]
             rows = list(meta.sampled_requests)
             row_of = list(range(len(rows)))
             for i, req in enumerate(meta.sampled_requests):
@@ -92,8 +105,11 @@ class StepLoop:
                 logits = logits[torch.tensor(row_of, device=logits.device)]
             rows, logits, joint = _hand_joint_rows_to_their_groups(rows, logits)
             matchers = {i: r.grammar for i, r in enumerate(rows) if r.grammar is not None}
-            result = sample(logits, rows, (lambda lg, errs: self.structured.apply(lg, matchers, errs))
-                            if matchers else None)
+            result = sample(
+                logits,
+                rows,
+                (lambda lg, errs: self.structured.apply(lg, matchers, errs)) if matchers else None,
+            )
         except Exception as e:  # noqa: BLE001 - ends the step's requests, not the engine
             return {}, self._fail_step(out, forked, e)
         except BaseException:
@@ -120,10 +136,14 @@ class StepLoop:
             sampled[req] = tok
             if lp is not None:
                 req.logprobs.append(lp)
-        for group in joint:  # calls whose every row has its logits for the step pick their tokens now
+        for (
+            group
+        ) in joint:  # calls whose every row has its logits for the step pick their tokens now
             chosen = group.choose()
             if isinstance(chosen, dict):
-                if getattr(group, "reassignments", None):  # beam search: each beam continues another's
+                if getattr(
+                    group, "reassignments", None
+                ):  # beam search: each beam continues another's
                     sched.reassign(group.reassignments)
                     group.reassignments = []
                 sampled.update(chosen)
@@ -153,22 +173,32 @@ class StepLoop:
         slots = self.kv.state
         if slots is None:
             return
-        decoders = [req for req, n in scheduled
-                    if decodes_from_state(n, req.num_computed_tokens, req.pending_checkpoints)]
+        decoders = [
+            req
+            for req, n in scheduled
+            if decodes_from_state(n, req.num_computed_tokens, req.pending_checkpoints)
+        ]
         moves = slots.plan_front(decoders)
         if moves:
             self.runner.copy_states([(req.state_slot, slot) for req, slot in moves])
             slots.renumber(moves)
 
-    def _finish_prefill_only(self, out: SchedulerOutput, failed: list[Request], now: float) -> list[Request]:
+    def _finish_prefill_only(
+        self, out: SchedulerOutput, failed: list[Request], now: float
+    ) -> list[Request]:
         """Scoring requests whose last position was computed this step are done."""
-        done = [req for req, _ in out.scheduled
-                if req.prefill_only and req.num_computed_tokens == req.num_tokens and req not in failed]
+        done = [
+            req
+            for req, _ in out.scheduled
+            if req.prefill_only and req.num_computed_tokens == req.num_tokens and req not in failed
+        ]
         for req in done:
             self.scheduler.finish(req, FinishReason.STOP, now)
         return done
 
-    def _check_stop_strings(self, sampled: dict[Request, int], finished: list[Request], now: float) -> list[Request]:
+    def _check_stop_strings(
+        self, sampled: dict[Request, int], finished: list[Request], now: float
+    ) -> list[Request]:
         """Feed each sampled token to its request's stop strings; a request whose token completed
         one stops there (even if the same token also ended it by length). Returns the requests
         whose check raised (a tokenizer failing on their ids): they fail alone."""
@@ -180,8 +210,10 @@ class StepLoop:
             try:
                 hit = stops.push(tok)
             except Exception as e:  # noqa: BLE001 - this request's detokenization, no one else's
-                req.error = f"request {req.request_id}: detokenizing its output for stop strings failed: " \
-                            f"{type(e).__name__}: {e}"
+                req.error = (
+                    f"request {req.request_id}: detokenizing its output for stop strings failed: "
+                    f"{type(e).__name__}: {e}"
+                )
                 failed.append(req)
                 continue
             if hit is None:
@@ -194,7 +226,9 @@ class StepLoop:
                 finished.append(req)
         return failed
 
-    def _advance_grammars(self, sampled: dict[Request, int], finished: list[Request], now: float) -> list[Request]:
+    def _advance_grammars(
+        self, sampled: dict[Request, int], finished: list[Request], now: float
+    ) -> list[Request]:
         """Feed each constrained request's token to its grammar; one whose grammar is complete stops.
         Returns the requests whose grammar refused their token (they fail alone)."""
         failed = []
@@ -210,7 +244,9 @@ class StepLoop:
                 finished.append(req)
         return failed
 
-    def _advance_call_groups(self, touched: list[Request], finished: list[Request], now: float) -> list[Request]:
+    def _advance_call_groups(
+        self, touched: list[Request], finished: list[Request], now: float
+    ) -> list[Request]:
         """Run the stopping criteria of the generate calls whose rows all have this step's token;
         end the rows they stop. Returns the rows of calls whose criteria raised (they fail together)."""
         failed = []
@@ -236,13 +272,22 @@ class StepLoop:
                     req.swapped_state = self.runner.states.save(slot)
             except Exception as e:  # noqa: BLE001
                 req.swapped_tokens, req.swap_handle, req.swapped_state = 0, None, None
-                logger.warning("paged_hf: request %s: swapping its KV out failed (%s: %s); it will recompute it",
-                               req.request_id, type(e).__name__, e)
+                logger.warning(
+                    "paged_hf: request %s: swapping its KV out failed (%s: %s); it will recompute it",
+                    req.request_id,
+                    type(e).__name__,
+                    e,
+                )
 
-    def _fail_step(self, out: SchedulerOutput, forked: list[Request], error: Exception) -> list[Request]:
+    def _fail_step(
+        self, out: SchedulerOutput, forked: list[Request], error: Exception
+    ) -> list[Request]:
         """End every request the failed step touched with the error; free their blocks."""
-        logger.error("paged_hf: a step of %d request(s) failed; they end with finish_reason 'error'",
-                     len(out.scheduled), exc_info=error)
+        logger.error(
+            "paged_hf: a step of %d request(s) failed; they end with finish_reason 'error'",
+            len(out.scheduled),
+            exc_info=error,
+        )
         touched = [req for req, _ in out.scheduled] + [c for p in forked for c in p.children]
         now = time.perf_counter()
         for req in touched:
@@ -251,17 +296,30 @@ class StepLoop:
         return touched
 
     def _fork_child(self, parent: Request, k: int) -> Request:
-        child = Request(sample_request_id(parent.request_id, k), parent.prompt_ids, parent.params, parent.eos_token_ids,
-                        parent.max_model_len, arrival_time=parent.arrival_time, sample_index=k, parent=parent)
+        child = Request(
+            sample_request_id(parent.request_id, k),
+            parent.prompt_ids,
+            parent.params,
+            parent.eos_token_ids,
+            parent.max_model_len,
+            arrival_time=parent.arrival_time,
+            sample_index=k,
+            parent=parent,
+        )
         child.num_cached_tokens = parent.num_cached_tokens
         child.generator = self._generator(parent.params, k)
-        child.stop_strings = parent.stop_strings.fresh() if parent.stop_strings is not None else None
-        child.grammar = self.structured.matcher(*parent.params.constraint) if parent.grammar is not None else None
+        child.stop_strings = (
+            parent.stop_strings.fresh() if parent.stop_strings is not None else None
+        )
+        child.grammar = (
+            self.structured.matcher(*parent.params.constraint)
+            if parent.grammar is not None
+            else None
+        )
         child.encoder_token_ids = parent.encoder_token_ids
         if parent.group is not None:
             parent.group.join_sample(parent, k, child)
         return child
-
 
     def _record_step(self, out: Any, sampled: dict[Request, int], decode_tokens: int) -> None:
         s, pool = self._stats, self.kv.pool
@@ -271,12 +329,25 @@ class StepLoop:
         used = pool.num_used
         s.peak_blocks_used = max(s.peak_blocks_used, used)
         s.peak_blocks_shared = max(s.peak_blocks_shared, pool.shared_refs)
-        states = self.kv.state.num_used * self.state_layout.bytes_per_slot() if self.kv.state is not None else 0
+        states = (
+            self.kv.state.num_used * self.state_layout.bytes_per_slot()
+            if self.kv.state is not None
+            else 0
+        )
         s.peak_bytes = max(s.peak_bytes, used * self.page_bytes + states)
         s.peak_running = max(s.peak_running, len(out.scheduled))
         unfilled = sum(self.kv.unfilled_slots(r) for r in self.scheduler.running)
         waste = unfilled / (used * self.kv.block_size) if used else 0.0
         s.kv_waste_sum += waste
-        s.step_log.append({"step": s.steps, "time": time.perf_counter(), "running": len(self.scheduler.running),
-                           "waiting": len(self.scheduler.waiting), "tokens": out.num_tokens,
-                           "blocks_used": used, "kv_waste": waste, "preempted": len(out.preempted)})
+        s.step_log.append(
+            {
+                "step": s.steps,
+                "time": time.perf_counter(),
+                "running": len(self.scheduler.running),
+                "waiting": len(self.scheduler.waiting),
+                "tokens": out.num_tokens,
+                "blocks_used": used,
+                "kv_waste": waste,
+                "preempted": len(out.preempted),
+            }
+        )

@@ -10,6 +10,7 @@ advances on each token its request keeps and the request stops ("stop") once its
 complete. A matcher depends only on the tokens a request has output, so preemption (recompute or
 swap) needs nothing, and a forked sample starts from a fresh one.
 """
+
 from __future__ import annotations
 
 import json
@@ -22,8 +23,15 @@ INSTALL_HINT = "pip install 'paged_hf[structured]' (xgrammar)"
 
 
 def _ebnf_literal(text: str) -> str:
-    return '"' + text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n").replace("\r", "\\r") \
-        .replace("\t", "\\t") + '"'
+    return (
+        '"'
+        + text.replace("\\", "\\\\")
+        .replace('"', '\\"')
+        .replace("\n", "\\n")
+        .replace("\r", "\\r")
+        .replace("\t", "\\t")
+        + '"'
+    )
 
 
 class StructuredOutputs:
@@ -33,7 +41,9 @@ class StructuredOutputs:
         try:
             import xgrammar
         except ImportError as e:
-            raise ValueError(f"structured outputs need xgrammar, which is not installed ({e}); {INSTALL_HINT}") from None
+            raise ValueError(
+                f"structured outputs need xgrammar, which is not installed ({e}); {INSTALL_HINT}"
+            ) from None
         self.xgr = xgrammar
         self.vocab_size = vocab_size
         info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
@@ -48,14 +58,18 @@ class StructuredOutputs:
         grammar = self._compiled.get(key)
         if grammar is None:
             start = time.perf_counter()
-            if kind == "json_schema":  # compact JSON: small models given free whitespace loop on newlines
+            if (
+                kind == "json_schema"
+            ):  # compact JSON: small models given free whitespace loop on newlines
                 grammar = self.compiler.compile_json_schema(text, any_whitespace=False)
             elif kind == "regex":
                 grammar = self.compiler.compile_regex(text)
             elif kind == "grammar":
                 grammar = self.compiler.compile_grammar(text)
             elif kind == "choice":
-                grammar = self.compiler.compile_grammar("root ::= " + " | ".join(_ebnf_literal(c) for c in json.loads(text)))
+                grammar = self.compiler.compile_grammar(
+                    "root ::= " + " | ".join(_ebnf_literal(c) for c in json.loads(text))
+                )
             else:
                 raise ValueError(f"unknown constraint kind {kind!r}")
             self.compile_s += time.perf_counter() - start
@@ -86,5 +100,9 @@ class StructuredOutputs:
         self.masked_rows += len(filled)
 
     def stats(self) -> dict[str, Any]:
-        return {"structured_grammars": len(self._compiled), "structured_compile_s": self.compile_s,
-                "structured_mask_s": self.mask_s, "structured_masked_rows": self.masked_rows}
+        return {
+            "structured_grammars": len(self._compiled),
+            "structured_compile_s": self.compile_s,
+            "structured_mask_s": self.mask_s,
+            "structured_masked_rows": self.masked_rows,
+        }

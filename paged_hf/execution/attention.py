@@ -17,6 +17,7 @@ keeps its KV under (paged_hf/model/capability.py). A mask that still reaches att
 built by the module itself (the mask function returned None): it fails the step rather than being
 dropped.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -33,7 +34,9 @@ NAME = "paged_hf"
 # the model layer an attention module's KV belongs to, where its own layer_idx does not say (set by patch)
 LAYER_ATTR = "paged_hf_layer_idx"
 
-_active_backend: contextvars.ContextVar[Any] = contextvars.ContextVar("paged_hf_backend", default=None)
+_active_backend: contextvars.ContextVar[Any] = contextvars.ContextVar(
+    "paged_hf_backend", default=None
+)
 _fallback_impl: dict[int, str] = {}  # id(config) -> implementation the model had before patch
 # config class -> what the last model of that class patched had: a model built with
 # attn_implementation="paged_hf" and never patched (TRL's reference model copies the policy's
@@ -69,14 +72,23 @@ def set_fallback(config: Any, implementation: str | None) -> None:
 
 def _fallback(config: Any) -> str:
     impl = _fallback_impl.get(id(config))
-    if impl is None:  # a model loaded with attn_implementation="paged_hf" that paged_hf never patched
+    if (
+        impl is None
+    ):  # a model loaded with attn_implementation="paged_hf" that paged_hf never patched
         return _fallback_by_class.get(type(config), "sdpa")
     return impl
 
 
-def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                            attention_mask: torch.Tensor | None, scaling: float | None = None,
-                            dropout: float = 0.0, **kwargs: Any) -> tuple[torch.Tensor, None]:
+def paged_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
     backend = _current_backend()
     if backend is None:
         impl = _fallback(module.config)
@@ -84,14 +96,29 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
             fn = ALL_ATTENTION_FUNCTIONS[impl]
         else:  # "eager" lives in each modeling file, not in the registry
             fn = sys.modules[type(module).__module__].eager_attention_forward
-        return fn(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
-    if attention_mask is not None:  # paged_mask returns None in a step: this one the module built itself
-        raise RuntimeError(f"paged_hf: {type(module).__name__} (layer {module.layer_idx}) passed an attention mask "
-                           "that paged attention would drop; paged_hf.patch should have refused this model")
-    layer_idx = module.__dict__.get(LAYER_ATTR, module.layer_idx)  # no AttributeError per call, as getattr has
-    out = backend.attend(backend.layout.kv_index(layer_idx), query, key, value, scaling=scaling,
-                         sliding_window=kwargs.get("sliding_window"), softcap=kwargs.get("softcap"),
-                         sinks=kwargs.get("s_aux"))
+        return fn(
+            module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
+        )
+    if (
+        attention_mask is not None
+    ):  # paged_mask returns None in a step: this one the module built itself
+        raise RuntimeError(
+            f"paged_hf: {type(module).__name__} (layer {module.layer_idx}) passed an attention mask "
+            "that paged attention would drop; paged_hf.patch should have refused this model"
+        )
+    layer_idx = module.__dict__.get(
+        LAYER_ATTR, module.layer_idx
+    )  # no AttributeError per call, as getattr has
+    out = backend.attend(
+        backend.layout.kv_index(layer_idx),
+        query,
+        key,
+        value,
+        scaling=scaling,
+        sliding_window=kwargs.get("sliding_window"),
+        softcap=kwargs.get("softcap"),
+        sinks=kwargs.get("s_aux"),
+    )
     return out, None
 
 

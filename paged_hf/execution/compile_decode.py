@@ -13,6 +13,7 @@ one dynamic graph (a batch of one is specialised by dynamo, as always for size 1
     with compiled_step(op_backend, backend):
         logits = fwd(input_ids[1, T], position_ids[1, T])    # [T, V]
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -26,9 +27,11 @@ _target: list[Any] = [None]  # the backend the op's real implementation calls, s
 
 
 @torch.library.custom_op(
-    "paged_hf::attend", mutates_args=(),
+    "paged_hf::attend",
+    mutates_args=(),
     schema="(Tensor query, Tensor key, Tensor value, int layer_idx, float scaling, int? sliding_window, "
-           "float? softcap, Tensor? sinks) -> Tensor")
+    "float? softcap, Tensor? sinks) -> Tensor",
+)
 def attend_op(query, key, value, layer_idx, scaling, sliding_window, softcap, sinks):
     """Write this layer's new K/V into the paged cache and attend: [1, Hq, T, D] -> [1, T, Hq, Dv].
 
@@ -37,8 +40,16 @@ def attend_op(query, key, value, layer_idx, scaling, sliding_window, softcap, si
     backend = _target[0]
     if backend is None:
         raise RuntimeError("paged_hf::attend called outside a compiled paged_hf step")
-    return backend.attend(layer_idx, query, key, value, scaling=scaling, sliding_window=sliding_window,
-                          softcap=softcap, sinks=sinks)
+    return backend.attend(
+        layer_idx,
+        query,
+        key,
+        value,
+        scaling=scaling,
+        sliding_window=sliding_window,
+        softcap=softcap,
+        sinks=sinks,
+    )
 
 
 @attend_op.register_fake
@@ -48,19 +59,37 @@ def _attend_fake(query, key, value, layer_idx, scaling, sliding_window, softcap,
 
 class OpBackend:
     """What the attention function sees in a compiled step: every layer is one ``paged_hf::attend``."""
+
     name = "op"
 
     def __init__(self, layout: Any) -> None:
-        self.layout = layout  # the real backend's KV layout: the attention seam numbers layers by it
+        self.layout = (
+            layout  # the real backend's KV layout: the attention seam numbers layers by it
+        )
 
-    def attend(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-               scaling: float | None, sliding_window: int | None = None,
-               softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    def attend(
+        self,
+        layer_idx: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        scaling: float | None,
+        sliding_window: int | None = None,
+        softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         if scaling is None:
             scaling = query.shape[-1] ** -0.5
-        return torch.ops.paged_hf.attend(query, key, value, layer_idx, float(scaling),
-                                         None if sliding_window is None else int(sliding_window),
-                                         None if softcap is None else float(softcap), sinks)
+        return torch.ops.paged_hf.attend(
+            query,
+            key,
+            value,
+            layer_idx,
+            float(scaling),
+            None if sliding_window is None else int(sliding_window),
+            None if softcap is None else float(softcap),
+            sinks,
+        )
 
 
 @contextlib.contextmanager
@@ -77,8 +106,11 @@ def compiled_step(op_backend: OpBackend, backend: Any) -> Iterator[None]:
         _target[0] = None
 
 
-def compile_forward(model: torch.nn.Module, compile_backend: str = "inductor") -> Callable[..., torch.Tensor]:
+def compile_forward(
+    model: torch.nn.Module, compile_backend: str = "inductor"
+) -> Callable[..., torch.Tensor]:
     """The model's forward over a packed [1, T] batch, compiled; returns logits [T, V]."""
+
     def forward(input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         return model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits[0]
 

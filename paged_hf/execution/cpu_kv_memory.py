@@ -15,6 +15,7 @@ no faster.
 Either way the pool reads as zeros until written: the attention kernels rely on it (a page's unused
 slots are multiplied by zero probabilities, and a zero V is what keeps that product zero).
 """
+
 from __future__ import annotations
 
 import math
@@ -38,7 +39,11 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     nbytes = numel * dtype.itemsize
     if nbytes < SMALL or not lazy():
         return torch.zeros(shape, dtype=dtype)
-    region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS,
-                       prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    region = mmap.mmap(
+        -1,
+        nbytes,
+        flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS,
+        prot=mmap.PROT_READ | mmap.PROT_WRITE,
+    )
     # the tensor holds a reference to the mapping, which is unmapped when the last one goes
     return torch.frombuffer(region, dtype=dtype, count=numel).view(shape)

@@ -42,6 +42,7 @@ dtype) and modules whose ``forward`` was replaced go through the module as usual
 the model is untouched; ``unpatch`` has nothing to undo. ``cpu_packed_weights=False`` keeps
 ``F.linear`` everywhere; ``"onednn"`` or ``"fp32"`` asks for one way (``"fp32"`` runs on any CPU).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -67,19 +68,27 @@ def mode(dtype: torch.dtype, device: torch.device, wanted: bool | str = True) ->
     within fp32 rounding (each checked once per process). None for other dtypes and devices, or when
     turned off (``wanted=False``, ``PAGED_HF_PACKED_LINEAR=0``). Asking for ``"onednn"`` where it cannot
     serve (no bf16 matmul here, or an fp32 model) raises."""
-    if wanted is False or dtype not in (torch.bfloat16, torch.float32) or device.type != "cpu" \
-            or os.environ.get("PAGED_HF_PACKED_LINEAR", "1") == "0":
+    if (
+        wanted is False
+        or dtype not in (torch.bfloat16, torch.float32)
+        or device.type != "cpu"
+        or os.environ.get("PAGED_HF_PACKED_LINEAR", "1") == "0"
+    ):
         return None
     if dtype == torch.float32:
         if wanted == ONEDNN:
-            raise ValueError("cpu_packed_weights='onednn' is oneDNN's bf16 matmul, and this model is fp32; "
-                             "use True or 'fp32'")
+            raise ValueError(
+                "cpu_packed_weights='onednn' is oneDNN's bf16 matmul, and this model is fp32; "
+                "use True or 'fp32'"
+            )
         return FP32 if _checked(FP32, dtype) else None
     if wanted != FP32 and native_bf16() and _checked(ONEDNN, dtype):
         return ONEDNN
     if wanted == ONEDNN:
-        raise ValueError("cpu_packed_weights='onednn': this CPU's oneDNN has no bf16 matmul that gives F.linear's "
-                         "results (no AVX-512 bf16 or AMX); use True (the fp32 way here) or 'fp32'")
+        raise ValueError(
+            "cpu_packed_weights='onednn': this CPU's oneDNN has no bf16 matmul that gives F.linear's "
+            "results (no AVX-512 bf16 or AMX); use True (the fp32 way here) or 'fp32'"
+        )
     return FP32 if _checked(FP32, dtype) else None
 
 
@@ -95,8 +104,10 @@ def native_bf16() -> bool:
     if platform.machine() not in ("x86_64", "AMD64"):
         return True
     cpu = torch.cpu
-    return bool(getattr(cpu, "_is_avx512_bf16_supported", lambda: False)()
-                or getattr(cpu, "_is_amx_tile_supported", lambda: False)())
+    return bool(
+        getattr(cpu, "_is_avx512_bf16_supported", lambda: False)()
+        or getattr(cpu, "_is_amx_tile_supported", lambda: False)()
+    )
 
 
 def supported(dtype: torch.dtype, device: torch.device) -> bool:
@@ -113,8 +124,10 @@ def affordable(nbytes: int) -> tuple[bool, str]:
         return False, "the memory available could not be read"
     if nbytes <= available // 4:
         return True, ""
-    return False, (f"the packed copy ({nbytes / 2**30:.1f} GiB) would take more than a quarter of the "
-                   f"{available / 2**30:.1f} GiB of memory available")
+    return False, (
+        f"the packed copy ({nbytes / 2**30:.1f} GiB) would take more than a quarter of the "
+        f"{available / 2**30:.1f} GiB of memory available"
+    )
 
 
 def _checked(how: str, dtype: torch.dtype) -> bool:
@@ -122,7 +135,9 @@ def _checked(how: str, dtype: torch.dtype) -> bool:
     if key not in _CHECKED:
         _CHECKED[key] = _check(how, dtype)
         if not _CHECKED[key]:
-            logger.debug("paged_hf: %s linears on %s weights do not give F.linear's results here", how, dtype)
+            logger.debug(
+                "paged_hf: %s linears on %s weights do not give F.linear's results here", how, dtype
+            )
     return _CHECKED[key]
 
 
@@ -131,7 +146,11 @@ def _check(how: str, dtype: torch.dtype) -> bool:
     without bias: equal (onednn), or apart by no more than another order of fp32 sums (fp32;
     ``within_a_rounding``)."""
     try:
-        if not torch.backends.mkldnn.is_available() or how == ONEDNN and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        if (
+            not torch.backends.mkldnn.is_available()
+            or how == ONEDNN
+            and not torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        ):
             return False
         g = torch.Generator().manual_seed(0)
         w = torch.randn(96, 64, generator=g).to(dtype)
@@ -158,7 +177,9 @@ def one_rounding_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (ia - ib).abs() <= 1
 
 
-def within_a_rounding(got: torch.Tensor, want: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> bool:
+def within_a_rounding(
+    got: torch.Tensor, want: torch.Tensor, x: torch.Tensor, w: torch.Tensor
+) -> bool:
     """``got`` and ``want``, two results of ``x @ w.T`` (+ bias) summed in fp32 in different orders, part by
     no more than that: each element one bf16 rounding apart (bf16), or by less than 1e-5 of the sum of
     the magnitudes of its products (fp32's error for another order of the sum; near-zero results of
@@ -174,17 +195,31 @@ class PackedWeight:
     """One GEMM's weight (a module's, or a sibling group's concatenated) packed for oneDNN as ``how``
     computes it: bf16, or fp32 (a bf16 weight's fp32 copy, its output rounded to bf16)."""
 
-    def __init__(self, how: str, weights: list[torch.Tensor], biases: list[torch.Tensor] | None,
-                 batch_hint: int = 64) -> None:
+    def __init__(
+        self,
+        how: str,
+        weights: list[torch.Tensor],
+        biases: list[torch.Tensor] | None,
+        batch_hint: int = 64,
+    ) -> None:
         self.how, self.dtype = how, weights[0].dtype
         # a bf16 weight's fp32 copy reads twice the bytes: at one row (a lone sequence's decode) the
         # weights' own bf16 F.linear is faster (SmolLM2's, Zen 3: 13-16 against 8-15 GFLOP/s)
         self.one_row_in_bf16 = how == FP32 and self.dtype == torch.bfloat16
         self.weights, self.biases = weights, biases
         with torch.no_grad():
-            weight = weights[0].detach() if len(weights) == 1 else torch.cat([w.detach() for w in weights])
-            bias = None if biases is None else biases[0].detach() if len(biases) == 1 \
+            weight = (
+                weights[0].detach()
+                if len(weights) == 1
+                else torch.cat([w.detach() for w in weights])
+            )
+            bias = (
+                None
+                if biases is None
+                else biases[0].detach()
+                if len(biases) == 1
                 else torch.cat([b.detach() for b in biases])
+            )
             if how == FP32:
                 weight, bias = weight.float(), None if bias is None else bias.float()
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint)
@@ -192,7 +227,10 @@ class PackedWeight:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.one_row_in_bf16 and x.numel() == x.shape[-1]:
-            parts = [F.linear(x, w, b) for w, b in zip(self.weights, self.biases or [None] * len(self.weights))]
+            parts = [
+                F.linear(x, w, b)
+                for w, b in zip(self.weights, self.biases or [None] * len(self.weights))
+            ]
             return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
         # the rows as a matrix: the same GEMM, ~10 us a call less than a [1, T, K] input costs the op
         # (a lone decode's step makes 121 of them; the same bits: tests/test_cpu_linear.py)
@@ -200,15 +238,21 @@ class PackedWeight:
         if self.how == ONEDNN:
             out = torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
         else:
-            out = torch.ops.mkldnn._linear_pointwise(rows.float(), self.packed, self.bias, "none", [], "").to(self.dtype)
+            out = torch.ops.mkldnn._linear_pointwise(
+                rows.float(), self.packed, self.bias, "none", [], ""
+            ).to(self.dtype)
         return out if x.dim() == 2 else out.view(*x.shape[:-1], out.shape[-1])
 
 
-def find_siblings(model: torch.nn.Module, modules: list[torch.nn.Linear]) -> list[list[torch.nn.Linear]]:
+def find_siblings(
+    model: torch.nn.Module, modules: list[torch.nn.Linear]
+) -> list[list[torch.nn.Linear]]:
     """Groups of ``modules`` that a forward of a few tokens calls on the very same input tensor, each
     module once, in call order, with one input width and biases all or none."""
     calls: list[tuple[torch.nn.Module, torch.Tensor]] = []
-    hooks = [m.register_forward_pre_hook(lambda mod, args: calls.append((mod, args[0]))) for m in modules]
+    hooks = [
+        m.register_forward_pre_hook(lambda mod, args: calls.append((mod, args[0]))) for m in modules
+    ]
     try:
         vocab = model.config.get_text_config().vocab_size
         with torch.inference_mode():
@@ -231,8 +275,12 @@ def find_siblings(model: torch.nn.Module, modules: list[torch.nn.Linear]) -> lis
             groups.append((x, [mod]))
     out = []
     for _, members in groups:
-        if len(members) > 1 and all(times[m] == 1 for m in members) \
-                and len({m.in_features for m in members}) == 1 and len({m.bias is None for m in members}) == 1:
+        if (
+            len(members) > 1
+            and all(times[m] == 1 for m in members)
+            and len({m.in_features for m in members}) == 1
+            and len({m.bias is None for m in members}) == 1
+        ):
             out.append(members)
     return out
 
@@ -241,14 +289,32 @@ class PackedLinears:
     """The model's ``nn.Linear`` modules with 2-D bf16 CPU weights, packed ``how`` (``mode``) on first
     use; siblings (``find_siblings``) fused into one GEMM when ``fuse``."""
 
-    def __init__(self, model: torch.nn.Module, how: str = ONEDNN, dtype: torch.dtype = torch.bfloat16,
-                 batch_hint: int = 64, fuse: bool = True) -> None:
-        if how not in MODES or (how, dtype) not in ((ONEDNN, torch.bfloat16), (FP32, torch.bfloat16), (FP32, torch.float32)):
-            raise ValueError(f"how={how!r} for {dtype} weights; one of {MODES} for bf16, {FP32!r} for fp32")
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        how: str = ONEDNN,
+        dtype: torch.dtype = torch.bfloat16,
+        batch_hint: int = 64,
+        fuse: bool = True,
+    ) -> None:
+        if how not in MODES or (how, dtype) not in (
+            (ONEDNN, torch.bfloat16),
+            (FP32, torch.bfloat16),
+            (FP32, torch.float32),
+        ):
+            raise ValueError(
+                f"how={how!r} for {dtype} weights; one of {MODES} for bf16, {FP32!r} for fp32"
+            )
         self.how, self.dtype = how, dtype
-        self.modules = [m for m in model.modules() if type(m) is torch.nn.Linear and "forward" not in m.__dict__
-                        and m.weight.dtype == dtype and m.weight.device.type == "cpu"
-                        and m.weight.dim() == 2]
+        self.modules = [
+            m
+            for m in model.modules()
+            if type(m) is torch.nn.Linear
+            and "forward" not in m.__dict__
+            and m.weight.dtype == dtype
+            and m.weight.device.type == "cpu"
+            and m.weight.dim() == 2
+        ]
         self.batch_hint = batch_hint
         # the packed copies' size: the weights again (twice over for bf16 weights in fp32)
         self.nbytes = sum(m.weight.numel() * (4 if how == FP32 else 2) for m in self.modules)
@@ -256,7 +322,9 @@ class PackedLinears:
         self.fused: list[list[torch.nn.Linear]] = []  # the sibling groups packed as one GEMM
         self._states: list[_FusedState] = []
         self._weights: dict[tuple[int, ...], PackedWeight] = {}
-        self._fusable: dict[tuple, bool] = {}  # per group and shapes: whether one GEMM gives the parts' bits
+        self._fusable: dict[
+            tuple, bool
+        ] = {}  # per group and shapes: whether one GEMM gives the parts' bits
         self._forwards: list | None = None
 
     def reset(self) -> None:
@@ -308,8 +376,11 @@ class PackedLinears:
                 g = torch.Generator().manual_seed(0)
                 self._fusable[key] = all(
                     torch.equal(whole(x), torch.cat([part(x) for part in parts], dim=-1))
-                    for x in (torch.randn(1, rows, group[0].in_features, generator=g).to(self.dtype)
-                              for rows in (1, 5, 40)))
+                    for x in (
+                        torch.randn(1, rows, group[0].in_features, generator=g).to(self.dtype)
+                        for rows in (1, 5, 40)
+                    )
+                )
         if not self._fusable[key]:
             return None
         return _FusedState(whole, [m.weight for m in group], [m.out_features for m in group])
@@ -353,9 +424,15 @@ def _fused_forward_for(module: torch.nn.Linear, state: _FusedState, i: int):
     n = len(state.weights)
 
     def forward(x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != state.packed.dtype or not x.is_contiguous() or module.weight is not state.weights[i]:
+        if (
+            x.dtype != state.packed.dtype
+            or not x.is_contiguous()
+            or module.weight is not state.weights[i]
+        ):
             return F.linear(x, module.weight, module.bias)
-        if x is not state.x or i in state.served:  # the first sibling called on this input computes them all
+        if (
+            x is not state.x or i in state.served
+        ):  # the first sibling called on this input computes them all
             state.out = state.packed(x)
             state.x = x
             state.served = set()
@@ -372,8 +449,13 @@ def _forward_for(module: torch.nn.Linear, packed: PackedWeight):
     weight, bias = module.weight, module.bias
 
     def forward(x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != packed.dtype or not x.is_contiguous() or module.weight is not weight \
-                or module.bias is not bias or (bias is not None and bias.dtype != packed.dtype):
+        if (
+            x.dtype != packed.dtype
+            or not x.is_contiguous()
+            or module.weight is not weight
+            or module.bias is not bias
+            or (bias is not None and bias.dtype != packed.dtype)
+        ):
             return F.linear(x, module.weight, module.bias)
         return packed(x)
 

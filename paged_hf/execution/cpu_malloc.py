@@ -23,6 +23,7 @@ preloaded (tcmalloc, jemalloc, mimalloc), glibc's malloc tuned through ``GLIBC_T
 ``MALLOC_*`` variables, or ``PAGED_HF_CPU_MALLOC=0``; and it needs glibc (no-op elsewhere).
 ``EngineConfig(cpu_tune_malloc=False)`` turns it off for an engine.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -84,6 +85,7 @@ def keep_bytes() -> int:
 def _keep_large_blocks() -> bool:
     """torch's CPU allocator wrapped so a step's freed large blocks serve the next step (the C++ op)."""
     from .backends import cpu_paged_attention
+
     if not cpu_paged_attention.load():
         return False
     return bool(torch.ops.paged_hf.keep_large_blocks(keep_bytes()))
@@ -105,14 +107,21 @@ def tune() -> bool:
     libc = None if why else _glibc()
     if why is None and libc is None:
         why = "the C library is not glibc"
-    ok = why is None and bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_BYTES)) \
+    ok = (
+        why is None
+        and bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_BYTES))
         and bool(libc.mallopt(M_TRIM_THRESHOLD, TRIM_BYTES))
+    )
     if why is None and not ok:
         why = "mallopt refused the thresholds"
     _state.update(tuned=ok, why=why, kept_blocks=bool(ok and _keep_large_blocks()))
     if ok:
-        logger.debug("paged_hf: glibc malloc keeps freed memory for the next step (mmap threshold %d MiB, "
-                     "trim threshold %d MiB)", MMAP_BYTES >> 20, TRIM_BYTES >> 20)
+        logger.debug(
+            "paged_hf: glibc malloc keeps freed memory for the next step (mmap threshold %d MiB, "
+            "trim threshold %d MiB)",
+            MMAP_BYTES >> 20,
+            TRIM_BYTES >> 20,
+        )
     else:
         logger.debug("paged_hf: malloc left as it is: %s", why)
     return ok

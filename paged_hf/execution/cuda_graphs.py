@@ -14,6 +14,7 @@ Prefill steps and batches above the largest bucket run eagerly, as before.
 With ``compile_decode`` the forward that runs (or is captured) is ``torch.compile``d, attention
 being the custom op of compile_decode.py.
 """
+
 from __future__ import annotations
 
 import logging
@@ -43,19 +44,29 @@ def bucket_for(num_seqs: int, buckets: list[int]) -> int | None:
     return None
 
 
-def padding_metadata(batch: int, block_size: int, pad_block: int, device: torch.device | str) -> StepMetadata:
+def padding_metadata(
+    batch: int, block_size: int, pad_block: int, device: torch.device | str
+) -> StepMetadata:
     """A decode step of ``batch`` padding rows only (what a bucket is captured with)."""
+
     def i32(x: list[int]) -> torch.Tensor:
         return torch.tensor(x, dtype=torch.int32, device=device)
 
     return StepMetadata(
         input_ids=torch.zeros(batch, dtype=torch.long, device=device),
         positions=torch.zeros(batch, dtype=torch.long, device=device),
-        slot_mapping=i32([pad_block * block_size] * batch), qo_indptr=i32(list(range(batch + 1))),
-        kv_indptr=i32(list(range(batch + 1))), kv_indices=i32([pad_block] * batch),
-        kv_last_page_len=i32([1] * batch), logits_indices=torch.zeros(0, dtype=torch.long, device=device),
-        block_size=block_size, q_lens=[1] * batch, kv_lens=[1] * batch, kv_blocks=[[pad_block]] * batch,
-        sampled_requests=[])
+        slot_mapping=i32([pad_block * block_size] * batch),
+        qo_indptr=i32(list(range(batch + 1))),
+        kv_indptr=i32(list(range(batch + 1))),
+        kv_indices=i32([pad_block] * batch),
+        kv_last_page_len=i32([1] * batch),
+        logits_indices=torch.zeros(0, dtype=torch.long, device=device),
+        block_size=block_size,
+        q_lens=[1] * batch,
+        kv_lens=[1] * batch,
+        kv_blocks=[[pad_block]] * batch,
+        sampled_requests=[],
+    )
 
 
 def pad_decode_metadata(meta: StepMetadata, batch: int, pad_block: int) -> StepMetadata:
@@ -71,8 +82,11 @@ def pad_decode_metadata(meta: StepMetadata, batch: int, pad_block: int) -> StepM
 
     def grow(t: torch.Tensor, fill: int, step: int = 0) -> torch.Tensor:
         # made on the device: no host-to-device copy
-        values = (torch.arange(1, pad + 1, dtype=t.dtype, device=dev) + fill) if step else \
-            torch.full((pad,), fill, dtype=t.dtype, device=dev)
+        values = (
+            (torch.arange(1, pad + 1, dtype=t.dtype, device=dev) + fill)
+            if step
+            else torch.full((pad,), fill, dtype=t.dtype, device=dev)
+        )
         return torch.cat([t, values])
 
     return StepMetadata(
@@ -83,9 +97,13 @@ def pad_decode_metadata(meta: StepMetadata, batch: int, pad_block: int) -> StepM
         kv_indptr=grow(meta.kv_indptr, int(meta.kv_indices.numel()), step=1),
         kv_indices=grow(meta.kv_indices, pad_block),
         kv_last_page_len=grow(meta.kv_last_page_len, 1),
-        logits_indices=meta.logits_indices, block_size=bs,
-        q_lens=meta.q_lens + [1] * pad, kv_lens=meta.kv_lens + [1] * pad,
-        kv_blocks=meta.kv_blocks + [[pad_block]] * pad, sampled_requests=meta.sampled_requests)
+        logits_indices=meta.logits_indices,
+        block_size=bs,
+        q_lens=meta.q_lens + [1] * pad,
+        kv_lens=meta.kv_lens + [1] * pad,
+        kv_blocks=meta.kv_blocks + [[pad_block]] * pad,
+        sampled_requests=meta.sampled_requests,
+    )
 
 
 class _CudaGraph:
@@ -106,6 +124,7 @@ class _CudaGraph:
 class _EagerGraph:
     """Stands in for a CUDA graph where there is none (tests on CPU): replay re-runs the capture
     function, which reads the same fixed buffers a real graph would."""
+
     def __init__(self, pool: Any = None) -> None:
         self.fn: Callable[[], None] | None = None
 
@@ -123,9 +142,17 @@ def wants_decode_accelerator(config: Any, device: torch.device) -> bool:
 
 
 class DecodeAccelerator:
-    def __init__(self, model: torch.nn.Module, backend: Any, max_num_seqs: int, pad_block: int, *,
-                 use_graphs: bool, compile_backend: str | None, graph_factory: Callable[[Any], Any] | None = None
-                 ) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        backend: Any,
+        max_num_seqs: int,
+        pad_block: int,
+        *,
+        use_graphs: bool,
+        compile_backend: str | None,
+        graph_factory: Callable[[Any], Any] | None = None,
+    ) -> None:
         self.model = model
         self.backend = backend
         self.pad_block = pad_block
@@ -135,12 +162,15 @@ class DecodeAccelerator:
         self.compile_backend = compile_backend
         if compile_backend is not None:
             from .compile_decode import OpBackend, compile_forward
+
             self._forward = compile_forward(model, compile_backend)
             self._op_backend = OpBackend(backend.layout)
         self._graph_factory = graph_factory or _CudaGraph
         self._graphs: dict[int, Any] = {}
         self._captured = False
-        self.steps_by_bucket: dict[int, int] = {}  # decode steps run per padded batch size (gpu_check reads it)
+        self.steps_by_bucket: dict[
+            int, int
+        ] = {}  # decode steps run per padded batch size (gpu_check reads it)
         if use_graphs:
             max_b = self.buckets[-1]
             # page ids of one padded step: each sequence's blocks (prefix blocks may repeat across
@@ -151,19 +181,34 @@ class DecodeAccelerator:
             self._logits: torch.Tensor | None = None
 
     @classmethod
-    def build(cls, model: torch.nn.Module, backend: Any, config: Any, pad_block: int) -> "DecodeAccelerator | None":
-        use_graphs = (config.use_cuda_graphs and backend.device.type == "cuda"
-                      and getattr(backend, "supports_cuda_graphs", False))
+    def build(
+        cls, model: torch.nn.Module, backend: Any, config: Any, pad_block: int
+    ) -> "DecodeAccelerator | None":
+        use_graphs = (
+            config.use_cuda_graphs
+            and backend.device.type == "cuda"
+            and getattr(backend, "supports_cuda_graphs", False)
+        )
         if config.use_cuda_graphs and backend.device.type == "cuda" and not use_graphs:
-            logger.info("paged_hf: CUDA graphs need the flashinfer backend; the %s backend decodes eagerly",
-                        backend.name)
+            logger.info(
+                "paged_hf: CUDA graphs need the flashinfer backend; the %s backend decodes eagerly",
+                backend.name,
+            )
         compile_backend = None
         if config.compile_decode:
-            compile_backend = "inductor" if config.compile_decode is True else str(config.compile_decode)
+            compile_backend = (
+                "inductor" if config.compile_decode is True else str(config.compile_decode)
+            )
         if not use_graphs and compile_backend is None:
             return None
-        return cls(model, backend, config.max_num_seqs, pad_block, use_graphs=use_graphs,
-                   compile_backend=compile_backend)
+        return cls(
+            model,
+            backend,
+            config.max_num_seqs,
+            pad_block,
+            use_graphs=use_graphs,
+            compile_backend=compile_backend,
+        )
 
     # ---- one step ------------------------------------------------------------------------------
     def can_run(self, meta: StepMetadata) -> bool:
@@ -196,13 +241,16 @@ class DecodeAccelerator:
     def _call(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         if self.compile_backend is not None:
             from .compile_decode import compiled_step
+
             if input_ids.storage_offset() or positions.storage_offset():
                 # views of one uploaded buffer (metadata.upload): a compiled graph guards on the offset
                 input_ids, positions = input_ids.clone(), positions.clone()
             with compiled_step(self._op_backend, self.backend):
                 return self._forward(input_ids, positions)
         with active_backend(self.backend):
-            return self.model(input_ids=input_ids, position_ids=positions, use_cache=False).logits[0]
+            return self.model(input_ids=input_ids, position_ids=positions, use_cache=False).logits[
+                0
+            ]
 
     def weights_changed(self, moved: bool) -> None:
         """A captured graph reads each weight at the address it had at capture, so an update in
@@ -214,6 +262,7 @@ class DecodeAccelerator:
             self._captured = False
         if self.compile_backend is not None:
             from .compile_decode import compile_forward
+
             self._forward = compile_forward(self.model, self.compile_backend)
 
     # ---- capture -------------------------------------------------------------------------------
@@ -229,7 +278,9 @@ class DecodeAccelerator:
             ids, pos = self._input_ids[:, :b], self._positions[:, :b]
             warm = self._call(ids, pos)  # eager: learns attention variants, compiles, loads kernels
             if self._logits is None:
-                self._logits = torch.zeros(self.buckets[-1], warm.shape[-1], dtype=warm.dtype, device=self.device)
+                self._logits = torch.zeros(
+                    self.buckets[-1], warm.shape[-1], dtype=warm.dtype, device=self.device
+                )
             del warm
             self.backend.plan(meta, graph_batch=b)  # now with every variant planned before capture
             if self.device.type == "cuda":

@@ -11,6 +11,7 @@ the shape a paged kernel writes and builds nothing else: the model's own attenti
 attention's [heads, T, T] scores, 8.6 GB for Gemma 2 at 16k tokens) never runs in a paged step
 and must not shrink the KV room.
 """
+
 from __future__ import annotations
 
 import logging
@@ -24,20 +25,31 @@ from .kv_geometry import KVLayout
 logger = logging.getLogger("paged_hf")
 
 FLOAT_WORKSPACE_BYTES = 128 << 20  # FlashInfer's float workspace, one for all wrappers
-INT_WORKSPACE_BYTES = 8 << 20      # FlashInfer's int workspace, one per attention variant (shared by its wrappers)
-MARGIN_BYTES = 256 << 20           # cuBLAS workspaces, allocator rounding, kernels loaded later
+INT_WORKSPACE_BYTES = (
+    8 << 20
+)  # FlashInfer's int workspace, one per attention variant (shared by its wrappers)
+MARGIN_BYTES = 256 << 20  # cuBLAS workspaces, allocator rounding, kernels loaded later
 
 
 class ProfileBackend:
     """Stands in for a paged backend during the profiling forward: attention's output, no scores."""
+
     name = "profile"
 
     def __init__(self, layout: KVLayout) -> None:
         self.layout = layout
 
-    def attend(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-               scaling: float | None, sliding_window: int | None = None, softcap: float | None = None,
-               sinks: torch.Tensor | None = None) -> torch.Tensor:
+    def attend(
+        self,
+        layer_idx: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        scaling: float | None,
+        sliding_window: int | None = None,
+        softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         _, heads, tokens, _ = query.shape
         return query.new_zeros(1, tokens, heads, value.shape[-1])
 
@@ -57,7 +69,9 @@ def reserve_bytes(layout: KVLayout, graph_pool: int, per_layer_scale: bool = Fal
     return FLOAT_WORKSPACE_BYTES + INT_WORKSPACE_BYTES * variants + graph_pool + MARGIN_BYTES
 
 
-def kv_budget_from_profile(total: int, utilization: float, peak_torch: int, non_torch: int, reserve: int) -> int:
+def kv_budget_from_profile(
+    total: int, utilization: float, peak_torch: int, non_torch: int, reserve: int
+) -> int:
     """Bytes the KV cache may take, given the profile; raises when nothing is left."""
     budget = int(total * utilization) - peak_torch - non_torch - reserve
     if budget <= 0:
@@ -66,12 +80,14 @@ def kv_budget_from_profile(total: int, utilization: float, peak_torch: int, non_
             f"no GPU memory left for the KV cache: gpu_memory_utilization={utilization} of {total / gib:.1f} GiB "
             f"is {total * utilization / gib:.2f} GiB, the profiled step peaks at {peak_torch / gib:.2f} GiB with "
             f"{non_torch / gib:.2f} GiB used outside torch and {reserve / gib:.2f} GiB reserved; raise "
-            "gpu_memory_utilization or lower max_num_batched_tokens")
+            "gpu_memory_utilization or lower max_num_batched_tokens"
+        )
     return budget
 
 
-def profile_forward(model: torch.nn.Module, layout: KVLayout, tokens: int, rows: int,
-                    limit: int | None) -> torch.Tensor:
+def profile_forward(
+    model: torch.nn.Module, layout: KVLayout, tokens: int, rows: int, limit: int | None
+) -> torch.Tensor:
     """One step's forward of ``tokens`` tokens through the paged seam (``ProfileBackend``), keeping
     ``rows`` rows of logits, and the sampler's float32 softmax over them; returns the logits."""
     device = next(model.parameters()).device
@@ -80,22 +96,34 @@ def profile_forward(model: torch.nn.Module, layout: KVLayout, tokens: int, rows:
     span = min(tokens, limit or tokens)  # several sequences, as a real step packs them
     position_ids = (torch.arange(tokens, device=device) % span)[None]
     with active_backend(ProfileBackend(layout)):
-        logits = model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
-                       logits_to_keep=min(rows, tokens)).logits
+        logits = model(
+            input_ids=input_ids,
+            position_ids=position_ids,
+            use_cache=False,
+            logits_to_keep=min(rows, tokens),
+        ).logits
     torch.softmax(logits[0].float(), dim=-1)
     return logits
 
 
 def _position_limit(model: torch.nn.Module, config: Any) -> int | None:
     text_cfg = model.config.get_text_config()
-    limit = getattr(text_cfg, "max_position_embeddings", None) or getattr(text_cfg, "n_positions", None)
+    limit = getattr(text_cfg, "max_position_embeddings", None) or getattr(
+        text_cfg, "n_positions", None
+    )
     if config.max_model_len is not None:
         limit = min(limit or config.max_model_len, config.max_model_len)
     return limit
 
 
-def _activation_peak(model: torch.nn.Module, layout: KVLayout, tokens: int, rows: int, limit: int | None,
-                     device: torch.device) -> int:
+def _activation_peak(
+    model: torch.nn.Module,
+    layout: KVLayout,
+    tokens: int,
+    rows: int,
+    limit: int | None,
+    device: torch.device,
+) -> int:
     """Bytes a forward adds above what is allocated before it."""
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
@@ -122,18 +150,33 @@ def profile_kv_budget(model: torch.nn.Module, config: Any, layout: KVLayout) -> 
     # the graph pool holds the largest captured decode step's activations and a logits buffer
     graph_pool = 0
     if config.use_cuda_graphs:
-        graph_pool = _activation_peak(model, layout, config.max_num_seqs, config.max_num_seqs, limit, device)
+        graph_pool = _activation_peak(
+            model, layout, config.max_num_seqs, config.max_num_seqs, limit, device
+        )
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
     non_torch = (total - free) - torch.cuda.memory_reserved(device)  # CUDA context, other processes
     weights = torch.cuda.memory_allocated(device)
-    step = _activation_peak(model, layout, config.max_num_batched_tokens, config.max_num_seqs, limit, device)
-    per_layer_scale = bool(getattr(model.config.get_text_config(), "scale_attn_by_inverse_layer_idx", False))
+    step = _activation_peak(
+        model, layout, config.max_num_batched_tokens, config.max_num_seqs, limit, device
+    )
+    per_layer_scale = bool(
+        getattr(model.config.get_text_config(), "scale_attn_by_inverse_layer_idx", False)
+    )
     reserve = reserve_bytes(layout, graph_pool, per_layer_scale)
-    budget = kv_budget_from_profile(total, config.gpu_memory_utilization, weights + step, max(non_torch, 0), reserve)
+    budget = kv_budget_from_profile(
+        total, config.gpu_memory_utilization, weights + step, max(non_torch, 0), reserve
+    )
     gib = 1 << 30
-    logger.info("paged_hf: weights %.2f GiB, a step of %d tokens adds %.2f GiB, reserved %.2f GiB (graph pool "
-                "%.2f GiB); %.2f GiB left for the KV cache", weights / gib, config.max_num_batched_tokens, step / gib,
-                reserve / gib, graph_pool / gib, budget / gib)
+    logger.info(
+        "paged_hf: weights %.2f GiB, a step of %d tokens adds %.2f GiB, reserved %.2f GiB (graph pool "
+        "%.2f GiB); %.2f GiB left for the KV cache",
+        weights / gib,
+        config.max_num_batched_tokens,
+        step / gib,
+        reserve / gib,
+        graph_pool / gib,
+        budget / gib,
+    )
     return budget

@@ -20,6 +20,7 @@ widths the model's rotary embeddings give), equal within one rounding of the dty
 bit-identical in practice; fp32: the order of one sum). Outside a step the modules are untouched.
 ``cpu_fused_ops=False`` turns it off.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -43,6 +44,7 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what the C++ ops take
 
 def available() -> bool:
     from .backends import cpu_paged_attention
+
     return cpu_paged_attention.load()
 
 
@@ -55,7 +57,9 @@ class FusedOps:
         self.norms: list[tuple[torch.nn.Module, bool]] = []  # (module, gemma-style)
         self.mlps: list[torch.nn.Module] = []
         self.rope_sites: list[kernel_seams.Site] = []
-        self._forwards: list | None = None  # (module's __dict__, its fused forward), made on first use
+        self._forwards: list | None = (
+            None  # (module's __dict__, its fused forward), made on first use
+        )
         if dtype not in DTYPES:
             return
         for module in model.modules():
@@ -72,8 +76,16 @@ class FusedOps:
         self.rope_widths: frozenset[int] = frozenset()
         if head_dim is not None and head_dim % 2 == 0:
             widths = _rotary_widths(model, head_dim)
-            sites = {site for m in model.modules() for site in kernel_seams.functions_named(m, ROPE_NAME, ROPE_PARAMS)}
-            self.rope_sites = sorted(site for site in sites if all(_rope_matches(site, dtype, head_dim, w) for w in widths))
+            sites = {
+                site
+                for m in model.modules()
+                for site in kernel_seams.functions_named(m, ROPE_NAME, ROPE_PARAMS)
+            }
+            self.rope_sites = sorted(
+                site
+                for site in sites
+                if all(_rope_matches(site, dtype, head_dim, w) for w in widths)
+            )
             self.rope_widths = frozenset(widths) if self.rope_sites else frozenset()
 
     def describe(self) -> str:
@@ -82,10 +94,14 @@ class FusedOps:
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
         if self._forwards is None:
-            self._forwards = [(module.__dict__, functools.partial(_norm_forward, module, gemma, self.dtype))
-                              for module, gemma in self.norms]
-            self._forwards += [(module.__dict__, functools.partial(_mlp_forward, module, self.dtype))
-                               for module in self.mlps]
+            self._forwards = [
+                (module.__dict__, functools.partial(_norm_forward, module, gemma, self.dtype))
+                for module, gemma in self.norms
+            ]
+            self._forwards += [
+                (module.__dict__, functools.partial(_mlp_forward, module, self.dtype))
+                for module in self.mlps
+            ]
         installed = []
         with kernel_seams.installed(self.rope_sites, _rope), kernel_seams.switch("rotary", True):
             try:
@@ -106,7 +122,12 @@ def _checked(check: Callable, module: torch.nn.Module, dtype: torch.dtype) -> An
     try:
         return check(module, dtype)
     except Exception as e:  # noqa: BLE001
-        logger.debug("paged_hf: %s is left to its own code: %s: %s", type(module).__name__, type(e).__name__, e)
+        logger.debug(
+            "paged_hf: %s is left to its own code: %s: %s",
+            type(module).__name__,
+            type(e).__name__,
+            e,
+        )
         return None
 
 
@@ -124,13 +145,21 @@ def _one_input(module: torch.nn.Module) -> bool:
         params = list(inspect.signature(module.forward).parameters.values())
     except (TypeError, ValueError):
         return False
-    return len(params) == 1 and params[0].kind in (params[0].POSITIONAL_ONLY, params[0].POSITIONAL_OR_KEYWORD)
+    return len(params) == 1 and params[0].kind in (
+        params[0].POSITIONAL_ONLY,
+        params[0].POSITIONAL_OR_KEYWORD,
+    )
 
 
 def _looks_like_rms_norm(module: torch.nn.Module) -> bool:
     weight = getattr(module, "weight", None)
-    return (type(module).__name__.lower().endswith("rmsnorm") and isinstance(weight, torch.nn.Parameter)
-            and weight.dim() == 1 and _eps(module) is not None and _one_input(module))
+    return (
+        type(module).__name__.lower().endswith("rmsnorm")
+        and isinstance(weight, torch.nn.Parameter)
+        and weight.dim() == 1
+        and _eps(module) is not None
+        and _one_input(module)
+    )
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool) -> torch.Tensor:
@@ -140,11 +169,16 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool) ->
     return out.view(x.shape)
 
 
-def _norm_forward(module: torch.nn.Module, gemma: bool, dtype: torch.dtype, hidden_states: torch.Tensor
-                  ) -> torch.Tensor:
+def _norm_forward(
+    module: torch.nn.Module, gemma: bool, dtype: torch.dtype, hidden_states: torch.Tensor
+) -> torch.Tensor:
     weight = module.weight
-    if (hidden_states.dtype != dtype or hidden_states.device.type != "cpu" or hidden_states.stride(-1) != 1
-            or (not gemma and weight.dtype != dtype)):
+    if (
+        hidden_states.dtype != dtype
+        or hidden_states.device.type != "cpu"
+        or hidden_states.stride(-1) != 1
+        or (not gemma and weight.dtype != dtype)
+    ):
         return type(module).forward(module, hidden_states)
     return _rms_norm(hidden_states, weight.detach(), _eps(module), gemma)
 
@@ -166,22 +200,33 @@ def _norm_style(module: torch.nn.Module, dtype: torch.dtype) -> bool | None:
         for gemma in (False, True):
             if not gemma and weight.dtype != dtype:
                 continue
-            if all(_close(_rms_norm(x, m.weight.detach(), _eps(m), gemma), type(m).forward(m, x)) for m in (module, other)):
+            if all(
+                _close(_rms_norm(x, m.weight.detach(), _eps(m), gemma), type(m).forward(m, x))
+                for m in (module, other)
+            ):
                 return gemma
     return None
 
 
 # ---- gated MLP ----------------------------------------------------------------------------------
 def _looks_like_gated_mlp(module: torch.nn.Module) -> bool:
-    return (all(isinstance(getattr(module, n, None), torch.nn.Linear) for n in ("gate_proj", "up_proj", "down_proj"))
-            and isinstance(getattr(module, "act_fn", None), torch.nn.Module) and _one_input(module))
+    return (
+        all(
+            isinstance(getattr(module, n, None), torch.nn.Linear)
+            for n in ("gate_proj", "up_proj", "down_proj")
+        )
+        and isinstance(getattr(module, "act_fn", None), torch.nn.Module)
+        and _one_input(module)
+    )
 
 
 def _silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     gate, up = (t if t.stride(-1) == 1 else t.contiguous() for t in (gate, up))
     width = gate.shape[-1]
     out = torch.empty(gate.shape, dtype=gate.dtype)
-    torch.ops.paged_hf.silu_and_mul(gate.reshape(-1, width), up.reshape(-1, width), out.view(-1, width))
+    torch.ops.paged_hf.silu_and_mul(
+        gate.reshape(-1, width), up.reshape(-1, width), out.view(-1, width)
+    )
     return out
 
 
@@ -199,8 +244,9 @@ def _mlp_matches(module: torch.nn.Module, dtype: torch.dtype) -> bool:
     x = torch.randn(1, 5, linear.in_features, generator=g).to(dtype)
     with torch.no_grad():
         expected = type(module).forward(module, x)
-        return expected.shape == (1, 5, module.down_proj.out_features) and _close(_mlp_forward(module, dtype, x),
-                                                                                   expected)
+        return expected.shape == (1, 5, module.down_proj.out_features) and _close(
+            _mlp_forward(module, dtype, x), expected
+        )
 
 
 # ---- rotary embedding ---------------------------------------------------------------------------
@@ -209,18 +255,32 @@ _checked_widths: dict[Callable, set[int]] = {}
 
 
 def _rope(original: Callable) -> Callable:
-    def apply_rotary_pos_emb(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                             *args: Any, **kwargs: Any) -> Any:
-        if not (kernel_seams.setting("rotary") and not args and kwargs.get("unsqueeze_dim", 1) == 1
-                and set(kwargs) <= {"unsqueeze_dim"} and _rope_fits(q, k, cos, sin)
-                and cos.shape[-1] in _checked_widths.get(original, ())):
+    def apply_rotary_pos_emb(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        *args: Any,
+        **kwargs: Any,
+    ) -> Any:
+        if not (
+            kernel_seams.setting("rotary")
+            and not args
+            and kwargs.get("unsqueeze_dim", 1) == 1
+            and set(kwargs) <= {"unsqueeze_dim"}
+            and _rope_fits(q, k, cos, sin)
+            and cos.shape[-1] in _checked_widths.get(original, ())
+        ):
             return original(q, k, cos, sin, *args, **kwargs)
         return _rotary(q, k, cos, sin)
+
     apply_rotary_pos_emb.__wrapped__ = original
     return apply_rotary_pos_emb
 
 
-def _rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _rotary(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``paged_hf::rotary`` on q and k (inputs ``_rope_fits`` took)."""
     q_out, k_out = torch.empty_like(q), torch.empty_like(k)
     torch.ops.paged_hf.rotary(q, cos, sin, q_out)
@@ -230,15 +290,26 @@ def _rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
 
 def _rope_fits(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
     tensors = (q, k, cos, sin)
-    if any(not isinstance(t, torch.Tensor) or t.device.type != "cpu" or t.dtype != q.dtype or t.stride(-1) != 1
-           for t in tensors):
+    if any(
+        not isinstance(t, torch.Tensor)
+        or t.device.type != "cpu"
+        or t.dtype != q.dtype
+        or t.stride(-1) != 1
+        for t in tensors
+    ):
         return False
     if q.dim() != 4 or k.dim() != 4 or cos.dim() != 3 or cos.shape != sin.shape:
         return False
     b, _, length, width = q.shape
     rotated = cos.shape[-1]
-    return (k.shape[0] == b and k.shape[2:] == q.shape[2:] and tuple(cos.shape) == (b, length, rotated)
-            and rotated <= width and rotated % 2 == 0 and q.dtype in (torch.float32, torch.bfloat16, torch.float16))
+    return (
+        k.shape[0] == b
+        and k.shape[2:] == q.shape[2:]
+        and tuple(cos.shape) == (b, length, rotated)
+        and rotated <= width
+        and rotated % 2 == 0
+        and q.dtype in (torch.float32, torch.bfloat16, torch.float16)
+    )
 
 
 def _rotary_widths(model: torch.nn.Module, head_dim: int) -> set[int]:
@@ -247,20 +318,28 @@ def _rotary_widths(model: torch.nn.Module, head_dim: int) -> set[int]:
     widths = {head_dim}
     for module in model.modules():
         if "rotary" in type(module).__name__.lower():
-            widths.update(2 * buf.numel() for name, buf in module.named_buffers(recurse=False)
-                          if name.endswith("inv_freq") and "original" not in name and 0 < 2 * buf.numel() <= head_dim)
+            widths.update(
+                2 * buf.numel()
+                for name, buf in module.named_buffers(recurse=False)
+                if name.endswith("inv_freq")
+                and "original" not in name
+                and 0 < 2 * buf.numel() <= head_dim
+            )
     return widths
 
 
-def _rope_inputs(dtype: torch.dtype, head_dim: int, width: int, fused: bool,
-                 g: torch.Generator) -> tuple[torch.Tensor, ...]:
+def _rope_inputs(
+    dtype: torch.dtype, head_dim: int, width: int, fused: bool, g: torch.Generator
+) -> tuple[torch.Tensor, ...]:
     """q, k, cos, sin as a step hands them: q and k transposed views of [1, T, heads, D], each its
     own projection's or (``fused``) side by side in one projection's rows; cos and sin [1, T, width]."""
     t, q_heads, k_heads = 7, 4, 2
     if fused:
         qk = torch.randn(1, t, (q_heads + k_heads + k_heads) * head_dim, generator=g).to(dtype)
-        q = qk[..., :q_heads * head_dim].view(1, t, q_heads, head_dim)
-        k = qk[..., q_heads * head_dim:(q_heads + k_heads) * head_dim].view(1, t, k_heads, head_dim)
+        q = qk[..., : q_heads * head_dim].view(1, t, q_heads, head_dim)
+        k = qk[..., q_heads * head_dim : (q_heads + k_heads) * head_dim].view(
+            1, t, k_heads, head_dim
+        )
     else:
         q = torch.randn(1, t, q_heads, head_dim, generator=g).to(dtype)
         k = torch.randn(1, t, k_heads, head_dim, generator=g).to(dtype)
@@ -282,10 +361,18 @@ def _rope_matches(site: kernel_seams.Site, dtype: torch.dtype, head_dim: int, wi
                 expected = original(q, k, cos, sin)
                 got = _rotary(q, k, cos, sin) if _rope_fits(q, k, cos, sin) else None
         except Exception as e:  # noqa: BLE001 - another signature or math: its own code serves it
-            logger.debug("paged_hf: %s.%s is not served by the fused rotary op at width %d: %s", *site, width, e)
+            logger.debug(
+                "paged_hf: %s.%s is not served by the fused rotary op at width %d: %s",
+                *site,
+                width,
+                e,
+            )
             return False
-        if got is None or not (isinstance(expected, tuple) and len(expected) == 2
-                               and all(isinstance(e, torch.Tensor) and _close(a, e) for a, e in zip(got, expected))):
+        if got is None or not (
+            isinstance(expected, tuple)
+            and len(expected) == 2
+            and all(isinstance(e, torch.Tensor) and _close(a, e) for a, e in zip(got, expected))
+        ):
             return False
     _checked_widths.setdefault(original, set()).add(width)
     return True
@@ -296,5 +383,9 @@ def _close(got: torch.Tensor, expected: torch.Tensor) -> bool:
     if got.shape != expected.shape or got.dtype != expected.dtype:
         return False
     if expected.dtype == torch.float32:  # relative to the largest value: sums of rounded terms
-        return float((got - expected).abs().max()) <= 1e-5 * float(expected.abs().max().clamp(min=1e-30))
-    return torch.allclose(got.float(), expected.float(), rtol=2 * torch.finfo(expected.dtype).eps, atol=1e-6)
+        return float((got - expected).abs().max()) <= 1e-5 * float(
+            expected.abs().max().clamp(min=1e-30)
+        )
+    return torch.allclose(
+        got.float(), expected.float(), rtol=2 * torch.finfo(expected.dtype).eps, atol=1e-6
+    )

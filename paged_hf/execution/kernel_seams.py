@@ -9,6 +9,7 @@ may overlap; the original is put back when no step needs it). The wrapper runs p
 only on a thread that switched it on (``switch``) and only for inputs it takes; any other call (a
 plain forward on another thread, a GPU tensor) goes to the function that was there.
 """
+
 from __future__ import annotations
 
 import contextlib

@@ -19,6 +19,7 @@ models; it is plain data, so the engine side depends on it and never on the mode
 - ``k_dim`` and ``v_dim`` differ for MLA (DeepSeek V2/V3, MiniCPM3, ...): K and V are stored per
   head at their own widths, as the attention function receives them (not padded to one width).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -42,7 +43,9 @@ class LayerSpec:
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"LayerSpec.{name}={value!r}, must be an integer >= 1")
         if self.q_heads % self.kv_heads:
-            raise ValueError(f"LayerSpec: {self.q_heads} query heads are not a multiple of {self.kv_heads} KV heads")
+            raise ValueError(
+                f"LayerSpec: {self.q_heads} query heads are not a multiple of {self.kv_heads} KV heads"
+            )
         for name in ("window", "chunk"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
@@ -59,7 +62,9 @@ class LayerSpec:
         extra = [f"window {self.window}"] if self.window else []
         extra += [f"chunk {self.chunk}"] if self.chunk else []
         extra += ["sinks"] if self.sinks else []
-        return f"{self.q_heads}q/{self.kv_heads}kv heads x {dims}" + (f" ({', '.join(extra)})" if extra else "")
+        return f"{self.q_heads}q/{self.kv_heads}kv heads x {dims}" + (
+            f" ({', '.join(extra)})" if extra else ""
+        )
 
 
 @dataclass(frozen=True)
@@ -68,6 +73,7 @@ class KVLayout:
     gives each one's ``layer_idx`` in the model where those differ (a hybrid's attention layers sit
     between its stateful ones: Qwen3.5's are 3, 7, 11, ...). ``stateless_ok``: a model of stateful
     layers only (Mamba2) has no attention layer, and no KV."""
+
     layers: tuple[LayerSpec, ...]
     layer_ids: tuple[int, ...] | None = None
     stateless_ok: bool = False
@@ -75,9 +81,13 @@ class KVLayout:
     def __post_init__(self) -> None:
         if not self.layers and not self.stateless_ok:
             raise ValueError("KVLayout needs at least one attention layer")
-        if self.layer_ids is not None and (len(self.layer_ids) != len(self.layers)
-                                           or list(self.layer_ids) != sorted(set(self.layer_ids))):
-            raise ValueError(f"KVLayout.layer_ids={self.layer_ids}: one increasing layer_idx per layer")
+        if self.layer_ids is not None and (
+            len(self.layer_ids) != len(self.layers)
+            or list(self.layer_ids) != sorted(set(self.layer_ids))
+        ):
+            raise ValueError(
+                f"KVLayout.layer_ids={self.layer_ids}: one increasing layer_idx per layer"
+            )
 
     def kv_index(self, layer_idx: int) -> int:
         """The backends' number for the model's attention layer ``layer_idx``."""
@@ -94,7 +104,9 @@ class KVLayout:
         return index
 
     @classmethod
-    def uniform(cls, num_layers: int, kv_heads: int, head_dim: int, q_heads: int | None = None) -> "KVLayout":
+    def uniform(
+        cls, num_layers: int, kv_heads: int, head_dim: int, q_heads: int | None = None
+    ) -> "KVLayout":
         """Every layer alike, full causal attention (what a plain llama has)."""
         return cls((LayerSpec(q_heads or kv_heads, kv_heads, head_dim, head_dim),) * num_layers)
 
@@ -110,7 +122,10 @@ class KVLayout:
         if not self.layers:
             return True
         first = self.layers[0]
-        return all((s.kv_heads, s.k_dim, s.v_dim) == (first.kv_heads, first.k_dim, first.v_dim) for s in self.layers)
+        return all(
+            (s.kv_heads, s.k_dim, s.v_dim) == (first.kv_heads, first.k_dim, first.v_dim)
+            for s in self.layers
+        )
 
     def cache_groups(self, keep_every_block: bool = False) -> tuple[CacheGroup, ...]:
         """The layers grouped by what they keep (paged_hf/cache/kv_groups.py): one full-attention group
@@ -128,11 +143,16 @@ class KVLayout:
             return every
         size = min(len(ids) for ids in kinds.values())
         order = [(None, None)] + [k for k in kinds if k != (None, None)]
-        return tuple(CacheGroup(tuple(ids[i:i + size]), window, chunk)
-                     for window, chunk in order for ids in [kinds[(window, chunk)]]
-                     for i in range(0, len(ids), size))
+        return tuple(
+            CacheGroup(tuple(ids[i : i + size]), window, chunk)
+            for window, chunk in order
+            for ids in [kinds[(window, chunk)]]
+            for i in range(0, len(ids), size)
+        )
 
-    def bytes_per_page(self, groups: tuple[CacheGroup, ...], block_size: int, element_size: int) -> int:
+    def bytes_per_page(
+        self, groups: tuple[CacheGroup, ...], block_size: int, element_size: int
+    ) -> int:
         """One page: ``block_size`` tokens of K and V of one group's layers (its slabs)."""
         slabs = max(len(g.layers) for g in groups)
         first = next(g for g in groups if len(g.layers) == slabs)
@@ -149,7 +169,9 @@ class KVLayout:
         return ", ".join(f"{n} x {layer.describe()}" for n, layer in runs)
 
 
-def as_layout(layout: KVLayout | int, kv_heads: int | None = None, head_dim: int | None = None) -> KVLayout:
+def as_layout(
+    layout: KVLayout | int, kv_heads: int | None = None, head_dim: int | None = None
+) -> KVLayout:
     """``layout`` itself, or (a number of layers, ``kv_heads``, ``head_dim``) as a uniform layout:
     backends take either, so code that only knows the three numbers keeps working."""
     if isinstance(layout, KVLayout):

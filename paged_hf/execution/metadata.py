@@ -16,6 +16,7 @@ With cache groups (paged_hf/cache/kv_groups.py) each group has its own slot mapp
 start at the first block its first query reads, ``kv_starts`` tokens in, and
 ``kv_last_page_len`` and the lengths a backend attends over count from there.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -29,12 +30,13 @@ from ..requests.request import Request
 @dataclass
 class GroupTables:
     """One cache group's view of the step: where its layers write, and which pages they read."""
+
     slot_mapping: torch.Tensor
     kv_indptr: torch.Tensor
     kv_indices: torch.Tensor
     kv_last_page_len: torch.Tensor
     kv_blocks: list[list[int]]  # per sequence, the pages its held KV spans
-    kv_starts: list[int]        # per sequence, the position of its first held page's first token
+    kv_starts: list[int]  # per sequence, the position of its first held page's first token
 
 
 @dataclass
@@ -70,8 +72,12 @@ class StepMetadata:
         return all(q == 1 for q in self.q_lens)
 
 
-def build_step_metadata(scheduled: list[tuple[Request, int]], block_size: int,
-                        device: torch.device | str = "cpu", groups: tuple[CacheGroup, ...] = (FULL,)) -> StepMetadata:
+def build_step_metadata(
+    scheduled: list[tuple[Request, int]],
+    block_size: int,
+    device: torch.device | str = "cpu",
+    groups: tuple[CacheGroup, ...] = (FULL,),
+) -> StepMetadata:
     """Metadata for requests that will compute ``n`` more tokens each (before ``mark_computed``)."""
     input_ids: list[int] = []
     positions: list[int] = []
@@ -90,7 +96,9 @@ def build_step_metadata(scheduled: list[tuple[Request, int]], block_size: int,
         start = req.num_computed_tokens
         end = start + n
         table = req.block_table
-        assert len(table) * bs >= end, f"request {req.request_id}: {len(table)} blocks cannot hold {end} tokens"
+        assert len(table) * bs >= end, (
+            f"request {req.request_id}: {len(table)} blocks cannot hold {end} tokens"
+        )
         input_ids.extend(req.token_ids[start:end])
         positions.extend(range(start, end))
         slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
@@ -111,23 +119,50 @@ def build_step_metadata(scheduled: list[tuple[Request, int]], block_size: int,
             score_indices.extend(range(row0, row0 + count))
             score_rows.append((req, first, count))
 
-    ids, pos, logits_rows = upload(device, torch.long, input_ids, positions, logits_indices + score_indices)
-    slot_t, qo_t, kv_t, idx_t, last_t = upload(device, torch.int32, slots, qo_indptr, kv_indptr, kv_indices,
-                                               last_page_len)
+    ids, pos, logits_rows = upload(
+        device, torch.long, input_ids, positions, logits_indices + score_indices
+    )
+    slot_t, qo_t, kv_t, idx_t, last_t = upload(
+        device, torch.int32, slots, qo_indptr, kv_indptr, kv_indices, last_page_len
+    )
     meta = StepMetadata(
-        input_ids=ids, positions=pos, slot_mapping=slot_t, qo_indptr=qo_t, kv_indptr=kv_t,
-        kv_indices=idx_t, kv_last_page_len=last_t, logits_indices=logits_rows,
-        block_size=bs, q_lens=q_lens, kv_lens=kv_lens, kv_blocks=kv_blocks, sampled_requests=sampled,
-        score_rows=score_rows)
-    meta.groups = [GroupTables(meta.slot_mapping, meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len,
-                               kv_blocks, [0] * len(kv_blocks))]
+        input_ids=ids,
+        positions=pos,
+        slot_mapping=slot_t,
+        qo_indptr=qo_t,
+        kv_indptr=kv_t,
+        kv_indices=idx_t,
+        kv_last_page_len=last_t,
+        logits_indices=logits_rows,
+        block_size=bs,
+        q_lens=q_lens,
+        kv_lens=kv_lens,
+        kv_blocks=kv_blocks,
+        sampled_requests=sampled,
+        score_rows=score_rows,
+    )
+    meta.groups = [
+        GroupTables(
+            meta.slot_mapping,
+            meta.kv_indptr,
+            meta.kv_indices,
+            meta.kv_last_page_len,
+            kv_blocks,
+            [0] * len(kv_blocks),
+        )
+    ]
     for g in range(1, len(groups)):
         meta.groups.append(_group_tables(scheduled, g, groups[g], bs, device))
     return meta
 
 
-def _group_tables(scheduled: list[tuple[Request, int]], g: int, group: CacheGroup, bs: int,
-                  device: torch.device | str) -> GroupTables:
+def _group_tables(
+    scheduled: list[tuple[Request, int]],
+    g: int,
+    group: CacheGroup,
+    bs: int,
+    device: torch.device | str,
+) -> GroupTables:
     slots: list[int] = []
     indptr, indices, last, blocks, starts = [0], [], [], [], []
     for req, n in scheduled:

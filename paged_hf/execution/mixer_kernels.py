@@ -15,6 +15,7 @@ there (the seam: paged_hf/execution/kernel_seams.py).
         with enabled(spec.kernel is not None, view.given):   # around one mixer call
             module(...)
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -26,7 +27,16 @@ from . import kernel_seams
 
 KIND = "C++ gated delta rule"
 RULE_NAME = "torch_recurrent_gated_delta_rule"
-RULE_PARAMS = ("query", "key", "value", "g", "beta", "initial_state", "output_final_state", "use_qk_l2norm_in_kernel")
+RULE_PARAMS = (
+    "query",
+    "key",
+    "value",
+    "g",
+    "beta",
+    "initial_state",
+    "output_final_state",
+    "use_qk_l2norm_in_kernel",
+)
 calls = 0  # kernel calls in this process (the probe checks its mixer reached the kernel)
 
 
@@ -37,6 +47,7 @@ def sites_of(module: torch.nn.Module) -> list[kernel_seams.Site]:
 
 def available() -> bool:
     from .backends import cpu_paged_attention
+
     return cpu_paged_attention.load()
 
 
@@ -54,23 +65,56 @@ def enabled(on: bool, writable: list[torch.Tensor]) -> Iterator[None]:
 
 
 def _rule(original: Callable) -> Callable:
-    def rule(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-             initial_state: torch.Tensor | None = None, output_final_state: bool = False,
-             use_qk_l2norm_in_kernel: bool = False, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def rule(
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        initial_state: torch.Tensor | None = None,
+        output_final_state: bool = False,
+        use_qk_l2norm_in_kernel: bool = False,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         on, writable = kernel_seams.setting("gated_delta") or (False, ())
         if not (on and _serves(query, key, value, g, beta, initial_state, kwargs)):
-            return original(query, key, value, g=g, beta=beta, initial_state=initial_state,
-                            output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                            **kwargs)
-        return recurrent(query, key, value, g, beta, initial_state, output_final_state, use_qk_l2norm_in_kernel,
-                         in_place=any(initial_state is t for t in writable))
+            return original(
+                query,
+                key,
+                value,
+                g=g,
+                beta=beta,
+                initial_state=initial_state,
+                output_final_state=output_final_state,
+                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                **kwargs,
+            )
+        return recurrent(
+            query,
+            key,
+            value,
+            g,
+            beta,
+            initial_state,
+            output_final_state,
+            use_qk_l2norm_in_kernel,
+            in_place=any(initial_state is t for t in writable),
+        )
+
     rule.__name__ = rule.__qualname__ = RULE_NAME
     rule.__wrapped__ = original
     return rule
 
 
-def _serves(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-            state: torch.Tensor | None, kwargs: dict) -> bool:
+def _serves(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor | None,
+    kwargs: dict,
+) -> bool:
     if any(kwargs.get(name) is not None for name in ("cu_seqlens", "seq_idx")):
         return False
     tensors = (query, key, value, g, beta) + (() if state is None else (state,))
@@ -78,13 +122,26 @@ def _serves(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torc
         return False
     b, length, hk, dk = query.shape
     hv, dv = value.shape[-2:]
-    return (key.shape == query.shape and value.shape[:2] == (b, length) and hv % hk == 0
-            and g.shape == beta.shape == (b, length, hv) and (state is None or state.shape == (b, hv, dk, dv)))
+    return (
+        key.shape == query.shape
+        and value.shape[:2] == (b, length)
+        and hv % hk == 0
+        and g.shape == beta.shape == (b, length, hv)
+        and (state is None or state.shape == (b, hv, dk, dv))
+    )
 
 
-def recurrent(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-              initial_state: torch.Tensor | None, output_final_state: bool, l2norm: bool, in_place: bool = False
-              ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def recurrent(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor | None,
+    output_final_state: bool,
+    l2norm: bool,
+    in_place: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """transformers' recurrent gated delta rule through the C++ kernel; ``in_place``: the final
     state is written over ``initial_state`` (fp32, contiguous) and returned as it."""
     global calls
@@ -101,7 +158,8 @@ def recurrent(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: to
     else:
         state = initial_state.to(torch.float32, copy=True).contiguous()
     out = torch.empty(b, length, hv, dv, dtype=torch.float32)
-    torch.ops.paged_hf.gated_delta_recurrent(f32(query), f32(key), f32(value), f32(g), f32(beta), state, out,
-                                             bool(l2norm))
+    torch.ops.paged_hf.gated_delta_recurrent(
+        f32(query), f32(key), f32(value), f32(g), f32(beta), state, out, bool(l2norm)
+    )
     calls += 1
     return out.to(query.dtype), (state if output_final_state else None)

@@ -4,6 +4,7 @@ The model is driven unmodified: ``input_ids[1, T]`` and ``position_ids[1, T]`` h
 scheduled token of every request, ``use_cache=False`` keeps transformers' own cache out of
 the way, and ``logits_to_keep`` selects just the rows that will be sampled.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -11,13 +12,13 @@ import logging
 
 import torch
 
+from ..cache.kv_groups import CacheGroup
 from ..config import EngineConfig
 from ..requests.request import Request
 from . import compact_layers, cpu_linear, cpu_malloc, fused_ops
 from .attention import active_backend
 from .backends import select_backend
 from .cuda_graphs import DecodeAccelerator, wants_decode_accelerator
-from ..cache.kv_groups import CacheGroup
 from .kv_geometry import KVLayout
 from .metadata import StepMetadata, build_step_metadata
 from .state_geometry import StateLayout
@@ -35,13 +36,17 @@ _STRETCHING_ROPE = ("linear", "dynamic", "yarn")
 def max_positions(model: torch.nn.Module) -> tuple[int | None, int | None]:
     """(default, most) positions the model can encode: max_position_embeddings (n_positions for
     GPT-2), and, where a RoPE scaling stretches it, that length times its factor."""
-    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    cfg = (
+        model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    )
     base = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
     if base is None:
         return None, None
     most = base
     rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
-    for params in (rope.values() if all(isinstance(v, dict) for v in rope.values()) and rope else [rope]):
+    for params in (
+        rope.values() if all(isinstance(v, dict) for v in rope.values()) and rope else [rope]
+    ):
         kind = params.get("rope_type") or params.get("type")
         factor = params.get("factor")
         if kind in _STRETCHING_ROPE and isinstance(factor, (int, float)) and factor > 1:
@@ -79,23 +84,37 @@ def eval_modes(model: torch.nn.Module):
             m.training = True
 
 
-def cache_groups(model: torch.nn.Module, config: EngineConfig, layout: KVLayout,
-                 state_layout: StateLayout | None = None) -> tuple[CacheGroup, ...]:
+def cache_groups(
+    model: torch.nn.Module,
+    config: EngineConfig,
+    layout: KVLayout,
+    state_layout: StateLayout | None = None,
+) -> tuple[CacheGroup, ...]:
     """The cache groups the engine runs the model's layers in: sliding and chunked layers apart from
     full ones (paged_hf/cache/kv_groups.py), unless ``keep_every_kv_block``, or the step runs where
     groups are not served yet (CUDA-graph and compiled decode steps read group 0's tables only):
     there every block is kept, as it always was, with the same results."""
     param = next(model.parameters())
     backend = select_backend(config.backend, param.device, param.dtype, layout, quiet=True)
-    keep = (config.keep_every_kv_block or not getattr(backend, "serves_cache_groups", False)
-            or (wants_decode_accelerator(config, param.device) and state_layout is None))
+    keep = (
+        config.keep_every_kv_block
+        or not getattr(backend, "serves_cache_groups", False)
+        or (wants_decode_accelerator(config, param.device) and state_layout is None)
+    )
     return layout.cache_groups(keep_every_block=keep)
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, config: EngineConfig, num_blocks: int, layout: KVLayout,
-                 state_layout: StateLayout | None = None, num_state_slots: int = 0,
-                 groups: tuple[CacheGroup, ...] | None = None) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        config: EngineConfig,
+        num_blocks: int,
+        layout: KVLayout,
+        state_layout: StateLayout | None = None,
+        num_state_slots: int = 0,
+        groups: tuple[CacheGroup, ...] | None = None,
+    ) -> None:
         """``layout``: the model's per-layer KV geometry (paged_hf/execution/kv_geometry.py), found when it was
         patched; ``state_layout``: a hybrid model's stateful layers (paged_hf/execution/state_geometry.py), whose
         states live in ``num_state_slots`` slots (running sequences', then prefix checkpoints);
@@ -113,37 +132,69 @@ class ModelRunner:
         self.fused_ops = None
         if config.cpu_fused_ops and self.device.type == "cpu" and fused_ops.available():
             with eval_modes(model):  # checked as the steps run them
-                self.fused_ops = fused_ops.FusedOps(model, self.dtype, layout.layers[0].k_dim if layout.layers else None)
+                self.fused_ops = fused_ops.FusedOps(
+                    model, self.dtype, layout.layers[0].k_dim if layout.layers else None
+                )
         # on a CPU the linear layers use weights packed once for oneDNN: bf16 for its bf16 matmul or, where this
         # CPU has none, as fp32 copies; fp32 for its fp32 matmul (paged_hf/execution/cpu_linear.py)
-        how = cpu_linear.mode(self.dtype, self.device, config.cpu_packed_weights) if self.decode is None else None
-        self.packed = cpu_linear.PackedLinears(model, how, self.dtype, fuse=config.cpu_fused_projections) if how else None
+        how = (
+            cpu_linear.mode(self.dtype, self.device, config.cpu_packed_weights)
+            if self.decode is None
+            else None
+        )
+        self.packed = (
+            cpu_linear.PackedLinears(model, how, self.dtype, fuse=config.cpu_fused_projections)
+            if how
+            else None
+        )
         if self.packed is not None:
             ok, why = cpu_linear.affordable(self.packed.nbytes)
             if not ok:  # the same results either way (fp32: within a rounding); only speed is lost, so say so
-                logger.warning("paged_hf: linear weights are not packed (%s); steps run %s slower. "
-                               "cpu_packed_weights=False silences this.", why,
-                               "up to 5x" if how == cpu_linear.FP32 and self.dtype == torch.bfloat16 else "~10-50%")
+                logger.warning(
+                    "paged_hf: linear weights are not packed (%s); steps run %s slower. "
+                    "cpu_packed_weights=False silences this.",
+                    why,
+                    "up to 5x"
+                    if how == cpu_linear.FP32 and self.dtype == torch.bfloat16
+                    else "~10-50%",
+                )
                 self.packed = None
         self.compact = None
         if config.cpu_compact_layers and self.fused_ops is not None and self.packed is not None:
             with eval_modes(model):
-                self.compact = compact_layers.CompactLayers(model, self.fused_ops, self.packed, layout)
+                self.compact = compact_layers.CompactLayers(
+                    model, self.fused_ops, self.packed, layout
+                )
 
     def _allocate(self) -> None:
         """The KV tensors (through the backend), the state slots and the decode accelerator."""
         num_blocks, layout, state_layout, num_state_slots = self._sizes
         config = self.config
-        self.states = StateStore(state_layout, num_state_slots, self.device) if state_layout is not None else None
-        self.mixers = MixerRunner(self.model, state_layout, self.states) if state_layout is not None else None
+        self.states = (
+            StateStore(state_layout, num_state_slots, self.device)
+            if state_layout is not None
+            else None
+        )
+        self.mixers = (
+            MixerRunner(self.model, state_layout, self.states) if state_layout is not None else None
+        )
         # padded decode steps (CUDA graphs / compile) need one extra KV block for their padding rows;
         # a hybrid's state gather is not captured (never run on a GPU), so its decode steps run eagerly
         accelerate = wants_decode_accelerator(config, self.device) and state_layout is None
         kwargs = {"groups": self.groups} if len(self.groups) > 1 else {}
         self.backend = select_backend(config.backend, self.device, self.dtype, layout)(
-            layout, num_blocks + int(accelerate), config.block_size, dtype=self.dtype, device=self.device, **kwargs)
-        self.decode = DecodeAccelerator.build(self.model, self.backend, config, pad_block=num_blocks) \
-            if accelerate else None
+            layout,
+            num_blocks + int(accelerate),
+            config.block_size,
+            dtype=self.dtype,
+            device=self.device,
+            **kwargs,
+        )
+        self.decode = (
+            DecodeAccelerator.build(self.model, self.backend, config, pad_block=num_blocks)
+            if accelerate
+            else None
+        )
         self.backend_name = self.backend.name
 
     def sleep(self) -> None:
@@ -177,30 +228,47 @@ class ModelRunner:
             self.states.copy_slots(pairs)
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[tuple[Request, int]], block_copies: list[tuple[int, int]]
-                ) -> tuple[torch.Tensor, StepMetadata]:
+    def execute(
+        self, scheduled: list[tuple[Request, int]], block_copies: list[tuple[int, int]]
+    ) -> tuple[torch.Tensor, StepMetadata]:
         """Run the step; return logits [B', V] for ``meta.sampled_requests`` and the metadata."""
         meta = build_step_metadata(scheduled, self.config.block_size, self.device, self.groups)
         self.backend.copy_blocks(block_copies)
         with eval_modes(self.model):
             return self._forward(meta, scheduled)
 
-    def _forward(self, meta: StepMetadata, scheduled: list[tuple[Request, int]]) -> tuple[torch.Tensor, StepMetadata]:
+    def _forward(
+        self, meta: StepMetadata, scheduled: list[tuple[Request, int]]
+    ) -> tuple[torch.Tensor, StepMetadata]:
         if self.decode is not None and self.decode.can_run(meta):
             return self.decode.run(meta), meta
         self.backend.plan(meta)
         mixers = contextlib.nullcontext()
         if self.mixers is not None:
-            plan = StatePlan.build(meta.q_lens, [req.num_computed_tokens for req, _ in scheduled],
-                                   [req.state_slot for req, _ in scheduled], self.device,
-                                   [req.pending_checkpoints for req, _ in scheduled])
+            plan = StatePlan.build(
+                meta.q_lens,
+                [req.num_computed_tokens for req, _ in scheduled],
+                [req.state_slot for req, _ in scheduled],
+                self.device,
+                [req.pending_checkpoints for req, _ in scheduled],
+            )
             mixers = self.mixers.active(plan)
-        with active_backend(self.backend), (self.packed.active() if self.packed else contextlib.nullcontext()), \
-                (self.fused_ops.active() if self.fused_ops else contextlib.nullcontext()), \
-                (self.compact.active() if self.compact else contextlib.nullcontext()), mixers:
-            out = self.model(input_ids=meta.input_ids[None], position_ids=meta.positions[None],
-                             use_cache=False, logits_to_keep=meta.logits_indices)
+        with (
+            active_backend(self.backend),
+            self.packed.active() if self.packed else contextlib.nullcontext(),
+            self.fused_ops.active() if self.fused_ops else contextlib.nullcontext(),
+            self.compact.active() if self.compact else contextlib.nullcontext(),
+            mixers,
+        ):
+            out = self.model(
+                input_ids=meta.input_ids[None],
+                position_ids=meta.positions[None],
+                use_cache=False,
+                logits_to_keep=meta.logits_indices,
+            )
         logits = out.logits[0]
-        if logits.shape[0] != meta.logits_indices.numel():  # a forward without logits_to_keep (Whisper's): every row
+        if (
+            logits.shape[0] != meta.logits_indices.numel()
+        ):  # a forward without logits_to_keep (Whisper's): every row
             logits = logits.index_select(0, meta.logits_indices)
         return logits, meta

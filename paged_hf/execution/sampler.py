@@ -11,6 +11,7 @@ A row that cannot be sampled (its processing raised, or its logits are NaN / inf
 token is banned) fails alone: it gets no token and an entry in ``errors``, and the other rows'
 tokens are what they would have been without it.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -29,7 +30,9 @@ class SampleResult:
     errors: dict[int, str] = field(default_factory=dict)  # row -> why it has no token
 
 
-def sample(logits: torch.Tensor, requests: list[Request], mask: Callable | None = None) -> SampleResult:
+def sample(
+    logits: torch.Tensor, requests: list[Request], mask: Callable | None = None
+) -> SampleResult:
     """logits: [B, V] (one row per request, any dtype) -> one token per request. ``mask(logits,
     errors)``: structured outputs' grammar masks, applied after the per-request processors."""
     if mask is None and all(_plain_greedy(r) for r in requests):
@@ -51,7 +54,9 @@ def sample(logits: torch.Tensor, requests: list[Request], mask: Callable | None 
     # max gives the greedy choice and, in the same pass, rows with NaN / +inf (max propagates them)
     # or nothing left to pick (all -inf)
     best, tokens = _row_max(logits)
-    sampling_rows = [i for i, r in enumerate(requests) if not r.params.is_greedy and i not in errors]
+    sampling_rows = [
+        i for i, r in enumerate(requests) if not r.params.is_greedy and i not in errors
+    ]
     processed: dict[int, torch.Tensor] = {}  # row -> log-probabilities it was drawn from
     if sampling_rows:
         drawn = _draw_rows(logits, requests, sampling_rows, errors)
@@ -59,7 +64,10 @@ def sample(logits: torch.Tensor, requests: list[Request], mask: Callable | None 
             rows, picks, probs = drawn
             tokens[torch.tensor(rows, device=logits.device)] = picks
             for j, i in enumerate(rows):
-                if requests[i].params.processed_logprobs and requests[i].params.logprobs is not None:
+                if (
+                    requests[i].params.processed_logprobs
+                    and requests[i].params.logprobs is not None
+                ):
                     processed[i] = probs[j].log()
     tokens = torch.where(torch.isfinite(best), tokens, -1)
     token_list: list[int | None] = tokens.tolist()
@@ -79,11 +87,19 @@ def sample(logits: torch.Tensor, requests: list[Request], mask: Callable | None 
                 continue
             try:
                 row_lp = processed.get(i)
-                if row_lp is None:  # greedy rows' processed distribution: their masked, penalised logits
-                    row_lp = torch.log_softmax(logits[i], dim=-1) if r.params.processed_logprobs else lp[i]
+                if (
+                    row_lp is None
+                ):  # greedy rows' processed distribution: their masked, penalised logits
+                    row_lp = (
+                        torch.log_softmax(logits[i], dim=-1)
+                        if r.params.processed_logprobs
+                        else lp[i]
+                    )
                 top = torch.topk(row_lp, k) if k > 0 else None
-                logprobs[i] = (float(row_lp[token_list[i]]),
-                               {} if top is None else dict(zip(top.indices.tolist(), top.values.tolist())))
+                logprobs[i] = (
+                    float(row_lp[token_list[i]]),
+                    {} if top is None else dict(zip(top.indices.tolist(), top.values.tolist())),
+                )
             except Exception as e:  # noqa: BLE001
                 errors[i] = f"logprobs failed: {type(e).__name__}: {e}"
                 token_list[i] = None
@@ -93,12 +109,20 @@ def sample(logits: torch.Tensor, requests: list[Request], mask: Callable | None 
 def _plain_greedy(req: Request) -> bool:
     """Greedy, no logprobs, and no processor that would change its row this step."""
     p = req.params
-    if (not p.is_greedy or p.logprobs is not None or p.repetition_penalty != 1.0 or p.encoder_repetition_penalty != 1.0
-            or p.suppress_tokens or p.logits_processors):
+    if (
+        not p.is_greedy
+        or p.logprobs is not None
+        or p.repetition_penalty != 1.0
+        or p.encoder_repetition_penalty != 1.0
+        or p.suppress_tokens
+        or p.logits_processors
+    ):
         return False
     if p.begin_suppress_tokens and req.num_output_tokens == 0:
         return False
-    if req.num_output_tokens < p.min_new_tokens and (p.stop_token_ids or not p.ignore_eos and req.eos_token_ids):
+    if req.num_output_tokens < p.min_new_tokens and (
+        p.stop_token_ids or not p.ignore_eos and req.eos_token_ids
+    ):
         return False
     return True
 
@@ -107,8 +131,14 @@ def _greedy_as_they_are(logits: torch.Tensor) -> SampleResult | None:
     """Every row greedy and unprocessed: each row's first maximum, read from the logits as they are
     (the same tokens as the full path's fp32 copy gives: bf16 values are exact in fp32); None where the
     C++ op does not serve these logits."""
-    if not (logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.bfloat16) and logits.dim() == 2
-            and logits.shape[1] > 0 and logits.stride(1) == 1 and cpu_paged_attention.load()):
+    if not (
+        logits.device.type == "cpu"
+        and logits.dtype in (torch.float32, torch.bfloat16)
+        and logits.dim() == 2
+        and logits.shape[1] > 0
+        and logits.stride(1) == 1
+        and cpu_paged_attention.load()
+    ):
         return None
     best, tokens = torch.ops.paged_hf.greedy_max(logits)
     token_list: list[int | None] = torch.where(torch.isfinite(best), tokens, -1).tolist()
@@ -123,8 +153,13 @@ def _greedy_as_they_are(logits: torch.Tensor) -> SampleResult | None:
 def _row_max(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's maximum (NaN where the row holds one) and its first index: ``logits.max(dim=-1)``,
     on a CPU through ``paged_hf::greedy_max`` where the extension is built (a tenth of the time)."""
-    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2 and logits.shape[1] > 0 \
-            and cpu_paged_attention.load():
+    if (
+        logits.device.type == "cpu"
+        and logits.dtype == torch.float32
+        and logits.dim() == 2
+        and logits.shape[1] > 0
+        and cpu_paged_attention.load()
+    ):
         return torch.ops.paged_hf.greedy_max(logits)
     return logits.max(dim=-1)
 
@@ -132,26 +167,37 @@ def _row_max(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def _prepare_row(logits: torch.Tensor, row: int, req: Request) -> None:
     """The per-request processors, in place on ``logits[row]``: the penalties, EOS ban, suppressed tokens."""
     p = req.params
-    if p.encoder_repetition_penalty != 1.0:  # transformers' EncoderRepetitionPenaltyLogitsProcessor: by 1 / penalty
+    if (
+        p.encoder_repetition_penalty != 1.0
+    ):  # transformers' EncoderRepetitionPenaltyLogitsProcessor: by 1 / penalty
         ids = req.encoder_token_ids if req.encoder_token_ids is not None else req.prompt_ids
         _penalise(logits, row, ids, 1 / p.encoder_repetition_penalty)
     if p.repetition_penalty != 1.0:
         _penalise(logits, row, req.token_ids, p.repetition_penalty)
     if req.num_output_tokens < p.min_new_tokens:
-        banned = [t for t in set(p.stop_token_ids) | (set() if p.ignore_eos else set(req.eos_token_ids))
-                  if t < logits.shape[1]]
+        banned = [
+            t
+            for t in set(p.stop_token_ids) | (set() if p.ignore_eos else set(req.eos_token_ids))
+            if t < logits.shape[1]
+        ]
         if banned:
             logits[row, banned] = float("-inf")
-    suppressed = list(p.suppress_tokens) + (list(p.begin_suppress_tokens) if req.num_output_tokens == 0 else [])
+    suppressed = list(p.suppress_tokens) + (
+        list(p.begin_suppress_tokens) if req.num_output_tokens == 0 else []
+    )
     suppressed = [t for t in suppressed if t < logits.shape[1]]
     if suppressed:
         logits[row, suppressed] = float("-inf")
-    for processor in p.logits_processors:  # the caller's, after the built-in ones (transformers' order)
+    for (
+        processor
+    ) in p.logits_processors:  # the caller's, after the built-in ones (transformers' order)
         out = processor(list(req.token_ids), logits[row])
         if not isinstance(out, torch.Tensor) or out.shape != logits[row].shape:
-            raise ValueError(f"logits processor {getattr(processor, '__name__', processor)!r} returned "
-                             f"{type(out).__name__} {tuple(getattr(out, 'shape', ()))}, not a tensor of shape "
-                             f"{tuple(logits[row].shape)}")
+            raise ValueError(
+                f"logits processor {getattr(processor, '__name__', processor)!r} returned "
+                f"{type(out).__name__} {tuple(getattr(out, 'shape', ()))}, not a tensor of shape "
+                f"{tuple(logits[row].shape)}"
+            )
         logits[row] = out
 
 
@@ -163,11 +209,13 @@ def _penalise(logits: torch.Tensor, row: int, ids: Sequence[int], factor: float)
     logits[row, seen] = torch.where(vals < 0, vals * factor, vals / factor)
 
 
-def _draw_rows(logits: torch.Tensor, requests: list[Request], rows: list[int],
-               errors: dict[int, str]) -> tuple[list[int], torch.Tensor, torch.Tensor] | None:
+def _draw_rows(
+    logits: torch.Tensor, requests: list[Request], rows: list[int], errors: dict[int, str]
+) -> tuple[list[int], torch.Tensor, torch.Tensor] | None:
     """Sampled tokens of ``rows`` (those still drawn, their picks, and the probabilities drawn from). Filtering runs batched; if
     that raises, row by row, so only the row at fault fails. Generators advance only in the
     draw itself, after filtering, so a failed row never shifts another row's seeded draw."""
+
     def probs_of(idx: list[int]) -> torch.Tensor:
         sel = torch.tensor(idx, device=logits.device)
         temps = torch.tensor([requests[i].params.temperature for i in idx], device=logits.device)
@@ -189,7 +237,9 @@ def _draw_rows(logits: torch.Tensor, requests: list[Request], rows: list[int],
     return rows, _inverse_cdf_draw(probs, [requests[i].generator for i in rows]), probs
 
 
-def _inverse_cdf_draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+def _inverse_cdf_draw(
+    probs: torch.Tensor, generators: list[torch.Generator | None]
+) -> torch.Tensor:
     """One token per row of ``probs`` from one uniform draw per row: rows without a generator share
     one draw from torch's default generator, a seeded row draws from its own. (A Gumbel/exponential
     race needs a random number per vocabulary entry: 63 ms for 64 x 49k rows on this CPU, against
@@ -199,11 +249,13 @@ def _inverse_cdf_draw(probs: torch.Tensor, generators: list[torch.Generator | No
         u.uniform_()
     for row, g in enumerate(generators):
         if g is not None:
-            u[row: row + 1].uniform_(generator=g)
+            u[row : row + 1].uniform_(generator=g)
     cdf = probs.cumsum(dim=-1)
     # first index whose cumulative sum exceeds u * total: a zero-probability token never qualifies,
     # as its cumulative sum equals its predecessor's
-    picks = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0].clamp_(max=probs.shape[1] - 1)
+    picks = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0].clamp_(
+        max=probs.shape[1] - 1
+    )
     # u * total can round up to total itself (p ~ 2**-24); never let that pick a filtered token
     zero = probs.gather(1, picks[:, None])[:, 0] == 0
     return torch.where(zero, probs.argmax(dim=-1), picks)

@@ -14,6 +14,7 @@ own cache class, MiniMax's) with their shapes and dtypes. The engine sizes its s
                       recurrent_dtypes=("float32",))
     StateLayout((mixer,)).bytes_per_slot()
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -28,9 +29,9 @@ def _dtype(name: str) -> torch.dtype:
 @dataclass(frozen=True)
 class MixerSpec:
     layer_idx: int
-    path: str                  # the module's name in the model (``model.layers.0.linear_attn``)
-    kind: str                  # what it is, for messages and the support table ("gated delta net")
-    cache_arg: str             # the keyword its forward takes the cache by ("cache")
+    path: str  # the module's name in the model (``model.layers.0.linear_attn``)
+    kind: str  # what it is, for messages and the support table ("gated delta net")
+    cache_arg: str  # the keyword its forward takes the cache by ("cache")
     # per state_idx: the state's shape without the batch dimension (None: the mixer keeps no such state)
     conv: tuple[tuple[int, ...] | None, ...]
     conv_dtypes: tuple[str | None, ...]
@@ -53,10 +54,16 @@ class MixerSpec:
 
     def bytes_per_slot(self) -> int:
         total = 0
-        for shapes, dtypes in ((self.conv, self.conv_dtypes), (self.recurrent, self.recurrent_dtypes)):
+        for shapes, dtypes in (
+            (self.conv, self.conv_dtypes),
+            (self.recurrent, self.recurrent_dtypes),
+        ):
             for shape, dtype in zip(shapes, dtypes):
                 if shape is not None:
-                    total += torch.Size(shape).numel() * torch.empty((), dtype=_dtype(dtype)).element_size()
+                    total += (
+                        torch.Size(shape).numel()
+                        * torch.empty((), dtype=_dtype(dtype)).element_size()
+                    )
         return total
 
 
@@ -65,6 +72,7 @@ class StateLayout:
     """One ``MixerSpec`` per stateful layer, in layer order. ``continues_chunks``: the mixers carry
     their state into a chunk of several tokens (False for Mamba1-style mixers, which drop it: after
     a request's first chunk, its prompt goes on one token at a time, through their decode path)."""
+
     mixers: tuple[MixerSpec, ...]
     continues_chunks: bool = True
 
@@ -82,6 +90,10 @@ class StateLayout:
         return list(dict.fromkeys(m.kernel for m in self.mixers if m.kernel is not None))
 
     def describe(self) -> str:
-        chunks = "" if self.continues_chunks else "; prompts continue token by token after their first chunk"
+        chunks = (
+            ""
+            if self.continues_chunks
+            else "; prompts continue token by token after their first chunk"
+        )
         chunks += "".join(f"; decode through paged_hf's {k} kernel" for k in self.kernels)
         return f"{len(self.mixers)} x {', '.join(self.kinds)} ({self.bytes_per_slot():,} state bytes per sequence{chunks})"

@@ -5,6 +5,7 @@ A slot id (handed out by paged_hf/cache/state_slots.py) names one sequence's sta
 stateful layer. A slot's state is only meaningful once its sequence computed a token: before
 that the mixers are told there is no previous state, whatever the memory holds.
 """
+
 from __future__ import annotations
 
 import torch
@@ -21,14 +22,22 @@ class StateStore:
         self.conv: dict[int, list[torch.Tensor | None]] = {}
         self.recurrent: dict[int, list[torch.Tensor | None]] = {}
         for m in layout.mixers:
-            self.conv[m.layer_idx] = [None if s is None else torch.zeros(num_slots, *s, dtype=_dtype(d), device=device)
-                                      for s, d in zip(m.conv, m.conv_dtypes)]
+            self.conv[m.layer_idx] = [
+                None if s is None else torch.zeros(num_slots, *s, dtype=_dtype(d), device=device)
+                for s, d in zip(m.conv, m.conv_dtypes)
+            ]
             self.recurrent[m.layer_idx] = [
                 None if s is None else torch.zeros(num_slots, *s, dtype=_dtype(d), device=device)
-                for s, d in zip(m.recurrent, m.recurrent_dtypes)]
+                for s, d in zip(m.recurrent, m.recurrent_dtypes)
+            ]
 
     def _tensors(self) -> list[torch.Tensor]:
-        return [t for by_state in (*self.conv.values(), *self.recurrent.values()) for t in by_state if t is not None]
+        return [
+            t
+            for by_state in (*self.conv.values(), *self.recurrent.values())
+            for t in by_state
+            if t is not None
+        ]
 
     @property
     def nbytes(self) -> int:

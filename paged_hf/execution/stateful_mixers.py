@@ -21,6 +21,7 @@ caller that read it would fail, not go on with a wrong one. No model math is cop
 paged_hf's may stand in for a fallback function at transformers' own kernel seam:
 paged_hf/execution/mixer_kernels.py). Outside a step the modules are untouched.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -42,10 +43,11 @@ CACHE_ARGS = ("cache", "cache_params", "past_key_values")
 @dataclass
 class Segment:
     """One sequence's rows, run through the mixer on their own."""
-    first: int                 # its first row in the packed batch
+
+    first: int  # its first row in the packed batch
     end: int
     slot: int
-    has_previous: bool         # it continues a state (not its first token)
+    has_previous: bool  # it continues a state (not its first token)
     # (offset, checkpoint slot): after row first + offset, copy the state there (a prefix checkpoint)
     snapshots: list[tuple[int, int]]
 
@@ -59,15 +61,24 @@ def decodes_from_state(n_tokens: int, computed: int, snapshots: list) -> bool:
 @dataclass
 class StatePlan:
     """Which rows of a step's packed batch go to the mixers together, and with which slots."""
-    decode_rows: torch.Tensor | None   # [N] rows of single-token sequences that have a state, by slot
+
+    decode_rows: (
+        torch.Tensor | None
+    )  # [N] rows of single-token sequences that have a state, by slot
     # their slots, a..b-1 (the step loop renumbers slots so that they are): the mixers read and
     # update those states in place, through views of the slots, with no gather or scatter
     decode_span: tuple[int, int] | None
     segments: list[Segment]
 
     @classmethod
-    def build(cls, q_lens: list[int], computed: list[int], slots: list[int], device: torch.device,
-              snapshots: list[list[tuple[int, int]]] | None = None) -> "StatePlan":
+    def build(
+        cls,
+        q_lens: list[int],
+        computed: list[int],
+        slots: list[int],
+        device: torch.device,
+        snapshots: list[list[tuple[int, int]]] | None = None,
+    ) -> "StatePlan":
         """``computed``: tokens each sequence had computed before this step; ``snapshots``: per
         sequence, (position, checkpoint slot) of the state snapshots to take."""
         rows, dslots, segments, start = [], [], [], 0
@@ -84,9 +95,15 @@ class StatePlan:
         order = sorted(range(len(rows)), key=dslots.__getitem__)
         first = dslots[order[0]]
         if [dslots[k] for k in order] != list(range(first, first + len(rows))):
-            raise ValueError(f"paged_hf: the decode rows' state slots {sorted(dslots)} are not one span "
-                             "(the step loop renumbers them so that they are; this is a bug)")
-        return cls(torch.tensor([rows[k] for k in order], device=device), (first, first + len(rows)), segments)
+            raise ValueError(
+                f"paged_hf: the decode rows' state slots {sorted(dslots)} are not one span "
+                "(the step loop renumbers them so that they are; this is a bug)"
+            )
+        return cls(
+            torch.tensor([rows[k] for k in order], device=device),
+            (first, first + len(rows)),
+            segments,
+        )
 
 
 class _OneLayer:
@@ -97,7 +114,9 @@ class _OneLayer:
 
     def __getitem__(self, idx: int) -> LinearAttentionLayer:
         if idx != self.layer_idx:
-            raise IndexError(f"paged_hf: the step's cache view holds layer {self.layer_idx}, not {idx}")
+            raise IndexError(
+                f"paged_hf: the step's cache view holds layer {self.layer_idx}, not {idx}"
+            )
         return self.layer
 
     def __len__(self) -> int:
@@ -107,8 +126,13 @@ class _OneLayer:
 class SlotView(Cache):
     """transformers' ``Cache``, holding one stateful layer's states for some sequences (their slots)."""
 
-    def __init__(self, spec: MixerSpec, conv: list[torch.Tensor | None], recurrent: list[torch.Tensor | None],
-                 has_previous: bool) -> None:  # noqa: D107 - Cache.__init__ builds layers this view does not have
+    def __init__(
+        self,
+        spec: MixerSpec,
+        conv: list[torch.Tensor | None],
+        recurrent: list[torch.Tensor | None],
+        has_previous: bool,
+    ) -> None:  # noqa: D107 - Cache.__init__ builds layers this view does not have
         layer = LinearAttentionLayer(number_of_states=spec.num_states)
         for i in range(spec.num_states):
             if conv[i] is not None:
@@ -124,7 +148,9 @@ class SlotView(Cache):
         self.offloading = False
         self.layer = layer
         self.given = [t for t in (*conv, *recurrent) if t is not None]  # the slots' own tensors
-        for i, (get, put) in enumerate(spec.own_methods):  # the model's own cache's pair, over the same slots
+        for i, (get, put) in enumerate(
+            spec.own_methods
+        ):  # the model's own cache's pair, over the same slots
             setattr(self, get, functools.partial(self.get_recurrent_state, state_idx=i))
             setattr(self, put, functools.partial(_own_set, self, state_idx=i))
 
@@ -140,8 +166,14 @@ class MixerRunner:
         self.store = store
         self.mixers = [(model.get_submodule(spec.path), spec) for spec in layout.mixers]
         # where the kernels the probe checked go in (module-level names of transformers' modeling files)
-        self.kernel_sites = sorted({site for module, spec in self.mixers if spec.kernel is not None
-                                    for site in mixer_kernels.sites_of(module)})
+        self.kernel_sites = sorted(
+            {
+                site
+                for module, spec in self.mixers
+                if spec.kernel is not None
+                for site in mixer_kernels.sites_of(module)
+            }
+        )
 
     @contextlib.contextmanager
     def active(self, plan: StatePlan) -> Iterator[None]:
@@ -174,8 +206,10 @@ def mixer_output(y: Any) -> tuple[torch.Tensor, int]:
         return y, 0
     if isinstance(y, tuple) and y and isinstance(y[0], torch.Tensor):
         return y[0], len(y) - 1
-    raise RuntimeError(f"paged_hf: a stateful mixer returned {type(y).__name__}, not a tensor or (tensor, ...); "
-                       "paged_hf.patch should have refused this model")
+    raise RuntimeError(
+        f"paged_hf: a stateful mixer returned {type(y).__name__}, not a tensor or (tensor, ...); "
+        "paged_hf.patch should have refused this model"
+    )
 
 
 def stepped_forward(original: Any, spec: MixerSpec, store: StateStore, plan: StatePlan) -> Any:
@@ -204,7 +238,9 @@ def stepped_forward(original: Any, spec: MixerSpec, store: StateStore, plan: Sta
         for seg in plan.segments:
             slot, pieces = seg.slot, _pieces(seg)
             for k, (a, b, ckpt) in enumerate(pieces):
-                view = _view(spec, store, slice(slot, slot + 1), has_previous=seg.has_previous or k > 0)
+                view = _view(
+                    spec, store, slice(slot, slot + 1), has_previous=seg.has_previous or k > 0
+                )
                 y = run(hidden[:, a:b], view)
                 if out is None:
                     out = hidden.new_empty(1, hidden.shape[1], y.shape[-1], dtype=y.dtype)
@@ -232,16 +268,22 @@ def _pieces(seg: Segment) -> list[tuple[int, int, int | None]]:
 def _view(spec: MixerSpec, store: StateStore, where: slice, has_previous: bool) -> SlotView:
     """A cache view over the slots ``where``: views of the store, so the mixer's in-place updates
     land in the slots."""
-    return SlotView(spec, [None if t is None else t[where] for t in store.conv[spec.layer_idx]],
-                    [None if t is None else t[where] for t in store.recurrent[spec.layer_idx]], has_previous)
+    return SlotView(
+        spec,
+        [None if t is None else t[where] for t in store.conv[spec.layer_idx]],
+        [None if t is None else t[where] for t in store.recurrent[spec.layer_idx]],
+        has_previous,
+    )
 
 
 def _put_back(view: SlotView, store: StateStore, spec: MixerSpec, where: slice) -> None:
     """A state the view's layer holds that is not the slots' own view (the mixer replaced it, or
     it was None) goes to the slots."""
     layer = view.layer
-    for held, pool in ((layer.conv_states, store.conv[spec.layer_idx]),
-                       (layer.recurrent_states, store.recurrent[spec.layer_idx])):
+    for held, pool in (
+        (layer.conv_states, store.conv[spec.layer_idx]),
+        (layer.recurrent_states, store.recurrent[spec.layer_idx]),
+    ):
         for i, target in enumerate(pool):
             state = held.get(i)
             if target is not None and state is not None and not any(state is t for t in view.given):

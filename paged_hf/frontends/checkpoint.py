@@ -12,6 +12,7 @@ done; rows whose only records are errors run again. A record that is not what th
 writes is logged and never trusted (its row runs again). The last line of a file may lack its
 newline: a record cut short by a kill (invalid JSON) is cut off, a complete one is kept.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -34,10 +35,17 @@ RECORD_FIELDS = ("row_index", "text", "num_tokens", "finish_reason", "ttft", "er
 _FSYNC_INTERVAL_S = 1.0
 
 
-def make_record(row: int, text: str, num_tokens: int, finish_reason: str, ttft: float | None,
-                error: str | None) -> dict:
-    return {"row_index": row, "text": text, "num_tokens": num_tokens, "finish_reason": finish_reason,
-            "ttft": ttft, "error": error}
+def make_record(
+    row: int, text: str, num_tokens: int, finish_reason: str, ttft: float | None, error: str | None
+) -> dict:
+    return {
+        "row_index": row,
+        "text": text,
+        "num_tokens": num_tokens,
+        "finish_reason": finish_reason,
+        "ttft": ttft,
+        "error": error,
+    }
 
 
 def record_problem(rec: Any, num_rows: int) -> str | None:
@@ -47,8 +55,9 @@ def record_problem(rec: Any, num_rows: int) -> str | None:
     missing = [k for k in RECORD_FIELDS if k not in rec]
     if missing:
         return f"field(s) {missing} missing"
-    row, num_tokens, reason, ttft, error = (rec[k] for k in ("row_index", "num_tokens", "finish_reason", "ttft",
-                                                             "error"))
+    row, num_tokens, reason, ttft, error = (
+        rec[k] for k in ("row_index", "num_tokens", "finish_reason", "ttft", "error")
+    )
     if not _is_int(row) or not 0 <= row < num_rows:
         return f"row_index={row!r}, must be an int in [0, {num_rows})"
     if not isinstance(rec["text"], str):
@@ -78,7 +87,9 @@ class Checkpoint:
     """One rank's view of a checkpoint directory: checks (or writes) the manifest on creation,
     ``load`` reads what every rank finished, ``open`` / ``write`` / ``close`` append this rank's rows."""
 
-    def __init__(self, directory: Path, fingerprint: dict, rank: int, state: Any, num_rows: int) -> None:
+    def __init__(
+        self, directory: Path, fingerprint: dict, rank: int, state: Any, num_rows: int
+    ) -> None:
         self.dir = directory
         self.path = directory / f"results-{rank}.jsonl"
         self.num_rows = num_rows
@@ -94,7 +105,12 @@ class Checkpoint:
             directory.mkdir(parents=True, exist_ok=True)
             tmp = directory / "manifest.json.tmp"
             with open(tmp, "w") as f:
-                json.dump({"version": CHECKPOINT_VERSION, "fingerprint": fingerprint}, f, indent=1, sort_keys=True)
+                json.dump(
+                    {"version": CHECKPOINT_VERSION, "fingerprint": fingerprint},
+                    f,
+                    indent=1,
+                    sort_keys=True,
+                )
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, manifest)
@@ -123,13 +139,21 @@ class Checkpoint:
                 rec = json.loads(line)
             except (ValueError, RecursionError):
                 if k != len(lines) - 1:  # a torn last line is expected after a kill; others are not
-                    logger.warning("paged_hf.generate_dataset: %s line %d is not JSON; its row runs again",
-                                   path, k + 1)
+                    logger.warning(
+                        "paged_hf.generate_dataset: %s line %d is not JSON; its row runs again",
+                        path,
+                        k + 1,
+                    )
                 continue
             problem = record_problem(rec, self.num_rows)
             if problem is not None:
-                logger.warning("paged_hf.generate_dataset: %s line %d is not a valid record (%s); its row runs "
-                               "again", path, k + 1, problem)
+                logger.warning(
+                    "paged_hf.generate_dataset: %s line %d is not a valid record (%s); its row runs "
+                    "again",
+                    path,
+                    k + 1,
+                    problem,
+                )
                 continue
             yield make_record(*(rec[key] for key in RECORD_FIELDS))  # only the known fields
 
@@ -151,7 +175,9 @@ class Checkpoint:
         self.file.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
         self.file.flush()  # in the OS now: survives the process being killed
         now = time.perf_counter()
-        if now - self.last_sync >= _FSYNC_INTERVAL_S:  # on the disk: survives the machine going down
+        if (
+            now - self.last_sync >= _FSYNC_INTERVAL_S
+        ):  # on the disk: survives the machine going down
             os.fsync(self.file.fileno())
             self.last_sync = now
 
@@ -175,33 +201,56 @@ def check_manifest(path: Path, fingerprint: dict) -> None:
     try:
         saved = json.loads(path.read_text())
     except ValueError as e:
-        raise ValueError(f"checkpoint {path} is not valid JSON ({e}); delete the checkpoint_dir to start over")
+        raise ValueError(
+            f"checkpoint {path} is not valid JSON ({e}); delete the checkpoint_dir to start over"
+        )
     if not isinstance(saved, dict) or saved.get("version") != CHECKPOINT_VERSION:
         version = saved.get("version") if isinstance(saved, dict) else None
-        raise ValueError(f"checkpoint {path} has format version {version!r}, this paged_hf writes "
-                         f"{CHECKPOINT_VERSION}; use another checkpoint_dir")
+        raise ValueError(
+            f"checkpoint {path} has format version {version!r}, this paged_hf writes "
+            f"{CHECKPOINT_VERSION}; use another checkpoint_dir"
+        )
     old = saved.get("fingerprint", {})
-    diffs = [f"{key}: {old.get(key)!r} then, {fingerprint.get(key)!r} now"
-             for key in sorted(set(old) | set(fingerprint)) if old.get(key) != fingerprint.get(key)]
+    diffs = [
+        f"{key}: {old.get(key)!r} then, {fingerprint.get(key)!r} now"
+        for key in sorted(set(old) | set(fingerprint))
+        if old.get(key) != fingerprint.get(key)
+    ]
     if diffs:
-        raise ValueError(f"checkpoint_dir {str(path.parent)!r} holds results of a run with different arguments "
-                         f"({'; '.join(diffs)}); rerun with the same arguments to resume, or use another "
-                         "checkpoint_dir to start over")
+        raise ValueError(
+            f"checkpoint_dir {str(path.parent)!r} holds results of a run with different arguments "
+            f"({'; '.join(diffs)}); rerun with the same arguments to resume, or use another "
+            "checkpoint_dir to start over"
+        )
 
 
-def fingerprint(model: Any, tokenizer: Any, engine: Any, dataset: Any, params: Any, columns: dict) -> dict:
+def fingerprint(
+    model: Any, tokenizer: Any, engine: Any, dataset: Any, params: Any, columns: dict
+) -> dict:
     """What makes two runs' rows interchangeable, as plain JSON values. The engine's part is what
     changes results: where generation is cut (max_model_len) and which tokens end it."""
-    return json.loads(json.dumps({
-        "model": _model_fingerprint(model),
-        "tokenizer": _tokenizer_fingerprint(tokenizer),
-        "engine": {"max_model_len": int(engine.max_model_len), "eos_token_ids": sorted(int(t) for t in engine.eos_token_ids)},
-        "sampling_params": {**dataclasses.asdict(params), "logits_processors": [  # callables: by name
-            f"{getattr(f, '__module__', '')}.{getattr(f, '__qualname__', type(f).__qualname__)}"
-            for f in params.logits_processors]},
-        "columns": columns,
-        "dataset": {"fingerprint": dataset._fingerprint, "num_rows": len(dataset)},
-    }, sort_keys=True))
+    return json.loads(
+        json.dumps(
+            {
+                "model": _model_fingerprint(model),
+                "tokenizer": _tokenizer_fingerprint(tokenizer),
+                "engine": {
+                    "max_model_len": int(engine.max_model_len),
+                    "eos_token_ids": sorted(int(t) for t in engine.eos_token_ids),
+                },
+                "sampling_params": {
+                    **dataclasses.asdict(params),
+                    "logits_processors": [  # callables: by name
+                        f"{getattr(f, '__module__', '')}.{getattr(f, '__qualname__', type(f).__qualname__)}"
+                        for f in params.logits_processors
+                    ],
+                },
+                "columns": columns,
+                "dataset": {"fingerprint": dataset._fingerprint, "num_rows": len(dataset)},
+            },
+            sort_keys=True,
+        )
+    )
 
 
 def _sha(data: bytes | str) -> str:
@@ -209,23 +258,31 @@ def _sha(data: bytes | str) -> str:
 
 
 def _model_fingerprint(model: Any) -> dict:
-    config = {k: v for k, v in model.config.to_dict().items()
-              if not k.startswith("_") and k not in ("transformers_version", "dtype", "torch_dtype",
-                                                      "attn_implementation")}
+    config = {
+        k: v
+        for k, v in model.config.to_dict().items()
+        if not k.startswith("_")
+        and k not in ("transformers_version", "dtype", "torch_dtype", "attn_implementation")
+    }
     h = hashlib.sha256()
     with torch.no_grad():  # a sample of every weight: catches a different checkpoint under one name
         for name, p in model.named_parameters():
             h.update(name.encode())
             h.update(p.detach().reshape(-1)[:16].float().cpu().numpy().tobytes())
-    return {"name_or_path": str(getattr(model, "name_or_path", "") or ""),
-            "config": _sha(json.dumps(config, sort_keys=True, default=str)),
-            "dtype": str(next(model.parameters()).dtype), "weights_sample": h.hexdigest()[:16]}
+    return {
+        "name_or_path": str(getattr(model, "name_or_path", "") or ""),
+        "config": _sha(json.dumps(config, sort_keys=True, default=str)),
+        "dtype": str(next(model.parameters()).dtype),
+        "weights_sample": h.hexdigest()[:16],
+    }
 
 
 def _tokenizer_fingerprint(tokenizer: Any) -> dict | None:
     if tokenizer is None:
         return None
     vocab = tokenizer.get_vocab()
-    return {"vocab": _sha(json.dumps(sorted(vocab.items()), ensure_ascii=False)),
-            "special_tokens": _sha(json.dumps(getattr(tokenizer, "all_special_tokens", []))),
-            "chat_template": _sha(str(getattr(tokenizer, "chat_template", None)))}
+    return {
+        "vocab": _sha(json.dumps(sorted(vocab.items()), ensure_ascii=False)),
+        "special_tokens": _sha(json.dumps(getattr(tokenizer, "all_special_tokens", []))),
+        "chat_template": _sha(str(getattr(tokenizer, "chat_template", None))),
+    }

@@ -7,6 +7,7 @@
     paged-hf lm-eval --model paged_hf --model_args pretrained=default,dtype=bfloat16 --tasks ...
                                     # lm-evaluation-harness's CLI with the paged_hf backend registered
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,35 +32,70 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="paged-hf", description="paged KV + continuous batching for HF causal LMs")
+    parser = argparse.ArgumentParser(
+        prog="paged-hf", description="paged KV + continuous batching for HF causal LMs"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
-    g = sub.add_parser("generate", help="generate a completion for every row of a dataset (ordered, resumable)",
-                       description="Generate one completion per row; writes the input columns plus the output "
-                                   "column and its _num_tokens, _finish_reason, _ttft and _error. A row that "
-                                   "fails gets finish_reason 'error' and its message in _error; the others run.")
-    g.add_argument("--model", required=True, help="a transformers model id or directory, or 'default' for the "
-                   "embedded SmolLM2-135M-Instruct")
-    g.add_argument("--gguf-file", help="load the model from this GGUF file inside --model's directory or repo")
+    g = sub.add_parser(
+        "generate",
+        help="generate a completion for every row of a dataset (ordered, resumable)",
+        description="Generate one completion per row; writes the input columns plus the output "
+        "column and its _num_tokens, _finish_reason, _ttft and _error. A row that "
+        "fails gets finish_reason 'error' and its message in _error; the others run.",
+    )
+    g.add_argument(
+        "--model",
+        required=True,
+        help="a transformers model id or directory, or 'default' for the "
+        "embedded SmolLM2-135M-Instruct",
+    )
+    g.add_argument(
+        "--gguf-file", help="load the model from this GGUF file inside --model's directory or repo"
+    )
     g.add_argument("--tokenizer", help="tokenizer id or directory (default: the model's)")
-    g.add_argument("--dtype", choices=_DTYPES, default="auto", help="model dtype (default: bfloat16 for the "
-                   "default model, the checkpoint's own otherwise)")
+    g.add_argument(
+        "--dtype",
+        choices=_DTYPES,
+        default="auto",
+        help="model dtype (default: bfloat16 for the "
+        "default model, the checkpoint's own otherwise)",
+    )
     g.add_argument("--device", default="cpu", help="torch device (default: cpu)")
-    g.add_argument("--input", required=True, help="a .jsonl/.json/.csv/.parquet file or a datasets.save_to_disk "
-                   "directory")
+    g.add_argument(
+        "--input",
+        required=True,
+        help="a .jsonl/.json/.csv/.parquet file or a datasets.save_to_disk directory",
+    )
     g.add_argument("--split", help="the split to use when --input holds a DatasetDict")
     g.add_argument("--limit", type=int, help="only the first N rows (N >= 0)")
-    g.add_argument("--prompt-column", default="prompt", help="text prompts go through the tokenizer's chat template "
-                   "as one user message when it has one (the default; --raw sends them as they are), or token ids")
-    g.add_argument("--raw", action="store_true", help="send --prompt-column's text to the model as it is, "
-                   "without the chat template")
-    g.add_argument("--system", metavar="TEXT", help="a system message before each prompt (chat template only)")
-    g.add_argument("--messages-column", help="a column of chat messages, run through the chat template")
+    g.add_argument(
+        "--prompt-column",
+        default="prompt",
+        help="text prompts go through the tokenizer's chat template "
+        "as one user message when it has one (the default; --raw sends them as they are), or token ids",
+    )
+    g.add_argument(
+        "--raw",
+        action="store_true",
+        help="send --prompt-column's text to the model as it is, without the chat template",
+    )
+    g.add_argument(
+        "--system", metavar="TEXT", help="a system message before each prompt (chat template only)"
+    )
+    g.add_argument(
+        "--messages-column", help="a column of chat messages, run through the chat template"
+    )
     g.add_argument("--params-column", help="a column of per-row SamplingParams fields (dicts)")
     g.add_argument("--output-column", default="generation")
-    g.add_argument("--output", required=True, help="output file: .jsonl, .json, .csv or .parquet (checked before "
-                   "anything runs)")
-    g.add_argument("--checkpoint-dir", help="append finished rows here; rerun the same command to resume")
+    g.add_argument(
+        "--output",
+        required=True,
+        help="output file: .jsonl, .json, .csv or .parquet (checked before anything runs)",
+    )
+    g.add_argument(
+        "--checkpoint-dir", help="append finished rows here; rerun the same command to resume"
+    )
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     s = g.add_argument_group("sampling")
     s.add_argument("--max-new-tokens", type=int, default=128)
@@ -71,28 +107,48 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--repetition-penalty", type=float, default=1.0)
     s.add_argument("--seed", type=int, help="row i samples with seed + i")
     s.add_argument("--ignore-eos", action="store_true")
-    s.add_argument("--stop", action="append", default=[], metavar="TEXT",
-                   help="end a row when its text contains TEXT (repeatable; escapes like \\n are read)")
-    s.add_argument("--include-stop-str", action="store_true", help="keep the stop string at the end of the text")
+    s.add_argument(
+        "--stop",
+        action="append",
+        default=[],
+        metavar="TEXT",
+        help="end a row when its text contains TEXT (repeatable; escapes like \\n are read)",
+    )
+    s.add_argument(
+        "--include-stop-str",
+        action="store_true",
+        help="keep the stop string at the end of the text",
+    )
     c = g.add_argument_group("structured outputs (one of; needs paged_hf[structured])")
-    c.add_argument("--json-schema", metavar="FILE", help="every output is JSON valid under the schema in FILE")
+    c.add_argument(
+        "--json-schema", metavar="FILE", help="every output is JSON valid under the schema in FILE"
+    )
     c.add_argument("--regex", help="every output fully matches this regular expression")
-    c.add_argument("--choice", action="append", metavar="TEXT", help="every output is one of these (repeat it)")
+    c.add_argument(
+        "--choice", action="append", metavar="TEXT", help="every output is one of these (repeat it)"
+    )
     e = g.add_argument_group("engine")
     e.add_argument("--max-num-seqs", type=int)
     e.add_argument("--max-num-batched-tokens", type=int)
     e.add_argument("--block-size", type=int)
     e.add_argument("--num-blocks", type=int)
-    e.add_argument("--kv-cache-memory", type=float, help="bytes on CPU, a fraction of free memory on CUDA")
+    e.add_argument(
+        "--kv-cache-memory", type=float, help="bytes on CPU, a fraction of free memory on CUDA"
+    )
     e.add_argument("--max-model-len", type=int)
     e.add_argument("--backend", choices=("auto", "torch", "flashinfer"))
     e.add_argument("--no-prefix-caching", action="store_true")
     g.set_defaults(func=generate)
 
-    b = sub.add_parser("bench", help="run the benchmark harness (benchmarks/bench.py); arguments pass through")
+    b = sub.add_parser(
+        "bench", help="run the benchmark harness (benchmarks/bench.py); arguments pass through"
+    )
     b.set_defaults(func=lambda a: bench([]))
-    e = sub.add_parser("lm-eval", help="lm-evaluation-harness's CLI with --model paged_hf available; arguments "
-                       "pass through (needs the eval extra: pip install 'paged_hf[eval]')")
+    e = sub.add_parser(
+        "lm-eval",
+        help="lm-evaluation-harness's CLI with --model paged_hf available; arguments "
+        "pass through (needs the eval extra: pip install 'paged_hf[eval]')",
+    )
     e.set_defaults(func=lambda a: lm_eval([]))
     return parser
 
@@ -106,25 +162,46 @@ def generate(args: argparse.Namespace) -> int:
     if args.limit is not None and args.limit < 0:
         return _fail(f"--limit {args.limit}: must be >= 0")
     try:
-        params = SamplingParams(max_new_tokens=args.max_new_tokens, min_new_tokens=args.min_new_tokens,
-                                temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-                                repetition_penalty=args.repetition_penalty, seed=args.seed,
-                                ignore_eos=args.ignore_eos, stop=[_unescape(s) for s in args.stop],
-                                include_stop_str_in_output=args.include_stop_str, regex=args.regex,
-                                choice=args.choice, json_schema=_read_schema(args.json_schema))
+        params = SamplingParams(
+            max_new_tokens=args.max_new_tokens,
+            min_new_tokens=args.min_new_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            min_p=args.min_p,
+            repetition_penalty=args.repetition_penalty,
+            seed=args.seed,
+            ignore_eos=args.ignore_eos,
+            stop=[_unescape(s) for s in args.stop],
+            include_stop_str_in_output=args.include_stop_str,
+            regex=args.regex,
+            choice=args.choice,
+            json_schema=_read_schema(args.json_schema),
+        )
         params.validate("sampling options")
     except ValueError as err:
         return _fail(str(err))
-    engine_config = {k: v for k, v in {
-        "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
-        "block_size": args.block_size, "num_blocks": args.num_blocks, "max_model_len": args.max_model_len,
-        "kv_cache_memory": int(args.kv_cache_memory) if args.kv_cache_memory and args.kv_cache_memory > 1
-        else args.kv_cache_memory, "backend": args.backend,
-    }.items() if v is not None}
+    engine_config = {
+        k: v
+        for k, v in {
+            "max_num_seqs": args.max_num_seqs,
+            "max_num_batched_tokens": args.max_num_batched_tokens,
+            "block_size": args.block_size,
+            "num_blocks": args.num_blocks,
+            "max_model_len": args.max_model_len,
+            "kv_cache_memory": int(args.kv_cache_memory)
+            if args.kv_cache_memory and args.kv_cache_memory > 1
+            else args.kv_cache_memory,
+            "backend": args.backend,
+        }.items()
+        if v is not None
+    }
     if args.no_prefix_caching:
         engine_config["enable_prefix_caching"] = False
     try:
-        EngineConfig.from_kwargs(**engine_config)  # the engine checks them again; here it costs nothing
+        EngineConfig.from_kwargs(
+            **engine_config
+        )  # the engine checks them again; here it costs nothing
     except (ValueError, TypeError) as err:
         return _fail(str(err))
     if _is_main_process():  # under accelerate launch only rank 0 writes the result
@@ -142,15 +219,27 @@ def generate(args: argparse.Namespace) -> int:
     if args.limit is not None:
         dataset = dataset.select(range(min(args.limit, len(dataset))))
     try:
-        model, tokenizer = load_model(args.model, args.gguf_file, args.tokenizer, args.dtype, args.device)
+        model, tokenizer = load_model(
+            args.model, args.gguf_file, args.tokenizer, args.dtype, args.device
+        )
     except ValueError as err:
         return _fail(str(err))
     try:
-        result = generate_dataset(model, tokenizer, dataset, prompt_column=args.prompt_column,
-                                  output_column=args.output_column, sampling_params=params,
-                                  checkpoint_dir=args.checkpoint_dir, messages_column=args.messages_column,
-                                  params_column=args.params_column, progress=not args.no_progress,
-                                  chat=False if args.raw else None, system=args.system, **engine_config)
+        result = generate_dataset(
+            model,
+            tokenizer,
+            dataset,
+            prompt_column=args.prompt_column,
+            output_column=args.output_column,
+            sampling_params=params,
+            checkpoint_dir=args.checkpoint_dir,
+            messages_column=args.messages_column,
+            params_column=args.params_column,
+            progress=not args.no_progress,
+            chat=False if args.raw else None,
+            system=args.system,
+            **engine_config,
+        )
     except (ValueError, TypeError, OSError) as err:
         return _fail(str(err))
     if result is None or not _is_main_process():
@@ -158,12 +247,22 @@ def generate(args: argparse.Namespace) -> int:
     try:
         write_output(result, args.output)
     except OSError as err:  # checked at the start, but disks fill up and permissions change
-        kept = f"; the rows are kept in --checkpoint-dir {args.checkpoint_dir}" if args.checkpoint_dir else ""
+        kept = (
+            f"; the rows are kept in --checkpoint-dir {args.checkpoint_dir}"
+            if args.checkpoint_dir
+            else ""
+        )
         return _fail(f"--output {args.output}: {err}{kept}")
     errors = sum(1 for r in result[f"{args.output_column}_finish_reason"] if r == "error")
-    print(f"paged-hf: wrote {len(result)} rows to {args.output}"
-          + (f" ({errors} failed, finish_reason 'error': see {args.output_column}_error)" if errors else ""),
-          file=sys.stderr)
+    print(
+        f"paged-hf: wrote {len(result)} rows to {args.output}"
+        + (
+            f" ({errors} failed, finish_reason 'error': see {args.output_column}_error)"
+            if errors
+            else ""
+        ),
+        file=sys.stderr,
+    )
     return 0
 
 
@@ -179,14 +278,21 @@ def _read_schema(path: str | None) -> str | None:
     return text
 
 
-def load_model(name: str, gguf_file: str | None, tokenizer_name: str | None, dtype: str,
-               device: str) -> tuple[Any, Any]:
+def load_model(
+    name: str, gguf_file: str | None, tokenizer_name: str | None, dtype: str, device: str
+) -> tuple[Any, Any]:
     """(model, tokenizer). Raises ValueError naming the option (--model, --tokenizer, --device)
     whose value cannot be loaded (paged_hf/frontends/loading.py)."""
     from .loading import load_model as load
 
-    return load(name, tokenizer=tokenizer_name, dtype=dtype, device=device, gguf_file=gguf_file,
-                labels={"model": "--model", "tokenizer": "--tokenizer", "device": "--device"})
+    return load(
+        name,
+        tokenizer=tokenizer_name,
+        dtype=dtype,
+        device=device,
+        gguf_file=gguf_file,
+        labels={"model": "--model", "tokenizer": "--tokenizer", "device": "--device"},
+    )
 
 
 def load_input(path: str, split: str | None) -> Any:
@@ -198,19 +304,32 @@ def load_input(path: str, split: str | None) -> Any:
         raise FileNotFoundError(f"--input {path}: no such file or directory")
     kind = None
     if not p.is_dir():
-        kind = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}.get(p.suffix.lower())
+        kind = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}.get(
+            p.suffix.lower()
+        )
         if kind is None:
-            raise ValueError(f"--input {path}: unknown file type {p.suffix!r}; use .jsonl, .json, .csv, .parquet "
-                             "or a datasets.save_to_disk directory")
+            raise ValueError(
+                f"--input {path}: unknown file type {p.suffix!r}; use .jsonl, .json, .csv, .parquet "
+                "or a datasets.save_to_disk directory"
+            )
         if _is_blank(p):
             raise ValueError(f"--input {path}: no rows (the file is empty)")
     try:
-        ds = (datasets.load_from_disk(str(p)) if kind is None
-              else datasets.load_dataset(kind, data_files=str(p), split="train"))
-    except Exception as err:  # the parser's reason, not datasets' "An error occurred while generating"
-        if "corresponds to no data" in str(err):  # datasets' words for a file with no rows (a CSV header only)
+        ds = (
+            datasets.load_from_disk(str(p))
+            if kind is None
+            else datasets.load_dataset(kind, data_files=str(p), split="train")
+        )
+    except (
+        Exception
+    ) as err:  # the parser's reason, not datasets' "An error occurred while generating"
+        if "corresponds to no data" in str(
+            err
+        ):  # datasets' words for a file with no rows (a CSV header only)
             raise ValueError(f"--input {path}: no rows") from None
-        raise ValueError(f"--input {path}: cannot read it as {kind or 'a saved dataset'} ({_reason(err)})") from None
+        raise ValueError(
+            f"--input {path}: cannot read it as {kind or 'a saved dataset'} ({_reason(err)})"
+        ) from None
     if isinstance(ds, datasets.DatasetDict):
         if split is None:
             if len(ds) != 1:
@@ -235,7 +354,9 @@ def _is_blank(path: Path) -> bool:
 def _reason(err: BaseException) -> str:
     from datasets.exceptions import DatasetGenerationError
 
-    while isinstance(err, DatasetGenerationError) and (err.__cause__ or err.__context__) is not None:
+    while (
+        isinstance(err, DatasetGenerationError) and (err.__cause__ or err.__context__) is not None
+    ):
         err = err.__cause__ or err.__context__
     return f"{type(err).__name__}: {err}"
 
@@ -249,8 +370,10 @@ def check_output(path: str) -> str | None:
     made is removed again."""
     p = Path(path)
     if p.suffix.lower() not in _OUTPUT_SUFFIXES:
-        return (f"--output {path}: unknown file type {p.suffix or '(none)'!r}; use "
-                f"{', '.join(_OUTPUT_SUFFIXES)}")
+        return (
+            f"--output {path}: unknown file type {p.suffix or '(none)'!r}; use "
+            f"{', '.join(_OUTPUT_SUFFIXES)}"
+        )
     if p.is_dir():
         return f"--output {path}: is a directory"
     return _check_directory("--output", p.parent, p)
@@ -297,7 +420,9 @@ def write_output(result: Any, path: str) -> None:
     elif suffix == ".jsonl":
         result.to_json(path, lines=True, force_ascii=False)
     else:
-        raise ValueError(f"--output {path}: unknown file type {suffix!r}; use {', '.join(_OUTPUT_SUFFIXES)}")
+        raise ValueError(
+            f"--output {path}: unknown file type {suffix!r}; use {', '.join(_OUTPUT_SUFFIXES)}"
+        )
 
 
 def bench_script() -> Path:
@@ -309,8 +434,10 @@ def bench(argv: Sequence[str]) -> int:
     """Run benchmarks/bench.py (in a source checkout) with ``argv``."""
     script = bench_script()
     if not script.is_file():
-        return _fail(f"the benchmark harness {script} is not there: `paged-hf bench` runs from a source "
-                     "checkout of paged_hf (the wheel does not ship benchmarks/)")
+        return _fail(
+            f"the benchmark harness {script} is not there: `paged-hf bench` runs from a source "
+            "checkout of paged_hf (the wheel does not ship benchmarks/)"
+        )
     old_argv = sys.argv
     sys.argv = [str(script), *argv]
     try:

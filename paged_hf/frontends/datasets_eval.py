@@ -15,6 +15,7 @@ in ``{output_column}_error``. Checkpoint layout and resume rules: ``paged_hf.fro
 (finished rows are appended as they complete, written and flushed every step, fsynced about once
 a second; errored rows run again on a rerun).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -34,18 +35,34 @@ logger = logging.getLogger("paged_hf")
 
 # record field -> Arrow type of its output column: ``output_column`` holds the text, and
 # ``{output_column}_{field}`` the others, in this order
-_FEATURES = {"text": "string", "num_tokens": "int64", "finish_reason": "string", "ttft": "float64",
-             "error": "string"}
+_FEATURES = {
+    "text": "string",
+    "num_tokens": "int64",
+    "finish_reason": "string",
+    "ttft": "float64",
+    "error": "string",
+}
 _SUFFIXES = tuple(_FEATURES)[1:]
 _READ_BATCH = 256
 
 
-def generate_dataset(model: torch.nn.Module, tokenizer: Any, dataset: Any, prompt_column: str = "prompt",
-                     output_column: str = "generation", sampling_params: SamplingParams | None = None,
-                     checkpoint_dir: str | os.PathLike | None = None, messages_column: str | None = None,
-                     params_column: str | None = None, progress: bool = True, chat: bool | None = None,
-                     system: str | None = None, json_schema: dict | str | None = None,
-                     json_schema_column: str | None = None, **engine_config: Any) -> Any:
+def generate_dataset(
+    model: torch.nn.Module,
+    tokenizer: Any,
+    dataset: Any,
+    prompt_column: str = "prompt",
+    output_column: str = "generation",
+    sampling_params: SamplingParams | None = None,
+    checkpoint_dir: str | os.PathLike | None = None,
+    messages_column: str | None = None,
+    params_column: str | None = None,
+    progress: bool = True,
+    chat: bool | None = None,
+    system: str | None = None,
+    json_schema: dict | str | None = None,
+    json_schema_column: str | None = None,
+    **engine_config: Any,
+) -> Any:
     """Generate one completion per row of ``dataset``; return the dataset with the results added.
 
     The returned ``datasets.Dataset`` has the original columns in the original order plus
@@ -96,27 +113,37 @@ def generate_dataset(model: torch.nn.Module, tokenizer: Any, dataset: Any, promp
     import datasets
 
     if isinstance(dataset, datasets.DatasetDict):
-        raise TypeError(f"generate_dataset takes one split, got a DatasetDict with splits {list(dataset)}; "
-                        "pass e.g. dataset['test']")
+        raise TypeError(
+            f"generate_dataset takes one split, got a DatasetDict with splits {list(dataset)}; "
+            "pass e.g. dataset['test']"
+        )
     if not isinstance(dataset, datasets.Dataset):
         raise TypeError(f"generate_dataset takes a datasets.Dataset, got {type(dataset).__name__}")
     base = SamplingParams() if sampling_params is None else sampling_params
     if not isinstance(base, SamplingParams):
         raise TypeError(f"sampling_params must be SamplingParams, got {type(base).__name__}")
     if base.n != 1:
-        raise ValueError(f"sampling_params: n={base.n}; generate_dataset makes one completion per row "
-                         "(repeat the rows for several samples)")
+        raise ValueError(
+            f"sampling_params: n={base.n}; generate_dataset makes one completion per row "
+            "(repeat the rows for several samples)"
+        )
     _check_columns(dataset, prompt_column, output_column, messages_column, params_column)
     if json_schema_column is not None and json_schema_column not in dataset.column_names:
-        raise ValueError(f"json_schema_column {json_schema_column!r} is not a column of the dataset "
-                         f"({dataset.column_names})")
+        raise ValueError(
+            f"json_schema_column {json_schema_column!r} is not a column of the dataset "
+            f"({dataset.column_names})"
+        )
     if messages_column is not None and tokenizer is None:
         raise ValueError("messages_column needs a tokenizer with a chat template")
     has_template = bool(getattr(tokenizer, "chat_template", None))
     if chat and not has_template:
-        raise ValueError("chat=True: the tokenizer has no chat template (pass chat=False to send prompts raw)")
+        raise ValueError(
+            "chat=True: the tokenizer has no chat template (pass chat=False to send prompts raw)"
+        )
     if system is not None and not (chat is not False and has_template):
-        raise ValueError("system= needs prompts sent through a chat template (a tokenizer with one, chat not False)")
+        raise ValueError(
+            "system= needs prompts sent through a chat template (a tokenizer with one, chat not False)"
+        )
     chat = has_template and messages_column is None and chat is not False
     if json_schema is not None:
         base = base.with_(json_schema=json_schema)
@@ -137,15 +164,37 @@ def generate_dataset(model: torch.nn.Module, tokenizer: Any, dataset: Any, promp
     engine = _engine(model, tokenizer, engine_config)
     checkpoint = None
     if checkpoint_dir is not None:
-        columns = {"prompt": prompt_column, "output": output_column, "messages": messages_column,
-                   "params": params_column, "chat": chat, "system": system, "json_schema": json_schema_column}
-        checkpoint = Checkpoint(Path(checkpoint_dir), fingerprint(model, tokenizer, engine, dataset, base, columns),
-                                rank, state, len(dataset))
+        columns = {
+            "prompt": prompt_column,
+            "output": output_column,
+            "messages": messages_column,
+            "params": params_column,
+            "chat": chat,
+            "system": system,
+            "json_schema": json_schema_column,
+        }
+        checkpoint = Checkpoint(
+            Path(checkpoint_dir),
+            fingerprint(model, tokenizer, engine, dataset, base, columns),
+            rank,
+            state,
+            len(dataset),
+        )
 
     prompts = _Prompts(messages_column, chat, system, json_schema_column)
-    records = _run_shard(engine, tokenizer, shard, shard_rows, base, prompt_column, prompts,
-                         params_column, checkpoint, progress and rank == 0,
-                         desc="paged_hf" if world == 1 else f"paged_hf [rank 0 of {world}]")
+    records = _run_shard(
+        engine,
+        tokenizer,
+        shard,
+        shard_rows,
+        base,
+        prompt_column,
+        prompts,
+        params_column,
+        checkpoint,
+        progress and rank == 0,
+        desc="paged_hf" if world == 1 else f"paged_hf [rank 0 of {world}]",
+    )
     _warn_if_mostly_empty(records, chat)
 
     if world > 1:
@@ -156,23 +205,33 @@ def generate_dataset(model: torch.nn.Module, tokenizer: Any, dataset: Any, promp
         if rank != 0:
             return _assemble(shard, records, output_column)
         records = [rec for part in gathered for rec in part]
-        assert [r["row_index"] for r in records] == list(range(len(dataset))), "shards lost or reordered rows"
+        assert [r["row_index"] for r in records] == list(range(len(dataset))), (
+            "shards lost or reordered rows"
+        )
     return _assemble(dataset, records, output_column)
 
 
 # ---- the loop ------------------------------------------------------------------------------------
 
+
 class _Prompts:
     """How a row's prompt becomes token ids, and which extra column it reads."""
 
-    def __init__(self, messages_column: str | None, chat: bool, system: str | None, json_schema_column: str | None):
+    def __init__(
+        self,
+        messages_column: str | None,
+        chat: bool,
+        system: str | None,
+        json_schema_column: str | None,
+    ):
         self.messages_column, self.chat, self.system = messages_column, chat, system
         self.json_schema_column = json_schema_column
 
     def ids(self, tokenizer: Any, prompt: Any) -> list[int]:
         if self.chat and isinstance(prompt, str) and prompt:
-            messages = ([{"role": "system", "content": self.system}] if self.system is not None else []) + \
-                [{"role": "user", "content": prompt}]
+            messages = (
+                [{"role": "system", "content": self.system}] if self.system is not None else []
+            ) + [{"role": "user", "content": prompt}]
             return _prompt_ids(tokenizer, messages, True)
         return _prompt_ids(tokenizer, prompt, self.messages_column is not None)
 
@@ -181,16 +240,35 @@ def _warn_if_mostly_empty(records: list[dict], chat: bool) -> None:
     ran = [r for r in records if r["finish_reason"] != "error"]
     short = [r for r in ran if r["num_tokens"] <= 2 and r["finish_reason"] == "stop"]
     if ran and len(short) * 2 > len(ran):
-        cause = ("the prompts went to the model raw: an instruction-tuned model usually needs its chat template "
-                 "(chat=None or True; the CLI without --raw)") if not chat else \
-            "the model ends its answer at once (a base model given a chat template? try chat=False / --raw)"
-        logger.warning("paged_hf.generate_dataset: %d of %d rows ended within two tokens; likely cause: %s",
-                       len(short), len(ran), cause)
+        cause = (
+            (
+                "the prompts went to the model raw: an instruction-tuned model usually needs its chat template "
+                "(chat=None or True; the CLI without --raw)"
+            )
+            if not chat
+            else "the model ends its answer at once (a base model given a chat template? try chat=False / --raw)"
+        )
+        logger.warning(
+            "paged_hf.generate_dataset: %d of %d rows ended within two tokens; likely cause: %s",
+            len(short),
+            len(ran),
+            cause,
+        )
 
 
-def _run_shard(engine: Any, tokenizer: Any, shard: Any, shard_rows: list[int], base: SamplingParams,
-               prompt_column: str, prompts: _Prompts, params_column: str | None,
-               checkpoint: Checkpoint | None, progress: bool, desc: str) -> list[dict]:
+def _run_shard(
+    engine: Any,
+    tokenizer: Any,
+    shard: Any,
+    shard_rows: list[int],
+    base: SamplingParams,
+    prompt_column: str,
+    prompts: _Prompts,
+    params_column: str | None,
+    checkpoint: Checkpoint | None,
+    progress: bool,
+    desc: str,
+) -> list[dict]:
     """Run one shard to completion; its records in shard order (restored rows included)."""
     done: dict[int, dict] = {}
     if checkpoint is not None:
@@ -198,11 +276,20 @@ def _run_shard(engine: Any, tokenizer: Any, shard: Any, shard_rows: list[int], b
         done = {i: restored[i] for i in shard_rows if i in restored}
         checkpoint.open()
     sched = engine.scheduler
-    engine.check_weights(rescan=True)  # this loop steps the engine itself: look for replaced tensors now
+    engine.check_weights(
+        rescan=True
+    )  # this loop steps the engine itself: look for replaced tensors now
     target_waiting = 2 * engine.config.max_num_seqs
 
-    rows = _rows(shard, shard_rows, done, prompt_column, prompts.messages_column, params_column,
-                 prompts.json_schema_column)
+    rows = _rows(
+        shard,
+        shard_rows,
+        done,
+        prompt_column,
+        prompts.messages_column,
+        params_column,
+        prompts.json_schema_column,
+    )
     live: dict[str, int] = {}  # engine request id -> row index
     bar = _Progress(len(shard_rows), len(done), engine, desc) if progress else None
     exhausted = False
@@ -246,8 +333,16 @@ def _run_shard(engine: Any, tokenizer: Any, shard: Any, shard_rows: list[int], b
     return [done[i] for i in shard_rows]
 
 
-def _submit(engine: Any, tokenizer: Any, base: SamplingParams, row: int, prompt: Any, row_params: Any,
-            prompts: _Prompts, errors: list[dict]) -> str | None:
+def _submit(
+    engine: Any,
+    tokenizer: Any,
+    base: SamplingParams,
+    row: int,
+    prompt: Any,
+    row_params: Any,
+    prompts: _Prompts,
+    errors: list[dict],
+) -> str | None:
     """Queue one row; its engine request id, or None when it failed (its record added to ``errors``)."""
     try:
         ids = prompts.ids(tokenizer, prompt)
@@ -256,8 +351,13 @@ def _submit(engine: Any, tokenizer: Any, base: SamplingParams, row: int, prompt:
         errors.append(_error_record(row, _describe(e)))
         return None
     try:
-        return engine.add_request(ids, params)  # an auto id: never collides with a shared engine's others
-    except (ValueError, TypeError) as e:  # refused at admission; anything else is a bug and propagates
+        return engine.add_request(
+            ids, params
+        )  # an auto id: never collides with a shared engine's others
+    except (
+        ValueError,
+        TypeError,
+    ) as e:  # refused at admission; anything else is a bug and propagates
         errors.append(_error_record(row, f"{type(e).__name__}: {_without_request_id(str(e))}"))
         return None
 
@@ -267,11 +367,15 @@ def _finished_record(engine: Any, tokenizer: Any, row: int, req: Any) -> dict:
     if out.error is not None or out.finish_reason == "error":  # it failed inside a step, alone
         return _error_record(row, _without_request_id(out.error or "failed in the engine"))
     try:
-        if isinstance(out.completions[0].stop_reason, str):  # ended by a stop string: the engine's cut text
+        if isinstance(
+            out.completions[0].stop_reason, str
+        ):  # ended by a stop string: the engine's cut text
             text = out.text
         else:
             text = _decode(tokenizer, out.token_ids) if tokenizer is not None else (out.text or "")
-    except Exception as e:  # the tokenizer cannot decode what this row generated: the row fails alone
+    except (
+        Exception
+    ) as e:  # the tokenizer cannot decode what this row generated: the row fails alone
         return _error_record(row, _describe(e))
     return make_record(row, text, len(out.token_ids), out.finish_reason, out.ttft, None)
 
@@ -293,25 +397,43 @@ def _without_request_id(message: str) -> str:
 
 
 def _engine(model: Any, tokenizer: Any, engine_config: dict) -> Any:
-    from ..model.patching import Engine, engine_for, is_patched  # Engine patches the model if needed
+    from ..model.patching import (  # Engine patches the model if needed
+        Engine,
+        engine_for,
+        is_patched,
+    )
 
     if is_patched(model) and not engine_config:
         engine = engine_for(model)
         if tokenizer is not None and engine.tokenizer is None:  # stop strings are read with it
             engine.tokenizer = tokenizer
         if engine.requests:
-            logger.warning("paged_hf.generate_dataset: the patched model's engine has %d live requests; "
-                           "they are stepped along", len(engine.requests))
+            logger.warning(
+                "paged_hf.generate_dataset: the patched model's engine has %d live requests; "
+                "they are stepped along",
+                len(engine.requests),
+            )
         return engine
     return Engine(model, tokenizer, **engine_config)
 
 
-def _rows(shard: Any, shard_rows: list[int], done: dict, prompt_column: str, messages_column: str | None,
-          params_column: str | None, json_schema_column: str | None = None) -> Iterator[tuple[int, Any, Any]]:
+def _rows(
+    shard: Any,
+    shard_rows: list[int],
+    done: dict,
+    prompt_column: str,
+    messages_column: str | None,
+    params_column: str | None,
+    json_schema_column: str | None = None,
+) -> Iterator[tuple[int, Any, Any]]:
     """(row index, prompt or messages, row params) of the rows still to run, read in batches; a
     row's schema (``json_schema_column``) joins its params."""
     source = messages_column or prompt_column
-    columns = [source] + ([params_column] if params_column else []) + ([json_schema_column] if json_schema_column else [])
+    columns = (
+        [source]
+        + ([params_column] if params_column else [])
+        + ([json_schema_column] if json_schema_column else [])
+    )
     todo = [k for k, i in enumerate(shard_rows) if i not in done]
     view = shard.select_columns(columns)
     if len(todo) < len(shard_rows):
@@ -324,9 +446,13 @@ def _rows(shard: Any, shard_rows: list[int], done: dict, prompt_column: str, mes
                 row_params = batch[params_column][j] if params_column else None
                 schema = batch[json_schema_column][j] if json_schema_column else None
                 if schema is not None:
-                    row_params = {**(row_params if isinstance(row_params, dict) else {}), "json_schema": schema}
+                    row_params = {
+                        **(row_params if isinstance(row_params, dict) else {}),
+                        "json_schema": schema,
+                    }
                 yield shard_rows[todo[k]], prompt, row_params
                 k += 1
+
     return gen()
 
 
@@ -335,7 +461,9 @@ def _prompt_ids(tokenizer: Any, prompt: Any, is_messages: bool) -> list[int]:
         if not prompt:
             raise ValueError("no chat messages")
         text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
-        return list(tokenizer(text, add_special_tokens=False)["input_ids"])  # the template adds its own
+        return list(
+            tokenizer(text, add_special_tokens=False)["input_ids"]
+        )  # the template adds its own
     if prompt is None or (isinstance(prompt, str) and not prompt):
         raise ValueError("empty prompt")
     if isinstance(prompt, str):
@@ -351,7 +479,9 @@ def _row_params(base: SamplingParams, row_params: Any, row: int) -> SamplingPara
     changes: dict[str, Any] = {}
     if row_params is not None:
         if not isinstance(row_params, dict):
-            raise ValueError(f"params must be a dict of SamplingParams fields, got {type(row_params).__name__}")
+            raise ValueError(
+                f"params must be a dict of SamplingParams fields, got {type(row_params).__name__}"
+            )
         # Arrow fills the keys other rows have with None: those mean "not set"
         changes = {k: v for k, v in row_params.items() if v is not None}
         known = {f.name for f in dataclasses.fields(SamplingParams)}
@@ -362,7 +492,9 @@ def _row_params(base: SamplingParams, row_params: Any, row: int) -> SamplingPara
     if params.n != 1:
         raise ValueError(f"n={params.n}; generate_dataset makes one completion per row")
     if not params.is_greedy and "seed" not in changes:
-        params = params.with_(seed=(base.seed or 0) + row)  # independent of batching, resume, shards
+        params = params.with_(
+            seed=(base.seed or 0) + row
+        )  # independent of batching, resume, shards
     return params
 
 
@@ -374,14 +506,19 @@ def _assemble(dataset: Any, records: list[dict], output_column: str) -> Any:
     import datasets
 
     names = _output_columns(output_column)
-    features = datasets.Features({names[key]: datasets.Value(kind) for key, kind in _FEATURES.items()})
-    extra = datasets.Dataset.from_dict({names[key]: [r[key] for r in records] for key in _FEATURES},
-                                       features=features)
+    features = datasets.Features(
+        {names[key]: datasets.Value(kind) for key, kind in _FEATURES.items()}
+    )
+    extra = datasets.Dataset.from_dict(
+        {names[key]: [r[key] for r in records] for key in _FEATURES}, features=features
+    )
     if dataset._indices is not None:
         dataset = dataset.flatten_indices()
     if len(dataset) == 0:  # concatenate_datasets(axis=1) drops the new columns of 0-row datasets
-        return datasets.Dataset.from_dict({name: [] for name in [*dataset.column_names, *features]},
-                                          features=datasets.Features({**dataset.features, **features}))
+        return datasets.Dataset.from_dict(
+            {name: [] for name in [*dataset.column_names, *features]},
+            features=datasets.Features({**dataset.features, **features}),
+        )
     return datasets.concatenate_datasets([dataset, extra], axis=1)
 
 
@@ -390,19 +527,28 @@ def _output_columns(output_column: str) -> dict[str, str]:
     return {"text": output_column, **{s: f"{output_column}_{s}" for s in _SUFFIXES}}
 
 
-def _check_columns(dataset: Any, prompt_column: str, output_column: str, messages_column: str | None,
-                   params_column: str | None) -> None:
+def _check_columns(
+    dataset: Any,
+    prompt_column: str,
+    output_column: str,
+    messages_column: str | None,
+    params_column: str | None,
+) -> None:
     names = dataset.column_names
     source = messages_column or prompt_column
     if source not in names:
         what = "messages_column" if messages_column else "prompt_column"
         raise ValueError(f"{what}={source!r} is not a column of the dataset; columns: {names}")
     if params_column is not None and params_column not in names:
-        raise ValueError(f"params_column={params_column!r} is not a column of the dataset; columns: {names}")
+        raise ValueError(
+            f"params_column={params_column!r} is not a column of the dataset; columns: {names}"
+        )
     clash = [c for c in _output_columns(output_column).values() if c in names]
     if clash:
-        raise ValueError(f"output_column={output_column!r}: the dataset already has column(s) {clash}; "
-                         "choose another output_column")
+        raise ValueError(
+            f"output_column={output_column!r}: the dataset already has column(s) {clash}; "
+            "choose another output_column"
+        )
 
 
 def _distributed() -> tuple[int, int, Any]:
@@ -414,11 +560,14 @@ def _distributed() -> tuple[int, int, Any]:
     from accelerate import PartialState
     from accelerate.utils import parse_flag_from_env
 
-    state = PartialState(cpu=not torch.cuda.is_available() or parse_flag_from_env("ACCELERATE_USE_CPU"))
+    state = PartialState(
+        cpu=not torch.cuda.is_available() or parse_flag_from_env("ACCELERATE_USE_CPU")
+    )
     return state.process_index, state.num_processes, state
 
 
 # ---- progress ------------------------------------------------------------------------------------
+
 
 class _Progress:
     """tqdm bar over rows, with output tok/s, running/waiting, KV use and prefix-hit rate."""
@@ -444,10 +593,16 @@ class _Progress:
         s, sched = self.engine.stats(), self.engine.scheduler
         prompt = s["prompt_tokens"] - self.prompt0
         hit = (s["prefix_hit_tokens"] - self.hit0) / prompt if prompt else 0.0
-        self.bar.set_postfix({"tok/s": f"{self.tokens / (now - self.start):.0f}",
-                              "run": len(sched.running), "wait": len(sched.waiting),
-                              "kv": f"{s['blocks_used'] / s['num_blocks']:.0%}", "prefix_hit": f"{hit:.0%}"},
-                             refresh=False)
+        self.bar.set_postfix(
+            {
+                "tok/s": f"{self.tokens / (now - self.start):.0f}",
+                "run": len(sched.running),
+                "wait": len(sched.waiting),
+                "kv": f"{s['blocks_used'] / s['num_blocks']:.0%}",
+                "prefix_hit": f"{hit:.0%}",
+            },
+            refresh=False,
+        )
 
     def close(self) -> None:
         self.last = 0.0

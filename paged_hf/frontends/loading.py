@@ -8,6 +8,7 @@ Every mistake is a ``LoadError`` (a ``ValueError``) that names the argument at f
 caller's words (``labels``: the CLI says ``--model``, lm-eval ``pretrained``), and the tokenizer
 and config are read before the weights, so a wrong name is found in a moment.
 """
+
 from __future__ import annotations
 
 import os
@@ -26,9 +27,17 @@ class LoadError(ValueError):
 DEFAULT_LABELS = {"model": "model", "tokenizer": "tokenizer", "device": "device"}
 
 
-def load_model(name: str, *, tokenizer: Any = None, dtype: str | torch.dtype = "auto",
-               device: str | torch.device = "cpu", gguf_file: str | None = None, revision: str | None = None,
-               trust_remote_code: bool = False, labels: dict[str, str] | None = None) -> tuple[Any, Any]:
+def load_model(
+    name: str,
+    *,
+    tokenizer: Any = None,
+    dtype: str | torch.dtype = "auto",
+    device: str | torch.device = "cpu",
+    gguf_file: str | None = None,
+    revision: str | None = None,
+    trust_remote_code: bool = False,
+    labels: dict[str, str] | None = None,
+) -> tuple[Any, Any]:
     """(model in eval mode on ``device``, tokenizer). ``name`` is a checkpoint directory, a Hub id
     or ``default``; ``dtype`` "auto" is the checkpoint's own (bfloat16 for ``default``); a GGUF file
     is dequantized into plain weights, which the engine patches. ``tokenizer``: a name to load, a
@@ -45,8 +54,12 @@ def load_model(name: str, *, tokenizer: Any = None, dtype: str | torch.dtype = "
     if isinstance(tokenizer, str):
         tok = load_tokenizer(tokenizer, label=label["tokenizer"], **hub)
     if name == "default":
-        model, default_tok = _attempt(label["model"], name, "it", lambda: load_default_model(
-            dtype=torch_dtype or torch.bfloat16))
+        model, default_tok = _attempt(
+            label["model"],
+            name,
+            "it",
+            lambda: load_default_model(dtype=torch_dtype or torch.bfloat16),
+        )
         return _to_device(model, device, label), tok if tokenizer is not None else default_tok
 
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -54,16 +67,32 @@ def load_model(name: str, *, tokenizer: Any = None, dtype: str | torch.dtype = "
     files: dict[str, Any] = {**hub, **({"gguf_file": gguf_file} if gguf_file else {})}
     _attempt(label["model"], name, "it", lambda: AutoConfig.from_pretrained(name, **files))
     if tokenizer is None:
-        tok = load_tokenizer(name, gguf_file=gguf_file, label=label["model"],
-                             what=f"its tokenizer (name one with {label['tokenizer']})", **hub)
+        tok = load_tokenizer(
+            name,
+            gguf_file=gguf_file,
+            label=label["model"],
+            what=f"its tokenizer (name one with {label['tokenizer']})",
+            **hub,
+        )
     weights = {**files, **(dequantized_gguf() if gguf_file else {})}
-    model = _attempt(label["model"], name, "it",
-                     lambda: AutoModelForCausalLM.from_pretrained(name, dtype=torch_dtype or "auto", **weights))
+    model = _attempt(
+        label["model"],
+        name,
+        "it",
+        lambda: AutoModelForCausalLM.from_pretrained(name, dtype=torch_dtype or "auto", **weights),
+    )
     return _to_device(model, device, label), tok
 
 
-def load_tokenizer(name: str, *, gguf_file: str | None = None, revision: str | None = None,
-                   trust_remote_code: bool = False, label: str = "tokenizer", what: str = "it") -> Any:
+def load_tokenizer(
+    name: str,
+    *,
+    gguf_file: str | None = None,
+    revision: str | None = None,
+    trust_remote_code: bool = False,
+    label: str = "tokenizer",
+    what: str = "it",
+) -> Any:
     """The tokenizer in directory or Hub repo ``name`` (from ``gguf_file`` there, if given); a
     ``LoadError`` naming ``label`` if it cannot be loaded."""
     from transformers import AutoTokenizer
@@ -76,10 +105,17 @@ def load_tokenizer(name: str, *, gguf_file: str | None = None, revision: str | N
     return _attempt(label, name, what, lambda: AutoTokenizer.from_pretrained(name, **files))
 
 
-def _to_device(model: torch.nn.Module, device: str | torch.device, label: dict[str, str]) -> torch.nn.Module:
+def _to_device(
+    model: torch.nn.Module, device: str | torch.device, label: dict[str, str]
+) -> torch.nn.Module:
     try:
         return model.to(device).eval()
-    except (RuntimeError, ValueError, TypeError, AssertionError) as err:  # torch's ways of refusing a device
+    except (
+        RuntimeError,
+        ValueError,
+        TypeError,
+        AssertionError,
+    ) as err:  # torch's ways of refusing a device
         raise LoadError(f"{label['device']} {device}: {err}") from None
 
 
@@ -88,8 +124,12 @@ def _attempt(label: str, name: str, what: str, load: Callable[[], Any]) -> Any:
         raise LoadError(f"{label} {name}: no such directory")
     try:
         return load()
-    except Exception as err:  # transformers raises OSError, ValueError, KeyError, ... for "not a model here"
-        raise LoadError(f"{label} {name}: cannot load {what} ({type(err).__name__}: {err})") from None
+    except (
+        Exception
+    ) as err:  # transformers raises OSError, ValueError, KeyError, ... for "not a model here"
+        raise LoadError(
+            f"{label} {name}: cannot load {what} ({type(err).__name__}: {err})"
+        ) from None
 
 
 def looks_like_path(name: str) -> bool:

@@ -86,7 +86,9 @@ def _load_from_gguf() -> tuple["PreTrainedModel", "PreTrainedTokenizerBase"]:
     tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=filename)
     # float32 keeps the dequantized values exactly (Q4_1 blocks are fp16 scale * int + fp16 min,
     # which bf16 generally cannot hold), so any dtype requested later is one rounding away from the file.
-    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=filename, dtype=torch.float32, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(
+        directory, gguf_file=filename, dtype=torch.float32, **kwargs
+    )
     for name, param in model.named_parameters():
         if not param.is_floating_point():
             raise RuntimeError(f"GGUF weight {name} was not dequantized (dtype {param.dtype})")
@@ -112,7 +114,12 @@ def _remove_stale_tmp_dirs(target: Path) -> None:
 
 def _build_cache(target: Path) -> None:
     """Write the safetensors copy to ``target`` atomically."""
-    logger.info("Building the %s cache in %s from %s (first use only)", MODEL_NAME, target, smollm2_gguf_path())
+    logger.info(
+        "Building the %s cache in %s from %s (first use only)",
+        MODEL_NAME,
+        target,
+        smollm2_gguf_path(),
+    )
     model, tokenizer = _load_from_gguf()
     target.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_tmp_dirs(target)
@@ -169,5 +176,7 @@ def load_default_model(
         # positions are masked out anyway.
         tokenizer.pad_token = tokenizer.eos_token
     if tokenizer.chat_template is None or tokenizer.eos_token is None:
-        raise RuntimeError(f"tokenizer cached in {path} lacks its chat template or eos token; delete the directory")
+        raise RuntimeError(
+            f"tokenizer cached in {path} lacks its chat template or eos token; delete the directory"
+        )
     return model, tokenizer

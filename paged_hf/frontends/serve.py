@@ -17,6 +17,7 @@ is raised to every waiting handle and to later ``submit`` calls; nothing hangs. 
 fails on its own (its sampling, or the step it ran in) ends alone with ``finish_reason`` "error";
 the loop goes on serving the others.
 """
+
 from __future__ import annotations
 
 import logging
@@ -45,8 +46,13 @@ class RequestHandle:
     With ``n > 1``, ``stream()`` follows the first sample; ``result()`` has them all.
     """
 
-    def __init__(self, owner: "BackgroundEngine", request_id: str | None, tokenizer: Any,
-                 params: SamplingParams | None = None) -> None:
+    def __init__(
+        self,
+        owner: "BackgroundEngine",
+        request_id: str | None,
+        tokenizer: Any,
+        params: SamplingParams | None = None,
+    ) -> None:
         self.request_id = request_id  # set by the engine when None
         self._owner = owner
         self._tokenizer = tokenizer
@@ -76,7 +82,9 @@ class RequestHandle:
     def result(self, timeout: float | None = None) -> RequestOutput:
         """Wait for the request to finish; its ``RequestOutput`` (``finish_reason`` "abort" if cancelled)."""
         with self._cond:
-            if not self._cond.wait_for(lambda: self._output is not None or self._error is not None, timeout):
+            if not self._cond.wait_for(
+                lambda: self._output is not None or self._error is not None, timeout
+            ):
                 raise TimeoutError(f"request {self.request_id}: not finished after {timeout} s")
             if self._error is not None:
                 raise EngineStopped(f"request {self.request_id}: {self._error}") from self._error
@@ -87,9 +95,15 @@ class RequestHandle:
         k = 0
         while True:
             with self._cond:
-                self._cond.wait_for(lambda k=k: len(self._tokens) > k or self._output is not None
-                                    or self._error is not None)
-                new, finished = self._tokens[k:], self._output is not None or self._error is not None
+                self._cond.wait_for(
+                    lambda k=k: (
+                        len(self._tokens) > k or self._output is not None or self._error is not None
+                    )
+                )
+                new, finished = (
+                    self._tokens[k:],
+                    self._output is not None or self._error is not None,
+                )
             k += len(new)
             yield from new
             if finished:
@@ -115,15 +129,18 @@ class RequestHandle:
     def _text_stream(self) -> Iterator[str]:
         detok = IncrementalDetokenizer(self._tokenizer)
         params = self._params
-        stops = StopStrings(self._tokenizer, params.stop, params.include_stop_str_in_output) \
-            if params is not None and params.stop else None
+        stops = (
+            StopStrings(self._tokenizer, params.stop, params.include_stop_str_in_output)
+            if params is not None and params.stop
+            else None
+        )
         for tok in self.token_ids():
             if stops is None:
                 delta = detok.push(tok)
             else:
                 if stops.hit is None:  # the engine ends the request at a hit: nothing follows
                     stops.push(tok)
-                delta = stops.safe_text()[len(detok.emitted):]
+                delta = stops.safe_text()[len(detok.emitted) :]
                 detok.emitted += delta
             if delta:
                 yield delta
@@ -144,7 +161,9 @@ class BackgroundEngine:
 
     def __init__(self, engine: Any) -> None:
         if engine.serving:
-            raise RuntimeError("this engine is already stepped by a background engine; shut that one down first")
+            raise RuntimeError(
+                "this engine is already stepped by a background engine; shut that one down first"
+            )
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self._commands: queue.Queue = queue.Queue()
@@ -156,8 +175,9 @@ class BackgroundEngine:
         self._thread.start()
 
     # ---- public API ----------------------------------------------------------------------------
-    def submit(self, prompt: Any, params: SamplingParams | None = None,
-               request_id: str | None = None) -> RequestHandle:
+    def submit(
+        self, prompt: Any, params: SamplingParams | None = None, request_id: str | None = None
+    ) -> RequestHandle:
         """Queue a prompt (text, or token ids); returns its handle at once. Bad input raises the
         engine's ValueError here, in the caller's thread (the loop thread validates it before
         its next step, so this waits at most one step). Without ``request_id`` the engine makes one."""
@@ -178,9 +198,22 @@ class BackgroundEngine:
         step), running, waiting, tokens, blocks_used, kv_waste, preempted."""
         import pandas as pd
 
-        rows = list(self.engine._stats.step_log)  # appended by the loop thread; a copy is consistent
-        frame = pd.DataFrame(rows, columns=["step", "time", "running", "waiting", "tokens", "blocks_used",
-                                            "kv_waste", "preempted"])
+        rows = list(
+            self.engine._stats.step_log
+        )  # appended by the loop thread; a copy is consistent
+        frame = pd.DataFrame(
+            rows,
+            columns=[
+                "step",
+                "time",
+                "running",
+                "waiting",
+                "tokens",
+                "blocks_used",
+                "kv_waste",
+                "preempted",
+            ],
+        )
         if len(frame):
             frame["time"] = frame["time"] - frame["time"].iloc[0]
         return frame
@@ -229,14 +262,17 @@ class BackgroundEngine:
     def _call(self, op: str, *args: Any) -> Any:
         """Run ``op`` on the loop thread and wait for it; its exception is raised here."""
         if self._error is not None or self._stopped.is_set() or not self._thread.is_alive():
-            raise EngineStopped(f"the background engine is stopped{': ' + repr(self._error) if self._error else ''}") \
-                from self._error
+            raise EngineStopped(
+                f"the background engine is stopped{': ' + repr(self._error) if self._error else ''}"
+            ) from self._error
         box: dict[str, Any] = {}
         done = threading.Event()
         self._commands.put((op, box, args, done))
         while not done.wait(_IDLE_WAIT_S):
             if not self._thread.is_alive():
-                raise EngineStopped("the background engine stopped before handling the call") from self._error
+                raise EngineStopped(
+                    "the background engine stopped before handling the call"
+                ) from self._error
         if "error" in box:
             raise box["error"]
         return box.get("value")
@@ -247,7 +283,11 @@ class BackgroundEngine:
             while True:
                 block = not engine.has_unfinished
                 try:
-                    cmd = self._commands.get(timeout=_IDLE_WAIT_S) if block else self._commands.get_nowait()
+                    cmd = (
+                        self._commands.get(timeout=_IDLE_WAIT_S)
+                        if block
+                        else self._commands.get_nowait()
+                    )
                 except queue.Empty:
                     cmd = None
                 while cmd is not None:
@@ -283,7 +323,9 @@ class BackgroundEngine:
         try:
             if op == "add":
                 handle, prompt, params = args
-                handle.request_id = self.engine.add_request(prompt, params, request_id=handle.request_id)
+                handle.request_id = self.engine.add_request(
+                    prompt, params, request_id=handle.request_id
+                )
                 self._handles[handle.request_id] = handle
             elif op == "cancel":
                 self._cancel(args[0])
@@ -334,7 +376,9 @@ class BackgroundEngine:
             handle._finish(engine.collect([root]))
 
 
-def serve(model: torch.nn.Module, tokenizer: Any = None, *, warmup: bool = True, **config: Any) -> BackgroundEngine:
+def serve(
+    model: torch.nn.Module, tokenizer: Any = None, *, warmup: bool = True, **config: Any
+) -> BackgroundEngine:
     """Start an engine for ``model`` on a background thread; returns the ``BackgroundEngine``.
 
     ``config`` takes the ``EngineConfig`` fields. A model patched with ``paged_hf.patch`` and
@@ -347,7 +391,11 @@ def serve(model: torch.nn.Module, tokenizer: Any = None, *, warmup: bool = True,
     >>> print("".join(bg.submit("Hello", SamplingParams(max_new_tokens=8)).stream()))
     >>> bg.shutdown()
     """
-    from ..model.patching import Engine, engine_for, is_patched  # Engine patches the model if needed
+    from ..model.patching import (  # Engine patches the model if needed
+        Engine,
+        engine_for,
+        is_patched,
+    )
 
     if is_patched(model) and not config:
         engine = engine_for(model)

@@ -46,6 +46,7 @@ typed (its CLI defaults are 1, None and "cuda:0"). Here they mean:
 - ``device``: where a model loaded by name goes; ``cuda``/``cuda:N`` without CUDA falls back to
   the CPU with a warning, as lm-eval's own ``hf`` backend does. A model object stays where it is.
 """
+
 from __future__ import annotations
 
 import copy
@@ -57,10 +58,16 @@ import torch
 try:
     from lm_eval.api.model import TemplateLM
     from lm_eval.api.registry import register_model
-    from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
+    from lm_eval.models.utils import (
+        handle_stop_sequences,
+        normalize_gen_kwargs,
+        postprocess_generated_text,
+    )
 except ImportError as _err:  # pragma: no cover - the message is the point
-    raise ImportError("paged_hf.integrations.lm_eval needs lm-evaluation-harness: pip install 'paged_hf[eval]' "
-                      f"(lm-eval==0.4.13) ({_err})") from _err
+    raise ImportError(
+        "paged_hf.integrations.lm_eval needs lm-evaluation-harness: pip install 'paged_hf[eval]' "
+        f"(lm-eval==0.4.13) ({_err})"
+    ) from _err
 
 from ..config import EngineConfig
 from ..engine.scoring import prefix_token_id, rolling_windows
@@ -92,18 +99,33 @@ class PagedHFLM(TemplateLM):
 
     backend = "causal"
 
-    def __init__(self, pretrained: Any = "default", tokenizer: Any = None, dtype: str | torch.dtype = "auto",
-                 device: str | None = None, batch_size: int | str | None = None, max_batch_size: int | None = None,
-                 max_length: int | None = None, max_gen_toks: int = 256, add_bos_token: bool | None = None,
-                 prefix_token_id: int | None = None, truncation: bool = False, revision: str | None = None,
-                 trust_remote_code: bool = False, gguf_file: str | None = None,
-                 chat_template_args: dict | None = None, think_end_token: str | int | None = None,
-                 **engine_options: Any) -> None:
+    def __init__(
+        self,
+        pretrained: Any = "default",
+        tokenizer: Any = None,
+        dtype: str | torch.dtype = "auto",
+        device: str | None = None,
+        batch_size: int | str | None = None,
+        max_batch_size: int | None = None,
+        max_length: int | None = None,
+        max_gen_toks: int = 256,
+        add_bos_token: bool | None = None,
+        prefix_token_id: int | None = None,
+        truncation: bool = False,
+        revision: str | None = None,
+        trust_remote_code: bool = False,
+        gguf_file: str | None = None,
+        chat_template_args: dict | None = None,
+        think_end_token: str | int | None = None,
+        **engine_options: Any,
+    ) -> None:
         super().__init__()
         unknown = sorted(set(engine_options) - _ENGINE_OPTIONS)
         if unknown:
-            raise TypeError(f"paged_hf: unknown model_args {unknown}; known: the lm-eval options in "
-                            f"paged_hf.integrations.lm_eval's docstring and the engine options {sorted(_ENGINE_OPTIONS)}")
+            raise TypeError(
+                f"paged_hf: unknown model_args {unknown}; known: the lm-eval options in "
+                f"paged_hf.integrations.lm_eval's docstring and the engine options {sorted(_ENGINE_OPTIONS)}"
+            )
         from ..engine.engine import Engine as EngineCore
         from ..model.patching import Engine, engine_for, is_patched
 
@@ -113,11 +135,14 @@ class PagedHFLM(TemplateLM):
             explicit["max_num_seqs"] = seqs
         engine_options = {**EVAL_ENGINE_DEFAULTS, **explicit}
         if "max_num_seqs" in explicit and "max_num_batched_tokens" not in explicit:
-            engine_options["max_num_batched_tokens"] = max(EVAL_ENGINE_DEFAULTS["max_num_batched_tokens"],
-                                                           explicit["max_num_seqs"])
+            engine_options["max_num_batched_tokens"] = max(
+                EVAL_ENGINE_DEFAULTS["max_num_batched_tokens"], explicit["max_num_seqs"]
+            )
         if isinstance(pretrained, EngineCore):
             if explicit:
-                raise TypeError(f"paged_hf: engine options {sorted(explicit)} cannot change an existing Engine")
+                raise TypeError(
+                    f"paged_hf: engine options {sorted(explicit)} cannot change an existing Engine"
+                )
             self.engine = pretrained
             model = pretrained.model
             tokenizer = tokenizer if tokenizer is not None else pretrained.tokenizer
@@ -129,12 +154,21 @@ class PagedHFLM(TemplateLM):
             else:
                 self.engine = Engine(model, tokenizer, **engine_options)
         else:
-            model, tokenizer = load_model(str(pretrained), tokenizer=tokenizer, dtype=dtype, device=_device(device),
-                                          gguf_file=gguf_file, revision=revision, trust_remote_code=trust_remote_code,
-                                          labels={"model": "pretrained", "tokenizer": "tokenizer"})
+            model, tokenizer = load_model(
+                str(pretrained),
+                tokenizer=tokenizer,
+                dtype=dtype,
+                device=_device(device),
+                gguf_file=gguf_file,
+                revision=revision,
+                trust_remote_code=trust_remote_code,
+                labels={"model": "pretrained", "tokenizer": "tokenizer"},
+            )
             self.engine = Engine(model, tokenizer, **engine_options)
         if tokenizer is None:
-            raise ValueError("paged_hf: lm-eval passes text, so a tokenizer is needed (tokenizer=...)")
+            raise ValueError(
+                "paged_hf: lm-eval passes text, so a tokenizer is needed (tokenizer=...)"
+            )
         if self.engine.tokenizer is None:
             self.engine.tokenizer = tokenizer  # stop strings are read with it
         self.model = model
@@ -146,12 +180,19 @@ class PagedHFLM(TemplateLM):
         self.custom_prefix_token_id = prefix_token_id
         self.truncation = truncation
         self.chat_template_args = chat_template_args or {}
-        self.think_end_token = int(think_end_token) if isinstance(think_end_token, str) and \
-            think_end_token.isdigit() else think_end_token
-        self.pretrained = pretrained if isinstance(pretrained, str) else getattr(model, "name_or_path", "")
+        self.think_end_token = (
+            int(think_end_token)
+            if isinstance(think_end_token, str) and think_end_token.isdigit()
+            else think_end_token
+        )
+        self.pretrained = (
+            pretrained if isinstance(pretrained, str) else getattr(model, "name_or_path", "")
+        )
         if self.max_length > self.engine.max_model_len:
-            raise ValueError(f"paged_hf: max_length={self.max_length} exceeds the engine's max_model_len="
-                             f"{self.engine.max_model_len}")
+            raise ValueError(
+                f"paged_hf: max_length={self.max_length} exceeds the engine's max_model_len="
+                f"{self.engine.max_model_len}"
+            )
 
     # ---- what lm-eval reads ---------------------------------------------------------------------
     @property
@@ -185,17 +226,33 @@ class PagedHFLM(TemplateLM):
         return str(getattr(self.tokenizer, "name_or_path", "") or "").replace("/", "__")
 
     def get_model_info(self) -> dict:
-        return {"model_num_parameters": sum(p.numel() for p in self.model.parameters()),
-                "model_dtype": str(next(self.model.parameters()).dtype),
-                "paged_hf_engine": {k: getattr(self.engine.config, k) for k in
-                                    ("max_num_seqs", "max_num_batched_tokens", "block_size", "enable_prefix_caching")}}
+        return {
+            "model_num_parameters": sum(p.numel() for p in self.model.parameters()),
+            "model_dtype": str(next(self.model.parameters()).dtype),
+            "paged_hf_engine": {
+                k: getattr(self.engine.config, k)
+                for k in (
+                    "max_num_seqs",
+                    "max_num_batched_tokens",
+                    "block_size",
+                    "enable_prefix_caching",
+                )
+            },
+        }
 
-    def tok_encode(self, string: str, add_special_tokens: bool | None = None, left_truncate_len: int | None = None,
-                   **kwargs: Any) -> list[int]:
+    def tok_encode(
+        self,
+        string: str,
+        add_special_tokens: bool | None = None,
+        left_truncate_len: int | None = None,
+        **kwargs: Any,
+    ) -> list[int]:
         """As lm-eval's ``hf`` backend: the tokenizer's own special tokens unless told otherwise
         (``add_bos_token``), none when the text already starts with the BOS text."""
         special = _special_kwargs(add_special_tokens, self.add_bos_token)
-        if add_special_tokens is None and string.startswith(self.tokenizer.decode(self.prefix_token_id)):
+        if add_special_tokens is None and string.startswith(
+            self.tokenizer.decode(self.prefix_token_id)
+        ):
             special["add_special_tokens"] = False
         ids = list(self.tokenizer.encode(string, **special))
         return ids[-left_truncate_len:] if left_truncate_len else ids
@@ -203,30 +260,48 @@ class PagedHFLM(TemplateLM):
     def tok_decode(self, tokens: Any, skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(
+        self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True
+    ) -> str:
         """The tokenizer's chat template, as lm-eval's ``hf`` backend applies it (a template that
         refuses a system message gets the history without it)."""
         import jinja2
 
-        kwargs = dict(tokenize=False, add_generation_prompt=add_generation_prompt,
-                      continue_final_message=not add_generation_prompt, **self.chat_template_args)
+        kwargs = dict(
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=not add_generation_prompt,
+            **self.chat_template_args,
+        )
         try:
             return self.tokenizer.apply_chat_template(chat_history, **kwargs)
         except jinja2.exceptions.TemplateError:
-            logger.warning("paged_hf: the chat template failed; trying again without the system message")
-            return self.tokenizer.apply_chat_template([m for m in chat_history if m["role"] != "system"], **kwargs)
+            logger.warning(
+                "paged_hf: the chat template failed; trying again without the system message"
+            )
+            return self.tokenizer.apply_chat_template(
+                [m for m in chat_history if m["role"] != "system"], **kwargs
+            )
 
     # ---- the three request types ------------------------------------------------------------------
-    def _loglikelihood_tokens(self, requests: list, disable_tqdm: bool = False, **kwargs: Any) -> list[tuple[float, bool]]:
+    def _loglikelihood_tokens(
+        self, requests: list, disable_tqdm: bool = False, **kwargs: Any
+    ) -> list[tuple[float, bool]]:
         """(logprob, is greedy) of each (key, context ids, continuation ids), through ``Engine.score``.
         Requests with the same context are submitted together so its KV is computed once."""
         pairs = []
         for _key, ctx, cont in requests:
             if not ctx or not cont:
-                raise ValueError(f"paged_hf: empty context or continuation ({len(ctx)}, {len(cont)} tokens)")
+                raise ValueError(
+                    f"paged_hf: empty context or continuation ({len(ctx)}, {len(cont)} tokens)"
+                )
             if len(cont) > self.max_length:
-                raise ValueError(f"paged_hf: a continuation of {len(cont)} tokens exceeds max_length={self.max_length}")
-            whole = (ctx + cont)[-(self.max_length + 1):]  # lm-eval truncates from the left, so do we
+                raise ValueError(
+                    f"paged_hf: a continuation of {len(cont)} tokens exceeds max_length={self.max_length}"
+                )
+            whole = (ctx + cont)[
+                -(self.max_length + 1) :
+            ]  # lm-eval truncates from the left, so do we
             pairs.append((whole[: len(whole) - len(cont)], cont))
         results = self._score(pairs, disable_tqdm)
         for (key, _ctx, _cont), answer in zip(requests, results):
@@ -234,9 +309,13 @@ class PagedHFLM(TemplateLM):
                 self.cache_hook.add_partial("loglikelihood", key, answer)
         return results
 
-    def _score(self, pairs: list[tuple[list[int], list[int]]], disable_tqdm: bool) -> list[tuple[float, bool]]:
+    def _score(
+        self, pairs: list[tuple[list[int], list[int]]], disable_tqdm: bool
+    ) -> list[tuple[float, bool]]:
         first_seen: dict[tuple, int] = {}
-        order = sorted(range(len(pairs)), key=lambda i: first_seen.setdefault(tuple(pairs[i][0]), i))
+        order = sorted(
+            range(len(pairs)), key=lambda i: first_seen.setdefault(tuple(pairs[i][0]), i)
+        )
         outs = self.engine.score([pairs[i] for i in order], progress=not disable_tqdm)
         results: list[tuple[float, bool]] = [(0.0, False)] * len(pairs)
         for i, out in zip(order, outs):
@@ -255,7 +334,7 @@ class PagedHFLM(TemplateLM):
         scored = self._score(pairs, disable_tqdm)
         totals, at = [], 0
         for req, n in zip(requests, counts):
-            total = sum(lp for lp, _ in scored[at: at + n])
+            total = sum(lp for lp, _ in scored[at : at + n])
             at += n
             totals.append(total)
             self.cache_hook.add_partial("loglikelihood_rolling", (req.args[0],), total)
@@ -271,8 +350,10 @@ class PagedHFLM(TemplateLM):
             until = handle_stop_sequences(kwargs.pop("until", None), eos=eos)
             max_gen = kwargs.pop("max_gen_toks")
             if max_gen >= self.max_length:
-                raise ValueError(f"paged_hf: max_gen_toks={max_gen} leaves no room for a context in "
-                                 f"max_length={self.max_length}")
+                raise ValueError(
+                    f"paged_hf: max_gen_toks={max_gen} leaves no room for a context in "
+                    f"max_length={self.max_length}"
+                )
             ids = self.tok_encode(context, left_truncate_len=self.max_length - max_gen)
             prompts.append(ids)
             params.append(_sampling_params(kwargs, max_gen, [s for s in until if s]))
@@ -285,15 +366,17 @@ class PagedHFLM(TemplateLM):
             text = out.text or ""
             if isinstance(self.think_end_token, int) and self.think_end_token in out.token_ids:
                 last = len(out.token_ids) - 1 - out.token_ids[::-1].index(self.think_end_token)
-                text = self.tok_decode(out.token_ids[last + 1:]).lstrip()
-            text = postprocess_generated_text(text, until, self.think_end_token
-                                              if isinstance(self.think_end_token, str) else None)
+                text = self.tok_decode(out.token_ids[last + 1 :]).lstrip()
+            text = postprocess_generated_text(
+                text, until, self.think_end_token if isinstance(self.think_end_token, str) else None
+            )
             results.append(text)
             self.cache_hook.add_partial("generate_until", req.args, text)
         return results
 
 
 # ---- helpers ----------------------------------------------------------------------------------------
+
 
 def _special_kwargs(add_special_tokens: bool | None, add_bos: bool | None) -> dict:
     if add_special_tokens is not None:
@@ -312,12 +395,16 @@ def _max_num_seqs(batch_size: int | str | None, max_batch_size: int | None) -> i
     try:
         k = int(batch_size)
     except (TypeError, ValueError):
-        raise ValueError(f"paged_hf: batch_size={batch_size!r}, must be an integer or 'auto'") from None
+        raise ValueError(
+            f"paged_hf: batch_size={batch_size!r}, must be an integer or 'auto'"
+        ) from None
     if k < 1:
         raise ValueError(f"paged_hf: batch_size={k}, must be >= 1")
     if k == 1:
-        logger.info("paged_hf: batch_size=1 (lm-eval's default) leaves the engine's continuous batching as it is; "
-                    "pass max_num_seqs=1 in model_args to run one request at a time")
+        logger.info(
+            "paged_hf: batch_size=1 (lm-eval's default) leaves the engine's continuous batching as it is; "
+            "pass max_num_seqs=1 in model_args to run one request at a time"
+        )
         return None
     return k
 
@@ -326,8 +413,11 @@ def _device(device: str | None) -> str:
     if device is None:
         return "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda") and not torch.cuda.is_available():
-        logger.warning("paged_hf: device=%s but CUDA is not available (lm-eval's CLI asks for cuda:0 unless told "
-                       "otherwise); running on the CPU", device)
+        logger.warning(
+            "paged_hf: device=%s but CUDA is not available (lm-eval's CLI asks for cuda:0 unless told "
+            "otherwise); running on the CPU",
+            device,
+        )
         return "cpu"
     return device
 
@@ -337,8 +427,10 @@ def _sampling_params(kwargs: dict, max_new_tokens: int, stop: list[str]) -> Samp
     temperature = float(kwargs.pop("temperature", 0.0) or 0.0)
     unknown = sorted(set(kwargs) - _SAMPLING_KWARGS)
     if unknown:
-        raise NotImplementedError(f"paged_hf: generation kwargs {unknown} are not supported (supported: until, "
-                                  f"max_gen_toks, do_sample, {', '.join(sorted(_SAMPLING_KWARGS))})")
+        raise NotImplementedError(
+            f"paged_hf: generation kwargs {unknown} are not supported (supported: until, "
+            f"max_gen_toks, do_sample, {', '.join(sorted(_SAMPLING_KWARGS))})"
+        )
     fields: dict[str, Any] = {}
     if do_sample:
         fields["temperature"] = temperature if temperature > 0 else 1.0
@@ -352,16 +444,27 @@ def _sampling_params(kwargs: dict, max_new_tokens: int, stop: list[str]) -> Samp
     return SamplingParams(max_new_tokens=max_new_tokens, stop=stop, **fields)
 
 
-def _load_tokenizer(tokenizer: Any, model: torch.nn.Module, revision: str | None, trust_remote_code: bool,
-                    gguf_file: str | None) -> Any:
+def _load_tokenizer(
+    tokenizer: Any,
+    model: torch.nn.Module,
+    revision: str | None,
+    trust_remote_code: bool,
+    gguf_file: str | None,
+) -> Any:
     """The tokenizer for a model object: one given as an object, by name, or the model's own."""
     if tokenizer is not None and not isinstance(tokenizer, str):
         return tokenizer
     name = tokenizer or getattr(model, "name_or_path", None)
     if not name:
-        raise ValueError("paged_hf: give the tokenizer (tokenizer=...) of a model object that has no name_or_path")
-    return load_tokenizer(name, gguf_file=gguf_file if tokenizer is None else None, revision=revision,
-                          trust_remote_code=trust_remote_code)
+        raise ValueError(
+            "paged_hf: give the tokenizer (tokenizer=...) of a model object that has no name_or_path"
+        )
+    return load_tokenizer(
+        name,
+        gguf_file=gguf_file if tokenizer is None else None,
+        revision=revision,
+        trust_remote_code=trust_remote_code,
+    )
 
 
 def run_cli(argv: list[str]) -> int:

@@ -23,6 +23,7 @@ Unsupported here, and left to TRL's own path: images and other multimodal inputs
 turns that generate one completion per sample (``num_generations=1`` calls run through the engine
 too), and the vLLM path itself.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -46,18 +47,32 @@ class PagedGenerationMixin:
             patch(model, getattr(self, "processing_class", None), **self.paged_hf_options)
         return engine_for(model)
 
-    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+    def _generate_single_turn(
+        self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False
+    ):
         n = num_generations
-        if getattr(self, "use_vllm", False) or images is not None and any(images) or multimodal_fields \
-                or has_tool_images or n < 1 or len(prompt_ids) % n \
-                or any(prompt_ids[i] != prompt_ids[i - i % n] for i in range(len(prompt_ids))):
-            return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
-                                                 has_tool_images)
+        if (
+            getattr(self, "use_vllm", False)
+            or images is not None
+            and any(images)
+            or multimodal_fields
+            or has_tool_images
+            or n < 1
+            or len(prompt_ids) % n
+            or any(prompt_ids[i] != prompt_ids[i - i % n] for i in range(len(prompt_ids)))
+        ):
+            return super()._generate_single_turn(
+                prompt_ids, images, multimodal_fields, num_generations, has_tool_images
+            )
         engine = self.paged_engine()
         params = SamplingParams.from_generation_config(
-            self.generation_config, n=n, logprobs=0, logprobs_mode="processed",
+            self.generation_config,
+            n=n,
+            logprobs=0,
+            logprobs_mode="processed",
             max_new_tokens=self.generation_config.max_new_tokens or self.max_completion_length,
-            stop_token_ids=tuple(getattr(self, "eos_token_ids", ()) or ()))
+            stop_token_ids=tuple(getattr(self, "eos_token_ids", ()) or ()),
+        )
         with torch.no_grad():
             outputs = engine.generate([list(p) for p in prompt_ids[::n]], params)
         if self.paged_hf_sleep:
@@ -66,4 +81,6 @@ class PagedGenerationMixin:
         if failed:
             raise RuntimeError(f"paged_hf generation failed: {failed[0]}")
         completions = [c for o in outputs for c in o.completions]
-        return [list(c.token_ids) for c in completions], [[lp for lp, _ in c.logprobs] for c in completions]
+        return [list(c.token_ids) for c in completions], [
+            [lp for lp, _ in c.logprobs] for c in completions
+        ]

@@ -7,6 +7,7 @@ asks for scores or logits, or sets an option only transformers' processor classe
 rows become a ``JointCallGroup``: transformers' own processor list picks their tokens, step by step,
 on the same inputs transformers' loop gives it (paged_hf/engine/call_group.py).
 """
+
 from __future__ import annotations
 
 import copy
@@ -14,33 +15,48 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers import EosTokenCriteria, GenerationConfig, LogitsProcessorList, MaxLengthCriteria, StoppingCriteriaList
+from transformers import (
+    EosTokenCriteria,
+    GenerationConfig,
+    LogitsProcessorList,
+    MaxLengthCriteria,
+    StoppingCriteriaList,
+)
 
 from ..engine.beam_group import BeamCallGroup
 from ..engine.call_group import CallGroup, JointCallGroup
 from ..requests.sampling_params import SamplingParams
 from .generate_options import JOINT_OUTPUTS, JOINT_SAMPLING_SETTINGS, JOINT_SETTINGS
 
+
 @dataclass
 class CallPlan:
     group: CallGroup | None
-    params: SamplingParams   # what each row runs with
-    eos: list[int]           # EOS ids the engine ends a row on itself
-    native_stops: bool       # whether the engine matches stop strings itself
+    params: SamplingParams  # what each row runs with
+    eos: list[int]  # EOS ids the engine ends a row on itself
+    native_stops: bool  # whether the engine matches stop strings itself
 
     @property
     def joint(self) -> bool:
         return isinstance(self.group, JointCallGroup)
 
 
-def joint_reasons(gc: GenerationConfig, logits_processor: Any, prefix_allowed_tokens_fn: Any) -> list[str]:
+def joint_reasons(
+    gc: GenerationConfig, logits_processor: Any, prefix_allowed_tokens_fn: Any
+) -> list[str]:
     """What makes a call pick its rows' tokens with transformers' processors (empty: the engine's own)."""
     reasons = [f"num_beams={gc.num_beams}"] if (gc.num_beams or 1) > 1 else []
-    reasons += [f"{name}={getattr(gc, name)!r}" for name, neutral in JOINT_SETTINGS.items()
-               if getattr(gc, name, neutral) not in (None, neutral)]
+    reasons += [
+        f"{name}={getattr(gc, name)!r}"
+        for name, neutral in JOINT_SETTINGS.items()
+        if getattr(gc, name, neutral) not in (None, neutral)
+    ]
     if gc.do_sample:
-        reasons += [f"{name}={getattr(gc, name)!r}" for name, neutral in JOINT_SAMPLING_SETTINGS.items()
-                    if getattr(gc, name, neutral) not in (None, neutral)]
+        reasons += [
+            f"{name}={getattr(gc, name)!r}"
+            for name, neutral in JOINT_SAMPLING_SETTINGS.items()
+            if getattr(gc, name, neutral) not in (None, neutral)
+        ]
     if gc.return_dict_in_generate:
         reasons += [name for name in JOINT_OUTPUTS if getattr(gc, name)]
     if logits_processor is not None and len(logits_processor) > 0:
@@ -50,9 +66,19 @@ def joint_reasons(gc: GenerationConfig, logits_processor: Any, prefix_allowed_to
     return reasons
 
 
-def plan_call(model: torch.nn.Module, gc: GenerationConfig, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-              params: SamplingParams, pad: int, eos: list[int], tokenizer: Any, logits_processor: Any,
-              stopping_criteria: Any, prefix_allowed_tokens_fn: Any) -> CallPlan:
+def plan_call(
+    model: torch.nn.Module,
+    gc: GenerationConfig,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    params: SamplingParams,
+    pad: int,
+    eos: list[int],
+    tokenizer: Any,
+    logits_processor: Any,
+    stopping_criteria: Any,
+    prefix_allowed_tokens_fn: Any,
+) -> CallPlan:
     joint = joint_reasons(gc, logits_processor, prefix_allowed_tokens_fn)
     has_criteria = stopping_criteria is not None and len(stopping_criteria) > 0
     if not joint and not has_criteria and gc.max_time is None:
@@ -61,46 +87,87 @@ def plan_call(model: torch.nn.Module, gc: GenerationConfig, input_ids: torch.Ten
     gc = copy.deepcopy(gc)
     gc.max_length = width + params.max_new_tokens
     model._prepare_special_tokens(gc, True, device=input_ids.device)
-    criteria = model._get_stopping_criteria(gc, StoppingCriteriaList(stopping_criteria or []), tokenizer)
+    criteria = model._get_stopping_criteria(
+        gc, StoppingCriteriaList(stopping_criteria or []), tokenizer
+    )
     pads = any(hasattr(c, "eos_token_id") for c in criteria)
     max_new = params.max_new_tokens
     for c in criteria:  # a caller's criterion of the same type replaces transformers' (its merge)
         if isinstance(c, MaxLengthCriteria) and c.max_length > gc.max_length:
             max_new = c.max_length - width
-        if isinstance(c, EosTokenCriteria) and (gc._eos_token_tensor is None
-                                                or not torch.equal(c.eos_token_id.cpu(), gc._eos_token_tensor.cpu())):
+        if isinstance(c, EosTokenCriteria) and (
+            gc._eos_token_tensor is None
+            or not torch.equal(c.eos_token_id.cpu(), gc._eos_token_tensor.cpu())
+        ):
             eos = c.eos_token_id.flatten().tolist()
     if not joint:
         group = CallGroup(input_ids, params.n, criteria, pad, pads, max_new, input_ids.device)
         return CallPlan(group, params.with_(max_new_tokens=max_new), eos, native_stops=True)
     if params.constraint is not None:
-        raise NotImplementedError(f"paged_hf generate: structured outputs together with {joint[0]} are not supported")
+        raise NotImplementedError(
+            f"paged_hf generate: structured outputs together with {joint[0]} are not supported"
+        )
     processors = model._get_logits_processor(
-        generation_config=gc, input_ids_seq_length=width, encoder_input_ids=input_ids,
-        prefix_allowed_tokens_fn=prefix_allowed_tokens_fn, logits_processor=LogitsProcessorList(logits_processor or []),
-        device=input_ids.device, model_kwargs={"attention_mask": attention_mask})
+        generation_config=gc,
+        input_ids_seq_length=width,
+        encoder_input_ids=input_ids,
+        prefix_allowed_tokens_fn=prefix_allowed_tokens_fn,
+        logits_processor=LogitsProcessorList(logits_processor or []),
+        device=input_ids.device,
+        model_kwargs={"attention_mask": attention_mask},
+    )
     if (gc.num_beams or 1) > 1:
         return _beam_plan(model, gc, input_ids, criteria, processors, max_new)
-    group = JointCallGroup(input_ids, params.n, criteria, pad, pads, max_new, input_ids.device, processors,
-                           bool(gc.do_sample), scores=bool(gc.return_dict_in_generate and gc.output_scores),
-                           logits=bool(gc.return_dict_in_generate and gc.output_logits))
+    group = JointCallGroup(
+        input_ids,
+        params.n,
+        criteria,
+        pad,
+        pads,
+        max_new,
+        input_ids.device,
+        processors,
+        bool(gc.do_sample),
+        scores=bool(gc.return_dict_in_generate and gc.output_scores),
+        logits=bool(gc.return_dict_in_generate and gc.output_logits),
+    )
     # the group does everything transformers' loop does; each row only computes its logits
     rows = SamplingParams(max_new_tokens=max_new, n=params.n, ignore_eos=True)
     return CallPlan(group, rows, [], native_stops=False)
 
 
-def _beam_plan(model: torch.nn.Module, gc: GenerationConfig, input_ids: torch.Tensor, criteria: Any, processors: Any,
-               max_new: int) -> CallPlan:
+def _beam_plan(
+    model: torch.nn.Module,
+    gc: GenerationConfig,
+    input_ids: torch.Tensor,
+    criteria: Any,
+    processors: Any,
+    max_new: int,
+) -> CallPlan:
     """Beam search: each prompt's beams are the samples of one request (forked from its prompt's
     blocks), and the group runs transformers' beam search over their logits (paged_hf/engine/beam_group.py)."""
     from ..engine.binding import patch_state
 
     state = patch_state(model)
     if state is not None and state.state is not None:
-        raise NotImplementedError("paged_hf generate: beam search on a model with recurrent / convolution state "
-                                  "layers is not supported (a beam would have to copy its parent's state each step)")
+        raise NotImplementedError(
+            "paged_hf generate: beam search on a model with recurrent / convolution state "
+            "layers is not supported (a beam would have to copy its parent's state each step)"
+        )
     gc.max_length = input_ids.shape[1] + max_new
-    group = BeamCallGroup(input_ids, criteria, processors, model, gc,
-                          scores=bool(gc.return_dict_in_generate and gc.output_scores),
-                          logits=bool(gc.return_dict_in_generate and gc.output_logits), device=input_ids.device)
-    return CallPlan(group, SamplingParams(max_new_tokens=max_new, n=gc.num_beams, ignore_eos=True), [], native_stops=False)
+    group = BeamCallGroup(
+        input_ids,
+        criteria,
+        processors,
+        model,
+        gc,
+        scores=bool(gc.return_dict_in_generate and gc.output_scores),
+        logits=bool(gc.return_dict_in_generate and gc.output_logits),
+        device=input_ids.device,
+    )
+    return CallPlan(
+        group,
+        SamplingParams(max_new_tokens=max_new, n=gc.num_beams, ignore_eos=True),
+        [],
+        native_stops=False,
+    )

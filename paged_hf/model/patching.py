@@ -10,6 +10,7 @@ per-family quirks in patches/), selects the paged attention implementation and l
 ``PatchState`` (paged_hf/engine/binding.py) for the engine to read. It builds engines; engines never
 import it.
 """
+
 from __future__ import annotations
 
 import types
@@ -41,17 +42,27 @@ def ensure_attention_patched(model: torch.nn.Module) -> PatchState:
     for cfg in configs:
         attention.set_fallback(cfg, cfg._attn_implementation or original)
     model.set_attn_implementation(attention.NAME)
-    for path, layer in cap.attention_layers:  # each application of a shared block: the layer its KV is kept as
+    for (
+        path,
+        layer,
+    ) in cap.attention_layers:  # each application of a shared block: the layer its KV is kept as
         setattr(model.get_submodule(path), attention.LAYER_ATTR, layer)
     stuck = [cfg for cfg in cap.attention_configs if cfg._attn_implementation != attention.NAME]
     if stuck:  # a sub-model that refused the switch: put everything back and say so
         _restore(model, original, saved)
         raise capability.UnsupportedModelError(
             f"paged_hf cannot run {model.config.model_type}: the attention implementation of its "
-            f"{type(stuck[0]).__name__} could not be switched to {attention.NAME!r}")
-    state = PatchState(original_attn=original, layout=cap.layout, saved_implementations=saved,
-                       attention_configs=cap.attention_configs, media_token_ids=cap.media_token_ids,
-                       limits=dict(cap.limits), state=cap.state)
+            f"{type(stuck[0]).__name__} could not be switched to {attention.NAME!r}"
+        )
+    state = PatchState(
+        original_attn=original,
+        layout=cap.layout,
+        saved_implementations=saved,
+        attention_configs=cap.attention_configs,
+        media_token_ids=cap.media_token_ids,
+        limits=dict(cap.limits),
+        state=cap.state,
+    )
     # engine_for / the patched generate build their engine from the options patch() stores
     state.engine_factory = lambda: Engine(model, state.tokenizer, **state.config)
     setattr(model, STATE_ATTR, state)
@@ -82,9 +93,11 @@ def unpatch(model: torch.nn.Module) -> torch.nn.Module:
         raise ValueError("unpatch: this model was not patched by paged_hf")
     busy = [e for e in list(state.engines) if e.is_busy]
     if busy:
-        raise RuntimeError(f"unpatch: {len(busy)} paged_hf engine(s) still run on this model (unfinished requests, "
-                           "or a background engine from paged_hf.frontends.serve); let them finish or shut the background "
-                           "engine down first")
+        raise RuntimeError(
+            f"unpatch: {len(busy)} paged_hf engine(s) still run on this model (unfinished requests, "
+            "or a background engine from paged_hf.frontends.serve); let them finish or shut the background "
+            "engine down first"
+        )
     _restore(model, state.original_attn, state.saved_implementations)
     model.__dict__.pop("generate", None)
     delattr(model, STATE_ATTR)

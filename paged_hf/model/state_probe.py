@@ -16,6 +16,7 @@ The same recording tells which layer transformers' own cache keeps each attentio
 under (``update(key, value, layer_idx)``): ``attention_cache_layers``, for a block shared across
 layers whose modules all carry one ``layer_idx`` (Zamba2's).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -33,7 +34,12 @@ from ..execution.stateful_mixers import CACHE_ARGS
 
 logger = logging.getLogger("paged_hf")
 
-STATE_METHODS = ("get_conv_state", "update_conv_state", "get_recurrent_state", "update_recurrent_state")
+STATE_METHODS = (
+    "get_conv_state",
+    "update_conv_state",
+    "get_recurrent_state",
+    "update_recurrent_state",
+)
 
 
 class StateProbeError(ValueError):
@@ -50,13 +56,14 @@ class CacheCall:
     layer_idx: Any
     state_idx: int
     module: torch.nn.Module | None  # the innermost module whose forward was handed the cache
-    value: Any = None               # what a set_X call stored
+    value: Any = None  # what a set_X call stored
 
 
 @dataclass
 class CacheRecord:
     """One forward through the model's own cache: the cache, the calls, and what each module handed
     the cache got on its first call."""
+
     cache: Any = None
     calls: list[CacheCall] = field(default_factory=list)
     inputs: dict[int, tuple[tuple, dict]] = field(default_factory=dict)
@@ -65,14 +72,18 @@ class CacheRecord:
 def own_state_methods(cache_class: type) -> tuple[tuple[str, str], ...]:
     """The ``(get_X, set_X)`` method pairs a model's own cache class adds to transformers' cache
     classes: MiniMax's ``(get_linear_cache, set_linear_cache)``, a state per layer kept its own way."""
+
     def own(name: str) -> bool:
         for klass in cache_class.__mro__:
             if name in vars(klass):
                 return klass.__module__ != Cache.__module__ and callable(vars(klass)[name])
         return False
 
-    return tuple((name, "set_" + name[4:]) for name in sorted(dir(cache_class))
-                 if name.startswith("get_") and own(name) and own("set_" + name[4:]))
+    return tuple(
+        (name, "set_" + name[4:])
+        for name in sorted(dir(cache_class))
+        if name.startswith("get_") and own(name) and own("set_" + name[4:])
+    )
 
 
 def record_cache_calls(model: torch.nn.Module, input_ids: torch.Tensor) -> CacheRecord:
@@ -88,19 +99,37 @@ def record_cache_calls(model: torch.nn.Module, input_ids: torch.Tensor) -> Cache
 
         def call(*args: Any, **kwargs: Any) -> Any:
             bound = signature.bind(*args, **kwargs).arguments
-            value = next((v for k, v in bound.items() if k != "layer_idx"), None) if name.startswith("set_") else None
-            record.calls.append(CacheCall(name, bound.get("layer_idx"), bound.get("state_idx", 0),
-                                          stack[-1] if stack else None, value))
+            value = (
+                next((v for k, v in bound.items() if k != "layer_idx"), None)
+                if name.startswith("set_")
+                else None
+            )
+            record.calls.append(
+                CacheCall(
+                    name,
+                    bound.get("layer_idx"),
+                    bound.get("state_idx", 0),
+                    stack[-1] if stack else None,
+                    value,
+                )
+            )
             return method(*args, **kwargs)
+
         return call
 
     def handed(args: tuple, kwargs: dict) -> bool:
-        if record.cache is None:  # the model's own cache, on its way to the first module it is handed to
+        if (
+            record.cache is None
+        ):  # the model's own cache, on its way to the first module it is handed to
             found = next((a for a in (*args, *kwargs.values()) if isinstance(a, Cache)), None)
             if found is None:
                 return False
             record.cache = found
-            for name in STATE_METHODS + ("update",) + tuple(n for pair in own_state_methods(type(found)) for n in pair):
+            for name in (
+                STATE_METHODS
+                + ("update",)
+                + tuple(n for pair in own_state_methods(type(found)) for n in pair)
+            ):
                 if hasattr(found, name):
                     setattr(found, name, recording(name, getattr(found, name)))
                     installed.append(name)
@@ -143,7 +172,9 @@ def attention_cache_layers(model: torch.nn.Module, input_ids: torch.Tensor) -> d
 def _kind(module: torch.nn.Module, model_type: str) -> str:
     """``Qwen3_5GatedDeltaNet`` -> "gated delta net", ``NemotronHMamba2Mixer`` -> "mamba2 mixer": the
     class name's words less the model's own name in front."""
-    words = [w.lower() for w in re.findall(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|\d+", type(module).__name__)]
+    words = [
+        w.lower() for w in re.findall(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|\d+", type(module).__name__)
+    ]
     compact, prefix = re.sub(r"[^a-z0-9]", "", model_type.lower()), ""
     while words and compact.startswith(prefix + words[0]):
         prefix += words.pop(0)
@@ -156,8 +187,9 @@ def _kind(module: torch.nn.Module, model_type: str) -> str:
     return " ".join(kept) or type(module).__name__
 
 
-def probe_state_layout(model: torch.nn.Module, input_ids: torch.Tensor, check_chunks: bool = True
-                       ) -> StateLayout | None:
+def probe_state_layout(
+    model: torch.nn.Module, input_ids: torch.Tensor, check_chunks: bool = True
+) -> StateLayout | None:
     """The model's stateful mixers and their states, or None when no module uses the state API.
     ``check_chunks=False`` reads the shapes only (a model on the meta device, for sizing)."""
     record = record_cache_calls(model, input_ids)
@@ -177,8 +209,9 @@ def probe_state_layout(model: torch.nn.Module, input_ids: torch.Tensor, check_ch
     return dataclasses.replace(layout, mixers=tuple(mixers), continues_chunks=continues)
 
 
-def _run_as_engine(module: torch.nn.Module, spec: MixerSpec, args: tuple, kwargs: dict, where: str
-                   ) -> tuple[bool, str | None]:
+def _run_as_engine(
+    module: torch.nn.Module, spec: MixerSpec, args: tuple, kwargs: dict, where: str
+) -> tuple[bool, str | None]:
     """Run the mixer as the engine does, through state slots and the step's cache view, on the very
     input it had in the probe forward, and compare with its own forward over the whole sequence
     without a cache: the second half one token at a time (its decode path) must agree, or the
@@ -187,9 +220,16 @@ def _run_as_engine(module: torch.nn.Module, spec: MixerSpec, args: tuple, kwargs
     runs with (None: its own code only): one that gave its own code's outputs, to rounding."""
     from ..execution import mixer_kernels
     from ..execution.state_store import StateStore
-    from ..execution.stateful_mixers import StatePlan, mixer_arguments, mixer_output, stepped_forward
+    from ..execution.stateful_mixers import (
+        StatePlan,
+        mixer_arguments,
+        mixer_output,
+        stepped_forward,
+    )
 
-    hidden, kwargs = mixer_arguments(list(inspect.signature(module.forward).parameters), args, kwargs)
+    hidden, kwargs = mixer_arguments(
+        list(inspect.signature(module.forward).parameters), args, kwargs
+    )
     n, half = hidden.shape[1], hidden.shape[1] // 2
     tol = 1e-3 if hidden.dtype == torch.float32 else 5e-2
 
@@ -201,15 +241,19 @@ def _run_as_engine(module: torch.nn.Module, spec: MixerSpec, args: tuple, kwargs
         outs, start = [], 0
         for length in lengths:
             plan = StatePlan.build([length, length], [start, start], [0, 1], hidden.device)
-            x = torch.cat([hidden[:, start:start + length], other[:, start:start + length]], dim=1)
+            x = torch.cat(
+                [hidden[:, start : start + length], other[:, start : start + length]], dim=1
+            )
             y = mixer_output(stepped_forward(module.forward, spec, store, plan)(x, **kwargs))[0]
             outs.append(y.unflatten(1, (2, length)))
             start += length
         return torch.cat(outs, dim=2).float()
 
     with torch.inference_mode():
-        whole = torch.stack([mixer_output(module(hidden, **kwargs))[0], mixer_output(module(other, **kwargs))[0]],
-                            dim=1).float()
+        whole = torch.stack(
+            [mixer_output(module(hidden, **kwargs))[0], mixer_output(module(other, **kwargs))[0]],
+            dim=1,
+        ).float()
         by_token = pieces([half] + [1] * (n - half))
         chunked = pieces([half, n - half])
         kernel = None
@@ -218,20 +262,33 @@ def _run_as_engine(module: torch.nn.Module, spec: MixerSpec, args: tuple, kwargs
             calls = mixer_kernels.calls
             try:
                 with mixer_kernels.installed(sites):
-                    with_kernel = pieces([half] + [1] * (n - half),
-                                         dataclasses.replace(spec, kernel=mixer_kernels.KIND))
+                    with_kernel = pieces(
+                        [half] + [1] * (n - half),
+                        dataclasses.replace(spec, kernel=mixer_kernels.KIND),
+                    )
             except Exception as e:  # noqa: BLE001 - the model's own code serves it: slower, same outputs
-                logger.warning("paged_hf: %s runs without paged_hf's %s kernel, which failed on it: %s: %s",
-                               where, mixer_kernels.KIND, type(e).__name__, e)
+                logger.warning(
+                    "paged_hf: %s runs without paged_hf's %s kernel, which failed on it: %s: %s",
+                    where,
+                    mixer_kernels.KIND,
+                    type(e).__name__,
+                    e,
+                )
             else:
                 # the same math in another order: fp32 rounding, or one step of the output's dtype
-                if mixer_kernels.calls > calls and _close(by_token, with_kernel, 1e-5 if hidden.dtype == torch.float32
-                                                          else 2 * torch.finfo(hidden.dtype).eps):
+                if mixer_kernels.calls > calls and _close(
+                    by_token,
+                    with_kernel,
+                    1e-5 if hidden.dtype == torch.float32 else 2 * torch.finfo(hidden.dtype).eps,
+                ):
                     kernel = mixer_kernels.KIND
     if not _close(whole, by_token, tol):
-        raise StateProbeError(f"{where} ({type(module).__name__})", "continued one token at a time from a state "
-                              "it wrote, it gives other outputs than over the whole sequence at once (max difference "
-                              f"{float((whole - by_token).abs().max()):.2e}): its state cannot be carried between steps")
+        raise StateProbeError(
+            f"{where} ({type(module).__name__})",
+            "continued one token at a time from a state "
+            "it wrote, it gives other outputs than over the whole sequence at once (max difference "
+            f"{float((whole - by_token).abs().max()):.2e}): its state cannot be carried between steps",
+        )
     return _close(whole, chunked, tol), kernel
 
 
@@ -246,18 +303,25 @@ def _layout_from(model: torch.nn.Module, cache: Any, calls: list[CacheCall]) -> 
     by_module: dict[int, tuple[torch.nn.Module, list[CacheCall]]] = {}
     for call in calls:
         if call.module is None:
-            raise StateProbeError("its forward", f"{call.method} was called outside any module handed the cache")
+            raise StateProbeError(
+                "its forward", f"{call.method} was called outside any module handed the cache"
+            )
         by_module.setdefault(id(call.module), (call.module, []))[1].append(call)
     mixers, seen_layers = [], set()
     for module, its in by_module.values():
         where = f"{names.get(id(module), '?')} ({type(module).__name__})"
         layers = {c.layer_idx for c in its}
         if len(layers) != 1 or not isinstance(next(iter(layers)), int):
-            raise StateProbeError(where, f"reads the states of layers {sorted(map(str, layers))}; one module must "
-                                  "keep one layer's state")
+            raise StateProbeError(
+                where,
+                f"reads the states of layers {sorted(map(str, layers))}; one module must "
+                "keep one layer's state",
+            )
         layer_idx = next(iter(layers))
         if layer_idx in seen_layers:
-            raise StateProbeError(where, f"keeps the state of layer {layer_idx}, as another module does")
+            raise StateProbeError(
+                where, f"keeps the state of layer {layer_idx}, as another module does"
+            )
         seen_layers.add(layer_idx)
         sig = inspect.signature(module.forward).parameters
         cache_arg = next((n for n in CACHE_ARGS if n in sig), None)
@@ -266,16 +330,30 @@ def _layout_from(model: torch.nn.Module, cache: Any, calls: list[CacheCall]) -> 
         used = [pair for pair in pairs if any(pair_of.get(c.method) == pair for c in its)]
         if used:
             if any(c.method in STATE_METHODS for c in its):
-                raise StateProbeError(where, f"keeps its state both through transformers' cache API and through "
-                                      f"{used[0][0]} / {used[0][1]} of {type(cache).__name__}")
+                raise StateProbeError(
+                    where,
+                    f"keeps its state both through transformers' cache API and through "
+                    f"{used[0][0]} / {used[0][1]} of {type(cache).__name__}",
+                )
             spec = _own_pairs_spec(its, used, where)
         else:
             spec = _unified_spec(cache.layers[layer_idx], max(c.state_idx for c in its) + 1)
         conv, conv_dtypes, rec, rec_dtypes = spec
         if all(s is None for s in conv + rec):
             raise StateProbeError(where, "called the state API but left no state in the cache")
-        mixers.append(MixerSpec(layer_idx, names[id(module)], _kind(module, model.config.model_type), cache_arg, conv,
-                                conv_dtypes, rec, rec_dtypes, own_methods=tuple(used)))
+        mixers.append(
+            MixerSpec(
+                layer_idx,
+                names[id(module)],
+                _kind(module, model.config.model_type),
+                cache_arg,
+                conv,
+                conv_dtypes,
+                rec,
+                rec_dtypes,
+                own_methods=tuple(used),
+            )
+        )
     return StateLayout(tuple(sorted(mixers, key=lambda m: m.layer_idx)))
 
 
@@ -287,7 +365,12 @@ def _unified_spec(layer: Any, n: int) -> tuple:
     """Shapes and dtypes of the states a mixer left in its ``LinearAttentionLayer`` (per state_idx)."""
     conv = [_shape_dtype(layer.conv_states.get(i)) for i in range(n)]
     rec = [_shape_dtype(layer.recurrent_states.get(i)) for i in range(n)]
-    return (tuple(s for s, _ in conv), tuple(d for _, d in conv), tuple(s for s, _ in rec), tuple(d for _, d in rec))
+    return (
+        tuple(s for s, _ in conv),
+        tuple(d for _, d in conv),
+        tuple(s for s, _ in rec),
+        tuple(d for _, d in rec),
+    )
 
 
 def _own_pairs_spec(calls: list[CacheCall], pairs: list[tuple[str, str]], where: str) -> tuple:
@@ -299,4 +382,9 @@ def _own_pairs_spec(calls: list[CacheCall], pairs: list[tuple[str, str]], where:
         if not stored or not isinstance(stored[-1], torch.Tensor):
             raise StateProbeError(where, f"called {get} but never handed {put} a tensor")
         rec.append(_shape_dtype(stored[-1]))
-    return ((None,) * len(pairs), (None,) * len(pairs), tuple(s for s, _ in rec), tuple(d for _, d in rec))
+    return (
+        (None,) * len(pairs),
+        (None,) * len(pairs),
+        tuple(s for s, _ in rec),
+        tuple(d for _, d in rec),
+    )

@@ -21,6 +21,7 @@ Verdicts: ``pass``; ``refused`` (patch raised ``UnsupportedModelError``, with it
 ``wrong`` (taken but not equal to transformers) and ``error`` (taken, then failed) must never
 happen; ``no tiny model`` when transformers itself cannot build or run the tiny config.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,38 +44,125 @@ import torch
 PROMPT_LENGTHS = (5, 23, 41, 70)
 MAX_NEW_TOKENS = 12
 TOP_LOGPROBS = 5
-TOKEN_TOL = 1e-3      # a generated token's logit may trail the reference's best by this much
-LOGPROB_TOL = 1e-4    # |engine logprob - reference log-softmax| (fp32)
-STATEFUL_LOGPROB_TOL = 5e-4  # stateful layers, against transformers' incremental path: see compare()
+TOKEN_TOL = 1e-3  # a generated token's logit may trail the reference's best by this much
+LOGPROB_TOL = 1e-4  # |engine logprob - reference log-softmax| (fp32)
+STATEFUL_LOGPROB_TOL = (
+    5e-4  # stateful layers, against transformers' incremental path: see compare()
+)
 MAX_PARAMS = 20_000_000
-SETTINGS = {"defaults": {}, "small blocks and budget": dict(block_size=4, max_num_batched_tokens=16, max_num_seqs=4)}
+SETTINGS = {
+    "defaults": {},
+    "small blocks and budget": dict(block_size=4, max_num_batched_tokens=16, max_num_seqs=4),
+}
 # image-text models whose text path is checked too (their causal-LM entry, if any, is checked as well)
-MULTIMODAL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "mistral3", "gemma3", "paligemma")
+MULTIMODAL_TYPES = (
+    "qwen2_vl",
+    "qwen2_5_vl",
+    "qwen3_vl",
+    "llava",
+    "mistral3",
+    "gemma3",
+    "paligemma",
+)
 
 # ---- tiny configs ----------------------------------------------------------------------------------
 # Sizes set on every config class that has the field. Windows and chunks are 8 tokens so the prompts
 # cross them; head_dim 16; MLA widths differ (K 16 = 8 nope + 8 rope, V 12) so that is exercised.
 TINY_SIZES: dict[str, Any] = dict(
-    vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, initializer_range=0.15,
-    moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=4, num_local_experts=4,
-    n_routed_experts=4, num_experts_per_tok=2, moe_num_experts=4, num_experts_per_token=2, n_shared_experts=1,
-    n_group=1, topk_group=1, moe_topk=2, first_k_dense_replace=1,
-    q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=12, qk_head_dim=16,
-    n_embd=64, n_layer=4, n_head=4, n_positions=1024, n_ctx=1024, n_inner=128,
-    d_model=64, decoder_layers=4, decoder_attention_heads=4, decoder_ffn_dim=128, encoder_layers=4,
-    encoder_attention_heads=4, encoder_ffn_dim=128, ffn_dim=128, num_layers=4, num_heads=4, n_heads=4, n_layers=4,
-    sliding_window=8, attention_chunk_size=8, use_sliding_window=True, max_window_layers=2, window_size=8,
-    linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
-    linear_head_dim=16, linear_num_heads=4,
-    mamba_d_state=8, mamba_n_heads=4, mamba_d_head=16, mamba_expand=2, mamba_chunk_size=16, ssm_state_size=8,
-    state_size=8, time_step_rank=8, mamba_dt_rank=8, mamba_num_heads=4, mamba_head_dim=16, n_groups=1,
-    mamba_n_groups=1, index_head_dim=16, index_n_heads=2, index_topk=4,
-    swa_num_attention_heads=4, swa_num_key_value_heads=2, swa_head_dim=16, kv_channels=16, attention_head_dim=16,
-    ffn_hidden_size=128, expert_ffn_hidden_size=32, zero_expert_num=2, emb_dim=64,
-    vocab_size_per_layer_input=512, hidden_size_per_layer_input=16, encoder_hash_byte_group_vocab=512,
-    hidden_size_global=64, rotary_dim=8, is_decoder=True, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-    moe_k=2, moe_num_shared_experts=1, shared_experts_intermediate_size=32,
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=1024,
+    initializer_range=0.15,
+    moe_intermediate_size=32,
+    shared_expert_intermediate_size=32,
+    num_experts=4,
+    num_local_experts=4,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    moe_num_experts=4,
+    num_experts_per_token=2,
+    n_shared_experts=1,
+    n_group=1,
+    topk_group=1,
+    moe_topk=2,
+    first_k_dense_replace=1,
+    q_lora_rank=32,
+    kv_lora_rank=16,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=8,
+    v_head_dim=12,
+    qk_head_dim=16,
+    n_embd=64,
+    n_layer=4,
+    n_head=4,
+    n_positions=1024,
+    n_ctx=1024,
+    n_inner=128,
+    d_model=64,
+    decoder_layers=4,
+    decoder_attention_heads=4,
+    decoder_ffn_dim=128,
+    encoder_layers=4,
+    encoder_attention_heads=4,
+    encoder_ffn_dim=128,
+    ffn_dim=128,
+    num_layers=4,
+    num_heads=4,
+    n_heads=4,
+    n_layers=4,
+    sliding_window=8,
+    attention_chunk_size=8,
+    use_sliding_window=True,
+    max_window_layers=2,
+    window_size=8,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_head_dim=16,
+    linear_num_heads=4,
+    mamba_d_state=8,
+    mamba_n_heads=4,
+    mamba_d_head=16,
+    mamba_expand=2,
+    mamba_chunk_size=16,
+    ssm_state_size=8,
+    state_size=8,
+    time_step_rank=8,
+    mamba_dt_rank=8,
+    mamba_num_heads=4,
+    mamba_head_dim=16,
+    n_groups=1,
+    mamba_n_groups=1,
+    index_head_dim=16,
+    index_n_heads=2,
+    index_topk=4,
+    swa_num_attention_heads=4,
+    swa_num_key_value_heads=2,
+    swa_head_dim=16,
+    kv_channels=16,
+    attention_head_dim=16,
+    ffn_hidden_size=128,
+    expert_ffn_hidden_size=32,
+    zero_expert_num=2,
+    emb_dim=64,
+    vocab_size_per_layer_input=512,
+    hidden_size_per_layer_input=16,
+    encoder_hash_byte_group_vocab=512,
+    hidden_size_global=64,
+    rotary_dim=8,
+    is_decoder=True,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+    moe_k=2,
+    moe_num_shared_experts=1,
+    shared_experts_intermediate_size=32,
 )
 # what a type's own validators need beyond the sizes above (one line per type, each for a rule of its config)
 TINY_EXTRA: dict[str, dict[str, Any]] = {
@@ -83,29 +171,64 @@ TINY_EXTRA: dict[str, dict[str, Any]] = {
     "bamba": dict(mamba_d_head=32, attn_layer_indices=[1, 3]),
     "granitemoehybrid": dict(mamba_d_head=32, layer_types=["mamba", "attention"] * 2),
     "jamba": dict(attn_layer_period=2, attn_layer_offset=1),
-    "falcon_h1": dict(mamba_d_head=32, mamba_d_ssm=None), "mamba2": dict(head_dim=32),
-    "zaya": dict(num_experts_per_tok=1), "gpt_neo": dict(attention_types=[[["global", "local"], 2]]),
-    "gemma3n_text": dict(num_kv_shared_layers=2), "reformer": dict(is_decoder=True),
+    "falcon_h1": dict(mamba_d_head=32, mamba_d_ssm=None),
+    "mamba2": dict(head_dim=32),
+    "zaya": dict(num_experts_per_tok=1),
+    "gpt_neo": dict(attention_types=[[["global", "local"], 2]]),
+    "gemma3n_text": dict(num_kv_shared_layers=2),
     "zamba2": dict(layers_block_type=["mamba", "hybrid", "mamba", "hybrid"]),
-    "zamba": dict(num_hidden_layers=7, attn_layer_period=2, attn_layer_offset=1, layers_block_type=None),
+    "zamba": dict(
+        num_hidden_layers=7, attn_layer_period=2, attn_layer_offset=1, layers_block_type=None
+    ),
     # released LFM2 checkpoints interleave convolution and attention layers; the default config has none
-    "lfm2": dict(full_attn_idxs=[1, 3]), "lfm2_moe": dict(layer_types=["conv", "full_attention"] * 2),
-    "qwen4_exp_text": dict(indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=8,
-                           indexer_compress_ratio=4),
+    "lfm2": dict(full_attn_idxs=[1, 3]),
+    "lfm2_moe": dict(layer_types=["conv", "full_attention"] * 2),
+    "qwen4_exp_text": dict(
+        indexer_n_heads=2,
+        indexer_kv_heads=1,
+        indexer_head_dim=16,
+        indexer_budget=8,
+        indexer_compress_ratio=4,
+    ),
     "reformer": dict(is_decoder=True, axial_pos_shape=[32, 32], axial_pos_embds_dim=[32, 32]),
-    "cohere_compass_text": dict(rope_parameters={
-        kind: {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
-        for kind in ("full_attention", "sliding_attention")}),
-    "dbrx": dict(attn_config={"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
-                 ffn_config={"ffn_hidden_size": 128, "moe_num_experts": 4, "moe_top_k": 2}),
+    "cohere_compass_text": dict(
+        rope_parameters={
+            kind: {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
+            for kind in ("full_attention", "sliding_attention")
+        }
+    ),
+    "dbrx": dict(
+        attn_config={"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
+        ffn_config={"ffn_hidden_size": 128, "moe_num_experts": 4, "moe_top_k": 2},
+    ),
     # image-text models: a small vision tower (never run: prompts are text), M-RoPE sections for head_dim 16
-    "qwen2_vl": dict(vision_config={"depth": 2, "embed_dim": 64, "hidden_size": 64, "num_heads": 4},
-                     text_config={"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
-                                                      "mrope_section": [2, 3, 3]}}),
-    "qwen2_5_vl": dict(vision_config={"depth": 2, "hidden_size": 64, "intermediate_size": 128, "num_heads": 4,
-                                      "out_hidden_size": 64, "fullatt_block_indexes": [1]},
-                       text_config={"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
-                                                        "mrope_section": [2, 3, 3]}}),
+    "qwen2_vl": dict(
+        vision_config={"depth": 2, "embed_dim": 64, "hidden_size": 64, "num_heads": 4},
+        text_config={
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "mrope_section": [2, 3, 3],
+            }
+        },
+    ),
+    "qwen2_5_vl": dict(
+        vision_config={
+            "depth": 2,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_heads": 4,
+            "out_hidden_size": 64,
+            "fullatt_block_indexes": [1],
+        },
+        text_config={
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "mrope_section": [2, 3, 3],
+            }
+        },
+    ),
 }
 TINY_EXTRA["qwen4_exp"] = dict(text_config=TINY_EXTRA["qwen4_exp_text"])
 _KEEP_SUB_CONFIGS = ("dbrx",)  # sub-configs given whole in TINY_EXTRA
@@ -124,6 +247,7 @@ def _field_names(cls: type, default: Any) -> set[str]:
 def tiny_config(model_type: str, config_class: type | None = None, **overrides: Any) -> Any:
     """A tiny config of ``model_type``'s own config class, or ``config_class`` (sub-configs shrunk alike)."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
     return _shrink(config_class or CONFIG_MAPPING[model_type], overrides)
 
 
@@ -133,7 +257,9 @@ def _shrink(cls: type, overrides: dict[str, Any]) -> Any:
         default = cls()
     names = _field_names(cls, default)
     kw = {k: v for k, v in TINY_SIZES.items() if k in names or k == "is_decoder"}
-    if "kv_lora_rank" in names and "num_key_value_heads" in names:  # MLA: one KV head per query head
+    if (
+        "kv_lora_rank" in names and "num_key_value_heads" in names
+    ):  # MLA: one KV head per query head
         kw["num_key_value_heads"] = kw["num_attention_heads"]
     if "qk_rope_head_dim" in names and "head_dim" in names:  # MLA: head_dim is the rotary part
         kw["head_dim"] = kw["qk_rope_head_dim"]
@@ -153,8 +279,15 @@ def _shrink(cls: type, overrides: dict[str, Any]) -> Any:
         if kinds:
             cycled = [kinds[i % len(kinds)] for i in range(kw.get("num_hidden_layers", 4))]
     for source in (TINY_EXTRA.get(model_type, {}), overrides):
-        for key, value in source.items():  # a dict for a shrunk sub-config adjusts it; anything else replaces
-            kw[key] = {**kw[key], **value} if isinstance(value, dict) and isinstance(kw.get(key), dict) else value
+        for (
+            key,
+            value,
+        ) in source.items():  # a dict for a shrunk sub-config adjusts it; anything else replaces
+            kw[key] = (
+                {**kw[key], **value}
+                if isinstance(value, dict) and isinstance(kw.get(key), dict)
+                else value
+            )
     if cycled is not None and kw.get("layer_types", 0) is None:
         try:
             derived = cls(**kw).layer_types
@@ -165,18 +298,25 @@ def _shrink(cls: type, overrides: dict[str, Any]) -> Any:
     return cls(**kw)
 
 
-def build_tiny_model(model_type: str, multimodal: bool = False, seed: int = 0, **overrides: Any) -> torch.nn.Module:
+def build_tiny_model(
+    model_type: str, multimodal: bool = False, seed: int = 0, **overrides: Any
+) -> torch.nn.Module:
     """The tiny model (fp32, eval) of ``model_type``: its causal-LM class, or its image-text class."""
     import transformers
     from transformers.models.auto import modeling_auto
 
-    names = (modeling_auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES if multimodal
-             else modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    names = (
+        modeling_auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+        if multimodal
+        else modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    )
     model_class = getattr(transformers, names[model_type])
     # the class's own config class: a decoder config where the type's is composite (MusicgenForCausalLM)
     config = tiny_config(model_type, model_class.config_class, **overrides)
     with torch.device("meta"):
-        n = sum(p.numel() for p in model_class._from_config(config, dtype=torch.float32).parameters())
+        n = sum(
+            p.numel() for p in model_class._from_config(config, dtype=torch.float32).parameters()
+        )
     if n > MAX_PARAMS:
         raise ValueError(f"the tiny config still has {n:,} parameters")
     with torch.random.fork_rng(devices=[]):
@@ -191,7 +331,7 @@ def build_tiny_model(model_type: str, multimodal: bool = False, seed: int = 0, *
 @dataclass
 class Result:
     model_type: str
-    verdict: str          # "pass", "refused", "wrong", "error", "no tiny model"
+    verdict: str  # "pass", "refused", "wrong", "error", "no tiny model"
     reason: str = ""
     model_class: str = ""
     seconds: float = 0.0
@@ -203,25 +343,34 @@ class Result:
 
 def prompt_ids(model: torch.nn.Module) -> list[list[int]]:
     from .capability import text_config
+
     vocab = text_config(model).vocab_size
     special = _special_ids(model)
     usable = [t for t in range(4, vocab) if t not in special]
     gen = torch.Generator().manual_seed(0)
-    return [[usable[i] for i in torch.randint(len(usable), (n,), generator=gen).tolist()] for n in PROMPT_LENGTHS]
+    return [
+        [usable[i] for i in torch.randint(len(usable), (n,), generator=gen).tolist()]
+        for n in PROMPT_LENGTHS
+    ]
 
 
 def _special_ids(model: torch.nn.Module) -> set[int]:
     from .capability import text_config
+
     ids = set()
     for c in (model.config, text_config(model)):
         for k, v in c.to_dict().items():
             if k.endswith(("_token_id", "_token_index")):
-                ids.update([v] if isinstance(v, int) else [x for x in (v or []) if isinstance(x, int)])
+                ids.update(
+                    [v] if isinstance(v, int) else [x for x in (v or []) if isinstance(x, int)]
+                )
     return ids
 
 
 @torch.no_grad()
-def compare(reference: torch.nn.Module, prompts: list[list[int]], outputs: list[Any], stateful: bool = False) -> list[str]:
+def compare(
+    reference: torch.nn.Module, prompts: list[list[int]], outputs: list[Any], stateful: bool = False
+) -> list[str]:
     """What differs from the reference, teacher-forced (empty when nothing does). ``stateful``: the
     logprobs answer to transformers' incremental path (its generate's: the prompt, then a token at a
     time), as the engine decodes; for stateful layers that is another algorithm than the whole
@@ -232,31 +381,53 @@ def compare(reference: torch.nn.Module, prompts: list[list[int]], outputs: list[
         if out.error:
             raise RuntimeError(out.error)
         gen = out.token_ids
-        logits = reference(input_ids=torch.tensor([prompt + gen]), use_cache=False).logits[0].float()
-        logits = logits[len(prompt) - 1: len(prompt) - 1 + len(gen)]
-        logprobs = torch.log_softmax(incremental_logits(reference, prompt, gen) if stateful else logits, dim=-1)
+        logits = (
+            reference(input_ids=torch.tensor([prompt + gen]), use_cache=False).logits[0].float()
+        )
+        logits = logits[len(prompt) - 1 : len(prompt) - 1 + len(gen)]
+        logprobs = torch.log_softmax(
+            incremental_logits(reference, prompt, gen) if stateful else logits, dim=-1
+        )
         tol = STATEFUL_LOGPROB_TOL if stateful else LOGPROB_TOL
         for step, tok in enumerate(gen):
             gap = float(logits[step].max() - logits[step, tok])
             if gap > TOKEN_TOL:
-                problems.append(f"prompt {i} step {step}: token {tok} trails the reference's best by {gap:.2e}")
+                problems.append(
+                    f"prompt {i} step {step}: token {tok} trails the reference's best by {gap:.2e}"
+                )
             chosen, top = out.completions[0].logprobs[step]
-            errs = [abs(chosen - float(logprobs[step, tok]))] + [abs(v - float(logprobs[step, t])) for t, v in top.items()]
+            errs = [abs(chosen - float(logprobs[step, tok]))] + [
+                abs(v - float(logprobs[step, t])) for t, v in top.items()
+            ]
             if max(errs) > tol:
                 problems.append(f"prompt {i} step {step}: logprob off by {max(errs):.2e}")
     return problems
 
 
-def incremental_logits(reference: torch.nn.Module, prompt: list[int], gen: list[int]) -> torch.Tensor:
+def incremental_logits(
+    reference: torch.nn.Module, prompt: list[int], gen: list[int]
+) -> torch.Tensor:
     """The logits transformers' generate computes for ``gen``, teacher-forced: the prompt with the cache
     the model builds for itself (transformers' DynamicCache, or its own class: MiniMax's), then one
     token at a time through it (positions given, as generate gives them)."""
-    name = "cache" if "cache" in inspect.signature(reference.forward).parameters else "past_key_values"
-    out = reference(input_ids=torch.tensor([prompt]), position_ids=torch.arange(len(prompt))[None], use_cache=True)
+    name = (
+        "cache" if "cache" in inspect.signature(reference.forward).parameters else "past_key_values"
+    )
+    out = reference(
+        input_ids=torch.tensor([prompt]),
+        position_ids=torch.arange(len(prompt))[None],
+        use_cache=True,
+    )
     rows, cache = [out.logits[0, -1]], out[name]
     for i, tok in enumerate(gen[:-1]):
-        rows.append(reference(input_ids=torch.tensor([[tok]]), position_ids=torch.tensor([[len(prompt) + i]]),
-                              **{name: cache}, use_cache=True).logits[0, -1])
+        rows.append(
+            reference(
+                input_ids=torch.tensor([[tok]]),
+                position_ids=torch.tensor([[len(prompt) + i]]),
+                **{name: cache},
+                use_cache=True,
+            ).logits[0, -1]
+        )
     return torch.stack(rows).float()
 
 
@@ -294,17 +465,29 @@ def check_type(model_type: str, multimodal: bool = False) -> Result:
         layout, state = patch_state(model).layout, patch_state(model).state
         for name, settings in SETTINGS.items():
             engine = Engine(model, **settings)
-            params = SamplingParams(max_new_tokens=MAX_NEW_TOKENS, ignore_eos=True, logprobs=TOP_LOGPROBS)
-            problems = compare(reference, prompts, engine.generate(prompts, params), stateful=state is not None)
+            params = SamplingParams(
+                max_new_tokens=MAX_NEW_TOKENS, ignore_eos=True, logprobs=TOP_LOGPROBS
+            )
+            problems = compare(
+                reference, prompts, engine.generate(prompts, params), stateful=state is not None
+            )
             if problems:
                 result.verdict = "wrong"
-                result.reason = _one_line(f"{name}: {len(problems)} mismatch(es): " + "; ".join(problems[:2]))
+                result.reason = _one_line(
+                    f"{name}: {len(problems)} mismatch(es): " + "; ".join(problems[:2])
+                )
                 return result
         unpatch(model)
         x = torch.tensor([prompts[2]])
         with torch.no_grad():
-            if not torch.equal(model(input_ids=x, use_cache=False).logits, reference(input_ids=x, use_cache=False).logits):
-                result.verdict, result.reason = "wrong", "after unpatch the logits differ from the never-patched model's"
+            if not torch.equal(
+                model(input_ids=x, use_cache=False).logits,
+                reference(input_ids=x, use_cache=False).logits,
+            ):
+                result.verdict, result.reason = (
+                    "wrong",
+                    "after unpatch the logits differ from the never-patched model's",
+                )
                 return result
         result.verdict, result.reason = "pass", _features(layout, state)
     except Exception as e:  # noqa: BLE001
@@ -365,11 +548,16 @@ def _time_limit(seconds: int) -> Iterator[None]:
 
 def causal_lm_types() -> list[str]:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
     return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 
 
-def run_sweep(types: list[str] | None = None, multimodal: tuple[str, ...] | list[str] | None = None,
-              per_type_seconds: int = 300, progress: Any = None) -> list[Result]:
+def run_sweep(
+    types: list[str] | None = None,
+    multimodal: tuple[str, ...] | list[str] | None = None,
+    per_type_seconds: int = 300,
+    progress: Any = None,
+) -> list[Result]:
     """``check_type`` for each type (default: all causal LM types, then MULTIMODAL_TYPES' text paths)."""
     import logging
 
@@ -382,7 +570,9 @@ def run_sweep(types: list[str] | None = None, multimodal: tuple[str, ...] | list
     hf_logging.set_verbosity_error()
     paged_logger = logging.getLogger("paged_hf")
     level = paged_logger.level
-    paged_logger.setLevel(logging.CRITICAL)  # a refused or failed request is the result here, not news
+    paged_logger.setLevel(
+        logging.CRITICAL
+    )  # a refused or failed request is the result here, not news
     try:
         for kind, names in ((False, types), (True, multimodal)):
             for model_type in names:
@@ -405,7 +595,9 @@ def run_sweep(types: list[str] | None = None, multimodal: tuple[str, ...] | list
 
 
 # ---- the support page's table ----------------------------------------------------------------------------------
-TABLE_START = "<!-- support-table:start (python -m paged_hf.model.support --page docs/support.md) -->"
+TABLE_START = (
+    "<!-- support-table:start (python -m paged_hf.model.support --page docs/support.md) -->"
+)
 TABLE_END = "<!-- support-table:end -->"
 
 
@@ -421,19 +613,34 @@ def render_table(results: list[Result], transformers_version: str) -> str:
     mm = [r for r in results if r.multimodal]
     c = counts(causal)
     order = ("pass", "refused", "wrong", "error", "no tiny model")
-    summary = ", ".join(f"**{c.get(v, 0)} {v}**" if v == "pass" else f"{c.get(v, 0)} {v}" for v in order)
-    lines = [TABLE_START, "",
-             f"transformers {transformers_version}, all {len(causal)} `model_type`s of `MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`: "
-             f"{summary}.", ""]
+    summary = ", ".join(
+        f"**{c.get(v, 0)} {v}**" if v == "pass" else f"{c.get(v, 0)} {v}" for v in order
+    )
+    lines = [
+        TABLE_START,
+        "",
+        f"transformers {transformers_version}, all {len(causal)} `model_type`s of `MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`: "
+        f"{summary}.",
+        "",
+    ]
     if mm:
         cm = counts(mm)
-        lines += [f"Text path of image-text models (`AutoModelForImageTextToText`, text-only prompts): "
-                  + ", ".join(f"{cm.get(v, 0)} {v}" for v in order if cm.get(v)) + ".", ""]
+        lines += [
+            "Text path of image-text models (`AutoModelForImageTextToText`, text-only prompts): "
+            + ", ".join(f"{cm.get(v, 0)} {v}" for v in order if cm.get(v))
+            + ".",
+            "",
+        ]
     for title, rows in (("causal LM type", causal), ("image-text model's text path", mm)):
         if not rows:
             continue
-        lines += ["<details>", f"<summary>Every {title}: class, verdict, what it needed or why not</summary>",
-                  "", "| type | class | verdict | details |", "| --- | --- | --- | --- |"]
+        lines += [
+            "<details>",
+            f"<summary>Every {title}: class, verdict, what it needed or why not</summary>",
+            "",
+            "| type | class | verdict | details |",
+            "| --- | --- | --- | --- |",
+        ]
         for r in rows:
             reason = r.reason.replace("|", "\\|")
             lines.append(f"| {r.model_type} | {r.model_class} | {r.verdict} | {reason} |")
@@ -453,12 +660,23 @@ def write_page(path: str | Path, table: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m paged_hf.model.support", description=__doc__.split("\n\n")[0])
-    parser.add_argument("types", nargs="*", help="model types (default: every causal LM type, then the text path of "
-                        f"{', '.join(MULTIMODAL_TYPES)})")
-    parser.add_argument("--multimodal", nargs="*", default=None, help="image-text types whose text path to check")
+    parser = argparse.ArgumentParser(
+        prog="python -m paged_hf.model.support", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument(
+        "types",
+        nargs="*",
+        help="model types (default: every causal LM type, then the text path of "
+        f"{', '.join(MULTIMODAL_TYPES)})",
+    )
+    parser.add_argument(
+        "--multimodal", nargs="*", default=None, help="image-text types whose text path to check"
+    )
     parser.add_argument("--json", help="write the results here (one object per type)")
-    parser.add_argument("--page", help="rewrite the support table between the markers in this file (docs/support.md)")
+    parser.add_argument(
+        "--page",
+        help="rewrite the support table between the markers in this file (docs/support.md)",
+    )
     parser.add_argument("--from-json", help="no sweep: render --page from a file --json wrote")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     parser.add_argument("--per-type-seconds", type=int, default=300)
@@ -472,15 +690,33 @@ def main(argv: list[str] | None = None) -> int:
             write_page(args.page, render_table(results, saved["transformers"]))
         return 0
     torch.set_num_threads(args.threads)
-    multimodal = args.multimodal if args.multimodal is not None else (None if not args.types else [])
-    results = run_sweep(args.types or None, multimodal, args.per_type_seconds,
-                        progress=lambda r: print(f"{r.model_type:28s} {r.verdict:8s} {r.seconds:6.1f}s  {r.reason}",
-                                                 flush=True))
-    print(json.dumps({"transformers": transformers.__version__, "causal": counts([r for r in results if not r.multimodal]),
-                      "multimodal text path": counts([r for r in results if r.multimodal])}))
+    multimodal = (
+        args.multimodal if args.multimodal is not None else (None if not args.types else [])
+    )
+    results = run_sweep(
+        args.types or None,
+        multimodal,
+        args.per_type_seconds,
+        progress=lambda r: print(
+            f"{r.model_type:28s} {r.verdict:8s} {r.seconds:6.1f}s  {r.reason}", flush=True
+        ),
+    )
+    print(
+        json.dumps(
+            {
+                "transformers": transformers.__version__,
+                "causal": counts([r for r in results if not r.multimodal]),
+                "multimodal text path": counts([r for r in results if r.multimodal]),
+            }
+        )
+    )
     if args.json:
-        Path(args.json).write_text(json.dumps({"transformers": transformers.__version__,
-                                               "results": [r.row() for r in results]}, indent=1))
+        Path(args.json).write_text(
+            json.dumps(
+                {"transformers": transformers.__version__, "results": [r.row() for r in results]},
+                indent=1,
+            )
+        )
     if args.page:
         write_page(args.page, render_table(results, transformers.__version__))
     bad = [r for r in results if r.verdict in ("wrong", "error")]

@@ -21,6 +21,7 @@ the ``longest - 1`` before them are searched, so a check costs O(longest stop st
     ...         break
     >>> stops.text                            # the output, cut before the stop string
 """
+
 from __future__ import annotations
 
 import logging
@@ -42,7 +43,9 @@ class IncrementalDetokenizer:
     of the whole text changed.
     """
 
-    def __init__(self, tokenizer: Any, skip_special_tokens: bool = True, context_ids: Sequence[int] = ()) -> None:
+    def __init__(
+        self, tokenizer: Any, skip_special_tokens: bool = True, context_ids: Sequence[int] = ()
+    ) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.ids: list[int] = list(context_ids)
@@ -50,7 +53,7 @@ class IncrementalDetokenizer:
         # ids[read:] are new, and `pending` characters of them were already emitted
         self._start = max(0, len(self.ids) - 1)
         self._read = len(self.ids)
-        self._head_len = len(self._decode(self.ids[self._start:self._read]))
+        self._head_len = len(self._decode(self.ids[self._start : self._read]))
         self._pending = 0
         self.emitted = ""  # every delta so far
 
@@ -62,14 +65,14 @@ class IncrementalDetokenizer:
     def push(self, token: int) -> str:
         """Add one token; the text it completes ("" while a character is unfinished)."""
         self.ids.append(token)
-        window = self._decode(self.ids[self._start:])
+        window = self._decode(self.ids[self._start :])
         complete = not window.endswith(_REPLACEMENT)
         end = len(window) if complete else len(window.rstrip(_REPLACEMENT))
         begin = self._head_len + self._pending
         delta = window[begin:end] if end > begin else ""
         if complete:  # the next window starts at the last token of this one
             self._start, self._read = len(self.ids) - 1, len(self.ids)
-            self._head_len = len(self._decode(self.ids[self._start:]))
+            self._head_len = len(self._decode(self.ids[self._start :]))
             self._pending = 0
         else:
             self._pending += len(delta)
@@ -82,12 +85,15 @@ class IncrementalDetokenizer:
         if not final_text.startswith(self.emitted):
             # only a tokenizer whose clean-up rewrites earlier text (clean_up_tokenization_spaces
             # turning "do n't" into "don't") gets here; a stream cannot take text back
-            logger.warning("paged_hf: streamed text %r is not a prefix of the final text %r",
-                           self.emitted, final_text)
+            logger.warning(
+                "paged_hf: streamed text %r is not a prefix of the final text %r",
+                self.emitted,
+                final_text,
+            )
             common = os.path.commonprefix([self.emitted, final_text])
-            rest, self.emitted = final_text[len(common):], final_text
+            rest, self.emitted = final_text[len(common) :], final_text
             return rest
-        rest, self.emitted = final_text[len(self.emitted):], final_text
+        rest, self.emitted = final_text[len(self.emitted) :], final_text
         return rest
 
 
@@ -104,8 +110,14 @@ class StopStrings:
     sees special tokens' text too); ``SamplingParams.stop`` matches in the output only, as vLLM.
     """
 
-    def __init__(self, tokenizer: Any, stops: Sequence[str], include: bool = False,
-                 context_ids: Sequence[int] = (), skip_special_tokens: bool = True) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        stops: Sequence[str],
+        include: bool = False,
+        context_ids: Sequence[int] = (),
+        skip_special_tokens: bool = True,
+    ) -> None:
         if not stops or not all(isinstance(s, str) and s for s in stops):
             raise ValueError(f"stop strings must be non-empty strings, got {list(stops)!r}")
         self.stops = tuple(stops)
@@ -114,11 +126,11 @@ class StopStrings:
         # a stop string of L characters starting in the prompt needs its last L - 1 characters;
         # a token holds at least one byte, a character at most four (and the first output token
         # is decoded after at least one prompt token, as it reads in running text)
-        context = list(context_ids)[-4 * self.longest:]
+        context = list(context_ids)[-4 * self.longest :]
         self._args = (tokenizer, context, skip_special_tokens)
         self.detok = IncrementalDetokenizer(tokenizer, skip_special_tokens, context)
         tail = self.detok._decode(context)
-        self._context = tail[len(tail) - (self.longest - 1):] if self.longest > 1 else ""
+        self._context = tail[len(tail) - (self.longest - 1) :] if self.longest > 1 else ""
         self.text = ""  # the output's text so far (cut at the stop string once hit)
         self.hit: str | None = None
 
@@ -139,9 +151,9 @@ class StopStrings:
         # so it starts at most longest - 1 characters before it: in the prompt's tail, perhaps
         back = self.longest - 1
         if before >= back:
-            base, region = before - back, self.text[before - back:]
+            base, region = before - back, self.text[before - back :]
         else:
-            lead = self._context[max(0, len(self._context) - (back - before)):]
+            lead = self._context[max(0, len(self._context) - (back - before)) :]
             base, region = -len(lead), lead + self.text
         best: tuple[int, str] | None = None
         for stop in self.stops:
@@ -153,7 +165,7 @@ class StopStrings:
         at, stop = best
         start = base + at  # in the output's text; negative if it began in the prompt
         cut = start + len(stop) if self.include else start
-        self.text = self.text[:max(0, cut)]
+        self.text = self.text[: max(0, cut)]
         self.hit = stop
         return stop
 
@@ -163,4 +175,4 @@ class StopStrings:
         the start of a stop string)."""
         if self.hit is not None:
             return self.text
-        return self.text[:max(0, len(self.text) - (self.longest - 1))]
+        return self.text[: max(0, len(self.text) - (self.longest - 1))]

@@ -2,6 +2,7 @@
 
 The request never decides what runs; the scheduler reads and updates it.
 """
+
 from __future__ import annotations
 
 import enum
@@ -31,7 +32,7 @@ def sample_request_id(root_id: str, k: int) -> str:
 def root_request_id(request_id: str) -> str:
     """The id of the request a sample's id belongs to (``request_id`` itself for a root)."""
     if request_id.startswith(AUTO_ID_PREFIX) and "#" in request_id:
-        return request_id[len(AUTO_ID_PREFIX):].rsplit("#", 1)[0]
+        return request_id[len(AUTO_ID_PREFIX) :].rsplit("#", 1)[0]
     return request_id
 
 
@@ -43,10 +44,10 @@ class RequestStatus(enum.Enum):
 
 
 class FinishReason(str, enum.Enum):
-    STOP = "stop"      # EOS or a stop token
+    STOP = "stop"  # EOS or a stop token
     LENGTH = "length"  # max_new_tokens or max_model_len
-    ABORT = "abort"    # cancelled by the caller
-    ERROR = "error"    # failed inside a step (its sampling, callback, or the step's forward); see Request.error
+    ABORT = "abort"  # cancelled by the caller
+    ERROR = "error"  # failed inside a step (its sampling, callback, or the step's forward); see Request.error
 
 
 @dataclass(eq=False)  # identity semantics: requests are dict keys and list members
@@ -57,21 +58,27 @@ class Request:
     eos_token_ids: frozenset[int] = frozenset()
     max_model_len: int = 1 << 62
     arrival_time: float = field(default_factory=time.perf_counter)
-    sample_index: int = 0            # which of the parent's n samples this is
+    sample_index: int = 0  # which of the parent's n samples this is
     parent: "Request | None" = None  # set on forked samples 1..n-1
-    children: "list[Request]" = field(default_factory=list)  # on the root: samples 1..n-1, once forked
+    children: "list[Request]" = field(
+        default_factory=list
+    )  # on the root: samples 1..n-1, once forked
 
     token_ids: list[int] = field(init=False)  # prompt followed by outputs
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
-    num_cached_tokens: int = 0    # of the prompt, served from the prefix cache at first admission
+    num_cached_tokens: int = 0  # of the prompt, served from the prefix cache at first admission
     # per cache group (paged_hf/cache/kv_groups.py), the page of each block of its context; -1 where a
     # sliding or chunked group holds none (out of every later query's reach); empty: holds nothing
     block_tables: list = field(default_factory=list)
-    kv_released: list = field(default_factory=list)  # per group: the blocks before this are -1 (freed)
-    prefix_node: Any = None  # deepest locked prefix-index node (the block manager's handle; opaque here)
-    num_tree_blocks: int = 0           # leading blocks of the tables that the prefix index holds
+    kv_released: list = field(
+        default_factory=list
+    )  # per group: the blocks before this are -1 (freed)
+    prefix_node: Any = (
+        None  # deepest locked prefix-index node (the block manager's handle; opaque here)
+    )
+    num_tree_blocks: int = 0  # leading blocks of the tables that the prefix index holds
     first_token_time: float | None = None
     finish_time: float | None = None
     admitted_once: bool = False
@@ -86,7 +93,9 @@ class Request:
     logprobs: list = field(default_factory=list)
     generator: "torch.Generator | None" = None
     error: str | None = None  # why it finished with FinishReason.ERROR
-    cache_namespace: Any = None  # prefix-cache namespace it was admitted under (the weights' generation)
+    cache_namespace: Any = (
+        None  # prefix-cache namespace it was admitted under (the weights' generation)
+    )
     stop_strings: "StopStrings | None" = None  # matches params.stop in the output as it grows
     grammar: Any = None  # structured outputs: its grammar matcher (paged_hf/engine/structured.py)
     # the tokens encoder_repetition_penalty favours: None, the prompt's; patched generate's, the row
@@ -102,8 +111,12 @@ class Request:
     # cache may serve only positions before the next one still to score (prefix_limit).
     score_targets: list[int] | None = None
     score_start: int = 0
-    scored: list = field(default_factory=list)  # per target so far: (logprob, is greedy, top-k dict or None)
-    prefill_only: bool = False  # a scoring request: computes its prompt's logits and finishes, samples nothing
+    scored: list = field(
+        default_factory=list
+    )  # per target so far: (logprob, is greedy, top-k dict or None)
+    prefill_only: bool = (
+        False  # a scoring request: computes its prompt's logits and finishes, samples nothing
+    )
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_ids)
@@ -123,7 +136,7 @@ class Request:
 
     @property
     def output_ids(self) -> list[int]:
-        return self.token_ids[len(self.prompt_ids):]
+        return self.token_ids[len(self.prompt_ids) :]
 
     @property
     def num_output_tokens(self) -> int:
@@ -181,8 +194,9 @@ class Request:
             self.first_token_time = now
         p = self.params
         n_out = self.num_output_tokens
-        if n_out >= p.min_new_tokens and (token in p.stop_token_ids
-                                          or (not p.ignore_eos and token in self.eos_token_ids)):
+        if n_out >= p.min_new_tokens and (
+            token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids)
+        ):
             self.finish_reason = FinishReason.STOP
             self.stop_reason = token if token in p.stop_token_ids else None
         elif n_out >= p.max_new_tokens or self.num_tokens >= self.max_model_len:

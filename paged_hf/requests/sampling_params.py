@@ -3,6 +3,7 @@
 Validation is the admission contract: whatever a request carries that passes here cannot make
 its step fail later (the engine adds the checks that need the model, e.g. the vocabulary size).
 """
+
 from __future__ import annotations
 
 import json
@@ -25,7 +26,12 @@ MAX_SEED = 2**63 - 1
 MAX_STOP_STRINGS, MAX_STOP_STRING_LEN = 64, 1024
 # logprobs_mode: "raw" (log_softmax of the model's logits) or "processed" (of the distribution sampled
 # from, after penalties, temperature, top-k / top-p / min-p); vLLM's names for the same two accepted
-LOGPROBS_MODES = {"raw": "raw", "processed": "processed", "raw_logprobs": "raw", "processed_logprobs": "processed"}
+LOGPROBS_MODES = {
+    "raw": "raw",
+    "processed": "processed",
+    "raw_logprobs": "raw",
+    "processed_logprobs": "processed",
+}
 
 
 @dataclass(frozen=True)
@@ -53,7 +59,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     n: int = 1
-    logprobs: int | None = None  # None: none; 0 <= k <= 20: the chosen token's logprob plus the top k
+    logprobs: int | None = (
+        None  # None: none; 0 <= k <= 20: the chosen token's logprob plus the top k
+    )
     cache_salt: str | None = None  # requests with different salts never share cached KV
     # text that ends the request on the token completing it (needs the engine's tokenizer); the
     # text returned ends before it (include_stop_str_in_output: after it)
@@ -83,11 +91,15 @@ class SamplingParams:
     grammar: str | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.json_schema, dict):  # its text is the key compiled grammars are cached by
+        if isinstance(
+            self.json_schema, dict
+        ):  # its text is the key compiled grammars are cached by
             object.__setattr__(self, "json_schema", json.dumps(self.json_schema, sort_keys=True))
         if self.choice is not None and not isinstance(self.choice, tuple):
             if isinstance(self.choice, str):
-                raise ValueError(f"sampling params: choice={self.choice!r}, must be a list of strings")
+                raise ValueError(
+                    f"sampling params: choice={self.choice!r}, must be a list of strings"
+                )
             object.__setattr__(self, "choice", tuple(self.choice))
         if callable(self.logits_processors):
             object.__setattr__(self, "logits_processors", (self.logits_processors,))
@@ -101,17 +113,26 @@ class SamplingParams:
                 try:
                     object.__setattr__(self, name, tuple(int(t) for t in value))
                 except (TypeError, ValueError):
-                    raise ValueError(f"sampling params: {name}={value!r}, must be a list of token ids (int)") from None
+                    raise ValueError(
+                        f"sampling params: {name}={value!r}, must be a list of token ids (int)"
+                    ) from None
         ids = self.stop_token_ids
-        if isinstance(ids, (str, bytes)) or not isinstance(ids, (list, tuple, set, frozenset)) \
-                or not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in ids):
-            raise ValueError(f"sampling params: stop_token_ids={ids!r}, must be a list of token ids (int)")
+        if (
+            isinstance(ids, (str, bytes))
+            or not isinstance(ids, (list, tuple, set, frozenset))
+            or not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in ids)
+        ):
+            raise ValueError(
+                f"sampling params: stop_token_ids={ids!r}, must be a list of token ids (int)"
+            )
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in ids))
         stop = self.stop
         if isinstance(stop, str):
             stop = (stop,)
         if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
-            raise ValueError(f"sampling params: stop={self.stop!r}, must be a string or a list of strings")
+            raise ValueError(
+                f"sampling params: stop={self.stop!r}, must be a string or a list of strings"
+            )
         object.__setattr__(self, "stop", tuple(stop))
         self.validate()
 
@@ -122,7 +143,11 @@ class SamplingParams:
         if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
             raise bad("max_new_tokens", self.max_new_tokens, "an integer >= 1")
         if not _is_int(self.min_new_tokens) or not 0 <= self.min_new_tokens <= self.max_new_tokens:
-            raise bad("min_new_tokens", self.min_new_tokens, f"an integer in [0, max_new_tokens={self.max_new_tokens}]")
+            raise bad(
+                "min_new_tokens",
+                self.min_new_tokens,
+                f"an integer in [0, max_new_tokens={self.max_new_tokens}]",
+            )
         if not _finite(self.temperature) or self.temperature < 0:
             raise bad("temperature", self.temperature, "a finite number >= 0")
         if not _is_int(self.top_k) or self.top_k < 0:
@@ -134,36 +159,71 @@ class SamplingParams:
         for name in ("repetition_penalty", "encoder_repetition_penalty"):
             value = getattr(self, name)
             if not _finite(value) or not MIN_REPETITION_PENALTY <= value <= MAX_REPETITION_PENALTY:
-                raise bad(name, value, f"in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}] (1 disables)")
+                raise bad(
+                    name,
+                    value,
+                    f"in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}] (1 disables)",
+                )
         if not _is_int(self.n) or self.n < 1:
             raise bad("n", self.n, "an integer >= 1")
-        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+        if self.logprobs is not None and (
+            not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
+        ):
             raise bad("logprobs", self.logprobs, f"None or an integer in [0, {MAX_LOGPROBS}]")
-        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed <= MAX_SEED - (self.n - 1)):
-            raise bad("seed", self.seed, f"None or an integer in [0, {MAX_SEED} - (n - 1)] "
-                      "(sample k of n draws with seed + k)")
+        if self.seed is not None and (
+            not _is_int(self.seed) or not 0 <= self.seed <= MAX_SEED - (self.n - 1)
+        ):
+            raise bad(
+                "seed",
+                self.seed,
+                f"None or an integer in [0, {MAX_SEED} - (n - 1)] "
+                "(sample k of n draws with seed + k)",
+            )
         if any(t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", self.stop_token_ids, "non-negative token ids")
         if not isinstance(self.ignore_eos, bool):
             raise bad("ignore_eos", self.ignore_eos, "True or False")
-        if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs)
-                                                 or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
-            raise bad("prompt_logprobs", self.prompt_logprobs, f"None or an integer in [0, {MAX_LOGPROBS}]")
+        if self.prompt_logprobs is not None and (
+            not _is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS
+        ):
+            raise bad(
+                "prompt_logprobs",
+                self.prompt_logprobs,
+                f"None or an integer in [0, {MAX_LOGPROBS}]",
+            )
         if not all(isinstance(s, str) and s for s in self.stop):
             raise bad("stop", self.stop, "non-empty strings")
-        if len(self.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_STRING_LEN for s in self.stop):
-            raise bad("stop", self.stop, f"at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_STRING_LEN} "
-                      "characters each")
+        if len(self.stop) > MAX_STOP_STRINGS or any(
+            len(s) > MAX_STOP_STRING_LEN for s in self.stop
+        ):
+            raise bad(
+                "stop",
+                self.stop,
+                f"at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_STRING_LEN} "
+                "characters each",
+            )
         if not isinstance(self.include_stop_str_in_output, bool):
-            raise bad("include_stop_str_in_output", self.include_stop_str_in_output, "True or False")
-        set_ = [name for name in ("json_schema", "regex", "choice", "grammar") if getattr(self, name) is not None]
+            raise bad(
+                "include_stop_str_in_output", self.include_stop_str_in_output, "True or False"
+            )
+        set_ = [
+            name
+            for name in ("json_schema", "regex", "choice", "grammar")
+            if getattr(self, name) is not None
+        ]
         if len(set_) > 1:
-            raise ValueError(f"{who}: {' and '.join(set_)} are set; a request takes at most one constraint")
+            raise ValueError(
+                f"{who}: {' and '.join(set_)} are set; a request takes at most one constraint"
+            )
         for name in ("json_schema", "regex", "grammar"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
-                raise bad(name, value, "a non-empty str" + (" or a dict" if name == "json_schema" else ""))
-        if self.choice is not None and (not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
+                raise bad(
+                    name, value, "a non-empty str" + (" or a dict" if name == "json_schema" else "")
+                )
+        if self.choice is not None and (
+            not self.choice or not all(isinstance(c, str) and c for c in self.choice)
+        ):
             raise bad("choice", self.choice, "a non-empty list of non-empty strings")
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise bad("logprobs_mode", self.logprobs_mode, f"one of {sorted(LOGPROBS_MODES)}")
@@ -171,7 +231,11 @@ class SamplingParams:
             if any(not _is_int(t) or t < 0 for t in getattr(self, name)):
                 raise bad(name, getattr(self, name), "non-negative token ids")
         if not all(callable(f) for f in self.logits_processors):
-            raise bad("logits_processors", self.logits_processors, "callables (token_ids, logits) -> logits")
+            raise bad(
+                "logits_processors",
+                self.logits_processors,
+                "callables (token_ids, logits) -> logits",
+            )
         if self.cache_salt is not None and not isinstance(self.cache_salt, str):
             # 1, True and 1.0 are equal as dict keys: they would share one cache
             raise bad("cache_salt", self.cache_salt, "None or a str")
@@ -208,8 +272,10 @@ class SamplingParams:
         do_sample = bool(getattr(gc, "do_sample", False))
         if do_sample and gc.temperature is not None and not gc.temperature > 0:
             # transformers' TemperatureLogitsWarper raises too; greedy is do_sample=False
-            raise ValueError(f"temperature={gc.temperature!r} with do_sample=True: the temperature must be > 0 "
-                             "(for greedy decoding set do_sample=False)")
+            raise ValueError(
+                f"temperature={gc.temperature!r} with do_sample=True: the temperature must be > 0 "
+                "(for greedy decoding set do_sample=False)"
+            )
         kw: dict[str, Any] = {}
         if getattr(gc, "max_new_tokens", None) is not None:
             kw["max_new_tokens"] = gc.max_new_tokens

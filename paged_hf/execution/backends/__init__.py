@@ -5,6 +5,7 @@
   pages in place (``cpu_paged_attention.py``), built on first use; torch where it cannot be built.
 - ``flashinfer``: CUDA kernels (``pip install paged_hf[cuda]``), imported only when chosen.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -15,8 +16,13 @@ from ..kv_geometry import KVLayout
 from .torch_backend import TorchBackend
 
 
-def select_backend(name: str, device: torch.device, dtype: torch.dtype | None = None,
-                   layout: KVLayout | int | None = None, quiet: bool = False) -> type:
+def select_backend(
+    name: str,
+    device: torch.device,
+    dtype: torch.dtype | None = None,
+    layout: KVLayout | int | None = None,
+    quiet: bool = False,
+) -> type:
     """The backend class for ``name``; 'auto' is FlashInfer on CUDA when it imports and supports
     the model's dtype and KV layout (``layout``: per-layer geometry, or a head_dim), else torch
     (with one warning on CUDA, saying why: an import that fails in any way, a missing package, a
@@ -27,7 +33,10 @@ def select_backend(name: str, device: torch.device, dtype: torch.dtype | None = 
     if name == "flashinfer":
         if device.type != "cuda":
             raise ValueError(f"backend='flashinfer' needs a CUDA device, the model is on {device}")
-        from .flashinfer_backend import FlashInferBackend  # lazy: CPU installs never import flashinfer
+        from .flashinfer_backend import (
+            FlashInferBackend,  # lazy: CPU installs never import flashinfer
+        )
+
         return FlashInferBackend
     if name != "auto":
         raise ValueError(f"unknown backend {name!r}; choose 'auto', 'torch' or 'flashinfer'")
@@ -38,17 +47,23 @@ def select_backend(name: str, device: torch.device, dtype: torch.dtype | None = 
             from .flashinfer_backend import FlashInferBackend, unsupported_reason
         except Exception as e:  # noqa: BLE001 - ImportError, or an OSError / RuntimeError loading its libraries
             if not quiet:
-                warnings.warn(f"paged_hf: FlashInfer is not available ({type(e).__name__}: {e}); using the torch "
-                              "backend on CUDA, which is much slower. Install it with `pip install paged_hf[cuda]`.",
-                              stacklevel=3)
+                warnings.warn(
+                    f"paged_hf: FlashInfer is not available ({type(e).__name__}: {e}); using the torch "
+                    "backend on CUDA, which is much slower. Install it with `pip install paged_hf[cuda]`.",
+                    stacklevel=3,
+                )
             return TorchBackend
         reason = None if dtype is None or layout is None else unsupported_reason(dtype, layout)
         if reason is None:
             return FlashInferBackend
         if not quiet:
-            warnings.warn(f"paged_hf: using the torch backend on CUDA, which is much slower: {reason}", stacklevel=3)
+            warnings.warn(
+                f"paged_hf: using the torch backend on CUDA, which is much slower: {reason}",
+                stacklevel=3,
+            )
     elif device.type == "cpu":
         from . import cpu_paged_attention
+
         if cpu_paged_attention.load():
             return cpu_paged_attention.CpuPagedBackend
     return TorchBackend

@@ -20,6 +20,7 @@ with ``PAGED_HF_CPU_KERNEL=0``) backend ``auto`` stays on the torch path, with o
     torch.ops.paged_hf.paged_attention(query, k_cache, v_cache, q_start, q_len, kv_len,
                                        kv_indptr, kv_indices, scale, sliding_window, softcap, out)
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -39,9 +40,17 @@ from .torch_backend import TorchBackend, _GroupPlan, _only_group, layer_window
 # one library for paged_hf's CPU ops: this attention (and its K/V writes), the gated delta rule of hybrid
 # models' mixers (paged_hf/execution/mixer_kernels.py), the fused element-wise ops
 # (paged_hf/execution/fused_ops.py) and the sampler's greedy pick (paged_hf/execution/sampler.py)
-SOURCES = [Path(__file__).resolve().parent.parent / "csrc" / name
-           for name in ("paged_attention.cpp", "paged_attention_amx.cpp", "gated_delta.cpp", "fused_ops.cpp",
-                        "sampling.cpp", "cpu_allocator.cpp")]
+SOURCES = [
+    Path(__file__).resolve().parent.parent / "csrc" / name
+    for name in (
+        "paged_attention.cpp",
+        "paged_attention_amx.cpp",
+        "gated_delta.cpp",
+        "fused_ops.cpp",
+        "sampling.cpp",
+        "cpu_allocator.cpp",
+    )
+]
 HEADERS = [Path(__file__).resolve().parent.parent / "csrc" / "paged_attention.h"]
 OP_NAME = "paged_hf::paged_attention"
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -73,13 +82,30 @@ def compile_flags() -> list[str]:
     """at::vec's widest path this CPU runs (AVX-512, AVX2, or its portable default)."""
     # -ffp-contract=off: a multiply and an add stay two roundings unless the code asks for an fma
     # (the fused element-wise ops reproduce transformers' roundings step by step)
-    flags = ["-O3", "-DNDEBUG", "-fopenmp", "-fvisibility=hidden", "-fvisibility-inlines-hidden", "-ffp-contract=off"]
+    flags = [
+        "-O3",
+        "-DNDEBUG",
+        "-fopenmp",
+        "-fvisibility=hidden",
+        "-fvisibility-inlines-hidden",
+        "-ffp-contract=off",
+    ]
     cpu = _cpu_flags()
     import platform
+
     if platform.machine() in ("x86_64", "AMD64"):
         if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= cpu:
-            flags += ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c",
-                      "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"]
+            flags += [
+                "-mavx512f",
+                "-mavx512bw",
+                "-mavx512vl",
+                "-mavx512dq",
+                "-mavx2",
+                "-mfma",
+                "-mf16c",
+                "-DCPU_CAPABILITY=AVX512",
+                "-DCPU_CAPABILITY_AVX512",
+            ]
             if "avx512_bf16" in cpu:  # bf16 pair dot products (vdpbf16ps) for bf16 caches
                 flags.append("-mavx512bf16")
                 if {"amx_tile", "amx_bf16"} <= cpu:  # tile products (paged_attention_amx.cpp)
@@ -98,8 +124,21 @@ def _build_name(flags: list[str]) -> str:
 
 def _register_fake() -> None:
     @torch.library.register_fake(OP_NAME)
-    def _fake(query, k_cache, v_cache, q_start, q_len, kv_len, kv_indptr, kv_indices, scale, sliding_window,
-              softcap, out, kv_offset=None):
+    def _fake(
+        query,
+        k_cache,
+        v_cache,
+        q_start,
+        q_len,
+        kv_len,
+        kv_indptr,
+        kv_indices,
+        scale,
+        sliding_window,
+        softcap,
+        out,
+        kv_offset=None,
+    ):
         return None  # writes `out` in place
 
     @torch.library.register_fake("paged_hf::gated_delta_recurrent")
@@ -115,7 +154,9 @@ def _register_fake() -> None:
 
     @torch.library.register_fake("paged_hf::greedy_max")
     def _fake_greedy_max(logits):
-        return logits.new_empty(logits.shape[0]), logits.new_empty(logits.shape[0], dtype=torch.long)
+        return logits.new_empty(logits.shape[0]), logits.new_empty(
+            logits.shape[0], dtype=torch.long
+        )
 
 
 def load(verbose: bool = False) -> bool:
@@ -136,10 +177,13 @@ def load(verbose: bool = False) -> bool:
             _state["loaded"] = True
         except Exception as e:  # no compiler, a failed build, a library that does not load
             _state.update(loaded=False, error=f"{type(e).__name__}: {e}".strip()[:2000])
-            warnings.warn(f"paged_hf: the CPU paged attention kernel could not be built or loaded, so attention "
-                          f"runs on the slower pure-PyTorch path ({_state['error'].splitlines()[0][:300]}). It needs "
-                          f"g++ and ninja; set PAGED_HF_CPU_KERNEL=0 to skip it without this warning.",
-                          RuntimeWarning, stacklevel=3)
+            warnings.warn(
+                f"paged_hf: the CPU paged attention kernel could not be built or loaded, so attention "
+                f"runs on the slower pure-PyTorch path ({_state['error'].splitlines()[0][:300]}). It needs "
+                f"g++ and ninja; set PAGED_HF_CPU_KERNEL=0 to skip it without this warning.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
         return _state["loaded"]
 
 
@@ -158,8 +202,15 @@ def _build_and_load(verbose: bool) -> None:
         # while it compiles): load it without cpp_extension's import and ninja check (~2 s)
         torch.ops.load_library(str(so))
     else:
-        cpp_extension.load(name=name, sources=[str(s) for s in SOURCES], extra_cflags=flags, extra_ldflags=["-fopenmp"],
-                           build_directory=str(build_dir), is_python_module=False, verbose=verbose)
+        cpp_extension.load(
+            name=name,
+            sources=[str(s) for s in SOURCES],
+            extra_cflags=flags,
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(build_dir),
+            is_python_module=False,
+            verbose=verbose,
+        )
     _state["path"] = str(so)
 
 
@@ -168,16 +219,8 @@ def status() -> dict:
     return dict(_state)
 
 
-# Which sequences of a step the kernel attends; the others go to the torch path's SDPA.
-# Measured with benchmarks/bench_attention.py (SmolLM2's 9/3 heads x 64, 2 threads, ms per layer,
-# SDPA / kernel). The bf16 path (16-token blocks, AVX512-BF16) beats SDPA everywhere: a fresh
-# 512-token prompt 4.8 / 2.2, 2,000 tokens 39.9 / 33.3, a 512-token chunk over 1,500 cached
-# 19.9 / 14.3. The generic vector path only while few queries share each K/V row. Built for
-# AVX-512 (fp32): fresh 512 5.6 / 4.5, 128 over 384 cached 2.4 / 1.9, but 2,000 fresh 40.6 / 64.4
-# and 512 over 1,500 cached 25.5 / 28.6. Built for AVX2 (AMD Zen 3, 2026-12-02, fp32): it wins on
-# decodes (64 x 700: 97.9 / 11.8), 8 chunks of 8 over 300 cached (4.9 / 3.2) and 8 fresh prompts of
-# 32 (1.9 / 1.0), ties at a fresh 64 (0.43 / 0.42), and loses from there: 8 chunks of 32 over 300
-# cached 7.4 / 10.8, 4 fresh prompts of 128 2.9 / 4.2, a fresh 512 7.2 / 13.4.
+# Which sequences of a step the kernel attends; the others go to the torch path's SDPA. The limits
+# are where the generic path stops beating SDPA (docs/measurements.md, "The CPU kernel's routes").
 KERNEL_MAX_Q_LEN = 32
 KERNEL_MAX_AREA = 512 * 512  # q_len x kv_len
 AVX2_KERNEL_MAX_Q_LEN = 16
@@ -189,7 +232,11 @@ def kernel_limits() -> tuple[int, int]:
     """(most new tokens, most q_len x kv_len) of a sequence the generic path attends, for this build."""
     if not _LIMITS:
         avx512 = "-DCPU_CAPABILITY=AVX512" in compile_flags()
-        _LIMITS.append((KERNEL_MAX_Q_LEN, KERNEL_MAX_AREA) if avx512 else (AVX2_KERNEL_MAX_Q_LEN, AVX2_KERNEL_MAX_AREA))
+        _LIMITS.append(
+            (KERNEL_MAX_Q_LEN, KERNEL_MAX_AREA)
+            if avx512
+            else (AVX2_KERNEL_MAX_Q_LEN, AVX2_KERNEL_MAX_AREA)
+        )
     return _LIMITS[0]
 
 
@@ -213,8 +260,10 @@ def bf16_path(layout: KVLayout, block_size: int, dtype: torch.dtype) -> bool:
     gathered 16 keys at a time), built for AVX-512 (``bf16_path`` in paged_attention.cpp: bf16 pair dot
     products, emulated by fp32 FMAs without AVX512-BF16) or for AMX (``amx_ready`` in
     paged_attention_amx.cpp)."""
-    if dtype != torch.bfloat16 or not all(s.k_dim % 32 == 0 and s.v_dim % 32 == 0 and s.v_dim <= 512
-                                          and s.k_dim <= 512 for s in layout.layers):
+    if dtype != torch.bfloat16 or not all(
+        s.k_dim % 32 == 0 and s.v_dim % 32 == 0 and s.v_dim <= 512 and s.k_dim <= 512
+        for s in layout.layers
+    ):
         return False
     return 16 % block_size == 0 and "-DCPU_CAPABILITY=AVX512" in compile_flags()
 
@@ -222,6 +271,7 @@ def bf16_path(layout: KVLayout, block_size: int, dtype: torch.dtype) -> bool:
 class CpuPagedBackend(TorchBackend):
     """The torch backend whose attention runs ``paged_hf::paged_attention`` (all of it on the bf16
     path; decodes, short chunks and small prompts otherwise)."""
+
     name = "cpu"
 
     def __init__(self, *args, **kwargs) -> None:
@@ -236,20 +286,36 @@ class CpuPagedBackend(TorchBackend):
         """Group ``g``'s writes and kernel arguments; its torch plan is made when a layer needs it."""
         tables = meta.groups[g] if meta.groups else _only_group(meta)
         held = [kv - start for kv, start in zip(meta.kv_lens, tables.kv_starts)]
-        short = [i for i, (q, kv) in enumerate(zip(meta.q_lens, held)) if kernel_takes(q, kv, self._bf16_path)]
+        short = [
+            i
+            for i, (q, kv) in enumerate(zip(meta.q_lens, held))
+            if kernel_takes(q, kv, self._bf16_path)
+        ]
         plan = _KernelPlan(None, has_long=len(short) < meta.num_seqs, tables=tables)
         if short:
             if len(short) == meta.num_seqs:
-                q_start, kv_indptr, kv_indices = meta.qo_indptr[:-1], tables.kv_indptr, tables.kv_indices
+                q_start, kv_indptr, kv_indices = (
+                    meta.qo_indptr[:-1],
+                    tables.kv_indptr,
+                    tables.kv_indices,
+                )
             else:
                 q_start = meta.qo_indptr[short]
                 blocks = [tables.kv_blocks[i] for i in short]
-                kv_indptr = torch.tensor([0] + [len(b) for b in blocks], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+                kv_indptr = torch.tensor([0] + [len(b) for b in blocks], dtype=torch.int32).cumsum(
+                    0, dtype=torch.int32
+                )
                 kv_indices = torch.tensor([b for bl in blocks for b in bl], dtype=torch.int32)
-            plan.args = (q_start.contiguous(), torch.tensor([meta.q_lens[i] for i in short], dtype=torch.int32),
-                         torch.tensor([held[i] for i in short], dtype=torch.int32), kv_indptr.contiguous(),
-                         kv_indices.contiguous())
-            if any(tables.kv_starts):  # blocks a window freed: where each table starts in its sequence
+            plan.args = (
+                q_start.contiguous(),
+                torch.tensor([meta.q_lens[i] for i in short], dtype=torch.int32),
+                torch.tensor([held[i] for i in short], dtype=torch.int32),
+                kv_indptr.contiguous(),
+                kv_indices.contiguous(),
+            )
+            if any(
+                tables.kv_starts
+            ):  # blocks a window freed: where each table starts in its sequence
                 plan.offsets = torch.tensor([tables.kv_starts[i] for i in short], dtype=torch.int32)
         return plan
 
@@ -262,27 +328,49 @@ class CpuPagedBackend(TorchBackend):
         full = self._plan_group(self._meta, g)
         if kind == "long":
             full.decode_groups = []
-            full.prefills = [p for p in full.prefills
-                             if not kernel_takes(p.rows.stop - p.rows.start, p.kv_len - p.start, self._bf16_path)]
+            full.prefills = [
+                p
+                for p in full.prefills
+                if not kernel_takes(p.rows.stop - p.rows.start, p.kv_len - p.start, self._bf16_path)
+            ]
         plan.torch, plan.torch_kind = full, kind
         self._plans = [k.torch for k in self._groups]
 
-    def kernel_serves(self, query: torch.Tensor, layer_idx: int, sinks: torch.Tensor | None = None) -> bool:
+    def kernel_serves(
+        self, query: torch.Tensor, layer_idx: int, sinks: torch.Tensor | None = None
+    ) -> bool:
         """Whether the op can compute this layer: a dtype it takes, and no feature it lacks (sinks,
         chunked-local attention)."""
         k = self.kv[2 * layer_idx]
-        return (query.dtype == k.dtype and k.dtype in DTYPES and query.device.type == "cpu"
-                and sinks is None and self.layout.layers[layer_idx].chunk is None)
+        return (
+            query.dtype == k.dtype
+            and k.dtype in DTYPES
+            and query.device.type == "cpu"
+            and sinks is None
+            and self.layout.layers[layer_idx].chunk is None
+        )
 
-    def attend(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-               scaling: float | None, sliding_window: int | None = None, softcap: float | None = None,
-               sinks: torch.Tensor | None = None) -> torch.Tensor:
+    def attend(
+        self,
+        layer_idx: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        scaling: float | None,
+        sliding_window: int | None = None,
+        softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         g = self.group_of[layer_idx]
         plan = self._groups[g]
         if not self.kernel_serves(query, layer_idx, sinks):
             self._torch_plan(g, "full")
-            return super().attend(layer_idx, query, key, value, scaling, sliding_window, softcap, sinks=sinks)
-        window = layer_window(self.layout.layers[layer_idx], layer_idx, sliding_window)  # the layout's, as torch's
+            return super().attend(
+                layer_idx, query, key, value, scaling, sliding_window, softcap, sinks=sinks
+            )
+        window = layer_window(
+            self.layout.layers[layer_idx], layer_idx, sliding_window
+        )  # the layout's, as torch's
         if scaling is None:
             scaling = query.shape[-1] ** -0.5
         v_cache = self.kv[2 * layer_idx + 1]
@@ -293,18 +381,32 @@ class CpuPagedBackend(TorchBackend):
             self._store_kv(layer_idx, key, value, plan)
             out = query.new_empty(query.shape[2], query.shape[1], v_cache.shape[-1])
         if plan.args is not None:
-            torch.ops.paged_hf.paged_attention(query[0].transpose(0, 1), self.kv[2 * layer_idx], v_cache, *plan.args,
-                                               float(scaling), int(window or 0), float(softcap or 0.0), out,
-                                               plan.offsets)
+            torch.ops.paged_hf.paged_attention(
+                query[0].transpose(0, 1),
+                self.kv[2 * layer_idx],
+                v_cache,
+                *plan.args,
+                float(scaling),
+                int(window or 0),
+                float(softcap or 0.0),
+                out,
+                plan.offsets,
+            )
         return out.unsqueeze(0)
 
-
-    def _store_kv(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor, plan: "_KernelPlan") -> None:
+    def _store_kv(
+        self, layer_idx: int, key: torch.Tensor, value: torch.Tensor, plan: "_KernelPlan"
+    ) -> None:
         """The layer's new K/V into their slots: ``paged_hf::write_kv`` reads them where they are, or, for
         what it does not take (another dtype than the cache's, a strided last dim), the torch path's copy."""
         k_cache, v_cache = self.kv[2 * layer_idx], self.kv[2 * layer_idx + 1]
         k, v = key[0], value[0]
-        if k.dtype == k_cache.dtype and v.dtype == v_cache.dtype and k.stride(-1) == 1 and v.stride(-1) == 1:
+        if (
+            k.dtype == k_cache.dtype
+            and v.dtype == v_cache.dtype
+            and k.stride(-1) == 1
+            and v.stride(-1) == 1
+        ):
             torch.ops.paged_hf.write_kv(k, v, k_cache, v_cache, plan.tables.slot_mapping)
             return
         if plan.writes is None:
@@ -320,4 +422,6 @@ class _KernelPlan:
     args: tuple | None = None
     torch_kind: str | None = None
     writes: dict | None = None  # the torch path's write rows, made if a layer's K/V need them
-    offsets: torch.Tensor | None = None  # tokens before each table's first block (freed by a window)
+    offsets: torch.Tensor | None = (
+        None  # tokens before each table's first block (freed by a window)
+    )

@@ -36,6 +36,7 @@ CUDA graphs (paged_hf/execution/cuda_graphs.py): ``prepare_cuda_graphs`` allocat
 indptr / indices / last_page_len live in those buffers, and copies the K/V write rows into a
 fixed buffer too, so a captured ``attend`` reads everything from fixed addresses.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -52,7 +53,8 @@ try:
 except ImportError as e:  # pragma: no cover - depends on the machine
     raise ImportError(
         f"paged_hf's FlashInfer backend could not import flashinfer ({e}). Install it with "
-        "`pip install paged_hf[cuda]` (flashinfer-python 0.7), or choose backend='torch'.") from e
+        "`pip install paged_hf[cuda]` (flashinfer-python 0.7), or choose backend='torch'."
+    ) from e
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 SUPPORTED_HEAD_DIMS = (64, 128, 256, 512)  # FlashInfer's DISPATCH_HEAD_DIM
@@ -71,19 +73,27 @@ def unsupported_reason(dtype: torch.dtype, layout: KVLayout | int) -> str | None
     """Why FlashInfer cannot run this model (``layout``: its per-layer KV geometry, or one
     head_dim for every layer), or None when it can."""
     if dtype not in SUPPORTED_DTYPES:
-        return (f"FlashInfer kernels take float16 or bfloat16, the model is {dtype}: load it with "
-                "dtype=torch.bfloat16, or use backend='torch'")
+        return (
+            f"FlashInfer kernels take float16 or bfloat16, the model is {dtype}: load it with "
+            "dtype=torch.bfloat16, or use backend='torch'"
+        )
     layers = layout.layers if isinstance(layout, KVLayout) else None
-    dims = sorted({s.k_dim for s in layers} | {s.v_dim for s in layers}) if layers else [int(layout)]
+    dims = (
+        sorted({s.k_dim for s in layers} | {s.v_dim for s in layers}) if layers else [int(layout)]
+    )
     for layer_idx, spec in enumerate(layers or ()):
         if spec.k_dim != spec.v_dim:
-            return (f"layer {layer_idx} has K and V of different widths ({spec.k_dim} / {spec.v_dim}, MLA); the paged "
-                    "FlashInfer wrappers used here take one head_dim: use backend='torch'")
+            return (
+                f"layer {layer_idx} has K and V of different widths ({spec.k_dim} / {spec.v_dim}, MLA); the paged "
+                "FlashInfer wrappers used here take one head_dim: use backend='torch'"
+            )
         if spec.sinks:
             return f"layer {layer_idx} has attention sinks (s_aux), not wired to FlashInfer here: use backend='torch'"
         if spec.chunk is not None:
-            return (f"layer {layer_idx} uses chunked attention (chunks of {spec.chunk}), which FlashInfer's paged "
-                    "wrappers do not do: use backend='torch'")
+            return (
+                f"layer {layer_idx} uses chunked attention (chunks of {spec.chunk}), which FlashInfer's paged "
+                "wrappers do not do: use backend='torch'"
+            )
     bad = [d for d in dims if d not in SUPPORTED_HEAD_DIMS]
     if bad:
         return f"FlashInfer kernels support head_dim {SUPPORTED_HEAD_DIMS}, the model has {bad[0]}: use backend='torch'"
@@ -93,6 +103,7 @@ def unsupported_reason(dtype: torch.dtype, layout: KVLayout | int) -> str | None
 @dataclass
 class _HostCSR:
     """The step's CSR arrays that FlashInfer's plan reads on the host (int32, CPU)."""
+
     qo_indptr: torch.Tensor
     kv_indptr: torch.Tensor
     last_page_len: torch.Tensor
@@ -110,27 +121,40 @@ def host_csr(meta: StepMetadata, starts: list[int] | None = None) -> _HostCSR:
         kv.append(kv[-1] + pages)
         last.append(L - start - (pages - 1) * bs)
     i32 = torch.int32
-    return _HostCSR(torch.tensor(qo, dtype=i32), torch.tensor(kv, dtype=i32), torch.tensor(last, dtype=i32))
+    return _HostCSR(
+        torch.tensor(qo, dtype=i32), torch.tensor(kv, dtype=i32), torch.tensor(last, dtype=i32)
+    )
 
 
 @dataclass
 class _GraphBuffers:
     """Fixed-address buffers shared by every bucket's CUDA-graph decode wrappers."""
-    kv_indptr: torch.Tensor     # [max_batch + 1] int32; a bucket of b uses [:b + 1]
-    kv_indices: torch.Tensor    # [max_indices] int32
+
+    kv_indptr: torch.Tensor  # [max_batch + 1] int32; a bucket of b uses [:b + 1]
+    kv_indices: torch.Tensor  # [max_indices] int32
     last_page_len: torch.Tensor  # [max_batch] int32; a bucket of b uses [:b]
-    k_rows: torch.Tensor        # [max_batch] int64: flat K rows of the new tokens
+    k_rows: torch.Tensor  # [max_batch] int64: flat K rows of the new tokens
     v_rows: torch.Tensor
 
 
 class FlashInferBackend(SwapMixin):
     name = "flashinfer"
     supports_cuda_graphs = True
-    serves_cache_groups = True  # eager steps; CUDA-graph steps keep every block (cache_groups in runner.py)
+    serves_cache_groups = (
+        True  # eager steps; CUDA-graph steps keep every block (cache_groups in runner.py)
+    )
 
-    def __init__(self, layout: KVLayout | int, num_blocks: int, block_size: int, kv_heads: int | None = None,
-                 head_dim: int | None = None, dtype: torch.dtype = torch.bfloat16,
-                 device: torch.device | str = "cuda", groups: tuple[CacheGroup, ...] | None = None) -> None:
+    def __init__(
+        self,
+        layout: KVLayout | int,
+        num_blocks: int,
+        block_size: int,
+        kv_heads: int | None = None,
+        head_dim: int | None = None,
+        dtype: torch.dtype = torch.bfloat16,
+        device: torch.device | str = "cuda",
+        groups: tuple[CacheGroup, ...] | None = None,
+    ) -> None:
         """``layout``: the model's per-layer geometry, or a number of layers all of ``kv_heads`` x
         ``head_dim``; ``groups``: its cache groups (layer j of every group reads slab j through its
         group's pages; default one group of every layer)."""
@@ -147,12 +171,23 @@ class FlashInferBackend(SwapMixin):
         self.kv_slabs = []
         for layer in places.slab_layers:
             spec = self.layout.layers[layer]
-            self.kv_slabs.append(torch.zeros(num_blocks, 2, block_size, spec.kv_heads, spec.k_dim, dtype=dtype,
-                                             device=self.device))
+            self.kv_slabs.append(
+                torch.zeros(
+                    num_blocks,
+                    2,
+                    block_size,
+                    spec.kv_heads,
+                    spec.k_dim,
+                    dtype=dtype,
+                    device=self.device,
+                )
+            )
         self.kv = [self.kv_slabs[slab_of[i]] for i in range(self.layout.num_layers)]
-        self._flat = [c.view(num_blocks * 2 * block_size, c.shape[-2], c.shape[-1]) for c in self.kv]
+        self._flat = [
+            c.view(num_blocks * 2 * block_size, c.shape[-2], c.shape[-1]) for c in self.kv
+        ]
         self._workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
-        self.variants: list[Variant] = []      # every variant seen, in first-use order
+        self.variants: list[Variant] = []  # every variant seen, in first-use order
         self._eager: dict[tuple[str, Variant], object] = {}
         self._graph: dict[tuple[int, Variant], object] = {}
         self._int_workspaces: dict[Variant, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -162,7 +197,9 @@ class FlashInferBackend(SwapMixin):
         self._csr: _HostCSR | None = None
         self._tables: list[GroupTables] = []
         self._csrs: list[_HostCSR] = []
-        self._rows: list[tuple[torch.Tensor, torch.Tensor]] = []  # per group: flat K and V rows of the new tokens
+        self._rows: list[
+            tuple[torch.Tensor, torch.Tensor]
+        ] = []  # per group: flat K and V rows of the new tokens
         self._graph_batch: int | None = None
         self._planned: dict[Variant, object] = {}
         self._k_rows = self._v_rows = None
@@ -176,7 +213,8 @@ class FlashInferBackend(SwapMixin):
             kv_indices=torch.zeros(max_indices, dtype=i32, device=dev),
             last_page_len=torch.ones(max_batch, dtype=i32, device=dev),
             k_rows=torch.zeros(max_batch, dtype=torch.long, device=dev),
-            v_rows=torch.zeros(max_batch, dtype=torch.long, device=dev))
+            v_rows=torch.zeros(max_batch, dtype=torch.long, device=dev),
+        )
 
     def graph_fits(self, batch: int, num_pages: int) -> bool:
         """Whether a padded decode step of ``batch`` rows reading ``num_pages`` pages fits the buffers."""
@@ -189,11 +227,15 @@ class FlashInferBackend(SwapMixin):
         bucket, to be run by (or captured into) a CUDA graph."""
         bs = self.block_size
         slots = meta.slot_mapping.to(torch.long)
-        k_rows = slots + (slots // bs) * bs  # block b, offset o -> flat K row b*2*bs + o; V is bs rows later
+        k_rows = (
+            slots + (slots // bs) * bs
+        )  # block b, offset o -> flat K row b*2*bs + o; V is bs rows later
         if graph_batch is not None:
             g = self._graph_bufs
             assert g is not None, "prepare_cuda_graphs() must run before a graph step"
-            assert meta.num_seqs == meta.num_tokens == graph_batch, "a graph step is a padded pure-decode step"
+            assert meta.num_seqs == meta.num_tokens == graph_batch, (
+                "a graph step is a padded pure-decode step"
+            )
             g.k_rows[:graph_batch].copy_(k_rows)
             g.v_rows[:graph_batch].copy_(k_rows + bs)
             self._k_rows, self._v_rows = g.k_rows[:graph_batch], g.v_rows[:graph_batch]
@@ -226,10 +268,13 @@ class FlashInferBackend(SwapMixin):
         graph bucket is planned again before every replay, so the variant's wrappers never hold
         live plans at once. Per wrapper it was (2 + buckets) x 16 MiB a variant: 340 MiB at 256
         sequences (cuda_memory.reserve_bytes counts one per variant)."""
-        if not hasattr(wrapper, "_int_workspace_buffer"):  # FlashInfer renamed it: each keeps its own
+        if not hasattr(
+            wrapper, "_int_workspace_buffer"
+        ):  # FlashInfer renamed it: each keeps its own
             return
         shared = self._int_workspaces.setdefault(
-            variant, (wrapper._int_workspace_buffer, wrapper._pin_memory_int_workspace_buffer))
+            variant, (wrapper._int_workspace_buffer, wrapper._pin_memory_int_workspace_buffer)
+        )
         wrapper._int_workspace_buffer, wrapper._pin_memory_int_workspace_buffer = shared
 
     def _new_or_known_wrapper(self, variant: Variant) -> object:
@@ -242,17 +287,26 @@ class FlashInferBackend(SwapMixin):
             if w is None:
                 g, b = self._graph_bufs, self._graph_batch
                 w = self._graph[key] = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-                    self._workspace, "NHD", use_cuda_graph=True, use_tensor_cores=use_tc,
-                    paged_kv_indptr_buffer=g.kv_indptr[: b + 1], paged_kv_indices_buffer=g.kv_indices,
-                    paged_kv_last_page_len_buffer=g.last_page_len[:b])
+                    self._workspace,
+                    "NHD",
+                    use_cuda_graph=True,
+                    use_tensor_cores=use_tc,
+                    paged_kv_indptr_buffer=g.kv_indptr[: b + 1],
+                    paged_kv_indices_buffer=g.kv_indices,
+                    paged_kv_last_page_len_buffer=g.last_page_len[:b],
+                )
             return w
         kind = "decode" if meta.is_pure_decode else "prefill"
         w = self._eager.get((kind, variant))
         if w is None:
             if kind == "decode":
-                w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self._workspace, "NHD", use_tensor_cores=use_tc)
+                w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                    self._workspace, "NHD", use_tensor_cores=use_tc
+                )
             else:
-                w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD", backend=PREFILL_BACKEND)
+                w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+                    self._workspace, "NHD", backend=PREFILL_BACKEND
+                )
             self._eager[(kind, variant)] = w
         return w
 
@@ -261,29 +315,70 @@ class FlashInferBackend(SwapMixin):
         w = self._wrapper(variant)
         csr, meta = self._csrs[g], self._meta
         kv_indices = self._tables[g].kv_indices if self._tables else meta.kv_indices
-        common = dict(window_left=window_left, logits_soft_cap=softcap or None, sm_scale=sm_scale,
-                      q_data_type=self.dtype, kv_data_type=self.dtype)
+        common = dict(
+            window_left=window_left,
+            logits_soft_cap=softcap or None,
+            sm_scale=sm_scale,
+            q_data_type=self.dtype,
+            kv_data_type=self.dtype,
+        )
         if isinstance(w, flashinfer.BatchPrefillWithPagedKVCacheWrapper):
-            w.plan(csr.qo_indptr, csr.kv_indptr, kv_indices, csr.last_page_len, q_heads,
-                   kv_heads, head_dim, self.block_size, causal=True, **common)
+            w.plan(
+                csr.qo_indptr,
+                csr.kv_indptr,
+                kv_indices,
+                csr.last_page_len,
+                q_heads,
+                kv_heads,
+                head_dim,
+                self.block_size,
+                causal=True,
+                **common,
+            )
         else:
-            w.plan(csr.kv_indptr, kv_indices, csr.last_page_len, q_heads, kv_heads,
-                   head_dim, self.block_size, **common)
+            w.plan(
+                csr.kv_indptr,
+                kv_indices,
+                csr.last_page_len,
+                q_heads,
+                kv_heads,
+                head_dim,
+                self.block_size,
+                **common,
+            )
         self._planned[variant] = w
         return w
 
     # ---- once per layer ------------------------------------------------------------------------
-    def attend(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-               scaling: float | None, sliding_window: int | None = None,
-               softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    def attend(
+        self,
+        layer_idx: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        scaling: float | None,
+        sliding_window: int | None = None,
+        softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """q/k/v: [1, heads, T, head_dim] -> attention output [1, T, q_heads, head_dim]. The window
         is the layer's own (the layout); one the model passes must agree with it."""
         spec = self.layout.layers[layer_idx]
-        if sinks is not None:  # unsupported_reason refuses such layouts; a model that grew sinks since
-            raise ValueError(f"flashinfer backend: layer {layer_idx} passed attention sinks, which it does not apply")
-        if sliding_window is not None and spec.window is not None and int(sliding_window) != spec.window:
-            raise ValueError(f"layer {layer_idx}: the model passed sliding_window={sliding_window}, but the window found "
-                             f"when it was patched is {spec.window}")
+        if (
+            sinks is not None
+        ):  # unsupported_reason refuses such layouts; a model that grew sinks since
+            raise ValueError(
+                f"flashinfer backend: layer {layer_idx} passed attention sinks, which it does not apply"
+            )
+        if (
+            sliding_window is not None
+            and spec.window is not None
+            and int(sliding_window) != spec.window
+        ):
+            raise ValueError(
+                f"layer {layer_idx}: the model passed sliding_window={sliding_window}, but the window found "
+                f"when it was patched is {spec.window}"
+            )
         flat = self._flat[layer_idx]
         g = self.group_of[layer_idx]
         k_rows, v_rows = self._rows[g]
@@ -291,13 +386,24 @@ class FlashInferBackend(SwapMixin):
         flat.index_copy_(0, v_rows, value[0].transpose(0, 1).to(flat.dtype))
         if scaling is None:
             scaling = query.shape[-1] ** -0.5
-        variant: Variant = (-1 if spec.window is None else spec.window - 1, float(softcap) if softcap else 0.0,
-                            float(scaling), int(query.shape[1]), spec.kv_heads, spec.k_dim, g)
+        variant: Variant = (
+            -1 if spec.window is None else spec.window - 1,
+            float(softcap) if softcap else 0.0,
+            float(scaling),
+            int(query.shape[1]),
+            spec.kv_heads,
+            spec.k_dim,
+            g,
+        )
         wrapper = self._planned.get(variant)
-        if wrapper is None:  # first forward only: learn the variant and plan it now (never under capture)
+        if (
+            wrapper is None
+        ):  # first forward only: learn the variant and plan it now (never under capture)
             if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-                raise RuntimeError(f"flashinfer backend: attention variant {variant} of layer {layer_idx} was not "
-                                   "planned before CUDA-graph capture (run one eager step of this bucket first)")
+                raise RuntimeError(
+                    f"flashinfer backend: attention variant {variant} of layer {layer_idx} was not "
+                    "planned before CUDA-graph capture (run one eager step of this bucket first)"
+                )
             if variant not in self.variants:
                 self.variants.append(variant)
             wrapper = self._plan(variant)

@@ -17,6 +17,7 @@ On CUDA the host copy is pinned and both directions are asynchronous on the curr
 a later kernel that overwrites the freed blocks is ordered after the copy-out, and the copy-in
 is ordered before the next step's attention, so neither call synchronises.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ import torch
 class SwapHandle:
     """A request's KV on the host: ``data``, one flat buffer; ``parts[i]``, tensor i's contiguous
     piece of it, [num_blocks, *the rest of that tensor's shape]."""
+
     data: torch.Tensor
     parts: list[torch.Tensor]
     num_blocks: int
@@ -37,12 +39,14 @@ class SwapHandle:
         return self.data.numel() * self.data.element_size()
 
 
-def _host_parts(kv: list[torch.Tensor], n: int, pin: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+def _host_parts(
+    kv: list[torch.Tensor], n: int, pin: bool
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
     sizes = [n * c[0].numel() for c in kv]
     data = torch.empty(sum(sizes), dtype=kv[0].dtype, pin_memory=pin)
     parts, start = [], 0
     for c, size in zip(kv, sizes):
-        parts.append(data[start: start + size].view((n,) + tuple(c.shape[1:])))
+        parts.append(data[start : start + size].view((n,) + tuple(c.shape[1:])))
         start += size
     return data, parts
 
@@ -68,9 +72,13 @@ def swap_out(kv: list[torch.Tensor], block_ids: list[int]) -> SwapHandle:
 def swap_in(kv: list[torch.Tensor], handle: SwapHandle, new_block_ids: list[int]) -> None:
     """Copy a swapped-out request's blocks into ``new_block_ids`` (same count, any ids)."""
     if len(new_block_ids) != handle.num_blocks:
-        raise ValueError(f"swap_in: the handle holds {handle.num_blocks} blocks, got {len(new_block_ids)} new ids")
+        raise ValueError(
+            f"swap_in: the handle holds {handle.num_blocks} blocks, got {len(new_block_ids)} new ids"
+        )
     if len(kv) != len(handle.parts):
-        raise ValueError(f"swap_in: the handle holds {len(handle.parts)} KV tensors, the backend has {len(kv)}")
+        raise ValueError(
+            f"swap_in: the handle holds {len(handle.parts)} KV tensors, the backend has {len(kv)}"
+        )
     if not new_block_ids:
         return
     device = kv[0].device
@@ -86,6 +94,7 @@ class SwapMixin:
     """Whole-block data movement as backend methods, over the backend's ``kv`` list (or its
     ``kv_slabs``, the distinct tensors, where layers of several cache groups share one):
     copy-on-write copies, and ``swap_out`` / ``swap_in``."""
+
     kv: list[torch.Tensor]
 
     @property
@@ -93,7 +102,9 @@ class SwapMixin:
         return getattr(self, "kv_slabs", None) or self.kv
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        if not copies or not self._distinct_kv:  # a model with no attention layer (pure SSM) keeps no KV
+        if (
+            not copies or not self._distinct_kv
+        ):  # a model with no attention layer (pure SSM) keeps no KV
             return
         device = self.kv[0].device
         src = torch.tensor([s for s, _ in copies], device=device)
