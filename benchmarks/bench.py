@@ -511,7 +511,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_false",
         help="leave glibc's malloc at its defaults for every system (by default it is set once for the "
         "whole process, as paged_hf's CPU engine sets it, and for vLLM's worker: "
-        "paged_hf/execution/cpu_malloc.py)",
+        "paged_hf/execution/cpu/malloc.py)",
     )
     p.add_argument(
         "--omp-wait-policy",

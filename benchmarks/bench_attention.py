@@ -39,8 +39,9 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from paged_hf.execution.backends import cpu_paged_attention as cpa  # noqa: E402
 from paged_hf.execution.backends.torch_backend import TorchBackend  # noqa: E402
+from paged_hf.execution.cpu import ops as cpu_ops  # noqa: E402
+from paged_hf.execution.cpu import paged_attention as cpa  # noqa: E402
 from paged_hf.execution.metadata import StepMetadata  # noqa: E402
 
 
@@ -149,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     if args.threads:
         torch.set_num_threads(args.threads)
-    assert cpa.load(), cpa.status()["error"]
+    assert cpu_ops.load(), cpu_ops.status()["error"]
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
     hq, hkv, d = (int(x) for x in args.heads.split(","))
     bs = args.block_size

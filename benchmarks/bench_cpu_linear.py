@@ -37,7 +37,7 @@ OMP_WAIT_POLICY = omp_env.setup()
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from paged_hf.execution import cpu_linear  # noqa: E402
+from paged_hf.execution.cpu import linear as cpu_linear  # noqa: E402
 
 # SmolLM2-135M: hidden 576, 9 query heads and 3 KV heads of 64, intermediate 1536, vocabulary 49152
 SHAPES = {

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 from bench_workloads import Workload
 
-from paged_hf.execution.cpu_linear import native_bf16
+from paged_hf.execution.cpu.linear import native_bf16
 
 
 @dataclass

@@ -3,7 +3,7 @@
     python benchmarks/bench_hybrid.py --threads 2                 # W-mixed and W-prefix, 64 requests each
     python benchmarks/bench_hybrid.py --quick                     # 16 requests, shorter outputs
 
-paged_hf runs the DeltaNet decode through its C++ kernel (paged_hf/execution/mixer_kernels.py);
+paged_hf runs the DeltaNet decode through its C++ kernel (paged_hf/execution/cpu/mixer_kernels.py);
 a second engine ("transformers' DeltaNet code", ``--no-own-code`` drops it) runs transformers'
 torch fallback, as the static batch does, to show what the engine and the kernel each bring.
 
@@ -102,7 +102,7 @@ def main() -> int:
     ]
     warm = W.w_mixed(pool, n=2, seed=12345, prompt_len=(16, 24), out_len=(3, 3), name="warm-up")
     from paged_hf import Engine
-    from paged_hf.execution import mixer_kernels
+    from paged_hf.execution.cpu import mixer_kernels
 
     engines = {"paged_hf": Engine(eng_model)}
     if (

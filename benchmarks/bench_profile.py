@@ -106,7 +106,7 @@ def instrument(engine: Any, timer: StepTimer) -> list[Callable[[], None]]:
     if hasattr(backend, "attend"):
         undo.append(timer.wrap(backend, "attend", "attention"))
     if engine.runner.packed is not None:  # the linear layers' GEMMs on packed weights (a CPU)
-        from paged_hf.execution import cpu_linear
+        from paged_hf.execution.cpu import linear as cpu_linear
 
         undo.append(timer.wrap(cpu_linear.PackedWeight, "__call__", "linear"))
     return undo

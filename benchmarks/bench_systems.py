@@ -377,7 +377,7 @@ def _median(xs: list[float]) -> float | None:
 
 def set_malloc(tuned: bool) -> str:
     """glibc's malloc for this process as paged_hf's CPU engine sets it (or its defaults); says which."""
-    from paged_hf.execution import cpu_malloc
+    from paged_hf.execution.cpu import malloc as cpu_malloc
 
     if not tuned:
         return "glibc defaults (--no-tune-malloc)"
@@ -399,7 +399,7 @@ class VllmCpu:
     not reported (TTFT/TPOT/ITL columns stay empty). vLLM's CPU platform preloads tcmalloc for its
     workers where its wheel bundles one (this one does not, and an in-process engine core starts
     after the point where a preload could act), so the worker's glibc malloc gets the thresholds
-    paged_hf sets in its own process (``paged_hf/execution/cpu_malloc.py``), through GLIBC_TUNABLES.
+    paged_hf sets in its own process (``paged_hf/execution/cpu/malloc.py``), through GLIBC_TUNABLES.
     """
 
     name = "vllm_cpu"
@@ -423,7 +423,7 @@ class VllmCpu:
             "TOKENIZERS_PARALLELISM": "false",
         }
         env.pop("PYTHONPATH", None)
-        from paged_hf.execution import cpu_malloc
+        from paged_hf.execution.cpu import malloc as cpu_malloc
 
         if cpu_malloc.status()["tuned"]:  # the worker's malloc as this process's (set_malloc)
             ours = f"glibc.malloc.mmap_threshold={cpu_malloc.MMAP_BYTES}:glibc.malloc.trim_threshold={cpu_malloc.TRIM_BYTES}"

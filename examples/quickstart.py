@@ -40,7 +40,7 @@ if "OMP_WAIT_POLICY" not in os.environ and others_busy_now():
 import torch  # noqa: E402
 
 import paged_hf
-from paged_hf.execution import cpu_linear
+from paged_hf.execution.cpu import linear as cpu_linear
 from paged_hf.frontends.models import load_default_model
 
 QUESTIONS = [

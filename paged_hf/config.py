@@ -56,7 +56,7 @@ class EngineConfig:
     preemption_mode: str = (
         "recompute"  # or "swap": preempted requests' blocks go to pinned host memory
     )
-    # on a CPU: linear layers run on weights packed once for oneDNN (paged_hf/execution/cpu_linear.py): bf16
+    # on a CPU: linear layers run on weights packed once for oneDNN (paged_hf/execution/cpu/linear.py): bf16
     # for its bf16 matmul (same results), or as fp32 copies where the CPU has no bf16 matmul (within one bf16
     # rounding, ~5x faster there); fp32 models on its fp32 matmul (within fp32 rounding, up to 2.5x faster at
     # decode sizes). "onednn" / "fp32" asks for one way for a bf16 model
@@ -64,14 +64,14 @@ class EngineConfig:
     # with packed weights: linears called on the same input (q/k/v, gate/up) run as one GEMM, same results
     cpu_fused_projections: bool = True
     # on a CPU: RMSNorm, SiLU-and-multiply and rotary embedding as one C++ op each, where checked on the
-    # model to give its modules' outputs (paged_hf/execution/fused_ops.py)
+    # model to give its modules' outputs (paged_hf/execution/cpu/fused_ops.py)
     cpu_fused_ops: bool = True
     # with fused ops and fused projections: a pre-norm decoder layer checked on the model to be the canonical
-    # block runs as one compact function, its own code's ops without its Python (paged_hf/execution/compact_layers.py)
+    # block runs as one compact function, its own code's ops without its Python (paged_hf/execution/cpu/compact_layers.py)
     cpu_compact_layers: bool = True
     # on a CPU: glibc's malloc keeps a step's freed temporaries mapped, and torch's CPU allocator keeps
     # freed large blocks, for the next step instead of faulting them in again (process-wide, once;
-    # paged_hf/execution/cpu_malloc.py)
+    # paged_hf/execution/cpu/malloc.py)
     cpu_tune_malloc: bool = True
 
     def __post_init__(self) -> None:

@@ -1,4 +1,4 @@
-"""Compact decoder layers (paged_hf/execution/compact_layers.py): the layers the engine checked to be
+"""Compact decoder layers (paged_hf/execution/cpu/compact_layers.py): the layers the engine checked to be
 the canonical pre-norm block run as one function during CPU steps, with their own code's results bit
 for bit; every other layer, and a hooked one, runs its own code."""
 

@@ -9,8 +9,8 @@ import sys
 import pytest
 import torch
 
-from paged_hf.execution import cpu_kv_memory
 from paged_hf.execution.backends.torch_backend import TorchBackend
+from paged_hf.execution.cpu import kv_memory as cpu_kv_memory
 
 pytestmark = pytest.mark.skipif(
     not sys.platform.startswith("linux"), reason="anonymous mappings: Linux only"

@@ -1,4 +1,4 @@
-"""Packed weights for the linear layers on a CPU (paged_hf/execution/cpu_linear.py). bf16 models, both
+"""Packed weights for the linear layers on a CPU (paged_hf/execution/cpu/linear.py). bf16 models, both
 ways: oneDNN's bf16 matmul (``F.linear``'s results bit for bit; only where this CPU has it) and fp32
 copies (within one bf16 rounding of ``F.linear``; runs on any CPU, the default where bf16 matmuls are
 slow); fp32 models on oneDNN's fp32 matmul (within fp32 rounding). Only inside engine steps, packed
@@ -14,7 +14,7 @@ from oracle import assert_logprobs_close, assert_teacher_forced
 from tiny_models import FAMILIES, make_tiny_model, tiny_prompts
 
 import paged_hf
-from paged_hf.execution import cpu_linear
+from paged_hf.execution.cpu import linear as cpu_linear
 
 NATIVE = cpu_linear.mode(torch.bfloat16, torch.device("cpu")) == cpu_linear.ONEDNN
 needs_onednn = pytest.mark.skipif(

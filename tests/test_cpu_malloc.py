@@ -1,4 +1,4 @@
-"""glibc's malloc and torch's CPU allocator set by a CPU engine (paged_hf/execution/cpu_malloc.py): a step's
+"""glibc's malloc and torch's CPU allocator set by a CPU engine (paged_hf/execution/cpu/malloc.py): a step's
 freed temporaries stay mapped (no page faults on the next step's), large blocks are kept for the next
 step however the heap fragments, and nothing is set where the process chose its allocator already or the
 engine is told not to."""
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from paged_hf.execution import cpu_malloc
+from paged_hf.execution.cpu import malloc as cpu_malloc
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -26,7 +26,7 @@ SCRIPT = r"""
 import ctypes, json, resource, sys
 import torch
 sys.path.insert(0, sys.argv[1])
-from paged_hf.execution import cpu_malloc
+from paged_hf.execution.cpu import malloc as cpu_malloc
 libc = ctypes.CDLL(None)
 assert libc.mallopt(cpu_malloc.M_MMAP_THRESHOLD, 128 << 10) and libc.mallopt(cpu_malloc.M_TRIM_THRESHOLD, 128 << 10)
 def step():
@@ -99,7 +99,7 @@ FRAGMENTING = r"""
 import json, resource, sys
 import torch
 sys.path.insert(0, sys.argv[1])
-from paged_hf.execution import cpu_malloc
+from paged_hf.execution.cpu import malloc as cpu_malloc
 assert cpu_malloc.tune()
 def flt():
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -193,7 +193,7 @@ LRU = r"""
 import json, resource, sys
 import torch
 sys.path.insert(0, sys.argv[1])
-from paged_hf.execution import cpu_malloc
+from paged_hf.execution.cpu import malloc as cpu_malloc
 assert cpu_malloc.tune() and torch.ops.paged_hf.keep_large_blocks(48 << 20)  # a 48 MiB cap
 def flt():
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt

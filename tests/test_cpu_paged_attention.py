@@ -1,4 +1,4 @@
-"""The CPU paged attention kernel (paged_hf/execution/backends/cpu_paged_attention.py, paged_hf/execution/csrc/):
+"""The CPU paged attention kernel (paged_hf/execution/cpu/paged_attention.py, paged_hf/execution/cpu/csrc/):
 the op against a float64 reference written here, the kernel backend against the torch backend,
 generation through it against transformers on all nine families in fp32 and bf16 (small blocks,
 chunked prefill, prefix hits), and the fallback when it cannot be built."""
@@ -22,7 +22,8 @@ from tiny_models import FAMILIES, make_tiny_model, tiny_prompts
 
 import paged_hf
 from paged_hf.execution.backends import TorchBackend, select_backend
-from paged_hf.execution.backends import cpu_paged_attention as cpa
+from paged_hf.execution.cpu import ops as cpu_ops
+from paged_hf.execution.cpu import paged_attention as cpa
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from bench_attention import step_metadata  # noqa: E402  (steps built by hand, shared with the benchmark)
@@ -31,7 +32,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 # The build (once per machine: the extension is cached) and load happen here, at collection:
 # every test below needs the op, and a failed build must fail this module, not skip it.
-assert cpa.load(), f"the CPU paged attention kernel did not build: {cpa.status()['error']}"
+assert cpu_ops.load(), f"the CPU paged attention kernel did not build: {cpu_ops.status()['error']}"
 
 # bf16 logits of two correct kernels differ by a few 1e-2 (tests/test_smollm2.py); a wrong page,
 # mask or offset moves them by whole units
@@ -193,8 +194,8 @@ def test_bf16_16_token_blocks_match_a_float64_reference(dk, dv, window, softcap,
     got = run_op(q, k_cache, v_cache, seqs, dk**-0.5, window, softcap)
     want = reference(q, k_cache, v_cache, seqs, dk**-0.5, window, softcap)
     torch.testing.assert_close(got.double(), want, atol=1.6e-2, rtol=1.6e-2)
-    if "avx512_bf16" in cpa._cpu_flags():
-        assert "-mavx512bf16" in cpa.compile_flags()
+    if "avx512_bf16" in cpu_ops._cpu_flags():
+        assert "-mavx512bf16" in cpu_ops.compile_flags()
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -501,7 +502,7 @@ def test_on_the_bf16_path_the_kernel_attends_every_sequence():
     bs, hq, hkv, d = 16, 6, 2, 64
     specs = [(1, 40), (600, 600), (300, 700), (40, 40), (1, 333)]
     n_blocks = sum(-(-kv // bs) for _, kv in specs) + 2
-    fast = "-DCPU_CAPABILITY=AVX512" in cpa.compile_flags()
+    fast = "-DCPU_CAPABILITY=AVX512" in cpu_ops.compile_flags()
     ker = cpa.CpuPagedBackend(2, n_blocks, bs, hkv, d, torch.bfloat16, "cpu")
     assert ker._bf16_path is fast
     assert (
@@ -600,13 +601,13 @@ def test_generation_through_the_kernel_agrees_with_transformers(family, dtype):
 # ---- when it cannot be built ---------------------------------------------------------------------
 def test_a_failed_build_warns_once_and_auto_stays_on_the_torch_path(monkeypatch):
     monkeypatch.setattr(
-        cpa, "_state", {"loaded": None, "error": None, "build_s": None, "path": None}
+        cpu_ops, "_state", {"loaded": None, "error": None, "build_s": None, "path": None}
     )
 
     def no_compiler(verbose):
         raise RuntimeError("Error building extension: c++: command not found")
 
-    monkeypatch.setattr(cpa, "_build_and_load", no_compiler)
+    monkeypatch.setattr(cpu_ops, "_build_and_load", no_compiler)
     with pytest.warns(RuntimeWarning, match="could not be built.*command not found"):
         assert select_backend("auto", torch.device("cpu")) is TorchBackend
     with warnings.catch_warnings():
@@ -651,9 +652,9 @@ def test_no_compiler_in_a_fresh_process(tmp_path):
 
 
 def test_the_build_is_cached_and_named_by_source_torch_and_flags():
-    status = cpa.status()
+    status = cpu_ops.status()
     assert status["loaded"] and Path(status["path"]).is_file()
-    assert Path(status["path"]).parent.parent == cpa.extensions_dir()
-    name = cpa._build_name(cpa.compile_flags())
+    assert Path(status["path"]).parent.parent == cpu_ops.extensions_dir()
+    name = cpu_ops._build_name(cpu_ops.compile_flags())
     assert Path(status["path"]).stem == name
-    assert cpa._build_name(cpa.compile_flags() + ["-DX"]) != name
+    assert cpu_ops._build_name(cpu_ops.compile_flags() + ["-DX"]) != name

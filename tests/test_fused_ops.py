@@ -1,4 +1,4 @@
-"""The CPU step's fused element-wise ops (paged_hf/execution/fused_ops.py, csrc/fused_ops.cpp)
+"""The CPU step's fused element-wise ops (paged_hf/execution/cpu/fused_ops.py, csrc/fused_ops.cpp)
 against transformers' own modules and functions, and where the engine uses them.
 
 RMSNorm (llama- and gemma-style), SiLU-and-multiply on slices of one GEMM's output, and the
@@ -20,7 +20,7 @@ from transformers.models.glm4_moe import modeling_glm4_moe as glm4_moe
 from transformers.models.llama import modeling_llama as llama
 
 import paged_hf
-from paged_hf.execution import fused_ops
+from paged_hf.execution.cpu import fused_ops
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 assert fused_ops.available(), "the CPU kernels did not build"

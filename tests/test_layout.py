@@ -1,5 +1,5 @@
 """The package's folders are its architecture: every module sits in a layer, and imports run one
-way, top to bottom (DESIGN.md, Layout):
+way, top to bottom (docs/architecture.md):
 
     frontends/, integrations/  ->  model/  ->  engine/  ->  execution/  ->  cache/  ->  requests/
 
@@ -159,3 +159,20 @@ def test_the_public_api_is_where_it_was():
     for name in expected:
         assert getattr(paged_hf, name) is not None
     assert callable(paged_hf.serve)  # the function, not the module of the same name
+
+
+def test_only_the_cpu_room_loads_the_cpu_library():
+    """paged_hf's C++ library is built and loaded by execution/cpu/ops.py; everything else reaches
+    the CPU's ops through the execution/cpu/ modules that use them."""
+    reaching = sorted(
+        module
+        for module, targets in import_graph().items()
+        if "paged_hf.execution.cpu.ops" in targets
+        and not module.startswith("paged_hf.execution.cpu")
+    )
+    assert reaching == []
+    sources = {p.name for p in (REPO / "paged_hf").rglob("*.cpp")}
+    assert sources and all(
+        p.parent == REPO / "paged_hf" / "execution" / "cpu" / "csrc"
+        for p in (REPO / "paged_hf").rglob("*.cpp")
+    ), sources

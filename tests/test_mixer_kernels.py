@@ -1,4 +1,4 @@
-"""paged_hf's CPU gated-delta-rule kernel (paged_hf/execution/mixer_kernels.py) against
+"""paged_hf's CPU gated-delta-rule kernel (paged_hf/execution/cpu/mixer_kernels.py) against
 transformers' own torch fallback, and that it stands in for it only inside engine steps.
 
 The kernel is the recurrence of ``torch_recurrent_gated_delta_rule`` (GQA heads, l2-normalised
@@ -16,7 +16,7 @@ from transformers.models.qwen3_5 import modeling_qwen3_5 as qwen
 
 import paged_hf
 from paged_hf.engine.binding import patch_state
-from paged_hf.execution import mixer_kernels
+from paged_hf.execution.cpu import mixer_kernels
 from paged_hf.model.support import build_tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -115,10 +115,10 @@ def test_greedy_max_op_is_torch_max(threads):
     """``paged_hf::greedy_max`` (the sampler's greedy pick on a CPU) against ``torch.max(dim=-1)``: the same
     maximum and first index on random rows, ties, a row of a narrow vocabulary (no full vector), rows with
     NaN (NaN out), +inf and all -inf, rows through a strided view, and bf16 rows read as they are."""
-    from paged_hf.execution.backends import cpu_paged_attention as cpa
+    from paged_hf.execution.cpu import ops as cpu_ops
     from paged_hf.execution.sampler import _row_max
 
-    assert cpa.load(), cpa.status()["error"]
+    assert cpu_ops.load(), cpu_ops.status()["error"]
     gen = torch.Generator().manual_seed(threads)
     x = torch.randn(12, 49_157, generator=gen)
     x[1, [5, 900, 49_000]] = 50.0  # a three-way tie: the first wins

@@ -28,7 +28,7 @@ class BlockPool:
         self.refcount = [0] * num_blocks
         # a stack: a freed block is the next one handed out, so a run keeps writing the pages it
         # has touched (warm in cache, and on a CPU no fresh page of the pool faulted in:
-        # execution/cpu_kv_memory.py); the lowest ids go first
+        # execution/cpu/kv_memory.py); the lowest ids go first
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
         self._is_free = [True] * num_blocks
         self.evictions = 0

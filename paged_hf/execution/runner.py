@@ -15,9 +15,11 @@ import torch
 from ..cache.kv_groups import CacheGroup
 from ..config import EngineConfig
 from ..requests.request import Request
-from . import compact_layers, cpu_linear, cpu_malloc, fused_ops
 from .attention import active_backend
 from .backends import select_backend
+from .cpu import compact_layers, fused_ops
+from .cpu import linear as cpu_linear
+from .cpu import malloc as cpu_malloc
 from .cuda_graphs import DecodeAccelerator, wants_decode_accelerator
 from .kv_geometry import KVLayout
 from .metadata import StepMetadata, build_step_metadata
@@ -136,7 +138,7 @@ class ModelRunner:
                     model, self.dtype, layout.layers[0].k_dim if layout.layers else None
                 )
         # on a CPU the linear layers use weights packed once for oneDNN: bf16 for its bf16 matmul or, where this
-        # CPU has none, as fp32 copies; fp32 for its fp32 matmul (paged_hf/execution/cpu_linear.py)
+        # CPU has none, as fp32 copies; fp32 for its fp32 matmul (paged_hf/execution/cpu/linear.py)
         how = (
             cpu_linear.mode(self.dtype, self.device, config.cpu_packed_weights)
             if self.decode is None

@@ -20,7 +20,7 @@ from typing import Callable, Sequence
 import torch
 
 from ..requests.request import Request
-from .backends import cpu_paged_attention
+from .cpu import greedy as cpu_greedy
 
 
 @dataclass
@@ -131,16 +131,10 @@ def _greedy_as_they_are(logits: torch.Tensor) -> SampleResult | None:
     """Every row greedy and unprocessed: each row's first maximum, read from the logits as they are
     (the same tokens as the full path's fp32 copy gives: bf16 values are exact in fp32); None where the
     C++ op does not serve these logits."""
-    if not (
-        logits.device.type == "cpu"
-        and logits.dtype in (torch.float32, torch.bfloat16)
-        and logits.dim() == 2
-        and logits.shape[1] > 0
-        and logits.stride(1) == 1
-        and cpu_paged_attention.load()
-    ):
+    picked = cpu_greedy.greedy_max(logits)
+    if picked is None:
         return None
-    best, tokens = torch.ops.paged_hf.greedy_max(logits)
+    best, tokens = picked
     token_list: list[int | None] = torch.where(torch.isfinite(best), tokens, -1).tolist()
     errors: dict[int, str] = {}
     for row, tok in enumerate(token_list):
@@ -153,14 +147,9 @@ def _greedy_as_they_are(logits: torch.Tensor) -> SampleResult | None:
 def _row_max(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's maximum (NaN where the row holds one) and its first index: ``logits.max(dim=-1)``,
     on a CPU through ``paged_hf::greedy_max`` where the extension is built (a tenth of the time)."""
-    if (
-        logits.device.type == "cpu"
-        and logits.dtype == torch.float32
-        and logits.dim() == 2
-        and logits.shape[1] > 0
-        and cpu_paged_attention.load()
-    ):
-        return torch.ops.paged_hf.greedy_max(logits)
+    picked = cpu_greedy.greedy_max(logits) if logits.dtype == torch.float32 else None
+    if picked is not None:
+        return picked
     return logits.max(dim=-1)
 
 

@@ -41,7 +41,7 @@ class MixerSpec:
     # model's own cache class, not transformers' unified API (MiniMax's get_linear_cache / set_linear_cache)
     own_methods: tuple[tuple[str, str], ...] = ()
     # a paged_hf kernel the probe checked this mixer against its own code with, used in engine
-    # steps (paged_hf/execution/mixer_kernels.py), or None
+    # steps (paged_hf/execution/cpu/mixer_kernels.py), or None
     kernel: str | None = None
 
     @property

@@ -19,7 +19,7 @@ state through a ``get_X`` / ``set_X`` pair of its model's own cache class (MiniM
 ``(output, state)`` (MiniMax's) gets ``(output, None)`` back: the packed batch has no one state, and a
 caller that read it would fail, not go on with a wrong one. No model math is copied (a kernel of
 paged_hf's may stand in for a fallback function at transformers' own kernel seam:
-paged_hf/execution/mixer_kernels.py). Outside a step the modules are untouched.
+paged_hf/execution/cpu/mixer_kernels.py). Outside a step the modules are untouched.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from typing import Any, Iterator
 import torch
 from transformers.cache_utils import Cache, LinearAttentionLayer
 
-from . import mixer_kernels
+from .cpu import mixer_kernels
 from .state_geometry import MixerSpec, StateLayout
 from .state_store import StateStore
 

@@ -218,7 +218,7 @@ def _run_as_engine(
     model is refused; the second half as one chunk tells whether it carries its state into a
     chunk (Mamba1-style mixers drop it). Returns that, and the paged_hf kernel its decode path
     runs with (None: its own code only): one that gave its own code's outputs, to rounding."""
-    from ..execution import mixer_kernels
+    from ..execution.cpu import mixer_kernels
     from ..execution.state_store import StateStore
     from ..execution.stateful_mixers import (
         StatePlan,

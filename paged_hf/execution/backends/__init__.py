@@ -2,7 +2,7 @@
 
 - ``torch``: pure PyTorch, any device; the reference the others are checked against.
 - ``cpu`` (chosen by ``auto`` on CPU): the torch backend with attention in a C++ op that reads the
-  pages in place (``cpu_paged_attention.py``), built on first use; torch where it cannot be built.
+  pages in place (``execution/cpu/paged_attention.py``), built on first use; torch where it cannot be built.
 - ``flashinfer``: CUDA kernels (``pip install paged_hf[cuda]``), imported only when chosen.
 """
 
@@ -62,8 +62,8 @@ def select_backend(
                 stacklevel=3,
             )
     elif device.type == "cpu":
-        from . import cpu_paged_attention
+        from ..cpu import paged_attention as cpu_paged_attention
 
-        if cpu_paged_attention.load():
+        if cpu_paged_attention.available():
             return cpu_paged_attention.CpuPagedBackend
     return TorchBackend

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from ...cache.kv_groups import CacheGroup, SlabPlaces
-from .. import cpu_kv_memory
+from ..cpu import kv_memory as cpu_kv_memory
 from ..kv_geometry import KVLayout, LayerSpec, as_layout
 from ..metadata import GroupTables, StepMetadata
 from .swap import SwapMixin

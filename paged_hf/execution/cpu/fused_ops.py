@@ -3,7 +3,7 @@
 transformers' module code runs each of these as several small ops (an RMSNorm: a cast, pow, mean,
 add, rsqrt, mul, a cast back and the weight's mul, each a new tensor), and at decode sizes each op
 costs mostly its dispatch: together about a tenth of a CPU step. During engine steps on a CPU,
-paged_hf's C++ ops (paged_hf/execution/csrc/fused_ops.cpp) stand in for them, one pass each:
+paged_hf's C++ ops (paged_hf/execution/cpu/csrc/fused_ops.cpp) stand in for them, one pass each:
   - an RMSNorm module (a ``*RMSNorm`` class with a 1-D weight and an epsilon) runs
     ``paged_hf::rms_norm``, llama-style or gemma-style (``1 + weight``, in fp32), whichever gives
     the module's own outputs;
@@ -12,7 +12,7 @@ paged_hf's C++ ops (paged_hf/execution/csrc/fused_ops.cpp) stand in for them, on
   - the ``apply_rotary_pos_emb`` of the attention modules' modeling files (transformers' kernel
     seam for rotary embeddings) answers with ``paged_hf::rotary`` for one-batch, ``unsqueeze_dim=1``
     calls at a rotary width it was checked at (the full head, or the first part of it: partial
-    rotary), and with the original for any other (paged_hf/execution/kernel_seams.py).
+    rotary), and with the original for any other (paged_hf/execution/cpu/kernel_seams.py).
 Each is used only where it was checked when the engine was built, on the model itself: the
 module's (or function's) own output against the fused op's on random inputs laid out as a step
 hands them (rows of a packed ``[1, T]`` batch; q and k as views of one fused projection; the
@@ -43,9 +43,9 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what the C++ ops take
 
 
 def available() -> bool:
-    from .backends import cpu_paged_attention
+    from . import ops
 
-    return cpu_paged_attention.load()
+    return ops.load()
 
 
 class FusedOps:

@@ -32,9 +32,9 @@ from typing import Any, Iterator
 
 import torch
 
-from . import attention
-from .cpu_linear import PackedLinears, PackedWeight
+from .. import attention
 from .fused_ops import FusedOps, _eps, _rms_norm, _rotary, _silu_and_mul
+from .linear import PackedLinears, PackedWeight
 
 logger = logging.getLogger("paged_hf")
 # hooks every module runs (torch.nn.modules.module.register_module_forward_hook): where torch keeps

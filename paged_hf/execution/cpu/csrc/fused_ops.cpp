@@ -4,7 +4,7 @@
 // pow, mean, add, rsqrt, mul, a cast back and the weight's mul, each a new tensor). They reproduce
 // that code's arithmetic and its roundings in the input dtype, step by step, so outputs are equal
 // up to the order of one sum (RMSNorm's mean of squares) and the exponential's last bit (SiLU).
-// paged_hf/execution/fused_ops.py uses each only where the engine checked it against the model's
+// paged_hf/execution/cpu/fused_ops.py uses each only where the engine checked it against the model's
 // own module on the model itself, during engine steps on a CPU only.
 //
 //   rms_norm(x [N, H], weight [H], eps, gemma, out [N, H])

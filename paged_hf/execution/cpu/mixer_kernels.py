@@ -6,10 +6,10 @@ installed (on a GPU), else a torch fallback that makes some ten passes over ever
 per token, each a new tensor. On a CPU that fallback was 40% of a hybrid's engine time. During an
 engine step, and only for the mixers the capability probe checked it on (on the model itself,
 against the fallback), that name answers with ``paged_hf::gated_delta_recurrent``
-(paged_hf/execution/csrc/gated_delta.cpp): the same recurrence, each state read and written once,
+(paged_hf/execution/cpu/csrc/gated_delta.cpp): the same recurrence, each state read and written once,
 in place in the state slots when the state is the step's own (the cache view's). Everything else
 (another thread, a plain forward, a GPU tensor, varlen arguments) goes to the function that was
-there (the seam: paged_hf/execution/kernel_seams.py).
+there (the seam: paged_hf/execution/cpu/kernel_seams.py).
 
     with installed(sites_of(module)):          # around the step
         with enabled(spec.kernel is not None, view.given):   # around one mixer call
@@ -46,9 +46,9 @@ def sites_of(module: torch.nn.Module) -> list[kernel_seams.Site]:
 
 
 def available() -> bool:
-    from .backends import cpu_paged_attention
+    from . import ops
 
-    return cpu_paged_attention.load()
+    return ops.load()
 
 
 def installed(sites: list[kernel_seams.Site]) -> contextlib.AbstractContextManager:

@@ -13,7 +13,7 @@ vLLM's CPU engine preloads tcmalloc for the same reason.
 and its trim threshold to ``TRIM_BYTES``, so freed memory stays mapped for the next step instead.
 That is not enough for large steps: the heap fragments (a freed block under a small live one, the
 next large request does not fit its hole, the heap grows, every new page faults in). So torch's CPU
-allocator is also wrapped by ``paged_hf::keep_large_blocks`` (paged_hf/execution/csrc/cpu_allocator.cpp):
+allocator is also wrapped by ``paged_hf::keep_large_blocks`` (paged_hf/execution/cpu/csrc/cpu_allocator.cpp):
 blocks of 256 KiB and more in size classes, a freed block kept for the next request of its class,
 up to ``keep_bytes()`` (a W-mixed run at a 4,096-token budget: 341,000 faults and 4.7 s in the
 kernel before, on a virtual machine where a fault costs ~13 us). The cost is memory: up to
@@ -84,9 +84,9 @@ def keep_bytes() -> int:
 
 def _keep_large_blocks() -> bool:
     """torch's CPU allocator wrapped so a step's freed large blocks serve the next step (the C++ op)."""
-    from .backends import cpu_paged_attention
+    from . import ops
 
-    if not cpu_paged_attention.load():
+    if not ops.load():
         return False
     return bool(torch.ops.paged_hf.keep_large_blocks(keep_bytes()))
 
