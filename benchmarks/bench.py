@@ -9,7 +9,7 @@
     python benchmarks/bench.py --workloads mixed,prefix_long --systems paged_hf,paged_hf_torch,vllm_cpu \
         --dtypes bf16 --repeat 3                  # against vLLM's CPU engine (bash benchmarks/peers/vllm_cpu.sh)
 
-Model: SmolLM2-135M-Instruct real weights (``paged_hf.frontends.models.load_default_model``); the
+Model: SmolLM2-135M-Instruct real weights (``paged_hf.model.default_model.load_default_model``); the
 transformers baselines run on a separate copy that paged_hf never patches. Workloads are in
 ``bench_workloads.py``, the systems in ``bench_systems.py``, FLOPs and the matmul ceiling in
 ``bench_flops.py`` (the formula is in its docstring). A table goes to stdout, JSON to --out.
@@ -182,7 +182,7 @@ def load_models(smoke: bool, dtype: torch.dtype):
     if smoke:
         base, special, pad = tiny_llama(dtype)
         return base, copy.deepcopy(base), special, pad
-    from paged_hf.frontends.models import load_default_model
+    from paged_hf.model.default_model import load_default_model
 
     base, tok = load_default_model(dtype=dtype)
     eng = copy.deepcopy(base)  # paged_hf patches this copy only

@@ -49,7 +49,7 @@ def llama7b_like(total: float, dtype: torch.dtype) -> torch.nn.Module:
 
 
 def smollm2() -> torch.nn.Module:
-    from paged_hf.frontends.models import load_default_model
+    from paged_hf.model.default_model import load_default_model
 
     model, _ = load_default_model(dtype=torch.bfloat16)
     return model

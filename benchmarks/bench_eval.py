@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
 def _model_dir(name: str) -> Path:
     if name != "default":
         return Path(name)
-    from paged_hf.frontends.models import default_cache_dir, load_default_model
+    from paged_hf.model.default_model import default_cache_dir, load_default_model
 
     path = default_cache_dir()
     if not (path / "model.safetensors").is_file():

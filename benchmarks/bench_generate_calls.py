@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
         args.calls, args.n_gen, args.beam_prompts, args.rounds = 16, 20, 8, 1
 
     import paged_hf
-    from paged_hf.frontends.models import load_default_model
+    from paged_hf.model.default_model import load_default_model
 
     model, tok = load_default_model(dtype=getattr(torch, args.dtype))
     patched = paged_hf.patch(copy.deepcopy(model))

@@ -55,8 +55,8 @@ def run(system: str, args, tmp: str) -> dict:
     from trl import GRPOConfig, GRPOTrainer
 
     import paged_hf
-    from paged_hf.frontends.models import load_default_model
     from paged_hf.integrations.trl import PagedGenerationMixin
+    from paged_hf.model.default_model import load_default_model
 
     model, tokenizer = load_default_model()
     model = model.to(torch.bfloat16)

@@ -69,7 +69,7 @@ def gemma3_gguf() -> Path:
 def load_model(dtype: torch.dtype):
     from transformers import AutoModelForCausalLM
 
-    from paged_hf.frontends.models import dequantized_gguf
+    from paged_hf.model.default_model import dequantized_gguf
 
     path = gemma3_gguf()
     model = AutoModelForCausalLM.from_pretrained(
@@ -83,7 +83,7 @@ def sizing(engine, contexts: list[int], split_for: int) -> list[dict]:
     """Per context: KV bytes a sequence holds at most, sequences the pool holds at once, and (the
     alternative to one pool of uniform pages) as many with a pool per group, split in advance by
     what a ``split_for``-token sequence needs of each."""
-    kv, rows = engine.kv, []
+    kv, rows = engine.kv_manager, []
     need = [
         [g.most_blocks(n, kv.step_tokens, kv.block_size) for g in kv.groups]
         for n in contexts + [split_for]

@@ -85,7 +85,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
 
     import paged_hf
-    from paged_hf.frontends.models import load_default_model
+    from paged_hf.model.default_model import load_default_model
 
     model, tok = load_default_model()
     model = model.to(torch.bfloat16)
@@ -103,7 +103,7 @@ def main() -> None:
     for _ in range(args.rounds):
         for name, params in systems.items():
             engine = engines[name]
-            engine.kv.pool.drop_cached()  # every round computes its prompts: no hits from the last one
+            engine.kv_manager.pool.drop_cached()  # every round computes its prompts: no hits from the last one
             before = engine.stats()
             start = time.perf_counter()
             outs = engine.generate(batch, params)

@@ -40,7 +40,7 @@ import torch  # noqa: E402
 
 import paged_hf  # noqa: E402
 import paged_hf.execution.backends.torch_backend as torch_backend  # noqa: E402
-from paged_hf.frontends.models import load_default_model  # noqa: E402
+from paged_hf.model.default_model import load_default_model  # noqa: E402
 
 VARIANTS = {
     "one decode group": dict(group_padding=1 << 60, config={}),

@@ -22,7 +22,7 @@ def install() -> None:
     import fake_flashinfer
 
     import paged_hf.execution.runner as runner
-    from paged_hf.execution.cuda_graphs import DecodeAccelerator, _EagerGraph
+    from paged_hf.execution.decode_accelerator import DecodeAccelerator, _EagerGraph
 
     sys.modules["flashinfer"] = fake_flashinfer.as_module()
     sys.modules.pop("paged_hf.execution.backends.flashinfer_backend", None)

@@ -19,7 +19,7 @@ import time
 import datasets
 
 import paged_hf
-from paged_hf.frontends.models import load_default_model
+from paged_hf.model.default_model import load_default_model
 
 TOPICS = [
     "the moon",

@@ -38,7 +38,7 @@ def main() -> None:
     from lm_eval.tasks import TaskManager
 
     import paged_hf.integrations.lm_eval as ple  # registers --model paged_hf
-    from paged_hf.frontends.models import load_default_model
+    from paged_hf.model.default_model import load_default_model
 
     tasks_dir = write_tasks(
         Path(tempfile.mkdtemp(prefix="paged_hf_tasks_")), n_mc=50, n_gen=20, n_rolling=10

@@ -41,7 +41,7 @@ import torch  # noqa: E402
 
 import paged_hf
 from paged_hf.execution.cpu import linear as cpu_linear
-from paged_hf.frontends.models import load_default_model
+from paged_hf.model.default_model import load_default_model
 
 QUESTIONS = [
     "What is the capital of France?",

@@ -8,28 +8,14 @@
     engine.generate(["Hello"], paged_hf.SamplingParams(max_new_tokens=32, stop=["\n\n"]))
     engine.score([("The capital of France is", " Paris")])   # loglikelihood of a continuation
 
-Where things live: folders are roles, and imports run one way, top to bottom
-(tests/test_layout.py checks it):
-  frontends/, integrations/  generate_dataset, serve (background engine), the paged-hf CLI, loading
-                             models; the lm-eval backend, TRL's PagedGenerationMixin
-  model/                     patch / unpatch / paged_hf.Engine, the capability check, the generate
-                             patch installs, the support table; per-family quirks in patches/
-  engine/                    Engine: admission, the step loop, scheduler, outputs, scoring, structured
-                             outputs; binding
-                             (what patching leaves on a model for the engine)
-  execution/                 runner, step metadata, the attention seam, backends (torch, CPU kernel,
-                             FlashInfer), packed / fused CPU linears, sampler, KV geometry, CUDA graphs
-  cache/                     block pool, prefix index, block manager, cache groups, state slots,
-                             weight coherence
-  requests/                  request state: Request, SamplingParams, detokenizer / stop strings
-  config.py                  EngineConfig, read by every layer
+The package's map and one step's data flow: docs/architecture.md.
 """
 
 from .config import EngineConfig
 from .engine.outputs import Completion, RequestOutput
 from .engine.scoring import ScoreOutput
 from .execution import attention as _attention
-from .frontends.datasets_eval import generate_dataset
+from .frontends.dataset_generation import generate_dataset
 from .frontends.serve import serve
 from .model.patching import Engine, UnsupportedModelError, engine_for, is_patched, patch, unpatch
 from .requests.sampling_params import SamplingParams

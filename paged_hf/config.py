@@ -46,7 +46,7 @@ class EngineConfig:
     namespace: str | None = (
         None  # prefix-cache namespace (model / adapter id); None: derived from the model
     )
-    # the CUDA path: paged_hf/execution/cuda_graphs.py, compile_decode.py, backends/swap.py
+    # the CUDA path: paged_hf/execution/decode_accelerator.py, compile_decode.py, backends/swap.py
     use_cuda_graphs: bool = (
         True  # capture pure-decode steps per batch bucket; CUDA + FlashInfer only, else ignored
     )

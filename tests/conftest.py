@@ -16,7 +16,7 @@ def smollm2_cache(tmp_path_factory):
 @pytest.fixture(scope="session")
 def smollm2(smollm2_cache):
     """(model, tokenizer) of the default model, SmolLM2-135M-Instruct, in bfloat16."""
-    from paged_hf.frontends.models import load_default_model
+    from paged_hf.model.default_model import load_default_model
 
     return load_default_model(dtype=torch.bfloat16, cache_dir=smollm2_cache)
 
@@ -24,7 +24,7 @@ def smollm2(smollm2_cache):
 @pytest.fixture(scope="session")
 def smollm2_fp32(smollm2_cache):
     """The same in float32: greedy tokens of the engine and of transformers then agree exactly."""
-    from paged_hf.frontends.models import load_default_model
+    from paged_hf.model.default_model import load_default_model
 
     return load_default_model(dtype=torch.float32, cache_dir=smollm2_cache)
 
@@ -32,7 +32,7 @@ def smollm2_fp32(smollm2_cache):
 @pytest.fixture(scope="session")
 def smollm2_dir(smollm2, smollm2_cache):
     """The cache directory itself: a plain transformers checkpoint (config, safetensors, tokenizer)."""
-    from paged_hf.frontends.models import default_cache_dir
+    from paged_hf.model.default_model import default_cache_dir
 
     return default_cache_dir(smollm2_cache)
 

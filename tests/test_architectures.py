@@ -62,7 +62,7 @@ def test_tokens_and_logprobs_match_transformers(name, settings):
         assert_logprobs_close(
             reference, prompt, out.token_ids, out.completions[0].logprobs, what=what
         )
-    assert engine.kv.pool.num_used == 0
+    assert engine.kv_manager.pool.num_used == 0
     if settings == "small":
         assert engine.stats()["steps"] > MAX_NEW + 2, (
             "the 37-token prompt was prefilled in 16-token chunks"
@@ -140,7 +140,7 @@ def test_kv_cache_is_sized_from_each_layers_geometry():
     sized = paged_hf.Engine(
         paged_hf.patch(make_arch_model("gemma4_text")), block_size=4, kv_cache_memory=10 * per_block
     )
-    assert sized.kv.pool.num_blocks == 10
+    assert sized.kv_manager.pool.num_blocks == 10
 
 
 def test_multimodal_text_path_generate_and_media_refused():

@@ -43,8 +43,8 @@ def test_bad_requests_fail_alone_and_leak_nothing(model):
     for i in (0, 5):
         assert len(outs[i].token_ids) == 4 or outs[i].finish_reason == "stop"
         assert_teacher_forced(model, prompts[i], outs[i].token_ids, what=f"good request {i}")
-    assert engine.kv.pool.num_used == 0 and not engine.requests
-    assert engine.kv.pool.num_free + engine.kv.pool.num_cached == 12
+    assert engine.kv_manager.pool.num_used == 0 and not engine.requests
+    assert engine.kv_manager.pool.num_free + engine.kv_manager.pool.num_cached == 12
 
 
 @pytest.mark.parametrize(
@@ -90,7 +90,7 @@ def test_abort_unknown_request_names_it(model):
     rid = engine.add_request([5, 6, 7], paged_hf.SamplingParams(max_new_tokens=50, ignore_eos=True))
     engine.step()
     engine.abort(rid)
-    assert engine.kv.pool.num_used == 0 and not engine.has_unfinished
+    assert engine.kv_manager.pool.num_used == 0 and not engine.has_unfinished
 
 
 def test_generate_refuses_the_whole_call_before_running_anything():
@@ -100,7 +100,9 @@ def test_generate_refuses_the_whole_call_before_running_anything():
         model.generate(ids, max_new_tokens=3)
     engine = paged_hf.engine_for(model)
     assert (
-        engine.stats()["steps"] == 0 and not engine.has_unfinished and engine.kv.pool.num_used == 0
+        engine.stats()["steps"] == 0
+        and not engine.has_unfinished
+        and engine.kv_manager.pool.num_used == 0
     )
 
 

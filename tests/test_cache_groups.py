@@ -68,7 +68,7 @@ def _check(reference, prompts, outs, what):
 def check_tables(engine: paged_hf.Engine) -> None:
     """Every running request holds, per group, exactly the blocks a later query reads (-1 before),
     every page's refcount is its holders, and the prefix index counts what it may evict."""
-    kv, bs = engine.kv, engine.kv.block_size
+    kv, bs = engine.kv_manager, engine.kv_manager.block_size
     holders = Counter()
     for req in engine.scheduler.running:
         assert len(req.block_tables) == len(kv.groups)
@@ -114,8 +114,11 @@ def checked(engine: paged_hf.Engine) -> paged_hf.Engine:
 
 def assert_clean(engine: paged_hf.Engine) -> None:
     check_tables(engine)
-    assert engine.kv.pool.num_used == 0 and not engine.requests
-    assert engine.kv.pool.num_free + engine.kv.pool.num_cached == engine.kv.num_blocks
+    assert engine.kv_manager.pool.num_used == 0 and not engine.requests
+    assert (
+        engine.kv_manager.pool.num_free + engine.kv_manager.pool.num_cached
+        == engine.kv_manager.num_blocks
+    )
 
 
 @pytest.mark.parametrize("model_type", list(TYPES))
@@ -176,10 +179,10 @@ def test_a_hit_needs_the_last_windows_blocks():
     prompt = _prompts(model, [41], seed=5)[0]
     engine = paged_hf.Engine(model, **SMALL)
     engine.generate([prompt], GREEDY)
-    index = engine.kv.index
+    index = engine.kv_manager.index
     assert index._loose, "the sliding blocks of the cached prompt are evictable by themselves"
     for page in list(index._loose):  # evict every sliding page, none of the full group's
-        engine.kv.pool._release(index._forget_loose(page))
+        engine.kv_manager.pool._release(index._forget_loose(page))
     assert index.num_blocks == (41 + MAX_NEW - 1) // 4  # the full group's blocks only
     out = engine.generate([prompt], GREEDY)[0]
     assert out.num_cached_tokens == 0
@@ -257,7 +260,7 @@ def test_a_long_sequence_holds_its_window_not_its_context():
     engine.generate([prompt], params)
     full, sliding = zip(*held[:-1])
     assert max(full) == 100 and max(sliding) <= -(-(8 + 16) // 4) + 1, (max(full), max(sliding))
-    assert engine.kv.most_blocks(400) == 100 + 7
+    assert engine.kv_manager.most_blocks(400) == 100 + 7
     keep = paged_hf.Engine(
         model,
         block_size=4,

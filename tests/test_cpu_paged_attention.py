@@ -595,7 +595,7 @@ def test_generation_through_the_kernel_agrees_with_transformers(family, dtype):
         assert_teacher_forced(
             reference, prompt, out.token_ids, tol=tol, what=f"{family}/{dtype}/kernel"
         )
-    assert engine.kv.pool.num_used == 0
+    assert engine.kv_manager.pool.num_used == 0
 
 
 # ---- when it cannot be built ---------------------------------------------------------------------

@@ -27,14 +27,6 @@ import paged_hf.execution.runner
 from paged_hf import SamplingParams
 from paged_hf.execution.backends import TorchBackend, select_backend
 from paged_hf.execution.backends.swap import swap_in, swap_out
-from paged_hf.execution.cuda_graphs import (
-    DecodeAccelerator,
-    _EagerGraph,
-    bucket_for,
-    decode_buckets,
-    pad_decode_metadata,
-    padding_metadata,
-)
 from paged_hf.execution.cuda_memory import (
     FLOAT_WORKSPACE_BYTES,
     INT_WORKSPACE_BYTES,
@@ -42,6 +34,14 @@ from paged_hf.execution.cuda_memory import (
     kv_budget_from_profile,
     profile_forward,
     reserve_bytes,
+)
+from paged_hf.execution.decode_accelerator import (
+    DecodeAccelerator,
+    _EagerGraph,
+    bucket_for,
+    decode_buckets,
+    pad_decode_metadata,
+    padding_metadata,
 )
 from paged_hf.execution.metadata import build_step_metadata
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from paged_hf.frontends.models import load_default_model
+from paged_hf.model.default_model import load_default_model
 
 
 # Slow: ~15-20 s the first time in a session (the `smollm2` fixture dequantizes the GGUF

@@ -107,18 +107,23 @@ def tokens(outputs):
 
 def assert_clean(engine):
     assert not engine.requests and not engine.scheduler.running and not engine.scheduler.waiting
-    assert engine.kv.pool.num_used == 0, "a block is held beyond the prefix cache"
-    assert engine.kv.pool.num_free + engine.kv.pool.num_cached == engine.kv.num_blocks
-    index = engine.kv.index
+    assert engine.kv_manager.pool.num_used == 0, "a block is held beyond the prefix cache"
+    assert (
+        engine.kv_manager.pool.num_free + engine.kv_manager.pool.num_cached
+        == engine.kv_manager.num_blocks
+    )
+    index = engine.kv_manager.index
     assert index is None or all(node.lock_ref == 0 for node in index.iter_nodes())
-    assert engine.kv.state is None or engine.kv.state.num_used == 0, "a state slot is still held"
-    assert engine.kv.state is None or engine.kv.state.num_pending == 0, (
+    assert engine.kv_manager.state is None or engine.kv_manager.state.num_used == 0, (
+        "a state slot is still held"
+    )
+    assert engine.kv_manager.state is None or engine.kv_manager.state.num_pending == 0, (
         "a state snapshot was never attached or released"
     )
     if (
-        engine.kv.state is not None and index is not None
+        engine.kv_manager.state is not None and index is not None
     ):  # every checkpoint sits on a node of the tree
-        assert engine.kv.state.num_checkpoints_held == sum(
+        assert engine.kv_manager.state.num_checkpoints_held == sum(
             1 for n in index.iter_nodes() if n.state is not None
         )
 

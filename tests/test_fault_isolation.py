@@ -45,8 +45,11 @@ def assert_clean(engine: paged_hf.Engine) -> None:
     """Nothing left behind: no live request, no queued work, no block held beyond the prefix cache."""
     assert not engine.requests and not engine.has_unfinished
     assert not engine.scheduler.running and not engine.scheduler.waiting
-    assert engine.kv.pool.num_used == 0
-    assert engine.kv.pool.num_free + engine.kv.pool.num_cached == engine.kv.num_blocks
+    assert engine.kv_manager.pool.num_used == 0
+    assert (
+        engine.kv_manager.pool.num_free + engine.kv_manager.pool.num_cached
+        == engine.kv_manager.num_blocks
+    )
 
 
 # ---- poison requests are refused at admission (each used to fail inside step() and wedge it) ----
@@ -211,7 +214,7 @@ def test_a_step_failing_after_it_forked_parallel_samples(model, prompts, fault, 
         with pytest.raises(KeyboardInterrupt):
             engine.step()
         root = engine.requests[rid]
-        assert not root.children and not root.forked and engine.kv.pool.num_used == 0
+        assert not root.children and not root.forked and engine.kv_manager.pool.num_used == 0
         monkeypatch.setattr(engine_module, "sample", sample)
         out = engine.run_until_done([rid])[0]
         assert [c.token_ids for c in out.completions] == [c.token_ids for c in expected.completions]
@@ -278,7 +281,7 @@ def test_keyboard_interrupt_inside_a_step_is_undone(model, prompts, reference):
     with pytest.raises(KeyboardInterrupt):
         while engine.has_unfinished:
             engine.step()
-    assert engine.kv.pool.num_used == 0  # the interrupted step's blocks went back
+    assert engine.kv_manager.pool.num_used == 0  # the interrupted step's blocks went back
     assert all(r.num_computed_tokens == 0 for r in engine.requests.values())
     outs = engine.run_until_done(rids)
     assert [o.token_ids for o in outs] == reference

@@ -45,7 +45,7 @@ def test_patched_generate_agrees_with_transformers(family, config_name):
         assert len(gen) == MAX_NEW or gen[-1] == EOS_ID
         assert_teacher_forced(reference, prompt, gen, what=f"{family}/{config_name}")
     engine = paged_hf.engine_for(model)
-    assert engine.kv.pool.num_used == 0
+    assert engine.kv_manager.pool.num_used == 0
     if config_name == "chunked":
         assert engine.stats()["steps"] > MAX_NEW  # the 37-token prompt really was chunked
 
@@ -83,7 +83,7 @@ def test_small_pool_preempts_and_gives_the_same_tokens():
     for p, g, w in zip(prompts, got, want):
         assert len(g) == len(w) == 24
         assert_teacher_forced(model, p, g, what="small pool")
-    assert small.kv.pool.num_used == 0
+    assert small.kv_manager.pool.num_used == 0
 
 
 def test_prefix_caching_saves_prefill_and_keeps_tokens():
@@ -190,7 +190,7 @@ def test_parallel_sampling_n_shares_the_prompt_and_samples_independently():
     assert len({tuple(c.token_ids) for c in out.completions}) > 1
     assert all(len(c.token_ids) == 8 for c in out.completions)
     assert engine.stats()["prefill_tokens_computed"] == 10  # the prompt ran once
-    assert engine.kv.pool.num_used == 0
+    assert engine.kv_manager.pool.num_used == 0
     greedy = engine.generate([prompt], paged_hf.SamplingParams(max_new_tokens=6, n=3))[0]
     assert len({tuple(c.token_ids) for c in greedy.completions}) == 1
     assert_teacher_forced(model, prompt, greedy.token_ids, what="n=3 greedy")
@@ -403,7 +403,7 @@ def test_swap_preemption_gives_the_same_tokens_without_recomputing():
         assert_teacher_forced(model, p, g, what="swap preemption")
     assert s_swap["prefill_tokens_computed"] == sum(map(len, prompts))  # nothing computed twice
     assert s_re["prefill_tokens_computed"] > s_swap["prefill_tokens_computed"]
-    assert swap.kv.pool.num_used == 0
+    assert swap.kv_manager.pool.num_used == 0
 
 
 def test_warmup_leaves_the_engine_as_it_was():

@@ -72,7 +72,7 @@ def test_beam_search_is_transformers(pair, beams, options):
     reference, model, ids, mask = pair
     out, expected = both(reference, model, ids, mask, num_beams=beams, **options)
     assert_same(out, expected)
-    assert paged_hf.engine_for(model).kv.pool.num_used == 0
+    assert paged_hf.engine_for(model).kv_manager.pool.num_used == 0
 
 
 def test_beam_sampling_draws_what_transformers_draws(pair):
@@ -126,7 +126,7 @@ def test_beam_groups_survive_preemption_and_hit_the_prefix_cache(pair):
     out, expected = both(reference, model, ids, mask, num_beams=4, eos_token_id=EOS_SET)
     assert_same(out, expected)
     engine = paged_hf.engine_for(model)
-    assert engine.stats()["preemptions"] > 0 and engine.kv.pool.num_used == 0
+    assert engine.stats()["preemptions"] > 0 and engine.kv_manager.pool.num_used == 0
     hits = engine.stats()["prefix_hit_tokens"]
     again, _ = both(reference, model, ids, mask, num_beams=4, eos_token_id=EOS_SET)
     assert_same(again, expected)
@@ -158,7 +158,7 @@ def test_a_processor_that_raises_ends_its_beam_call_alone(pair):
         )
     other = engine.run_until_done([rid])[0]
     assert other.error is None and other.token_ids == alone
-    assert engine.kv.pool.num_used == 0
+    assert engine.kv_manager.pool.num_used == 0
 
 
 def test_beam_search_on_a_stateful_model_is_refused_naming_it():
@@ -199,6 +199,6 @@ def test_the_engines_own_beam_search_is_transformers(pair):
             assert tokens == expected.sequences[j, width : width + lengths[j]].tolist()
             assert abs(score - float(expected.sequences_scores[j])) < 1e-4
     assert any(h[0][0][-1] in EOS_SET for h in got), "some hypothesis ended on EOS"
-    assert engine.kv.pool.num_used == 0
+    assert engine.kv_manager.pool.num_used == 0
     with pytest.raises(ValueError, match="num_return_sequences"):
         engine.beam_search(prompts, num_beams=2, num_return_sequences=3)

@@ -114,7 +114,7 @@ def test_a_stateful_processor_sees_transformers_calls(pair):
     assert_same(out, expected)
     a, b = ours["logits_processor"][0].calls, theirs["logits_processor"][0].calls
     assert len(a) == len(b) == MAX_NEW and all(torch.equal(x, y) for x, y in zip(a, b))
-    assert paged_hf.engine_for(model).kv.pool.num_used == 0
+    assert paged_hf.engine_for(model).kv_manager.pool.num_used == 0
 
 
 def test_scores_and_logits_give_transformers_transition_scores(pair):
@@ -231,7 +231,7 @@ def test_a_small_pool_preempts_rows_waiting_for_their_call(pair):
     )
     assert_same(out, expected)
     engine = paged_hf.engine_for(model)
-    assert engine.stats()["preemptions"] > 0 and engine.kv.pool.num_used == 0
+    assert engine.stats()["preemptions"] > 0 and engine.kv_manager.pool.num_used == 0
 
 
 def test_a_processor_that_raises_ends_its_call_alone(pair):
@@ -251,4 +251,4 @@ def test_a_processor_that_raises_ends_its_call_alone(pair):
         )
     other = engine.run_until_done([rid])[0]
     assert other.error is None and other.token_ids == alone
-    assert engine.kv.pool.num_used == 0
+    assert engine.kv_manager.pool.num_used == 0

@@ -126,7 +126,7 @@ def test_criteria_see_and_stop_as_under_transformers(llama_pair, mode):
     assert torch.equal(out, expected)
     _same_calls(ours, theirs)
     assert 1 < len(ours[0].calls) < MAX_NEW
-    assert paged_hf.engine_for(model).kv.pool.num_used == 0
+    assert paged_hf.engine_for(model).kv_manager.pool.num_used == 0
 
 
 def test_stop_string_criteria_and_eos_with_a_criterion(llama_pair):
@@ -213,7 +213,7 @@ def test_a_small_pool_preempts_rows_held_in_lock_step(llama_pair):
     assert torch.equal(out, expected)
     _same_calls(ours, theirs)
     engine = paged_hf.engine_for(model)
-    assert engine.stats()["preemptions"] > 0 and engine.kv.pool.num_used == 0
+    assert engine.stats()["preemptions"] > 0 and engine.kv_manager.pool.num_used == 0
 
 
 def test_samples_of_one_prompt_are_rows_of_their_own():
@@ -259,4 +259,4 @@ def test_a_criterion_that_raises_ends_its_call_alone(llama_pair):
     assert engine.requests[rid].num_output_tokens >= 3, "the other request shared the call's steps"
     other = engine.run_until_done([rid])[0]
     assert other.error is None and other.token_ids == alone
-    assert engine.kv.pool.num_used == 0
+    assert engine.kv_manager.pool.num_used == 0

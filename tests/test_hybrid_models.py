@@ -84,9 +84,11 @@ def _check(reference: torch.nn.Module, prompts: list[list[int]], outs: list, wha
 
 
 def _assert_clean(engine: paged_hf.Engine) -> None:
-    assert engine.kv.pool.num_used == 0 and not engine.requests
-    assert engine.kv.state.num_used == 0, "a state slot is still held"
-    assert engine.kv.state.num_pending == 0, "a state snapshot was never attached or released"
+    assert engine.kv_manager.pool.num_used == 0 and not engine.requests
+    assert engine.kv_manager.state.num_used == 0, "a state slot is still held"
+    assert engine.kv_manager.state.num_pending == 0, (
+        "a state snapshot was never attached or released"
+    )
 
 
 @pytest.mark.parametrize("settings", ["defaults", "small"])
@@ -263,8 +265,8 @@ def test_state_slots_cap_the_sequences_that_run_and_share_the_budget():
     # 2 running sequences and 1 checkpoint
     engine = paged_hf.Engine(model, kv_cache_memory=8 * per_slot)
     assert (
-        engine.config.max_num_seqs == 2 == engine.kv.state.num_slots
-        and engine.kv.state.num_checkpoints == 1
+        engine.config.max_num_seqs == 2 == engine.kv_manager.state.num_slots
+        and engine.kv_manager.state.num_checkpoints == 1
     )
     assert engine.stats()["state_bytes"] == 3 * per_slot
     prompts = _prompts(model, [4, 9, 13, 6, 11], seed=6)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ast
 import collections
+import re
 from pathlib import Path
 
 import pytest
@@ -79,7 +80,9 @@ def layer_of(module: str) -> str:
         if module == layer or (layer != "paged_hf" and module.startswith(layer + "."))
     ]
     if not candidates:
-        raise AssertionError(f"{module} is in no layer: place it in a folder of DESIGN.md's layout")
+        raise AssertionError(
+            f"{module} is in no layer: place it in a folder of docs/architecture.md's layout"
+        )
     return max(candidates, key=len)
 
 
@@ -176,3 +179,32 @@ def test_only_the_cpu_room_loads_the_cpu_library():
         p.parent == REPO / "paged_hf" / "execution" / "cpu" / "csrc"
         for p in (REPO / "paged_hf").rglob("*.cpp")
     ), sources
+
+
+def test_every_module_is_on_the_map():
+    """docs/architecture.md's map names every module (a package's __init__ by its folder's row),
+    and every path it names exists."""
+    text = (REPO / "docs" / "architecture.md").read_text()
+    named = set(re.findall(r"^\| `([^`]+)` \|", text, re.M))
+    folders = set(re.findall(r"^\| \*\*([^*]+)\*\* \|", text, re.M))
+    missing = []
+    for path in sorted((REPO / "paged_hf").rglob("*.py")):
+        rel = path.relative_to(REPO / "paged_hf").as_posix()
+        if rel in named or (path.name == "__init__.py" and (rel[: -len("__init__.py")] in folders)):
+            continue
+        missing.append(rel)
+    assert missing == [], f"modules missing from docs/architecture.md's map: {missing}"
+    for rel in sorted(named | folders):
+        where = REPO / rel if rel.startswith("patches") else REPO / "paged_hf" / rel
+        assert where.exists(), f"docs/architecture.md names {rel}, which does not exist"
+
+
+def test_integrations_never_import_front_ends():
+    wrong = sorted(
+        f"{module} imports {target}"
+        for module, targets in import_graph().items()
+        if module.startswith("paged_hf.integrations")
+        for target in targets
+        if target.startswith("paged_hf.frontends")
+    )
+    assert wrong == []

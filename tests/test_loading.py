@@ -1,4 +1,4 @@
-"""Loading a model by name (paged_hf/frontends/loading.py), the one loader the CLI and the lm-eval backend share."""
+"""Loading a model by name (paged_hf/model/loading.py), the one loader the CLI and the lm-eval backend share."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from tiny_models import make_tiny_model  # noqa: E402
 from tiny_tokenizer import make_tiny_tokenizer  # noqa: E402
 
-from paged_hf.frontends.loading import LoadError, load_model  # noqa: E402
+from paged_hf.model.loading import LoadError, load_model  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +54,7 @@ def test_mistakes_name_the_argument_in_the_callers_words(tiny_dir, tmp_path):
 def test_a_gguf_file_loads_as_the_plain_weights_the_engine_patches(smollm2_fp32):
     """The SmolLM2 GGUF by directory and file name: dense nn.Linear weights (never transformers'
     packed GGUF modules), the same tensors as the default model's cache, made from that file."""
-    from paged_hf.frontends.models import smollm2_gguf_path
+    from paged_hf.model.default_model import smollm2_gguf_path
 
     directory, filename = os.path.split(smollm2_gguf_path())
     model, tokenizer = load_model(directory, gguf_file=filename, dtype="float32")

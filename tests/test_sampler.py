@@ -218,4 +218,4 @@ def test_a_requests_own_logits_processors_run_after_the_penalties_and_before_the
     assert bad.finish_reason == "error" and "on purpose" in bad.error
     assert wrong_shape.finish_reason == "error" and "shape" in wrong_shape.error
     assert other.error is None and other.token_ids == alone
-    assert engine.kv.pool.num_used == 0
+    assert engine.kv_manager.pool.num_used == 0

@@ -83,7 +83,7 @@ def test_scores_equal_a_plain_forward(family, prefix_caching):
         assert out.num_cached_tokens <= len(ctx) - 1
     hits = engine.stats()["prefix_hit_tokens"]
     assert (hits > 0) == prefix_caching
-    assert not engine.requests and engine.kv.pool.num_used == 0
+    assert not engine.requests and engine.kv_manager.pool.num_used == 0
 
 
 def test_is_greedy_and_top_logprobs():
@@ -268,7 +268,7 @@ def test_bad_scoring_requests_are_refused_alone():
     assert all(m.startswith("request paged_hf:") for m in messages)
     with pytest.raises(ValueError, match="prompt_logprobs=21"):
         SamplingParams(prompt_logprobs=21)
-    assert not engine.requests and engine.kv.pool.num_used == 0
+    assert not engine.requests and engine.kv_manager.pool.num_used == 0
 
 
 def test_a_scoring_failure_inside_a_step_ends_that_request_alone(monkeypatch):
@@ -298,7 +298,7 @@ def test_a_scoring_failure_inside_a_step_ends_that_request_alone(monkeypatch):
                 reference_logprobs(model, ctx, cont),
                 atol=FP32_TOL,
             )
-    assert not engine.requests and engine.kv.pool.num_used == 0
+    assert not engine.requests and engine.kv_manager.pool.num_used == 0
 
 
 def test_smollm2_bf16_scores_within_tolerance(smollm2, smollm2_fp32):
@@ -442,11 +442,11 @@ def test_scoring_under_faults_preemption_and_chunking(fault):
                 assert fault != "forward_error" or rid in touched
             else:
                 assert same(value, expected), (fault, rid)
-        assert not engine.requests and engine.kv.pool.num_used == 0
+        assert not engine.requests and engine.kv_manager.pool.num_used == 0
         assert all(
             same(a, b) for a, b in zip(results(engine.run_until_done(submit(engine))), reference)
         )
-        assert engine.kv.pool.num_used == 0
+        assert engine.kv_manager.pool.num_used == 0
 
     def same(a, b):
         """Token ids exactly; logprobs to 1e-6: a cache hit or another batch cuts chunks

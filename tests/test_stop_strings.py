@@ -257,7 +257,7 @@ def test_a_stop_check_that_raises_ends_that_request_alone(model64, tok):
         plain[0].token_ids,
         plain[2].token_ids,
     ]
-    assert not engine.requests and engine.kv.pool.num_used == 0
+    assert not engine.requests and engine.kv_manager.pool.num_used == 0
 
 
 def test_stream_never_shows_a_stop_string(model64, tok):

@@ -127,7 +127,7 @@ def test_bad_constraints_are_refused_at_admission(tiny):
         paged_hf.Engine(model, block_size=4, num_blocks=64).add_request(
             [5, 6], paged_hf.SamplingParams(regex="a+")
         )
-    assert not engine.requests and engine.kv.pool.num_used == 0
+    assert not engine.requests and engine.kv_manager.pool.num_used == 0
 
 
 def test_without_xgrammar_a_constraint_names_the_extra(tiny, monkeypatch):
@@ -152,7 +152,7 @@ def test_without_xgrammar_a_constraint_names_the_extra(tiny, monkeypatch):
 
 @pytest.fixture(scope="module")
 def smollm2():
-    from paged_hf.frontends.models import load_default_model
+    from paged_hf.model.default_model import load_default_model
 
     model, tok = load_default_model()
     return model, tok

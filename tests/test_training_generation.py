@@ -187,7 +187,7 @@ def test_sleep_lets_go_of_the_kv_cache_and_the_next_step_wakes_it():
     kv = engine.runner.backend.kv[0]
     engine.sleep()
     assert engine.is_sleeping and engine.runner.backend is None and engine.stats()["asleep"]
-    assert engine.kv.pool.num_cached == 0, "the cached prefixes went with the memory"
+    assert engine.kv_manager.pool.num_cached == 0, "the cached prefixes went with the memory"
     assert [o.token_ids for o in engine.generate(prompts, params)] == before
     assert not engine.is_sleeping and engine.runner.backend.kv[0] is not kv
     rid = engine.add_request(prompts[0], params)

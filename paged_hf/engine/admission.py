@@ -98,21 +98,21 @@ class Admission:
         self._stats.prompt_tokens += req.num_prompt_tokens
         return req.request_id
 
-    def _check_token_ids(self, rid: str, ids: list, what: str) -> None:
+    def _check_token_ids(self, rid: str, ids: list, field: str) -> None:
         """Token ids a request carries (its prompt; a scoring pair's context or continuation):
         ints, inside the vocabulary, none of them a media placeholder."""
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-            raise ValueError(f"request {rid}: {what} must be token ids (int)")
+            raise ValueError(f"request {rid}: {field} must be token ids (int)")
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(
-                f"request {rid}: {what} token id {bad[0]} is outside the vocabulary "
+                f"request {rid}: {field} token id {bad[0]} is outside the vocabulary "
                 f"[0, {self.vocab_size})"
             )
         media = [t for t in ids if t in self._patch_state.media_token_ids]
         if media:
             raise ValueError(
-                f"request {rid}: {what} token id {media[0]} is this model's image/video/audio "
+                f"request {rid}: {field} token id {media[0]} is this model's image/video/audio "
                 "placeholder; media inputs are not supported yet (paged_hf runs the text path of "
                 "multimodal models)"
             )
@@ -136,9 +136,9 @@ class Admission:
         try:
             return self.structured.matcher(kind, text)
         except Exception as e:  # noqa: BLE001 - xgrammar says what is wrong with it
-            what = text if len(text) <= 200 else text[:200] + "..."
+            field = text if len(text) <= 200 else text[:200] + "..."
             raise ValueError(
-                f"request {rid}: its {kind} does not compile ({type(e).__name__}: {e}): {what}"
+                f"request {rid}: its {kind} does not compile ({type(e).__name__}: {e}): {field}"
             ) from None
 
     def _stop_strings(self, params: SamplingParams) -> StopStrings | None:

@@ -193,7 +193,7 @@ def beam_search(
         StoppingCriteriaList,
     )
 
-    if engine.kv.state is not None:
+    if engine.kv_manager.state is not None:
         raise NotImplementedError(
             "beam search on a model with recurrent / convolution state layers is not supported"
         )

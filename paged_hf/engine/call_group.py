@@ -131,10 +131,11 @@ class CallGroup:
             (req, reason, text) for req in self.members if req is not None and not req.is_finished
         ]
 
-    def _fail(self, error: BaseException, what: str) -> list[Ending]:
+    def _fail(self, error: BaseException, callback: str) -> list[Ending]:
         self.error = error
         return self._end_rest(
-            FinishReason.ERROR, f"its generate call's {what} raised {type(error).__name__}: {error}"
+            FinishReason.ERROR,
+            f"its generate call's {callback} raised {type(error).__name__}: {error}",
         )
 
     def _failed_rows(self) -> list[Ending]:

@@ -110,7 +110,7 @@ class Engine(Admission, StepLoop, OutputAssembly, BatchCalls):
             else None
         )
         # a hybrid's prompts are checkpointed every step budget's worth of tokens (and at their last full block)
-        self.kv = BlockManager(
+        self.kv_manager = BlockManager(
             num_blocks,
             self.config.block_size,
             self.config.enable_prefix_caching,
@@ -121,7 +121,7 @@ class Engine(Admission, StepLoop, OutputAssembly, BatchCalls):
             step_tokens=max(self.config.max_num_batched_tokens, batch_budget or 0),
         )
         self.scheduler = Scheduler(
-            self.kv,
+            self.kv_manager,
             self.config.max_num_batched_tokens,
             self.config.max_num_seqs,
             self.config.preemption_mode,
@@ -239,7 +239,7 @@ class Engine(Admission, StepLoop, OutputAssembly, BatchCalls):
         params = SamplingParams(max_new_tokens=3, ignore_eos=True)
         rids = [self.add_request(p, params) for p in prompts]
         self.run_until_done(rids)
-        self.kv.pool.drop_cached()
+        self.kv_manager.pool.drop_cached()
         self._stats = EngineStats()
         self.scheduler.num_preemptions = self.scheduler.prefix_hit_tokens = 0
         seconds = time.perf_counter() - start
@@ -279,7 +279,7 @@ class Engine(Admission, StepLoop, OutputAssembly, BatchCalls):
             raise RuntimeError(
                 "Engine.sleep(): requests are still live; let them finish or abort them first"
             )
-        self.kv.pool.drop_cached()
+        self.kv_manager.pool.drop_cached()
         self.runner.sleep()
         logger.info("paged_hf: the engine sleeps; its KV cache is released")
 
@@ -301,7 +301,7 @@ class Engine(Admission, StepLoop, OutputAssembly, BatchCalls):
 
     def _weights_changed(self, moved: bool) -> None:
         self._cache_generation += 1
-        self.kv.reset_prefix_cache(self._cache_key())
+        self.kv_manager.reset_prefix_cache(self._cache_key())
         self.runner.weights_changed(moved)
 
     def _cache_key(self) -> tuple:
@@ -323,7 +323,7 @@ class Engine(Admission, StepLoop, OutputAssembly, BatchCalls):
         adapters = self._weights.adapter_state()
         if adapters != self._adapters:  # blocks cached under the previous state stay, under its key
             self._adapters = adapters
-            self.kv.switch_namespace(self._cache_key())
+            self.kv_manager.switch_namespace(self._cache_key())
             logger.info(
                 "paged_hf: the model's adapter state changed; the prefix cache serves that state's blocks"
             )
@@ -350,15 +350,15 @@ class Engine(Admission, StepLoop, OutputAssembly, BatchCalls):
         ]
 
     def stats(self) -> dict[str, Any]:
-        s, pool = self._stats, self.kv.pool
+        s, pool = self._stats, self.kv_manager.pool
         state = (
             {}
-            if self.kv.state is None
+            if self.kv_manager.state is None
             else {
-                "state_slots": self.kv.state.num_slots,
-                "state_slots_used": self.kv.state.num_used,
-                "state_checkpoints": self.kv.state.num_checkpoints_held,
-                "state_checkpoint_hits": self.kv.state.checkpoint_hits,
+                "state_slots": self.kv_manager.state.num_slots,
+                "state_slots_used": self.kv_manager.state.num_used,
+                "state_checkpoints": self.kv_manager.state.num_checkpoints_held,
+                "state_checkpoint_hits": self.kv_manager.state.checkpoint_hits,
                 "state_bytes": 0 if self.runner.asleep else self.runner.states.nbytes,
             }
         )
@@ -384,7 +384,7 @@ class Engine(Admission, StepLoop, OutputAssembly, BatchCalls):
                 "page_bytes": self.page_bytes,
                 "cache_groups": self.group_stats(),
                 "kv_waste": s.kv_waste_sum / s.steps if s.steps else 0.0,
-                "block_size": self.kv.block_size,
+                "block_size": self.kv_manager.block_size,
                 "backend": self.runner.backend_name,
                 "asleep": self.runner.asleep,
             }

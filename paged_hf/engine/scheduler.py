@@ -40,7 +40,7 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(
         self,
-        kv: BlockManager,
+        kv_manager: BlockManager,
         max_num_batched_tokens: int,
         max_num_seqs: int,
         preemption_mode: str = "recompute",
@@ -60,7 +60,7 @@ class Scheduler:
             raise ValueError(
                 f"max_num_seqs={max_num_seqs} exceeds max_num_batched_tokens={max_num_batched_tokens}"
             )
-        self.kv = kv
+        self.kv_manager = kv_manager
         self.preemption_mode = preemption_mode
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
@@ -91,14 +91,14 @@ class Scheduler:
             if req.prefill_only
             else min(req.num_prompt_tokens + req.params.max_new_tokens, req.max_model_len)
         )
-        need = self.kv.most_blocks(longest)
-        if need > self.kv.num_blocks:
+        need = self.kv_manager.most_blocks(longest)
+        if need > self.kv_manager.num_blocks:
             what = f"prompt ({req.num_prompt_tokens})" + (
                 "" if req.prefill_only else f" + max_new_tokens ({req.params.max_new_tokens})"
             )
             raise ValueError(
                 f"request {req.request_id}: {what} needs {need} KV blocks, the pool has "
-                f"{self.kv.num_blocks} of {self.kv.block_size} tokens"
+                f"{self.kv_manager.num_blocks} of {self.kv_manager.block_size} tokens"
             )
 
     def add(self, req: Request) -> None:
@@ -140,7 +140,7 @@ class Scheduler:
                 n = self._no_lone_token(req, n)
             if n == 0:
                 continue
-            while not self.kv.allocate_slots(req, n, out.block_copies):
+            while not self.kv_manager.allocate_slots(req, n, out.block_copies):
                 victim = self._victim()
                 budget += chosen.pop(victim, 0)
                 self._preempt(victim, out)
@@ -169,11 +169,11 @@ class Scheduler:
             if swapped:  # its KV comes back from host memory into fresh blocks
                 req.num_computed_tokens, cached = swapped, 0
             else:
-                cached = self.kv.admit(req)
+                cached = self.kv_manager.admit(req)
             if not swapped and self._waits_for_sibling_prefill(req, pending):
                 # the next block of this prompt is being computed this step by another request:
                 # wait one step and take it from the prefix cache instead of computing it twice
-                self.kv.free(req)
+                self.kv_manager.free(req)
                 skipped.append(self.waiting.popleft())
                 continue
             n = min(req.num_pending_tokens, budget, prefill_room)
@@ -181,8 +181,8 @@ class Scheduler:
                 n = min(n, 1)
             else:
                 n = self._no_lone_token(req, n)
-            if not self.kv.allocate_slots(req, n, out.block_copies):
-                self.kv.free(req)
+            if not self.kv_manager.allocate_slots(req, n, out.block_copies):
+                self.kv_manager.free(req)
                 if not chosen and self._preempt_held(
                     out
                 ):  # rows that wait on it hold the blocks it needs
@@ -190,7 +190,7 @@ class Scheduler:
                 break
             self.waiting.popleft()
             if swapped:
-                out.swap_in.append((req, self.kv.held_pages(req, swapped)))
+                out.swap_in.append((req, self.kv_manager.held_pages(req, swapped)))
                 req.swapped_tokens = 0
             if not req.admitted_once:
                 req.num_cached_tokens = cached
@@ -205,17 +205,19 @@ class Scheduler:
         self.waiting.extendleft(reversed(skipped))
 
         out.scheduled = list(chosen.items())
-        if self.kv.checkpoints:
+        if self.kv_manager.checkpoints:
             for req, n in out.scheduled:
-                self.kv.plan_checkpoints(req, n, whole_chunks_only=not self.continues_chunks)
-        out.state_copies = self.kv.take_state_copies()
+                self.kv_manager.plan_checkpoints(
+                    req, n, whole_chunks_only=not self.continues_chunks
+                )
+        out.state_copies = self.kv_manager.take_state_copies()
         return out
 
     def _no_lone_token(self, req: Request, n: int) -> int:
         """A hybrid's prompt chunk leaves two tokens or none behind: a lone last token would go through
         the mixers' one-token (decode) path, not the chunk path ``generate`` runs a prompt through, and
         some mixers' two paths part (Zamba2's Mamba2 clamps its time step in its chunk scan only)."""
-        if self.kv.state is not None and n > 1 and req.num_pending_tokens - n == 1:
+        if self.kv_manager.state is not None and n > 1 and req.num_pending_tokens - n == 1:
             return n - 1
         return n
 
@@ -229,9 +231,9 @@ class Scheduler:
 
     def _blocks_in_flight(self, chosen: dict[Request, int]) -> set:
         """Keys of the full blocks that this step's prefill chunks complete."""
-        if self.kv.index is None:
+        if self.kv_manager.index is None:
             return set()
-        bs = self.kv.block_size
+        bs = self.kv_manager.block_size
         keys = set()
         for req, n in chosen.items():
             first, last = req.num_computed_tokens // bs + 1, (req.num_computed_tokens + n) // bs
@@ -241,9 +243,9 @@ class Scheduler:
 
     def _waits_for_sibling_prefill(self, req: Request, pending: set) -> bool:
         """Is the next block this request would compute being computed this step by another?"""
-        bs = self.kv.block_size
+        bs = self.kv_manager.block_size
         end = req.num_computed_tokens + bs
-        if not pending or end > self.kv.hit_limit(req):
+        if not pending or end > self.kv_manager.hit_limit(req):
             return False
         return _block_keys(req, bs, end // bs)[-1] in pending
 
@@ -275,10 +277,10 @@ class Scheduler:
         readmission, or with ``preemption_mode="swap"`` copied to host memory and back."""
         self.running.remove(req)
         if self.preemption_mode == "swap" and req.num_computed_tokens:
-            out.swap_out.append((req, self.kv.held_pages(req, req.num_computed_tokens)))
+            out.swap_out.append((req, self.kv_manager.held_pages(req, req.num_computed_tokens)))
             req.swapped_tokens = req.num_computed_tokens
             req.swap_state_slot = req.state_slot  # its state goes to host memory with its KV
-        self.kv.free(req)
+        self.kv_manager.free(req)
         req.status = RequestStatus.PREEMPTED
         self.waiting.appendleft(req)
         self.num_preemptions += 1
@@ -292,7 +294,7 @@ class Scheduler:
         """Parallel sampling: children share every block of a parent whose prompt is done."""
         pos = self.running.index(parent) + 1
         for child in children:
-            self.kv.fork(parent, child)
+            self.kv_manager.fork(parent, child)
             child.status = RequestStatus.RUNNING
             child.admitted_once = True
         self.running[pos:pos] = children
@@ -309,10 +311,12 @@ class Scheduler:
             for b, p in moved
             if b.status is RequestStatus.RUNNING and p.status is RequestStatus.RUNNING
         ]
-        self.kv.reassign(both)
+        self.kv_manager.reassign(both)
         for beam, parent in moved:
             if beam.status is RequestStatus.RUNNING and (beam, parent) not in both:
-                self.kv.free(beam)  # its parent was preempted: it computes the parent's KV again
+                self.kv_manager.free(
+                    beam
+                )  # its parent was preempted: it computes the parent's KV again
             beam.swapped_tokens, beam.swap_handle = 0, None
             beam.token_ids = list(tokens[id(parent)])
 
@@ -322,7 +326,7 @@ class Scheduler:
         """Record this step's sampled tokens, cache newly full blocks, release finished requests."""
         finished = [req for req, token in sampled.items() if req.append_token(token, now)]
         for req in self.running:
-            self.kv.cache_full_blocks(req)
+            self.kv_manager.cache_full_blocks(req)
         for req in finished:
             self.finish(req, req.finish_reason, now)
         out.finished = finished
@@ -333,7 +337,7 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        self.kv.free(req)
+        self.kv_manager.free(req)
         req.swapped_tokens, req.swap_handle, req.swapped_state = 0, None, None
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
@@ -348,7 +352,7 @@ class Scheduler:
             if req.status is not RequestStatus.RUNNING:
                 continue
             self.running.remove(req)
-            self.kv.free(req)
+            self.kv_manager.free(req)
             req.swapped_tokens, req.swap_handle, req.swapped_state = 0, None, None
             req.status = RequestStatus.PREEMPTED
             self.waiting.appendleft(req)
@@ -358,7 +362,7 @@ class Scheduler:
         for child in parent.children:
             if child.status is RequestStatus.RUNNING:
                 self.running.remove(child)
-            self.kv.free(child)
+            self.kv_manager.free(child)
         parent.children = []
         parent.forked = False
 

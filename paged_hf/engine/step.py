@@ -170,7 +170,7 @@ class StepLoop:
         """A hybrid's decode batch in slots 0..N-1, its states moved with it, so the mixers update
         them in place: a request moves about twice in its life, where a gather and a scatter of
         every decoding state would cost two copies per step."""
-        slots = self.kv.state
+        slots = self.kv_manager.state
         if slots is None:
             return
         decoders = [
@@ -322,7 +322,7 @@ class StepLoop:
         return child
 
     def _record_step(self, out: Any, sampled: dict[Request, int], decode_tokens: int) -> None:
-        s, pool = self._stats, self.kv.pool
+        s, pool = self._stats, self.kv_manager.pool
         s.prefill_tokens_computed += out.num_tokens - decode_tokens
         s.generated_tokens += len(sampled)
         s.steps += 1
@@ -330,14 +330,14 @@ class StepLoop:
         s.peak_blocks_used = max(s.peak_blocks_used, used)
         s.peak_blocks_shared = max(s.peak_blocks_shared, pool.shared_refs)
         states = (
-            self.kv.state.num_used * self.state_layout.bytes_per_slot()
-            if self.kv.state is not None
+            self.kv_manager.state.num_used * self.state_layout.bytes_per_slot()
+            if self.kv_manager.state is not None
             else 0
         )
         s.peak_bytes = max(s.peak_bytes, used * self.page_bytes + states)
         s.peak_running = max(s.peak_running, len(out.scheduled))
-        unfilled = sum(self.kv.unfilled_slots(r) for r in self.scheduler.running)
-        waste = unfilled / (used * self.kv.block_size) if used else 0.0
+        unfilled = sum(self.kv_manager.unfilled_slots(r) for r in self.scheduler.running)
+        waste = unfilled / (used * self.kv_manager.block_size) if used else 0.0
         s.kv_waste_sum += waste
         s.step_log.append(
             {

@@ -5,7 +5,7 @@ custom ops, and the torch backend is data-dependent Python. So during a compiled
 attention function sees ``OpBackend``, whose ``attend`` is the custom op ``paged_hf::attend``
 (with a fake implementation for tracing); the op's real implementation calls the step's backend.
 
-Shapes: the caller pads decode batches to buckets (paged_hf/execution/cuda_graphs.py) and marks the token
+Shapes: the caller pads decode batches to buckets (paged_hf/execution/decode_accelerator.py) and marks the token
 dimension dynamic, so a run of steps within one bucket never recompiles, and other buckets reuse
 one dynamic graph (a batch of one is specialised by dynamo, as always for size 1).
 

@@ -20,7 +20,7 @@ from .backends import select_backend
 from .cpu import compact_layers, fused_ops
 from .cpu import linear as cpu_linear
 from .cpu import malloc as cpu_malloc
-from .cuda_graphs import DecodeAccelerator, wants_decode_accelerator
+from .decode_accelerator import DecodeAccelerator, wants_decode_accelerator
 from .kv_geometry import KVLayout
 from .metadata import StepMetadata, build_step_metadata
 from .state_geometry import StateLayout

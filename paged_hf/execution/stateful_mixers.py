@@ -229,12 +229,12 @@ def stepped_forward(original: Any, spec: MixerSpec, store: StateStore, plan: Sta
             return y
 
         if plan.decode_rows is not None:
-            where = slice(*plan.decode_span)
-            view = _view(spec, store, where, has_previous=True)
+            slots = slice(*plan.decode_span)
+            view = _view(spec, store, slots, has_previous=True)
             y = run(hidden[0].index_select(0, plan.decode_rows)[:, None], view)
             out = hidden.new_empty(1, hidden.shape[1], y.shape[-1], dtype=y.dtype)
             out[0].index_copy_(0, plan.decode_rows, y[:, 0])
-            _put_back(view, store, spec, where)
+            _put_back(view, store, spec, slots)
         for seg in plan.segments:
             slot, pieces = seg.slot, _pieces(seg)
             for k, (a, b, ckpt) in enumerate(pieces):
@@ -265,18 +265,18 @@ def _pieces(seg: Segment) -> list[tuple[int, int, int | None]]:
     return pieces
 
 
-def _view(spec: MixerSpec, store: StateStore, where: slice, has_previous: bool) -> SlotView:
+def _view(spec: MixerSpec, store: StateStore, slots: slice, has_previous: bool) -> SlotView:
     """A cache view over the slots ``where``: views of the store, so the mixer's in-place updates
     land in the slots."""
     return SlotView(
         spec,
-        [None if t is None else t[where] for t in store.conv[spec.layer_idx]],
-        [None if t is None else t[where] for t in store.recurrent[spec.layer_idx]],
+        [None if t is None else t[slots] for t in store.conv[spec.layer_idx]],
+        [None if t is None else t[slots] for t in store.recurrent[spec.layer_idx]],
         has_previous,
     )
 
 
-def _put_back(view: SlotView, store: StateStore, spec: MixerSpec, where: slice) -> None:
+def _put_back(view: SlotView, store: StateStore, spec: MixerSpec, slots: slice) -> None:
     """A state the view's layer holds that is not the slots' own view (the mixer replaced it, or
     it was None) goes to the slots."""
     layer = view.layer
@@ -287,4 +287,4 @@ def _put_back(view: SlotView, store: StateStore, spec: MixerSpec, where: slice) 
         for i, target in enumerate(pool):
             state = held.get(i)
             if target is not None and state is not None and not any(state is t for t in view.given):
-                target[where].copy_(state)
+                target[slots].copy_(state)

@@ -156,7 +156,7 @@ def _parser() -> argparse.ArgumentParser:
 def generate(args: argparse.Namespace) -> int:
     from ..config import EngineConfig
     from ..requests.sampling_params import SamplingParams
-    from .datasets_eval import generate_dataset
+    from .dataset_generation import generate_dataset
 
     # every check that needs no data or model comes first: a mistake costs nothing
     if args.limit is not None and args.limit < 0:
@@ -282,8 +282,8 @@ def load_model(
     name: str, gguf_file: str | None, tokenizer_name: str | None, dtype: str, device: str
 ) -> tuple[Any, Any]:
     """(model, tokenizer). Raises ValueError naming the option (--model, --tokenizer, --device)
-    whose value cannot be loaded (paged_hf/frontends/loading.py)."""
-    from .loading import load_model as load
+    whose value cannot be loaded (paged_hf/model/loading.py)."""
+    from ..model.loading import load_model as load
 
     return load(
         name,

@@ -233,7 +233,9 @@ class BackgroundEngine:
         axes[1].plot(x, frame["tokens"], color="tab:green", drawstyle="steps-post")
         axes[1].set_ylabel("tokens / step")
         axes[2].plot(x, frame["blocks_used"], color="tab:red", label="used", drawstyle="steps-post")
-        axes[2].axhline(self.engine.kv.num_blocks, color="gray", linestyle="--", label="pool")
+        axes[2].axhline(
+            self.engine.kv_manager.num_blocks, color="gray", linestyle="--", label="pool"
+        )
         axes[2].set_ylabel("KV blocks")
         axes[2].set_xlabel("seconds since first step")
         axes[2].legend(loc="upper right")

@@ -71,7 +71,7 @@ except ImportError as _err:  # pragma: no cover - the message is the point
 
 from ..config import EngineConfig
 from ..engine.scoring import prefix_token_id, rolling_windows
-from ..frontends.loading import load_model, load_tokenizer
+from ..model.loading import load_model, load_tokenizer
 from ..requests.sampling_params import SamplingParams
 
 logger = logging.getLogger("paged_hf")
@@ -90,7 +90,7 @@ class PagedHFLM(TemplateLM):
 
     >>> import lm_eval
     >>> from paged_hf.integrations.lm_eval import PagedHFLM
-    >>> from paged_hf.frontends.models import load_default_model
+    >>> from paged_hf.model.default_model import load_default_model
     >>> model, tok = load_default_model()
     >>> lm = PagedHFLM(pretrained=model, tokenizer=tok, max_num_seqs=64)
     >>> tasks = lm_eval.tasks.TaskManager(include_path="my_tasks/")   # YAML tasks on disk

@@ -155,17 +155,17 @@ def check(model: torch.nn.Module) -> Capability:
 
 
 def _check(model: torch.nn.Module) -> Capability:
-    what = f"{model.config.model_type} ({type(model).__name__})"
-    state = _state_layout(model, what)
-    _check_config(model, what, state)
-    first, shifted, unpositioned = _probe(model, what)
-    _check_ran_modules(model, first, what, state)
-    layout, configs, attention_layers = _layout(model, first, what, sparse=state is not None)
-    _check_positions(first, shifted, unpositioned, what, stateful=state is not None)
+    model_name = f"{model.config.model_type} ({type(model).__name__})"
+    state = _state_layout(model, model_name)
+    _check_config(model, model_name, state)
+    first, shifted, unpositioned = _probe(model, model_name)
+    _check_ran_modules(model, first, model_name, state)
+    layout, configs, attention_layers = _layout(model, first, model_name, sparse=state is not None)
+    _check_positions(first, shifted, unpositioned, model_name, stateful=state is not None)
     family = family_for(model.config.model_type)  # per-family quirks the probes cannot see
     reason = family.check(model) if family is not None and hasattr(family, "check") else None
     if reason:
-        raise refuse(what, f"patches/{family.__name__.rsplit('.', 1)[-1]}.py", reason)
+        raise refuse(model_name, f"patches/{family.__name__.rsplit('.', 1)[-1]}.py", reason)
     limits = _rope_limits(model)
     if family is not None and hasattr(family, "limits"):
         for option, (value, why) in family.limits(model).items():
@@ -176,8 +176,8 @@ def _check(model: torch.nn.Module) -> Capability:
     )
 
 
-def refuse(what: str, where: str, reason: str) -> UnsupportedModelError:
-    return UnsupportedModelError(f"paged_hf cannot run {what}: {where}: {reason}")
+def refuse(model_name: str, module_path: str, reason: str) -> UnsupportedModelError:
+    return UnsupportedModelError(f"paged_hf cannot run {model_name}: {module_path}: {reason}")
 
 
 # ---- 1. the config -------------------------------------------------------------------------------
@@ -186,7 +186,7 @@ def text_config(model: torch.nn.Module) -> Any:
     return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
 
 
-def _state_layout(model: torch.nn.Module, what: str) -> StateLayout | None:
+def _state_layout(model: torch.nn.Module, model_name: str) -> StateLayout | None:
     """The stateful mixers of a hybrid model (None for a model without any), read by one forward
     through the cache the model builds for itself (paged_hf/model/state_probe.py)."""
     layer_types = getattr(text_config(model), "layer_types", None) or []
@@ -202,28 +202,30 @@ def _state_layout(model: torch.nn.Module, what: str) -> StateLayout | None:
     try:
         return probe_state_layout(model, ids)
     except StateProbeError as e:
-        raise refuse(what, e.where, e.reason) from e
+        raise refuse(model_name, e.module_path, e.reason) from e
     except Exception as e:  # noqa: BLE001 - its own cache cannot run this model's stateful layers
         raise refuse(
-            what,
+            model_name,
             "its stateful layers",
             "a forward through the cache it builds for itself (use_cache=True) "
             f"failed: {type(e).__name__}: {e}",
         ) from e
 
 
-def _check_config(model: torch.nn.Module, what: str, state: StateLayout | None = None) -> None:
+def _check_config(
+    model: torch.nn.Module, model_name: str, state: StateLayout | None = None
+) -> None:
     cfg, text = model.config, text_config(model)
     if getattr(cfg, "is_encoder_decoder", False):
         raise refuse(
-            what,
+            model_name,
             "config.is_encoder_decoder",
             "an encoder-decoder model; paged_hf runs decoder-only causal LMs",
         )
     for c in {id(cfg): cfg, id(text): text}.values():
         if getattr(c, "is_causal", True) is False:
             raise refuse(
-                what,
+                model_name,
                 "config.is_causal=False",
                 "its attention is bidirectional; paged attention is causal",
             )
@@ -233,7 +235,9 @@ def _check_config(model: torch.nn.Module, what: str, state: StateLayout | None =
         if kind in ATTENTION_LAYER_TYPES:
             continue
         layers = [i for i, k in enumerate(layer_types) if k == kind]
-        where = f"config.layer_types ({len(layers)} {kind!r} layer(s), e.g. layer {layers[0]})"
+        module_path = (
+            f"config.layer_types ({len(layers)} {kind!r} layer(s), e.g. layer {layers[0]})"
+        )
         low = kind.lower()
         if "index" in low or "sparse" in low or "compress" in low:
             reason = (
@@ -250,7 +254,7 @@ def _check_config(model: torch.nn.Module, what: str, state: StateLayout | None =
                 "recurrent / linear-attention / convolution layers keep state that paged_hf found no mixer for "
                 f"(layers {missing[:4]}: no module read or wrote their state through transformers' cache API)"
             )
-        raise refuse(what, where, reason)
+        raise refuse(model_name, module_path, reason)
 
 
 # ---- 2. the probe forward ------------------------------------------------------------------------
@@ -391,7 +395,7 @@ def probe_token_ids(model: torch.nn.Module, n: int) -> list[int]:
     return (ids + list(range(1, n + 1)))[:n] if vocab else list(range(1, n + 1))
 
 
-def _probe(model: torch.nn.Module, what: str) -> tuple[_Probe, _Probe, _Probe]:
+def _probe(model: torch.nn.Module, model_name: str) -> tuple[_Probe, _Probe, _Probe]:
     """Three forwards of the same tokens through the recording attention function: position_ids
     0..n-1 (as the engine passes them), shifted by POSITION_SHIFT, and none (the model's own)."""
     _register_probe()
@@ -415,7 +419,7 @@ def _probe(model: torch.nn.Module, what: str) -> tuple[_Probe, _Probe, _Probe]:
                 model(input_ids=ids, position_ids=pos, use_cache=False)
             except Exception as e:  # noqa: BLE001 - the model cannot run the way the engine runs it
                 raise refuse(
-                    what,
+                    model_name,
                     "its forward",
                     f"a forward of {ids.shape[1]} tokens with position_ids [1, T] and "
                     f"use_cache=False (how the engine calls it) failed: {type(e).__name__}: {e}",
@@ -434,7 +438,7 @@ def _names(model: torch.nn.Module) -> dict[int, str]:
 
 
 def _check_ran_modules(
-    model: torch.nn.Module, probe: _Probe, what: str, state: StateLayout | None = None
+    model: torch.nn.Module, probe: _Probe, model_name: str, state: StateLayout | None = None
 ) -> None:
     names = _names(model)
     ran = list({id(m): m for m in probe.ran}.values())
@@ -463,7 +467,7 @@ def _check_ran_modules(
             key=lambda mod: names.get(id(mod), "").count(".") + (names.get(id(mod)) != "<model>"),
         )
         raise refuse(
-            what,
+            model_name,
             f"{names.get(id(m), '?')} ({type(m).__name__})",
             "keeps recurrent / convolution state across tokens outside transformers' cache API "
             "(in module attributes or explicit state arguments), which paged_hf does not page",
@@ -472,12 +476,12 @@ def _check_ran_modules(
         if state is not None:
             return  # stateful layers only (Mamba2): no KV to page, only state slots
         attn = [m for m in ran if "attention" in type(m).__name__.lower()]
-        where = (
+        module_path = (
             f"{names.get(id(attn[0]), '?')} ({type(attn[0]).__name__})" if attn else "its attention"
         )
         raise refuse(
-            what,
-            where,
+            model_name,
+            module_path,
             "computes attention itself and never calls transformers' AttentionInterface "
             "(ALL_ATTENTION_FUNCTIONS), so paged_hf cannot page its KV",
         )
@@ -489,7 +493,7 @@ def _check_ran_modules(
         if any(id(p) in callers for p in parents.get(id(m), [])):
             continue  # a helper inside an attending module
         raise refuse(
-            what,
+            model_name,
             f"{names.get(id(m), '?')} ({type(m).__name__})",
             "computes attention itself instead of calling transformers' AttentionInterface, so paged_hf "
             "cannot page its KV",
@@ -517,7 +521,7 @@ def _parents(model: torch.nn.Module) -> dict[int, list[torch.nn.Module]]:
 
 # ---- 4. per-layer geometry -----------------------------------------------------------------------
 def _layout(
-    model: torch.nn.Module, probe: _Probe, what: str, sparse: bool = False
+    model: torch.nn.Module, probe: _Probe, model_name: str, sparse: bool = False
 ) -> tuple[KVLayout, list[Any], tuple[tuple[str, int], ...]]:
     """``sparse``: a hybrid's attention layers need not be numbered 0..n-1 (stateful layers sit between)."""
     names = _names(model)
@@ -530,17 +534,17 @@ def _layout(
     for call in probe.calls:
         if id(call.module) in seen:
             raise refuse(
-                what,
+                model_name,
                 f"{names.get(id(call.module), '?')} ({type(call.module).__name__})",
                 "attends more "
                 "than once per forward (a second attention map, or a block reused across layers); each call "
                 "would need its own KV",
             )
         seen.add(id(call.module))
-    layers = _attention_layers(model, probe, what)
+    layers = _attention_layers(model, probe, model_name)
     for call in probe.calls:
         m = call.module
-        where = f"{names.get(id(m), '?')} ({type(m).__name__})"
+        module_path = f"{names.get(id(m), '?')} ({type(m).__name__})"
         layer_idx = layers[id(m)]
         unknown = sorted(
             k
@@ -549,54 +553,54 @@ def _layout(
         )
         if unknown:
             raise refuse(
-                what,
-                where,
+                model_name,
+                module_path,
                 f"passes {unknown} to its attention function, which paged attention does not "
                 "apply (e.g. a position bias)",
             )
         if call.kwargs.get("is_causal") is False or getattr(m, "is_causal", True) is False:
             raise refuse(
-                what,
-                where,
+                model_name,
+                module_path,
                 "is not causal (is_causal=False): bidirectional attention cannot be paged",
             )
         q, k, v = call.query, call.key, call.value
         if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or q.shape[0] != 1:
             raise refuse(
-                what,
-                where,
+                model_name,
+                module_path,
                 f"passes query/key/value of shapes {tuple(q.shape)}, {tuple(k.shape)}, "
                 f"{tuple(v.shape)}; paged attention takes [1, heads, tokens, head_dim]",
             )
         if q.shape[2] != n or k.shape[2] != n or v.shape[2] != n:
             raise refuse(
-                what,
-                where,
+                model_name,
+                module_path,
                 f"attends {k.shape[2]} keys for {q.shape[2]} queries of a {n}-token input "
                 "(cross-attention or extra memory tokens)",
             )
         hq, hkv, dq, dk, dv = q.shape[1], k.shape[1], q.shape[3], k.shape[3], v.shape[3]
         if v.shape[1] != hkv or dq != dk or hkv < 1 or hq % hkv:
             raise refuse(
-                what,
-                where,
+                model_name,
+                module_path,
                 f"query/key/value heads {hq}/{hkv}/{v.shape[1]} and widths {dq}/{dk}/{dv} "
                 "do not form (grouped-query) attention",
             )
         sinks = call.kwargs.get("s_aux")
         if sinks is not None and (not isinstance(sinks, torch.Tensor) or sinks.numel() != hq):
             raise refuse(
-                what,
-                where,
+                model_name,
+                module_path,
                 f"passes attention sinks (s_aux) of shape {getattr(sinks, 'shape', None)}; "
                 f"paged attention takes one sink logit per query head ({hq})",
             )
-        window, chunk = _mask_pattern(probe, call, where, what, max_pos, windows_cache)
+        window, chunk = _mask_pattern(probe, call, module_path, model_name, max_pos, windows_cache)
         kw_window = call.kwargs.get("sliding_window")
         if kw_window is not None and window is not None and int(kw_window) != window:
             raise refuse(
-                what,
-                where,
+                model_name,
+                module_path,
                 f"passes sliding_window={kw_window} but transformers masks it with a window of "
                 f"{window}; the two disagree",
             )
@@ -607,8 +611,8 @@ def _layout(
             and 0 < int(kw_window) < max_pos
         ):
             raise refuse(
-                what,
-                where,
+                model_name,
+                module_path,
                 f"passes sliding_window={kw_window} but its mask has no window; the two disagree",
             )
         by_layer[layer_idx] = LayerSpec(
@@ -626,7 +630,9 @@ def _layout(
     ids = sorted(by_layer)
     if ids != list(range(len(by_layer))) and not sparse:
         raise refuse(
-            what, "its attention layers", f"layer_idx values {ids} are not 0..{len(by_layer) - 1}"
+            model_name,
+            "its attention layers",
+            f"layer_idx values {ids} are not 0..{len(by_layer) - 1}",
         )
     layer_ids = None if ids == list(range(len(ids))) else tuple(ids)
     tagged = tuple(
@@ -641,7 +647,7 @@ def _layout(
     )
 
 
-def _attention_layers(model: torch.nn.Module, probe: _Probe, what: str) -> dict[int, int]:
+def _attention_layers(model: torch.nn.Module, probe: _Probe, model_name: str) -> dict[int, int]:
     """id(module) -> the layer each attention module's KV is kept under: its ``layer_idx``, or, where that
     does not tell it from the others (none, or another module's too), the one layer transformers' own
     cache keeps its K and V under (a block shared across layers: Zamba2 builds one module per
@@ -669,7 +675,7 @@ def _attention_layers(model: torch.nn.Module, probe: _Probe, what: str) -> dict[
         if len(got) == 1 and isinstance(got[0], int) and not isinstance(got[0], bool):
             layers[id(m)] = got[0]
             continue
-        where = f"{names.get(id(m), '?')} ({type(m).__name__})"
+        module_path = f"{names.get(id(m), '?')} ({type(m).__name__})"
         why = failed or (
             f"transformers' own cache keeps its K and V under layers {got}"
             if got
@@ -677,14 +683,14 @@ def _attention_layers(model: torch.nn.Module, probe: _Probe, what: str) -> dict[
         )
         if own[id(m)] not in named:
             raise refuse(
-                what,
-                where,
+                model_name,
+                module_path,
                 f"calls attention without a layer_idx, and {why}: it is not a per-layer "
                 "attention over the sequence's tokens (e.g. attention over earlier layers' outputs)",
             )
         raise refuse(
-            what,
-            where,
+            model_name,
+            module_path,
             f"has the layer_idx ({own[id(m)]}) of another attention module (a block shared "
             f"across layers, or stacks that number their layers alike), and {why}; their KV would "
             "overwrite each other",
@@ -694,7 +700,7 @@ def _attention_layers(model: torch.nn.Module, probe: _Probe, what: str) -> dict[
         other = taken.setdefault(layers[id(m)], m)
         if other is not m:
             raise refuse(
-                what,
+                model_name,
                 f"{names.get(id(m), '?')} ({type(m).__name__})",
                 f"its KV would be kept as layer "
                 f"{layers[id(m)]}'s, as {names.get(id(other), '?')}'s is; they would overwrite each other",
@@ -705,8 +711,8 @@ def _attention_layers(model: torch.nn.Module, probe: _Probe, what: str) -> dict[
 def _mask_pattern(
     probe: _Probe,
     call: _Call,
-    where: str,
-    what: str,
+    module_path: str,
+    model_name: str,
     max_pos: int,
     cache: dict[int, tuple[int | None, int | None]],
 ) -> tuple[int | None, int | None]:
@@ -720,13 +726,13 @@ def _mask_pattern(
     entry = probe.masks.get(id(mask)) if isinstance(mask, torch.Tensor) else None
     if entry is None:
         raise refuse(
-            what,
-            where,
+            model_name,
+            module_path,
             "passes an attention mask or bias it builds itself (not one of transformers' mask "
             "functions), which paged attention would drop",
         )
     if id(mask) not in cache:
-        cache[id(mask)] = _classify(entry[1], entry[2], max_pos, what, where)
+        cache[id(mask)] = _classify(entry[1], entry[2], max_pos, model_name, module_path)
     return cache[id(mask)]
 
 
@@ -741,7 +747,7 @@ def _query_positions(max_pos: int) -> list[int]:
 
 
 def _classify(
-    mask_function: Any, use_vmap: bool, max_pos: int, what: str, where: str
+    mask_function: Any, use_vmap: bool, max_pos: int, model_name: str, module_path: str
 ) -> tuple[int | None, int | None]:
     """Read a mask function's pattern: full causal, a sliding window, or chunks; refuse anything else."""
     lows: dict[int, int] = {}
@@ -760,8 +766,8 @@ def _classify(
             )
         except Exception as e:  # noqa: BLE001
             raise refuse(
-                what,
-                where,
+                model_name,
+                module_path,
                 "its attention mask depends on per-token inputs (a multimodal overlay of token "
                 "types or blocks), so its window cannot be read past the probe "
                 f"({type(e).__name__}: {e})",
@@ -769,15 +775,15 @@ def _classify(
         seen = row.reshape(-1).nonzero().flatten().tolist()
         if not seen or seen[-1] != q:
             raise refuse(
-                what,
-                where,
+                model_name,
+                module_path,
                 f"its mask {'lets query ' + str(q) + ' see later keys' if seen and seen[-1] > q else 'hides a query from itself'}"
                 ": not causal attention (a bidirectional prefix or an encoder)",
             )
         if seen != list(range(seen[0], q + 1)):
             raise refuse(
-                what,
-                where,
+                model_name,
+                module_path,
                 f"its mask for query {q} is not a contiguous run of keys (a custom pattern)",
             )
         lows[q] = seen[0]
@@ -791,19 +797,21 @@ def _classify(
     c = min(lo for lo in lows.values() if lo > 0)
     if all(lo == (q // c) * c for q, lo in lows.items()):
         return None, c
-    raise refuse(what, where, "its mask is causal but neither full, a sliding window nor chunked")
+    raise refuse(
+        model_name, module_path, "its mask is causal but neither full, a sliding window nor chunked"
+    )
 
 
 # ---- 5. positions --------------------------------------------------------------------------------
 def _check_positions(
-    first: _Probe, shifted: _Probe, unpositioned: _Probe, what: str, stateful: bool = False
+    first: _Probe, shifted: _Probe, unpositioned: _Probe, model_name: str, stateful: bool = False
 ) -> None:
     """The engine gives each packed sequence position_ids 0..n-1: they must reach the attention
     inputs, and mean what the model's own positions mean. A hybrid whose attention has no positional
     encoding at all (Nemotron-H, Kimi Linear: order comes from the recurrent layers) needs none."""
     if not len(first.calls) == len(shifted.calls) == len(unpositioned.calls):
         raise refuse(
-            what,
+            model_name,
             "its forward",
             "runs a different number of attention calls when position_ids change",
         )
@@ -832,7 +840,7 @@ def _check_positions(
         for a, b in zip(first.calls, shifted.calls)
     ):
         raise refuse(
-            what,
+            model_name,
             "its positions",
             "no layer's queries or keys change with position_ids: it computes "
             "positions itself (e.g. from the cache position), which would place each packed sequence after "
@@ -841,7 +849,7 @@ def _check_positions(
     for a, b in zip(first.calls, unpositioned.calls):
         if not (_close(a.query, b.query) and _close(a.key, b.key)):
             raise refuse(
-                what,
+                model_name,
                 "its positions",
                 "position_ids 0..n-1 give other queries / keys than the model's own "
                 "positions (e.g. RoBERTa's start after the padding index), so the engine cannot name them",

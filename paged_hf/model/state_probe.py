@@ -45,9 +45,9 @@ STATE_METHODS = (
 class StateProbeError(ValueError):
     """The model's stateful layers cannot be read through transformers' cache API; says where and why."""
 
-    def __init__(self, where: str, reason: str) -> None:
-        super().__init__(f"{where}: {reason}")
-        self.where, self.reason = where, reason
+    def __init__(self, module_path: str, reason: str) -> None:
+        super().__init__(f"{module_path}: {reason}")
+        self.module_path, self.reason = module_path, reason
 
 
 @dataclass
@@ -210,7 +210,7 @@ def probe_state_layout(
 
 
 def _run_as_engine(
-    module: torch.nn.Module, spec: MixerSpec, args: tuple, kwargs: dict, where: str
+    module: torch.nn.Module, spec: MixerSpec, args: tuple, kwargs: dict, module_path: str
 ) -> tuple[bool, str | None]:
     """Run the mixer as the engine does, through state slots and the step's cache view, on the very
     input it had in the probe forward, and compare with its own forward over the whole sequence
@@ -269,7 +269,7 @@ def _run_as_engine(
             except Exception as e:  # noqa: BLE001 - the model's own code serves it: slower, same outputs
                 logger.warning(
                     "paged_hf: %s runs without paged_hf's %s kernel, which failed on it: %s: %s",
-                    where,
+                    module_path,
                     mixer_kernels.KIND,
                     type(e).__name__,
                     e,
@@ -284,7 +284,7 @@ def _run_as_engine(
                     kernel = mixer_kernels.KIND
     if not _close(whole, by_token, tol):
         raise StateProbeError(
-            f"{where} ({type(module).__name__})",
+            f"{module_path} ({type(module).__name__})",
             "continued one token at a time from a state "
             "it wrote, it gives other outputs than over the whole sequence at once (max difference "
             f"{float((whole - by_token).abs().max()):.2e}): its state cannot be carried between steps",
@@ -309,38 +309,40 @@ def _layout_from(model: torch.nn.Module, cache: Any, calls: list[CacheCall]) -> 
         by_module.setdefault(id(call.module), (call.module, []))[1].append(call)
     mixers, seen_layers = [], set()
     for module, its in by_module.values():
-        where = f"{names.get(id(module), '?')} ({type(module).__name__})"
+        module_path = f"{names.get(id(module), '?')} ({type(module).__name__})"
         layers = {c.layer_idx for c in its}
         if len(layers) != 1 or not isinstance(next(iter(layers)), int):
             raise StateProbeError(
-                where,
+                module_path,
                 f"reads the states of layers {sorted(map(str, layers))}; one module must "
                 "keep one layer's state",
             )
         layer_idx = next(iter(layers))
         if layer_idx in seen_layers:
             raise StateProbeError(
-                where, f"keeps the state of layer {layer_idx}, as another module does"
+                module_path, f"keeps the state of layer {layer_idx}, as another module does"
             )
         seen_layers.add(layer_idx)
         sig = inspect.signature(module.forward).parameters
         cache_arg = next((n for n in CACHE_ARGS if n in sig), None)
         if cache_arg is None:
-            raise StateProbeError(where, f"takes the cache by none of {CACHE_ARGS}")
+            raise StateProbeError(module_path, f"takes the cache by none of {CACHE_ARGS}")
         used = [pair for pair in pairs if any(pair_of.get(c.method) == pair for c in its)]
         if used:
             if any(c.method in STATE_METHODS for c in its):
                 raise StateProbeError(
-                    where,
+                    module_path,
                     f"keeps its state both through transformers' cache API and through "
                     f"{used[0][0]} / {used[0][1]} of {type(cache).__name__}",
                 )
-            spec = _own_pairs_spec(its, used, where)
+            spec = _own_pairs_spec(its, used, module_path)
         else:
             spec = _unified_spec(cache.layers[layer_idx], max(c.state_idx for c in its) + 1)
         conv, conv_dtypes, rec, rec_dtypes = spec
         if all(s is None for s in conv + rec):
-            raise StateProbeError(where, "called the state API but left no state in the cache")
+            raise StateProbeError(
+                module_path, "called the state API but left no state in the cache"
+            )
         mixers.append(
             MixerSpec(
                 layer_idx,
@@ -373,14 +375,16 @@ def _unified_spec(layer: Any, n: int) -> tuple:
     )
 
 
-def _own_pairs_spec(calls: list[CacheCall], pairs: list[tuple[str, str]], where: str) -> tuple:
+def _own_pairs_spec(
+    calls: list[CacheCall], pairs: list[tuple[str, str]], module_path: str
+) -> tuple:
     """A mixer that keeps its state through its own cache's get_X / set_X pairs: recurrent state i is
     what it last handed ``pairs[i]``'s set_X (no conv state)."""
     rec = []
     for get, put in pairs:
         stored = [c.value for c in calls if c.method == put]
         if not stored or not isinstance(stored[-1], torch.Tensor):
-            raise StateProbeError(where, f"called {get} but never handed {put} a tensor")
+            raise StateProbeError(module_path, f"called {get} but never handed {put} a tensor")
         rec.append(_shape_dtype(stored[-1]))
     return (
         (None,) * len(pairs),

@@ -1,10 +1,4 @@
-"""Execution backends: where the KV tensors live and how attention reads them.
-
-- ``torch``: pure PyTorch, any device; the reference the others are checked against.
-- ``cpu`` (chosen by ``auto`` on CPU): the torch backend with attention in a C++ op that reads the
-  pages in place (``execution/cpu/paged_attention.py``), built on first use; torch where it cannot be built.
-- ``flashinfer``: CUDA kernels (``pip install paged_hf[cuda]``), imported only when chosen.
-"""
+"""Execution backends: where the KV tensors live and how attention reads them; ``select_backend``."""
 
 from __future__ import annotations
 

@@ -31,7 +31,7 @@ Index tensors are int32; the small indptr / last-page arrays are built on the ho
 metadata's host lists (FlashInfer's ``plan`` reads them on the host anyway, so passing device
 tensors would cost a device sync per plan), ``kv_indices`` stays on the device.
 
-CUDA graphs (paged_hf/execution/cuda_graphs.py): ``prepare_cuda_graphs`` allocates fixed buffers, and
+CUDA graphs (paged_hf/execution/decode_accelerator.py): ``prepare_cuda_graphs`` allocates fixed buffers, and
 ``plan(meta, graph_batch=b)`` plans the bucket's ``use_cuda_graph=True`` decode wrappers, whose
 indptr / indices / last_page_len live in those buffers, and copies the K/V write rows into a
 fixed buffer too, so a captured ``attend`` reads everything from fixed addresses.

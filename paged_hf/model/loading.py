@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import torch
 
-from .models import dequantized_gguf, load_default_model
+from .default_model import dequantized_gguf, load_default_model
 
 
 class LoadError(ValueError):
@@ -71,7 +71,7 @@ def load_model(
             name,
             gguf_file=gguf_file,
             label=label["model"],
-            what=f"its tokenizer (name one with {label['tokenizer']})",
+            subject=f"its tokenizer (name one with {label['tokenizer']})",
             **hub,
         )
     weights = {**files, **(dequantized_gguf() if gguf_file else {})}
@@ -91,7 +91,7 @@ def load_tokenizer(
     revision: str | None = None,
     trust_remote_code: bool = False,
     label: str = "tokenizer",
-    what: str = "it",
+    subject: str = "it",
 ) -> Any:
     """The tokenizer in directory or Hub repo ``name`` (from ``gguf_file`` there, if given); a
     ``LoadError`` naming ``label`` if it cannot be loaded."""
@@ -102,7 +102,7 @@ def load_tokenizer(
         files["revision"] = revision
     if gguf_file:
         files["gguf_file"] = gguf_file
-    return _attempt(label, name, what, lambda: AutoTokenizer.from_pretrained(name, **files))
+    return _attempt(label, name, subject, lambda: AutoTokenizer.from_pretrained(name, **files))
 
 
 def _to_device(
@@ -119,7 +119,7 @@ def _to_device(
         raise LoadError(f"{label['device']} {device}: {err}") from None
 
 
-def _attempt(label: str, name: str, what: str, load: Callable[[], Any]) -> Any:
+def _attempt(label: str, name: str, subject: str, load: Callable[[], Any]) -> Any:
     if looks_like_path(name) and not Path(name).expanduser().exists():
         raise LoadError(f"{label} {name}: no such directory")
     try:
@@ -128,7 +128,7 @@ def _attempt(label: str, name: str, what: str, load: Callable[[], Any]) -> Any:
         Exception
     ) as err:  # transformers raises OSError, ValueError, KeyError, ... for "not a model here"
         raise LoadError(
-            f"{label} {name}: cannot load {what} ({type(err).__name__}: {err})"
+            f"{label} {name}: cannot load {subject} ({type(err).__name__}: {err})"
         ) from None
 
 
