@@ -106,9 +106,8 @@ def peak_rss_mib() -> float:
     except (OSError, AttributeError):
         import resource
 
-        return (
-            resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-        )  # never reset: process peak
+        # never reset: process peak
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 # ---- statistics --------------------------------------------------------------------------------
@@ -727,9 +726,8 @@ def benchmark(args) -> dict:
                 else:
                     plan.append((system, None))
             runs: dict[int, list[tuple[dict, list]]] = {k: [] for k in range(len(plan))}
-            for rep in range(
-                args.repeat
-            ):  # rounds interleave the systems, so load drifts hit all alike
+            # rounds interleave the systems, so load drifts hit all alike
+            for rep in range(args.repeat):
                 for k, (system, batch) in enumerate(plan):
                     label = system if batch is None else f"{system}_B{batch}"
                     print(

@@ -113,9 +113,8 @@ def run(system: str, args, tmp: str) -> dict:
         "generation_s": times,
         "total_s": total,
     }
-    if (
-        system == "paged_hf"
-    ):  # each prompt's completions were one n-sample request, forked from its KV
+    # each prompt's completions were one n-sample request, forked from its KV
+    if system == "paged_hf":
         out["engine_steps"] = paged_hf.engine_for(
             trainer.accelerator.unwrap_model(trainer.model)
         ).stats()["steps"]

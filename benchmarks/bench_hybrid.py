@@ -105,9 +105,8 @@ def main() -> int:
     from paged_hf.execution.cpu import mixer_kernels
 
     engines = {"paged_hf": Engine(eng_model)}
-    if (
-        own_code_model is not None
-    ):  # the DeltaNet decode through transformers' torch fallback, as the static batch runs it
+    # the DeltaNet decode through transformers' torch fallback, as the static batch runs it
+    if own_code_model is not None:
         available, mixer_kernels.available = mixer_kernels.available, lambda: False
         try:
             engines["paged_hf, transformers' DeltaNet code"] = Engine(own_code_model)

@@ -337,9 +337,8 @@ def run_paged(engine: Any, w: Workload, tag: str = "b") -> RunResult:
     prompt = after["prompt_tokens"] - before["prompt_tokens"]
     hits = after["prefix_hit_tokens"] - before["prefix_hit_tokens"]
     tokens = [list(reqs[i].output_ids) for i in range(n)]
-    for req in (
-        reqs.values()
-    ):  # released, as a caller of the engine does: a kept engine runs again (bench.kept_engine)
+    # released, as a caller of the engine does: a kept engine runs again (bench.kept_engine)
+    for req in reqs.values():
         engine.collect([req])
     return RunResult(
         tokens,
@@ -441,9 +440,8 @@ class VllmCpu:
         )
         import atexit
 
-        atexit.register(
-            self.close
-        )  # a failed run still ends the worker (it also ends on stdin EOF)
+        # a failed run still ends the worker (it also ends on stdin EOF)
+        atexit.register(self.close)
         self.info = {
             "model_dir": str(self.model_dir),
             "log": self.log.name,

@@ -345,9 +345,10 @@ def run_hf_generate(setup: Setup, prompts, out_lens) -> Row:
         eos_token_id=None,
         pad_token_id=pad,
     )
+    # warm
     model.generate(
         ids[:2, -8:], attention_mask=mask[:2, -8:], max_new_tokens=2, min_new_tokens=2, **kwargs
-    )  # warm
+    )
     sync(setup)
     t = time.perf_counter()
     out = model.generate(

@@ -102,9 +102,8 @@ def more_chats(n: int = 40) -> list[str]:
         if i % 2 == 0:
             out.append(SHORT[i // 2 % len(SHORT)].format(TOPICS[i // 2 % len(TOPICS)]))
         else:
-            cut = (
-                40 + (i * 83) % 360
-            )  # 40..399 words, spread out, each from its own place in the text
+            # 40..399 words, spread out, each from its own place in the text
+            cut = 40 + (i * 83) % 360
             start = (i * 131) % (len(words) - 400)
             out.append(TASKS[i // 2 % len(TASKS)].format(" ".join(words[start : start + cut])))
     return out
@@ -137,9 +136,8 @@ def main() -> None:
     args = ap.parse_args()
 
     if args.dtype == "auto":
-        native_bf16 = (
-            cpu_linear.native_bf16()
-        )  # in hardware: oneDNN emulates it on other AVX-512 CPUs
+        # in hardware: oneDNN emulates it on other AVX-512 CPUs
+        native_bf16 = cpu_linear.native_bf16()
         args.dtype = "bfloat16" if native_bf16 else "float32"
         if not native_bf16:
             print(
@@ -175,9 +173,8 @@ def main() -> None:
     hf_time = time.perf_counter() - t0
 
     paged_hf.patch(model, tokenizer=tok)  # one line; same generate calls below
-    model.generate(
-        **tok(chats[:2], return_tensors="pt", padding=True), max_new_tokens=4
-    )  # warm-up (KV cache, kernel)
+    # warm-up (KV cache, kernel)
+    model.generate(**tok(chats[:2], return_tensors="pt", padding=True), max_new_tokens=4)
     ph_out = model.generate(**batch, **gen_kw)
     t0 = time.perf_counter()
     with OtherProcesses() as ph_others:

@@ -88,9 +88,8 @@ def check_tables(engine: paged_hf.Engine) -> None:
         assert all(kv.pool.refcount[p] == 0 for p in kv.index._loose)
         assert kv.index.evictable_blocks == sum(kv.pool.refcount[p] == 0 for p in kv.index._held)
         assert not any(kv.pool.is_free(p) for p in kv.index._held)
-    if (
-        kv.state is not None
-    ):  # a hybrid's running slots: each held by the request that names it, or free
+    # a hybrid's running slots: each held by the request that names it, or free
+    if kv.state is not None:
         owners = kv.state._owner
         assert all(req.state_slot == slot for slot, req in owners.items())
         assert sorted([*owners, *kv.state._free]) == list(range(kv.state.num_slots))
@@ -281,9 +280,8 @@ def test_stats_report_groups_and_peaks():
     engine = paged_hf.Engine(model, **SMALL)
     stats = engine.stats()
     assert [g["kind"] for g in stats["cache_groups"]] == TYPES["cohere2"]
-    assert stats["page_bytes"] * 4 == engine.layout.bytes_per_block(
-        4, 4
-    )  # one layer of four per page
+    # one layer of four per page
+    assert stats["page_bytes"] * 4 == engine.layout.bytes_per_block(4, 4)
     engine.generate(_prompts(model, [20, 30]), GREEDY)
     stats = engine.stats()
     assert (

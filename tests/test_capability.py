@@ -81,9 +81,8 @@ def test_refused_at_patch_naming_module_and_reason(model_type, where, why):
 
 
 def test_bidirectional_models_are_refused():
-    assert "is_causal=False" in refusal(
-        build_tiny_model("bert", is_decoder=False)
-    )  # an encoder, not a decoder
+    # an encoder, not a decoder
+    assert "is_causal=False" in refusal(build_tiny_model("bert", is_decoder=False))
     assert "config.is_causal=False" in refusal(build_tiny_model("llama", is_causal=False))
     # PaliGemma's prefix attends both ways; its text path must not pass by luck
     assert "is_causal=False" in refusal(build_tiny_model("paligemma", multimodal=True))
@@ -92,9 +91,8 @@ def test_bidirectional_models_are_refused():
 def test_a_token_mixing_module_is_found_even_when_the_config_says_attention_only():
     model = make_tiny_model("llama")
 
-    class ConvMixer(
-        torch.nn.Module
-    ):  # a causal depthwise convolution over the sequence, as LFM2 / Mamba have
+    # a causal depthwise convolution over the sequence, as LFM2 / Mamba have
+    class ConvMixer(torch.nn.Module):
         def __init__(self, mlp: torch.nn.Module) -> None:
             super().__init__()
             self.mlp, self.conv = mlp, torch.nn.Conv1d(64, 64, 3, padding=2, groups=64)

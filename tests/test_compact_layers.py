@@ -28,9 +28,8 @@ def _served(engine) -> int:
 def _same(a, b) -> None:
     for x, y in zip(a, b, strict=True):
         assert x.token_ids == y.token_ids
-        assert (
-            x.completions[0].logprobs == y.completions[0].logprobs
-        )  # exactly: the same ops on the same tensors
+        # exactly: the same ops on the same tensors
+        assert x.completions[0].logprobs == y.completions[0].logprobs
 
 
 @pytest.mark.parametrize(
@@ -127,9 +126,8 @@ def test_a_hooked_layer_runs_its_own_code_and_its_hooks():
         hooked = engine.generate(prompts, PARAMS)
     finally:
         handle.remove()
-    assert len(seen) >= PARAMS.max_new_tokens and sum(seen) >= sum(
-        map(len, prompts)
-    )  # every step's tokens
+    # every step's tokens
+    assert len(seen) >= PARAMS.max_new_tokens and sum(seen) >= sum(map(len, prompts))
     steps = len(seen)
     _same(hooked, plain.generate(prompts, PARAMS))
     _same(engine.generate(prompts, PARAMS), hooked)

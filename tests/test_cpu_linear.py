@@ -72,9 +72,8 @@ def test_the_onednn_weight_is_f_linear_bit_for_bit(rows):
         packed = cpu_linear.PackedWeight(
             cpu_linear.ONEDNN, [w], None if bias is None else [bias], batch_hint=64
         )
-        assert torch.equal(
-            packed(x), F.linear(x, w, bias)
-        )  # [1, T, K]: the op takes its rows' view
+        # [1, T, K]: the op takes its rows' view
+        assert torch.equal(packed(x), F.linear(x, w, bias))
         assert torch.equal(packed(x[0]), F.linear(x[0], w, bias))
 
 
@@ -96,9 +95,8 @@ def test_the_fp32_weight_is_within_a_rounding_of_the_exact_product(rows):
         wrong = cpu_linear.PackedWeight(
             cpu_linear.FP32, [w * 1.02], None if bias is None else [bias]
         )(x)
-        assert not cpu_linear.within_a_rounding(
-            wrong, exact.to(torch.bfloat16), x, w
-        )  # 2% off is caught
+        # 2% off is caught
+        assert not cpu_linear.within_a_rounding(wrong, exact.to(torch.bfloat16), x, w)
 
 
 def test_one_row_of_a_bf16_model_runs_its_own_f_linear():
@@ -121,9 +119,8 @@ def test_one_row_of_a_bf16_model_runs_its_own_f_linear():
 
 def test_one_rounding_is_measured_in_bf16_steps():
     one = torch.tensor([1.0, -1.0, 0.0, 3.0], dtype=torch.bfloat16)
-    up = torch.tensor(
-        [1.0078125, -1.0078125, 1e-40, 3.015625], dtype=torch.bfloat16
-    )  # each the next bf16 value
+    # each the next bf16 value
+    up = torch.tensor([1.0078125, -1.0078125, 1e-40, 3.015625], dtype=torch.bfloat16)
     assert (
         cpu_linear.one_rounding_apart(one, up).all()
         and cpu_linear.one_rounding_apart(up, one).all()
@@ -143,23 +140,20 @@ def _run(model, prompts, packed):
 
 
 @needs_onednn
-@pytest.mark.parametrize(
-    "family", [f for f in FAMILIES if f != "gpt2"]
-)  # GPT-2's Conv1D is no nn.Linear
+# GPT-2's Conv1D is no nn.Linear
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f != "gpt2"])
 def test_engine_outputs_are_identical_with_and_without_onednn_weights(family):
     model = make_tiny_model(family, dtype=torch.bfloat16)
     prompts = tiny_prompts(model.config.vocab_size, 4, [1, 6, 19, 41], seed=5)
     engine, with_packed = _run(model, prompts, packed="onednn")
     assert len(engine.runner.packed.modules) >= 4 * model.config.num_hidden_layers
-    assert all(
-        "forward" not in m.__dict__ for m in engine.runner.packed.modules
-    )  # untouched outside a step
+    # untouched outside a step
+    assert all("forward" not in m.__dict__ for m in engine.runner.packed.modules)
     _, without = _run(model, prompts, packed=False)
     for a, b in zip(with_packed, without):
         assert a.token_ids == b.token_ids
-        assert (
-            a.completions[0].logprobs == b.completions[0].logprobs
-        )  # bit for bit, not within a tolerance
+        # bit for bit, not within a tolerance
+        assert a.completions[0].logprobs == b.completions[0].logprobs
 
 
 @pytest.mark.parametrize("family", [f for f in FAMILIES if f != "gpt2"])
@@ -170,9 +164,8 @@ def test_engine_on_fp32_weights_agrees_with_transformers(family):
     engine, outs = _run(model, prompts, packed="fp32")
     assert engine.runner.packed.how == cpu_linear.FP32
     assert len(engine.runner.packed.modules) >= 4 * model.config.num_hidden_layers
-    assert all(
-        "forward" not in m.__dict__ for m in engine.runner.packed.modules
-    )  # untouched outside a step
+    # untouched outside a step
+    assert all("forward" not in m.__dict__ for m in engine.runner.packed.modules)
     for prompt, out in zip(prompts, outs):
         assert len(out.token_ids) == 8
         assert_teacher_forced(
@@ -190,9 +183,8 @@ def test_a_weight_update_is_packed_again(how):
             m.weight.mul_(-1.5)  # an optimizer step's kind of write: the version counter moves
     params = paged_hf.SamplingParams(max_new_tokens=8, ignore_eos=True, logprobs=3)
     after = engine.generate(prompts, params)
-    reference = paged_hf.Engine(model, cpu_packed_weights=how, **SMALL).generate(
-        prompts, params
-    )  # packed afresh
+    # packed afresh
+    reference = paged_hf.Engine(model, cpu_packed_weights=how, **SMALL).generate(prompts, params)
     assert [o.completions[0].logprobs for o in after] == [
         o.completions[0].logprobs for o in reference
     ]

@@ -143,9 +143,8 @@ def test_large_blocks_are_kept_for_the_next_step():
         return json.loads(res.stdout.strip().splitlines()[-1])
 
     kept, none_kept = run(), run(PAGED_HF_CPU_KEEP_BYTES="0")
-    assert kept["status"]["kept_blocks"] and kept["stats"][0] > 0, (
-        kept
-    )  # bytes waiting in their classes
+    # bytes waiting in their classes
+    assert kept["status"]["kept_blocks"] and kept["stats"][0] > 0, kept
     assert none_kept["stats"][0] == 0, none_kept
     # every kept block served again: the small live ones' pages alone fault (16 x 64 fp32 a layer)
     assert kept["faults"] <= 1_000, kept

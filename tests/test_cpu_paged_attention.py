@@ -485,9 +485,8 @@ def test_kernel_backend_agrees_with_the_torch_backend(dtype, window, softcap):
         # float64-reference tests above hold the kernel itself to 1.6e-2)
         tol = 2e-5 if dtype == torch.float32 else (5e-2 if ker._bf16_path else 3e-2)
         torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
-        if (
-            ker._bf16_path
-        ):  # bf16 in 4-token pages on the AMX path: every sequence, the long prompt too
+        # bf16 in 4-token pages on the AMX path: every sequence, the long prompt too
+        if ker._bf16_path:
             assert ker._groups[0].torch_kind is None and len(ker._groups[0].args[0]) == len(specs)
         else:
             assert ker._groups[0].torch_kind == "long" and len(ker._groups[0].args[0]) == sum(
@@ -505,9 +504,8 @@ def test_on_the_bf16_path_the_kernel_attends_every_sequence():
     fast = "-DCPU_CAPABILITY=AVX512" in cpu_ops.compile_flags()
     ker = cpa.CpuPagedBackend(2, n_blocks, bs, hkv, d, torch.bfloat16, "cpu")
     assert ker._bf16_path is fast
-    assert (
-        cpa.CpuPagedBackend(2, n_blocks, bs, hkv, 48, torch.bfloat16, "cpu")._bf16_path is False
-    )  # 48 % 32
+    # 48 % 32
+    assert cpa.CpuPagedBackend(2, n_blocks, bs, hkv, 48, torch.bfloat16, "cpu")._bf16_path is False
     # 8-token blocks: both bf16 paths take pages of any size dividing 16
     assert cpa.CpuPagedBackend(2, n_blocks, 8, hkv, d, torch.bfloat16, "cpu")._bf16_path is fast
     assert cpa.CpuPagedBackend(2, n_blocks, 12, hkv, d, torch.bfloat16, "cpu")._bf16_path is False
@@ -549,12 +547,13 @@ def test_a_layer_with_a_feature_the_kernel_lacks_takes_the_torch_path(monkeypatc
     q, k, v = torch.randn(1, 4, 6, 16), torch.randn(1, 2, 6, 16), torch.randn(1, 2, 6, 16)
     assert ker.attend(0, q, k, v, 0.25, sinks=torch.zeros(4)) == "torch path"
     assert ker._groups[0].torch_kind == "full" and calls and "sinks" in calls[0]
+    # an absent feature: the kernel
     assert ker.attend(0, q, k, v, 0.25, sinks=None).shape == (
         1,
         6,
         4,
         16,
-    )  # an absent feature: the kernel
+    )
     assert len(calls) == 1
 
     from paged_hf.execution.kv_geometry import KVLayout, LayerSpec
@@ -563,9 +562,10 @@ def test_a_layer_with_a_feature_the_kernel_lacks_takes_the_torch_path(monkeypatc
         KVLayout((LayerSpec(4, 2, 16, 16, chunk=8),)), n_blocks, bs, dtype=torch.float32
     )
     chunked.plan(meta)
+    # a chunked layer
     assert (
         chunked.attend(0, q, k, v, 0.25) == "torch path" and chunked._groups[0].torch_kind == "full"
-    )  # a chunked layer
+    )
 
 
 # ---- generation through the kernel against transformers ----------------------------------------

@@ -203,9 +203,8 @@ def test_pad_decode_metadata():
 # ---- backend selection and the no-import guarantee ----------------------------------------------
 def test_select_backend_on_cpu():
     cpu = torch.device("cpu")
-    assert issubclass(
-        select_backend("auto", cpu), TorchBackend
-    )  # the CPU kernel backend where it builds
+    # the CPU kernel backend where it builds
+    assert issubclass(select_backend("auto", cpu), TorchBackend)
     assert select_backend("torch", cpu) is TorchBackend
     with pytest.raises(ValueError, match="needs a CUDA device"):
         select_backend("flashinfer", cpu)
@@ -744,9 +743,8 @@ def test_profiling_forward_runs_the_paged_seam_not_the_models_attention(monkeypa
     with torch.inference_mode():
         logits = profile_forward(engine.model, engine.layout, tokens=40, rows=6, limit=16)
         assert logits.shape == (1, 6, engine.vocab_size)
-        with pytest.raises(
-            AssertionError, match="own attention"
-        ):  # the guard itself bites outside the seam
+        # the guard itself bites outside the seam
+        with pytest.raises(AssertionError, match="own attention"):
             engine.model(input_ids=torch.zeros(1, 4, dtype=torch.long))
 
 
@@ -759,9 +757,8 @@ def test_gpu_check_dry_run(tmp_path):
     step; the report rewritten under the output folder after every phase."""
     out = tmp_path / "out"
     (tmp_path / "wheels").mkdir()
-    jit = (
-        tmp_path / "home" / ".cache" / "flashinfer" / "batch_decode"
-    )  # as if a phase had compiled one kernel
+    # as if a phase had compiled one kernel
+    jit = tmp_path / "home" / ".cache" / "flashinfer" / "batch_decode"
     jit.mkdir(parents=True)
     (jit / "batch_decode.so").write_bytes(b"\x7fELF" * 100)
     env = dict(
@@ -846,9 +843,8 @@ def test_gpu_check_stops_at_once_without_flashinfer(tmp_path):
         "raise OSError('libcudart.so.13: cannot open shared object file')\n"
     )
     (tmp_path / "wheels").mkdir()
-    kernel = (
-        tmp_path / "built" / "batch_decode" / "batch_decode.so"
-    )  # kernels an earlier call compiled
+    # kernels an earlier call compiled
+    kernel = tmp_path / "built" / "batch_decode" / "batch_decode.so"
     kernel.parent.mkdir(parents=True)
     kernel.write_bytes(b"\x7fELF")
     with tarfile.open(tmp_path / "wheels" / "flashinfer_jit.tar.xz", "w:xz") as archive:
@@ -898,9 +894,8 @@ def test_captured_decode_graphs_follow_replaced_weights(fake_flashinfer, monkeyp
         )
     assert accel._captured, "an update in place needs no new capture"
     proj = model.model.layers[0].self_attn.q_proj
-    proj.weight = torch.nn.Parameter(
-        proj.weight.detach() * -2
-    )  # new storage: the old address is dead
+    # new storage: the old address is dead
+    proj.weight = torch.nn.Parameter(proj.weight.detach() * -2)
     engine.check_weights(rescan=True)
     assert not accel._captured and not accel._graphs, "graphs holding the old address are dropped"
     replaced = engine.generate(prompts, GRAPH_GREEDY)

@@ -192,9 +192,8 @@ def test_engine_max_model_len_and_eos_are_in_the_fingerprint(setup, tmp_path, mo
         match=r"different arguments \(engine: .*'max_model_len': 200.*'max_model_len': 120",
     ):
         _run(setup, ckpt, dataset=small, max_model_len=120)
-    monkeypatch.setattr(
-        model.generation_config, "eos_token_id", [2, 5]
-    )  # the engine stops on 5 too now
+    # the engine stops on 5 too now
+    monkeypatch.setattr(model.generation_config, "eos_token_id", [2, 5])
     with pytest.raises(
         ValueError, match=r"different arguments \(engine: .*'eos_token_ids': \[2\].*\[2, 5\]"
     ):
@@ -248,9 +247,8 @@ def test_bad_checkpoint_records_are_found_at_load_and_their_rows_rerun(
     bad = len(BAD_RECORDS) + 2
     assert warned_before_first_step == [bad]
     rerun = sorted(r["row_index"] for r in _lines(results)[len(lines) :])
-    assert rerun == sorted(
-        set(BAD_RECORDS) | {7}
-    )  # the damaged rows and the errored one, nothing else
+    # the damaged rows and the errored one, nothing else
+    assert rerun == sorted(set(BAD_RECORDS) | {7})
 
 
 def test_last_record_without_its_newline_is_kept(setup, tmp_path):

@@ -113,9 +113,8 @@ def test_order_and_companions_on_200_rows(setup, reference):
             assert reference["generation_num_tokens"][i] == len(out.token_ids)
             assert reference["generation_finish_reason"][i] == out.finish_reason
             assert reference["generation_ttft"][i] > 0 and reference["generation_error"][i] is None
-    assert (
-        reference["generation_finish_reason"].count("error") == 4
-    )  # the empty prompts; the rest ran
+    # the empty prompts; the rest ran
+    assert reference["generation_finish_reason"].count("error") == 4
     assert {"stop", "length"} <= set(reference["generation_finish_reason"])
     lengths = [len(p) for p in dataset["prompt"]]
     assert min(lengths) == 0 and max(lengths) > 150  # varied lengths

@@ -57,6 +57,7 @@ def test_generation_through_several_decode_groups_agrees_with_transformers(famil
     # the batch: a group's members are not in batch order
     lengths = [14, 2, 13, 6, 27, 5, 41, 26]
     prompts = tiny_prompts(reference.config.vocab_size, len(lengths), lengths, seed=5)
+    # the reference path groups its decodes
     engine = paged_hf.Engine(
         model,
         num_blocks=128,
@@ -64,7 +65,7 @@ def test_generation_through_several_decode_groups_agrees_with_transformers(famil
         max_num_batched_tokens=64,
         max_num_seqs=8,
         backend="torch",
-    )  # the reference path groups its decodes
+    )
     outs = engine.generate(prompts, paged_hf.SamplingParams(max_new_tokens=10))
     assert max(len(groups) for groups in seen) >= 4, "the decodes really ran in several groups"
     assert any(g != sorted(g) for groups in seen for g in groups), (

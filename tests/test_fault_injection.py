@@ -77,9 +77,8 @@ def workloads(draw, fault: str, kind: str = "llama"):
         requests.append((prompt, params))
     block_size = draw(st.sampled_from([2, 4]))
     longest = max(len(p) + sp.max_new_tokens for p, sp in requests)
-    groups = (
-        2 if kind == "gemma3_text" else 1
-    )  # its pool's pages are one group's; a request holds some in each
+    # its pool's pages are one group's; a request holds some in each
+    groups = 2 if kind == "gemma3_text" else 1
     swap_fault = fault == "swap_out_error"  # needs swap preemption, so a tight pool
     config = dict(
         block_size=block_size,
@@ -120,9 +119,8 @@ def assert_clean(engine):
     assert engine.kv_manager.state is None or engine.kv_manager.state.num_pending == 0, (
         "a state snapshot was never attached or released"
     )
-    if (
-        engine.kv_manager.state is not None and index is not None
-    ):  # every checkpoint sits on a node of the tree
+    # every checkpoint sits on a node of the tree
+    if engine.kv_manager.state is not None and index is not None:
         assert engine.kv_manager.state.num_checkpoints_held == sum(
             1 for n in index.iter_nodes() if n.state is not None
         )
@@ -191,9 +189,8 @@ def single_fault(fault: str, data, kind: str) -> None:
         prepare(logits, row, req)
 
     def faulty_sample(logits, rows, mask=None):
-        if (
-            len(calls) == where + 1
-        ):  # a failed step ends every request in it, and the samples it forked
+        # a failed step ends every request in it, and the samples it forked
+        if len(calls) == where + 1:
             touched.update(in_step + [r.request_id for r in rows])
             raise RuntimeError("sampler crashed") if fault == "sampler_error" else KeyboardInterrupt
         return sample(logits, rows, mask)

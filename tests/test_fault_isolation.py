@@ -416,9 +416,8 @@ def test_caller_ids_never_hit_auto_ids(model, prompts, reference):
     engine = paged_hf.Engine(model, block_size=4, num_blocks=64)
     engine.add_request(prompts[0], GREEDY, request_id="1")
     engine.add_request(prompts[1], GREEDY, request_id="0")
-    outs = engine.generate(
-        prompts, GREEDY
-    )  # used to refuse a valid prompt: "request 1: id already in use"
+    # used to refuse a valid prompt: "request 1: id already in use"
+    outs = engine.generate(prompts, GREEDY)
     assert [o.token_ids for o in outs] == reference and all(o.error is None for o in outs)
     with pytest.raises(ValueError, match="ids starting with 'paged_hf:'"):
         engine.add_request(prompts[0], GREEDY, request_id="paged_hf:0")
@@ -486,9 +485,8 @@ def test_online_training_generate_step_generate_matches_updated_weights():
     assert hits > 0, "unchanged weights: the second call reads the first one's cached prompts"
 
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
-    loss = model(
-        input_ids=first, labels=first
-    ).loss  # plain forward of a patched model trains as before
+    # plain forward of a patched model trains as before
+    loss = model(input_ids=first, labels=first).loss
     loss.backward()
     optimizer.step()
     optimizer.zero_grad()
@@ -511,9 +509,8 @@ def test_load_state_dict_and_explicit_reset_drop_the_cache(model, prompts):
     engine.generate(prompts, GREEDY)
     assert engine.stats()["blocks_cached"] > 0
     with torch.no_grad():
-        model.load_state_dict(
-            model.state_dict()
-        )  # same values, written in place: still a new version
+        # same values, written in place: still a new version
+        model.load_state_dict(model.state_dict())
     engine.generate([[5, 6, 7]], GREEDY)
     again = engine.generate(prompts, GREEDY)
     assert all(o.num_cached_tokens == 0 for o in again)
@@ -530,9 +527,8 @@ def test_a_replaced_parameter_is_seen_at_the_next_generate(prompts):
     engine.generate(prompts, GREEDY)
     assert any(o.num_cached_tokens > 0 for o in engine.generate(prompts, GREEDY))
     proj = model.model.layers[0].self_attn.k_proj
-    proj.weight = torch.nn.Parameter(
-        proj.weight.detach() * 3
-    )  # a new tensor, the old one untouched
+    # a new tensor, the old one untouched
+    proj.weight = torch.nn.Parameter(proj.weight.detach() * 3)
     outs = engine.generate(prompts, GREEDY)
     assert all(o.num_cached_tokens == 0 for o in outs)
     for prompt, out in zip(prompts, outs):
@@ -640,9 +636,8 @@ def test_a_batch_call_lifts_the_auto_prefill_cap_and_streaming_keeps_it():
     prompts = tiny_prompts(model.config.vocab_size, 3, 300, seed=1)
     params = paged_hf.SamplingParams(max_new_tokens=4, ignore_eos=True)
 
-    def second_step(
-        run, **options
-    ):  # step 1 prefills 512 tokens; step 2 has a decode beside prefill
+    # step 1 prefills 512 tokens; step 2 has a decode beside prefill
+    def second_step(run, **options):
         engine = paged_hf.Engine(model, **options)
         outs = run(engine)
         return engine._stats.step_log[1]["tokens"], [o.token_ids for o in outs]

@@ -59,9 +59,8 @@ def test_rms_norm_is_the_modules(dtype, width):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_and_mul_on_slices_of_one_gemm(dtype):
     g = torch.Generator().manual_seed(3)
-    both = (torch.randn(1, 13, 2 * 96, generator=g) * 3).to(
-        dtype
-    )  # gate and up side by side, as fused
+    # gate and up side by side, as fused
+    both = (torch.randn(1, 13, 2 * 96, generator=g) * 3).to(dtype)
     gate, up = both[..., :96], both[..., 96:]
     _agree(fused_ops._silu_and_mul(gate, up), torch.nn.functional.silu(gate) * up)
 
@@ -70,9 +69,8 @@ def test_silu_and_mul_on_slices_of_one_gemm(dtype):
 @pytest.mark.parametrize("head_dim", [64, 16, 10])
 def test_rotary_is_llamas_on_the_attention_modules_views(dtype, head_dim):
     g = torch.Generator().manual_seed(head_dim)
-    q = (
-        torch.randn(1, 11, 6, head_dim, generator=g).to(dtype).transpose(1, 2)
-    )  # view(...).transpose(1, 2)
+    # view(...).transpose(1, 2)
+    q = torch.randn(1, 11, 6, head_dim, generator=g).to(dtype).transpose(1, 2)
     k = torch.randn(1, 11, 2, head_dim, generator=g).to(dtype).transpose(1, 2)
     cos, sin = (torch.randn(1, 11, head_dim, generator=g).to(dtype) for _ in range(2))
     expected = llama.apply_rotary_pos_emb(q, k, cos, sin)
@@ -117,9 +115,8 @@ def test_other_math_is_left_to_its_own_code():
     config = make_tiny_model("llama").config
     config.hidden_act = "gelu"
     assert not fused_ops._mlp_matches(GeluMLP(config), torch.float32)
-    with fused_ops.kernel_seams.switch(
-        "rotary", True
-    ):  # a call the op does not take goes to the original
+    # a call the op does not take goes to the original
+    with fused_ops.kernel_seams.switch("rotary", True):
         q = torch.randn(1, 5, 2, 8)  # [B, T, H, D]: unsqueeze_dim=2
         cos, sin = torch.randn(1, 5, 8), torch.randn(1, 5, 8)
         expected = llama.apply_rotary_pos_emb(q, q, cos, sin, unsqueeze_dim=2)

@@ -113,9 +113,8 @@ def test_a_prompts_beams_hold_its_blocks_once():
     assert torch.equal(out, reference.generate(ids, max_new_tokens=4, num_beams=8, do_sample=False))
     stats = paged_hf.engine_for(model).stats()
     assert stats["peak_blocks_used"] <= 2 + 8, stats["peak_blocks_used"]
-    assert (
-        stats["peak_blocks_shared"] >= 2 * 7
-    )  # each full prompt block: 7 references that are not copies
+    # each full prompt block: 7 references that are not copies
+    assert stats["peak_blocks_shared"] >= 2 * 7
 
 
 def test_beam_groups_survive_preemption_and_hit_the_prefix_cache(pair):

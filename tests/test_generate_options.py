@@ -94,9 +94,8 @@ def _values(gen: torch.Tensor) -> dict:
         "bad_words_ids": dict(bad_words_ids=[[first]]),
         "sequence_bias": dict(sequence_bias={(first,): -20.0}),
         "forced_eos_token_id": dict(forced_eos_token_id=EOS_ID),
-        "forced_bos_token_id": dict(
-            forced_bos_token_id=7, _ids=[[5], [6], [8]]
-        ),  # on a one-token input only
+        # on a one-token input only
+        "forced_bos_token_id": dict(forced_bos_token_id=7, _ids=[[5], [6], [8]]),
         "exponential_decay_length_penalty": dict(
             exponential_decay_length_penalty=(1, 3.0), eos_token_id=third
         ),
@@ -227,9 +226,8 @@ def test_each_field_is_transformers_or_refused(setup, field):
     assert torch.equal(ours_seq, theirs_seq), (
         f"{field}: {ours_seq[:, ids.shape[1] :]} vs {theirs_seq[:, ids.shape[1] :]}"
     )
-    if (
-        how != options.NO_EFFECT and field not in UNCHANGED_HERE
-    ):  # against the same call without the field
+    # against the same call without the field
+    if how != options.NO_EFFECT and field not in UNCHANGED_HERE:
         plain, _ = _both(
             reference, reference, ids, mask, {k: v for k, v in kwargs.items() if k != field}
         )

@@ -240,9 +240,8 @@ def test_rolling_loglikelihood_equals_transformers_over_windows(model_type):
     outs = engine.score_rolling(texts, window=window, prefix_token=1)
     for text, out in zip(texts, outs):
         expected, done = [], 0
-        while done < len(
-            text
-        ):  # transformers on each window: the first on BOS, later ones on what fits before
+        # transformers on each window: the first on BOS, later ones on what fits before
+        while done < len(text):
             end = min(len(text), done + window)
             ctx = [1] if done == 0 else text[max(0, end - window - 1) : done]
             with torch.no_grad():
@@ -310,9 +309,8 @@ def test_state_kept_in_the_models_own_cache_class_runs_through_its_own_methods()
 
 
 def test_a_mixer_that_cannot_continue_a_chunk_goes_on_token_by_token():
-    model = build_tiny_model(
-        "jamba"
-    )  # Mamba1: a multi-token chunk over a populated cache drops the state
+    # Mamba1: a multi-token chunk over a populated cache drops the state
+    model = build_tiny_model("jamba")
     paged_hf.patch(model)
     assert not patch_state(model).state.continues_chunks
     qwen = build_tiny_model("qwen3_5_text")

@@ -201,9 +201,8 @@ def test_command_line_with_chat_template(tiny_dir, task_manager, tmp_path):
         for line in f.read_text().splitlines()
     ]
     assert len(samples) == 3
-    assert all(
-        "assistant:" in s["arguments"]["gen_args_0"]["arg_0"] for s in samples
-    )  # chat-templated
+    # chat-templated
+    assert all("assistant:" in s["arguments"]["gen_args_0"]["arg_0"] for s in samples)
     tm, _ = task_manager
     ref = evaluate("hf", tiny_dir, "float32", ["phf_gen"], tm, limit=3, apply_chat_template=True)
     assert {s["doc_id"]: s["resps"] for s in samples} == {

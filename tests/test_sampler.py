@@ -41,9 +41,8 @@ def model():
 
 
 def _expected(model, gc: GenerationConfig, logits: torch.Tensor) -> torch.Tensor:
-    model._prepare_special_tokens(
-        gc, device="cpu"
-    )  # as generate does: the EOS ban reads its tensors
+    # as generate does: the EOS ban reads its tensors
+    model._prepare_special_tokens(gc, device="cpu")
     procs = model._get_logits_processor(gc, input_ids_seq_length=len(PROMPT), device="cpu")
     scores = procs(torch.tensor([PROMPT]), logits[None].clone())[0]
     return torch.softmax(scores, dim=-1)
@@ -160,9 +159,8 @@ def test_a_plain_greedy_batch_takes_the_fast_path_and_the_same_tokens():
     plain = [Request(f"r{i}", [1, 2, 3], SamplingParams(max_new_tokens=4)) for i in range(6)]
     assert all(sampler._plain_greedy(r) for r in plain)
     fast = sample(logits, plain)
-    full = sampler.sample(
-        logits.float(), plain, mask=lambda lg, err: None
-    )  # a mask forces the full path
+    # a mask forces the full path
+    full = sampler.sample(logits.float(), plain, mask=lambda lg, err: None)
     assert fast.tokens == full.tokens and fast.errors.keys() == full.errors.keys() == {2, 4}
     assert fast.tokens[0] == int(logits[0].float().argmax())
     for params in (

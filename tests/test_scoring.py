@@ -110,9 +110,8 @@ def test_prefix_hit_is_cut_at_the_context_boundary():
     ctx = tiny_prompts(vocab, 1, 16, seed=5)[0]  # exactly 4 blocks
     cont = tiny_prompts(vocab, 1, 6, seed=6)[0]
     engine = paged_hf.Engine(model, block_size=4)
-    engine.generate(
-        [ctx + cont + [7, 8, 9, 10]], SamplingParams(max_new_tokens=1)
-    )  # caches ctx + cont
+    # caches ctx + cont
+    engine.generate([ctx + cont + [7, 8, 9, 10]], SamplingParams(max_new_tokens=1))
     out = engine.score([(ctx, cont)])[0]
     assert out.num_cached_tokens == 12  # 15 tokens may come from the cache: 3 full blocks
     assert torch.allclose(

@@ -59,9 +59,8 @@ def test_stream_deltas_concatenate_to_the_final_text(bg, model, tokenizer):
             [prompts[k]], SamplingParams(max_new_tokens=48, temperature=1.0, seed=k)
         )[0]
         assert out.token_ids == ref.token_ids
-        split_chars += sum(
-            1 for t in out.token_ids if 0x80 + 4 <= t < 4 + 256
-        )  # non-ASCII byte tokens
+        # non-ASCII byte tokens
+        split_chars += sum(1 for t in out.token_ids if 0x80 + 4 <= t < 4 + 256)
     assert split_chars > 0, "the test should exercise multi-byte characters"
     # token ids without a tokenizer-free view: the raw ids are there too
     assert list(handles[0].token_ids()) == handles[0].result().token_ids

@@ -288,9 +288,10 @@ def test_generate_dataset_and_cli_take_stops(model64, tok, tmp_path):
     plain = paged_hf.Engine(model64, tok).generate(prompts, base)
     stop = plain[0].text[5:7]
     ds = datasets.Dataset.from_dict({"prompt": prompts})
+    # the prompts as they are, as the reference has them
     out = paged_hf.generate_dataset(
         model64, tok, ds, sampling_params=base.with_(stop=[stop]), progress=False, chat=False
-    )  # the prompts as they are, as the reference has them
+    )
     for row, ref in zip(out, plain):
         assert row["generation"] == (
             ref.text[: ref.text.find(stop)] if stop in ref.text else ref.text

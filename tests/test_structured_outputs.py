@@ -145,9 +145,8 @@ def test_without_xgrammar_a_constraint_names_the_extra(tiny, monkeypatch):
     engine = paged_hf.Engine(model, tok, block_size=4, num_blocks=64)
     with pytest.raises(ValueError, match=r"paged_hf\[structured\]"):
         engine.add_request("x", paged_hf.SamplingParams(regex="a+"))
-    engine.generate(
-        ["x"], paged_hf.SamplingParams(max_new_tokens=2)
-    )  # unconstrained ones still run
+    # unconstrained ones still run
+    engine.generate(["x"], paged_hf.SamplingParams(max_new_tokens=2))
 
 
 @pytest.fixture(scope="module")
@@ -172,9 +171,8 @@ def test_smollm2_constrained_and_unconstrained_requests_in_one_batch(smollm2):
         for c in cities
     ]
     free = [_chat(tok, "What is the capital of Italy?"), _chat(tok, "Name a fruit.")]
-    engine = paged_hf.Engine(
-        model, tok, max_num_batched_tokens=64
-    )  # chunked: constrained rows mix with prefills
+    # chunked: constrained rows mix with prefills
+    engine = paged_hf.Engine(model, tok, max_num_batched_tokens=64)
     params = (
         [paged_hf.SamplingParams(max_new_tokens=80, json_schema=SCHEMA)] * 4
         + [paged_hf.SamplingParams(max_new_tokens=12)] * 2

@@ -26,9 +26,8 @@ def _train_step(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer, ids: list[list[int]]
 ) -> None:
     batch = torch.tensor(ids)
-    loss = model(
-        input_ids=batch, labels=batch
-    ).loss  # plain forward of a patched model trains as before
+    # plain forward of a patched model trains as before
+    loss = model(input_ids=batch, labels=batch).loss
     loss.backward()
     optimizer.step()
     optimizer.zero_grad()

@@ -144,9 +144,8 @@ def test_processed_logprobs_of_greedy_requests_are_of_their_masked_logits():
         [prompt], base.with_(logprobs_mode="processed_logprobs", begin_suppress_tokens=(first,))
     )[0]
     assert out.token_ids[0] != first
-    assert (
-        out.completions[0].logprobs[0][0] > raw.completions[0].logprobs[1][0] - 50
-    )  # finite, renormalised
+    # finite, renormalised
+    assert out.completions[0].logprobs[0][0] > raw.completions[0].logprobs[1][0] - 50
     assert first not in out.completions[0].logprobs[0][1]
 
 
@@ -260,9 +259,8 @@ def test_a_tiny_grpo_run_generates_through_the_engine_on_each_steps_weights(peft
 
         peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
 
-    def reward(
-        completions, **kw
-    ):  # varies across a prompt's samples, so advantages (and updates) are not 0
+    # varies across a prompt's samples, so advantages (and updates) are not 0
+    def reward(completions, **kw):
         return [float(sum(map(ord, c)) % 7) for c in completions]
 
     trainer = Trainer(

@@ -337,9 +337,8 @@ def make_arch_config(name: str) -> PreTrainedConfig:
 
     if name == "olmo2":  # q/k norms over all heads, post-norm blocks
         return T.Olmo2Config(**_SMALL, num_hidden_layers=2)
-    if (
-        name == "granite"
-    ):  # embedding / residual / attention / logits multipliers; scaling = attention_multiplier
+    # embedding / residual / attention / logits multipliers; scaling = attention_multiplier
+    if name == "granite":
         return T.GraniteConfig(
             **_SMALL,
             num_hidden_layers=2,
@@ -368,9 +367,8 @@ def make_arch_config(name: str) -> PreTrainedConfig:
             num_experts_per_tok=2,
             sliding_window=SLIDING_WINDOW,
         )
-    if (
-        name == "qwen2_moe"
-    ):  # MoE with a shared expert; sliding on: the window lives in the mask only
+    # MoE with a shared expert; sliding on: the window lives in the mask only
+    if name == "qwen2_moe":
         return T.Qwen2MoeConfig(
             **_SMALL,
             **_MOE,
@@ -383,9 +381,8 @@ def make_arch_config(name: str) -> PreTrainedConfig:
         )
     if name == "qwen3_moe":  # MoE with q/k norms
         return T.Qwen3MoeConfig(**_SMALL, **_MOE, num_hidden_layers=2, num_experts=4, head_dim=16)
-    if (
-        name == "llama4_text"
-    ):  # chunked attention on 3 of 4 layers (the 4th is full, without RoPE), MoE
+    # chunked attention on 3 of 4 layers (the 4th is full, without RoPE), MoE
+    if name == "llama4_text":
         return T.Llama4TextConfig(
             **_SMALL,
             num_hidden_layers=4,
@@ -420,9 +417,8 @@ def make_arch_config(name: str) -> PreTrainedConfig:
             topk_group=1,
             first_k_dense_replace=1,
         )
-    if (
-        name == "gemma4_text"
-    ):  # per-layer geometry: sliding layers 2 KV heads of 16, the full layer 1 of 32
+    # per-layer geometry: sliding layers 2 KV heads of 16, the full layer 1 of 32
+    if name == "gemma4_text":
         return T.Gemma4TextConfig(
             **_SMALL,
             num_hidden_layers=4,
@@ -434,9 +430,8 @@ def make_arch_config(name: str) -> PreTrainedConfig:
             vocab_size_per_layer_input=VOCAB_SIZE,
             layer_types=["sliding_attention"] * 3 + ["full_attention"],
         )
-    if (
-        name == "qwen2_vl"
-    ):  # the text path of an image-text model: M-RoPE (3 position sections) over text
+    # the text path of an image-text model: M-RoPE (3 position sections) over text
+    if name == "qwen2_vl":
         text = {
             k: v
             for k, v in _SMALL.items()
@@ -473,13 +468,11 @@ def make_arch_model(name: str, seed: int = 0) -> PreTrainedModel:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = auto.from_config(config, dtype=torch.float32)
-    if (
-        name == "gemma4_text"
-    ):  # tied embeddings scaled by sqrt(hidden): shrink them, as for gemma2/3 above
+    # tied embeddings scaled by sqrt(hidden): shrink them, as for gemma2/3 above
+    if name == "gemma4_text":
         with torch.no_grad():
             model.get_input_embeddings().weight.mul_(1 / 16)
-            model.model.norm.weight.mul_(
-                16
-            )  # Gemma 4's norm multiplies by weight itself, not 1 + weight
+            # Gemma 4's norm multiplies by weight itself, not 1 + weight
+            model.model.norm.weight.mul_(16)
     model.generation_config.pad_token_id = PAD_ID
     return model.eval()

@@ -394,6 +394,7 @@ class BlockManager:
             )
             for _, p in pairs
         ]
+        # the parents' references first: a beam may be another's parent
         for (
             tables,
             _,
@@ -401,7 +402,7 @@ class BlockManager:
             _,
             node,
             _,
-        ) in held:  # the parents' references first: a beam may be another's parent
+        ) in held:
             self.pool.incref([b for t in tables for b in t if b >= 0])
             if node is not None:
                 self.index.lock(node)

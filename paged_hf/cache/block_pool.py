@@ -61,9 +61,8 @@ class BlockPool:
         if n > len(self._free):
             evicted = self.index.evict(n - len(self._free))
             self.evictions += len(evicted)
-            for b in reversed(
-                evicted
-            ):  # onto the stack so that they come off least recently used first
+            # onto the stack so that they come off least recently used first
+            for b in reversed(evicted):
                 assert self.refcount[b] == 0, (
                     f"evicted block {b} still has refcount {self.refcount[b]}"
                 )
@@ -95,9 +94,8 @@ class BlockPool:
             self.refcount[b] -= 1
             if self.refcount[b] == 0:
                 if self.index is not None and self.index.holds(b):
-                    self.index.unused(
-                        b
-                    )  # cached: a sliding group's page may now be evicted by itself
+                    # cached: a sliding group's page may now be evicted by itself
+                    self.index.unused(b)
                 else:
                     self._release(b)
 

@@ -19,9 +19,8 @@ from typing import Any
 
 import torch
 
-_WATCHES: "weakref.WeakSet[WeightsWatch]" = (
-    weakref.WeakSet()
-)  # every live watch, for the hook below
+# every live watch, for the hook below
+_WATCHES: "weakref.WeakSet[WeightsWatch]" = weakref.WeakSet()
 _HOOK: Any = None
 
 
@@ -142,9 +141,8 @@ class WeightsWatch:
         self._counted = [t for t in tensors if not t.is_inference()]
         self._uncounted = [t for t in tensors if t.is_inference()]
         ids = tuple((id(t), t.data_ptr()) for t in tensors)
-        if ids != getattr(
-            self, "_ids", None
-        ):  # the same tensors at the same addresses keep their views
+        # the same tensors at the same addresses keep their views
+        if ids != getattr(self, "_ids", None):
             self._samples = _sample_views(tensors, self.SAMPLES)
         self._ids = ids
         self._scanned_at = time.perf_counter()

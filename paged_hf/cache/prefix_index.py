@@ -87,9 +87,8 @@ class RadixPrefixIndex:
         assert self.groups[0].is_full, "group 0 keys the tree: it must be a full-attention group"
         self._num_extra = len(self.groups) - 1
         self._loose_kind = [not g.is_full for g in self.groups[1:]]
-        self._bound = 1 + sum(
-            not loose for loose in self._loose_kind
-        )  # pages per position counted by locks
+        # pages per position counted by locks
+        self._bound = 1 + sum(not loose for loose in self._loose_kind)
         self._where: dict[
             int, tuple[Node, int]
         ] = {}  # loose-kind page -> (its node, its extra group)

@@ -28,14 +28,12 @@ class StateSlots:
             raise ValueError(f"num_slots={num_slots}, must be >= 1")
         self.num_slots = num_slots
         self.num_checkpoints = num_checkpoints
-        self._free = list(
-            range(num_slots)
-        )  # a heap: the lowest first, so running slots stay near the front
+        # a heap: the lowest first, so running slots stay near the front
+        self._free = list(range(num_slots))
         self._owner: dict[int, Request] = {}  # running slot -> the request holding it
         self._ckpt_free = list(range(num_slots + num_checkpoints - 1, num_slots - 1, -1))
-        self._attached: OrderedDict[int, Any] = (
-            OrderedDict()
-        )  # checkpoint -> its node, least recently used first
+        # checkpoint -> its node, least recently used first
+        self._attached: OrderedDict[int, Any] = OrderedDict()
         self._pending: set[int] = set()  # taken during a step, not attached yet
         self.checkpoint_hits = 0
 

@@ -4,15 +4,14 @@ What passes here cannot fail later for reasons of its own (the failure model): t
 are ints inside the vocabulary and no media placeholder, the sampling params are valid for this
 model, stop strings have a tokenizer to read them. Errors name the request.
 
-``Admission`` is a part of ``Engine`` (paged_hf/engine/engine.py); it reads the engine's
-``config``, ``tokenizer``, ``vocab_size``, ``max_model_len``, ``eos_token_ids``, ``scheduler``,
-``requests`` and ``runner.device``.
+``AdmissionMixin`` is a part of ``Engine`` (paged_hf/engine/engine.py); what it reads of the
+engine it declares.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -24,23 +23,51 @@ from ..requests.sampling_params import SamplingParams
 from .binding import check_still_patched
 from .structured import StructuredOutputs
 
+if TYPE_CHECKING:
+    import itertools
+
+    from ..execution.runner import ModelRunner
+    from .scheduler import Scheduler
+
 logger = logging.getLogger("paged_hf")
 
 
-class Admission:
+class AdmissionMixin:
+    """Requests in: validated, given their ids, tokenized, queued."""
+
+    model: torch.nn.Module
+    tokenizer: Any
+    vocab_size: int
+    max_model_len: int
+    eos_token_ids: frozenset[int]
+    scheduler: Scheduler
+    runner: ModelRunner
+    requests: dict[str, Request]
+    structured: StructuredOutputs | None
+    _ids: itertools.count
+    _stats: Any  # EngineStats
+    _patch_state: Any
+
     def add_request(
         self,
         prompt: Any,
         params: SamplingParams | None = None,
         request_id: str | None = None,
         eos_token_ids: frozenset[int] | None = None,
+        *,
+        stop_strings: StopStrings | None = None,
+        encoder_token_ids: tuple[int, ...] | None = None,
     ) -> str:
         """Queue one prompt (token ids, or a string with a tokenizer). Bad input raises
         ValueError naming the request; nothing else is disturbed. ``eos_token_ids`` replaces the
         model's EOS ids for this request (transformers' generate takes them from its config).
         ``request_id``: a str of the caller's choosing, or None for one the engine makes
-        (``"paged_hf:<n>"``); returns the id."""
-        return self._add(self._new_id(request_id), prompt, params, eos_token_ids)
+        (``"paged_hf:<n>"``); returns the id. ``stop_strings``: a matcher of the caller's making
+        (``model.generate``'s, with transformers' semantics) instead of one for ``params.stop``;
+        ``encoder_token_ids``: the tokens ``encoder_repetition_penalty`` favours instead of the
+        prompt's."""
+        rid = self._new_id(request_id)
+        return self._add(rid, prompt, params, eos_token_ids, stop_strings, encoder_token_ids)
 
     def _add(
         self,
@@ -51,9 +78,6 @@ class Admission:
         stop_strings: StopStrings | None = None,
         encoder_token_ids: tuple[int, ...] | None = None,
     ) -> str:
-        """``stop_strings``: a matcher of the caller's making (``model.generate``'s, with
-        transformers' semantics) instead of one for ``params.stop``; ``encoder_token_ids``: the
-        tokens ``encoder_repetition_penalty`` favours instead of the prompt's."""
         check_still_patched(self.model, self._patch_state)
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
@@ -234,9 +258,8 @@ def within_limits(config: EngineConfig, max_model_len: int, limits: dict) -> int
         value = max_model_len if option == "max_model_len" else getattr(config, option)
         if value <= limit:
             continue
-        if (
-            option == "max_model_len" and config.max_model_len is None
-        ):  # the default: lower it, say so once
+        # the default: lower it, say so once
+        if option == "max_model_len" and config.max_model_len is None:
             logger.info("paged_hf: max_model_len lowered to %d: %s", limit, why)
             max_model_len = limit
         else:

@@ -2,14 +2,15 @@
 
 Each submits its requests, steps the engine until they finish and returns their outputs in
 input order; interrupted (any exception, ``KeyboardInterrupt`` included) it aborts what it
-submitted before raising. ``BatchCalls`` is a part of ``Engine`` (paged_hf/engine/engine.py).
+submitted before raising. ``BatchCallsMixin`` is a part of ``Engine`` (paged_hf/engine/engine.py); what it reads of the
+engine it declares.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -18,10 +19,26 @@ from ..requests.sampling_params import SamplingParams
 from .outputs import RequestOutput
 from .scoring import ScoreOutput
 
+if TYPE_CHECKING:
+    from .scheduler import Scheduler
+
 logger = logging.getLogger("paged_hf")
 
 
-class BatchCalls:
+class BatchCallsMixin:
+    """The blocking calls: submit, step until done, return in input order."""
+
+    scheduler: Scheduler
+    requests: dict[str, Request]
+    _aborts: int
+    _add: Callable[..., str]
+    _new_id: Callable[[Any], str]
+    _collect_root: Callable[[Request], RequestOutput]
+    abort: Callable[[str], None]
+    fail: Callable[..., None]
+    check_weights: Callable[[], None]
+    step: Callable[[], tuple[dict[Request, int], list[Request]]]
+
     def generate(
         self,
         prompts: Sequence[Any],

@@ -57,9 +57,8 @@ class BeamCallGroup(JointCallGroup):
         eos = gc._eos_token_tensor
         self.beams_to_keep = max(2, 1 + (eos.shape[0] if eos is not None else 0)) * self.num_beams
         self.top_num_beam_mask = torch.arange(self.beams_to_keep, device=dev) < self.num_beams
-        fill = (
-            gc._pad_token_tensor or eos[0] if eos is not None else -1
-        )  # transformers' fill value, as it reads
+        # transformers' fill value, as it reads
+        fill = gc._pad_token_tensor or eos[0] if eos is not None else -1
         b, k = self.batch, self.num_beams
         self.running = torch.full((b, k, gc.max_length), int(fill), dtype=torch.int64, device=dev)
         self.running[:, :, : self.prompt_len] = rows.to(dev).unsqueeze(1)
@@ -236,7 +235,7 @@ def beam_search(
     rids: list[str] = []
     try:
         for i, p in enumerate(ids):
-            rids.append(engine._add(engine._new_id(None), p, params, frozenset()))
+            rids.append(engine.add_request(p, params, eos_token_ids=frozenset()))
             group.join(engine.requests[rids[-1]], i * num_beams)
         outputs = engine.run_until_done(rids)
     except BaseException:

@@ -236,9 +236,8 @@ class JointCallGroup(CallGroup):
         failed = self._failed_rows()
         if failed:
             return failed
-        if self.over or any(
-            req.is_finished for req in self.members
-        ):  # its length: every row at once
+        # its length: every row at once
+        if self.over or any(req.is_finished for req in self.members):
             return self._end_rest(FinishReason.STOP, STOP_REASON)
         return []
 

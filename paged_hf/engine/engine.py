@@ -32,12 +32,12 @@ from ..config import DEFAULT_CPU_BATCH_CALL_TOKENS, DEFAULT_CPU_KV_BYTES, Engine
 from ..execution.runner import ModelRunner, cache_groups
 from ..requests.request import FinishReason, Request
 from ..requests.sampling_params import SamplingParams
-from .admission import Admission, eos_ids, max_model_len_for, within_limits
-from .batch import BatchCalls
+from .admission import AdmissionMixin, eos_ids, max_model_len_for, within_limits
+from .batch import BatchCallsMixin
 from .binding import patch_state
-from .outputs import OutputAssembly, RequestOutput
+from .outputs import OutputsMixin, RequestOutput
 from .scheduler import Scheduler
-from .step import StepLoop
+from .step import StepMixin
 
 logger = logging.getLogger("paged_hf")
 
@@ -59,7 +59,7 @@ class EngineStats:
     step_log: deque = field(default_factory=lambda: deque(maxlen=100_000))
 
 
-class Engine(Admission, StepLoop, OutputAssembly, BatchCalls):
+class Engine(AdmissionMixin, StepMixin, OutputsMixin, BatchCallsMixin):
     """The engine over a model whose attention is paged. ``paged_hf.Engine`` (paged_hf/model/patching.py)
     checks and patches the model first when needed; this class reads what patching left on the
     model (paged_hf/engine/binding.py) and never imports the model side."""
@@ -192,9 +192,8 @@ class Engine(Admission, StepLoop, OutputAssembly, BatchCalls):
         """Bytes of the state slots: ``max_num_seqs`` running ones and, with prefix caching, half as
         many prefix checkpoints; by default no more than half the budget holds."""
         cfg, per_slot = self.config, self.state_layout.bytes_per_slot()
-        share = (
-            1.5 if cfg.enable_prefix_caching else 1.0
-        )  # checkpoints: half a slot per running sequence
+        # checkpoints: half a slot per running sequence
+        share = 1.5 if cfg.enable_prefix_caching else 1.0
         fit = max(1, int(budget // 2 // per_slot / share))
         if not explicit_max_num_seqs and fit < cfg.max_num_seqs:
             logger.info(

@@ -1,13 +1,14 @@
 """What a finished request returns, and how the engine assembles it from the request's state
 (completions, text cut at a stop string, logprobs).
 
-``OutputAssembly`` is a part of ``Engine`` (paged_hf/engine/engine.py); it reads the engine's
-``tokenizer`` and ``requests``.
+``OutputsMixin`` is a part of ``Engine`` (paged_hf/engine/engine.py); what it reads of the
+engine it declares.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..requests.request import FinishReason, Request
 from .scoring import ScoreOutput, prompt_logprobs_output, score_output
@@ -56,7 +57,12 @@ class RequestOutput:
         return self.completions[0].finish_reason if self.completions else None
 
 
-class OutputAssembly:
+class OutputsMixin:
+    """A finished request's output, assembled from its state."""
+
+    tokenizer: Any
+    requests: dict[str, Request]
+
     def _collect_root(self, root: Request) -> RequestOutput:
         if self.requests.get(root.request_id) is root:
             del self.requests[root.request_id]

@@ -23,9 +23,8 @@ class SchedulerOutput:
     # swap preemption, done by the backend before the step (swap-outs first: their blocks are free now)
     swap_out: list[tuple[Request, list[int]]] = field(default_factory=list)
     swap_in: list[tuple[Request, list[int]]] = field(default_factory=list)
-    state_copies: list[tuple[int, int]] = field(
-        default_factory=list
-    )  # (src, dst) state slots before the step
+    # (src, dst) state slots before the step
+    state_copies: list[tuple[int, int]] = field(default_factory=list)
     finished: list[Request] = field(default_factory=list)  # filled in by ``update``
 
     @property
@@ -183,9 +182,8 @@ class Scheduler:
                 n = self._no_lone_token(req, n)
             if not self.kv_manager.allocate_slots(req, n, out.block_copies):
                 self.kv_manager.free(req)
-                if not chosen and self._preempt_held(
-                    out
-                ):  # rows that wait on it hold the blocks it needs
+                # rows that wait on it hold the blocks it needs
+                if not chosen and self._preempt_held(out):
                     continue
                 break
             self.waiting.popleft()
@@ -314,9 +312,8 @@ class Scheduler:
         self.kv_manager.reassign(both)
         for beam, parent in moved:
             if beam.status is RequestStatus.RUNNING and (beam, parent) not in both:
-                self.kv_manager.free(
-                    beam
-                )  # its parent was preempted: it computes the parent's KV again
+                # its parent was preempted: it computes the parent's KV again
+                self.kv_manager.free(beam)
             beam.swapped_tokens, beam.swap_handle = 0, None
             beam.token_ids = list(tokens[id(parent)])
 

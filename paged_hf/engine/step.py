@@ -2,7 +2,7 @@
 
 A request that fails on its own (its sampling, its logits, its stop-string check) ends alone
 with ``finish_reason`` "error"; a step that fails as a whole ends exactly the requests it
-touched; an interrupted step is undone. ``StepLoop`` is a part of ``Engine``
+touched; an interrupted step is undone. ``StepMixin`` is a part of ``Engine``
 (paged_hf/engine/engine.py); it drives the engine's ``scheduler``, ``runner`` and ``kv``.
 """
 
@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -20,6 +21,12 @@ from ..requests.request import FinishReason, Request, sample_request_id
 from .binding import check_still_patched
 from .scheduler import SchedulerOutput
 from .scoring import score_step_rows
+
+if TYPE_CHECKING:
+    from ..cache.block_manager import BlockManager
+    from ..execution.runner import ModelRunner
+    from .scheduler import Scheduler
+    from .structured import StructuredOutputs
 
 logger = logging.getLogger("paged_hf")
 
@@ -45,7 +52,43 @@ def _hand_joint_rows_to_their_groups(
     )
 
 
-class StepLoop:
+@dataclass
+class _StepRows:
+    """The rows a step samples, and what its scored rows gave."""
+
+    rows: list[Request]
+    logits: torch.Tensor
+    scores: dict
+    score_errors: dict
+    joint: list[Any]  # generate calls that pick their rows' tokens themselves
+    result: Any = None  # the sampler's SampleResult
+
+
+def _decode_tokens(out: SchedulerOutput) -> int:
+    """Tokens of the step that are decodes of running outputs (the step log's decode count)."""
+    return sum(
+        1
+        for req, n in out.scheduled
+        if n == 1 and req.num_output_tokens > 0 and req.num_pending_tokens == 1
+    )
+
+
+class StepMixin:
+    """One step: schedule, execute, sample, update."""
+
+    model: torch.nn.Module
+    scheduler: Scheduler
+    runner: ModelRunner
+    kv_manager: BlockManager
+    structured: StructuredOutputs | None
+    state_layout: Any
+    page_bytes: int
+    _stats: Any  # EngineStats
+    _patch_state: Any
+    _generator: Callable[[Any, int], torch.Generator | None]
+    check_weights: Callable[[], None]
+    wake_up: Callable[[], None]
+
     def step(self) -> tuple[dict[Request, int], list[Request]]:
         """One engine step; returns ({request: new token}, finished requests).
 
@@ -54,81 +97,100 @@ class StepLoop:
         and the engine goes on serving. Interrupted (KeyboardInterrupt), the step is undone: its
         requests keep their tokens and recompute their KV when next scheduled.
         """
-        check_still_patched(self.model, self._patch_state)
-        self.check_weights()
-        if self.runner.asleep:
-            self.wake_up()
-        sched = self.scheduler
-        out = sched.schedule()
+        self._before_step()
+        out = self.scheduler.schedule()
         if out.is_empty:
-            if sched.has_unfinished:
+            if self.scheduler.has_unfinished:
                 raise RuntimeError(
                     "scheduler made no progress with requests pending (this is a bug)"
                 )
             return {}, []
-        decode_tokens = sum(
-            1
-            for req, n in out.scheduled
-            if n == 1 and req.num_output_tokens > 0 and req.num_pending_tokens == 1
-        )
+        decode_tokens = _decode_tokens(out)  # before the step moves the requests on
         forked: list[Request] = []
         try:
-            # forked samples' states first: a sample preempted before its first step swaps out its copy
-            self.runner.copy_states(out.state_copies)
-            self._swap_out(out)
-            for req, blocks in out.swap_in:
-                self.runner.backend.swap_in(req.swap_handle, blocks)
-                req.swap_handle = None
-                if req.swapped_state is not None:
-                    self.runner.states.restore(req.state_slot, req.swapped_state)
-                    req.swapped_state = None
-            self._decode_states_in_front(out.scheduled)
-            logits, meta = self.runner.execute(out.scheduled, out.block_copies)
-            sched.mark_computed(out)
-            # logits: the sampled rows, then the scored ones (prompt logprobs, scoring requests)
-            scores, score_errors = (
-                score_step_rows(logits[len(meta.sampled_requests) :], meta.score_rows)
-                if meta.score_rows
-                else ({}, {})
-            )
-            logits = logits[: len(meta.sampled_requests)]
-            rows = list(meta.sampled_requests)
-            row_of = list(range(len(rows)))
-            for i, req in enumerate(meta.sampled_requests):
-                if req.params.n > 1 and not req.forked and req.parent is None:
-                    children = [self._fork_child(req, k) for k in range(1, req.params.n)]
-                    sched.fork(req, children)
-                    forked.append(req)
-                    rows += children
-                    row_of += [i] * len(children)
-            if len(rows) != len(meta.sampled_requests):
-                logits = logits[torch.tensor(row_of, device=logits.device)]
-            rows, logits, joint = _hand_joint_rows_to_their_groups(rows, logits)
-            matchers = {i: r.grammar for i, r in enumerate(rows) if r.grammar is not None}
-            result = sample(
-                logits,
-                rows,
-                (lambda lg, errs: self.structured.apply(lg, matchers, errs)) if matchers else None,
-            )
+            logits, meta = self._execute(out)
+            batch = self._rows_to_sample(logits, meta, forked)
+            batch.result = self._sample(batch)
         except Exception as e:  # noqa: BLE001 - ends the step's requests, not the engine
             return {}, self._fail_step(out, forked, e)
         except BaseException:
-            for victim, _ in out.swap_out:  # preempted, KV not (all) saved: recompute it
-                if victim.swap_handle is None:
-                    victim.swapped_tokens = 0
-            for parent in forked:
-                sched.unfork(parent)
-            sched.requeue([req for req, _ in out.scheduled])
+            self._undo_step(out, forked)
             raise
+        return self._update(out, batch, decode_tokens)
 
+    def _before_step(self) -> None:
+        check_still_patched(self.model, self._patch_state)
+        self.check_weights()
+        if self.runner.asleep:
+            self.wake_up()
+
+    def _execute(self, out: SchedulerOutput) -> tuple[torch.Tensor, Any]:
+        """Move the KV and states the schedule asks for, then run the forward: the logits of the
+        sampled rows, then the scored ones."""
+        # forked samples' states first: a sample preempted before its first step swaps out its copy
+        self.runner.copy_states(out.state_copies)
+        self._swap_out(out)
+        for req, blocks in out.swap_in:
+            self.runner.backend.swap_in(req.swap_handle, blocks)
+            req.swap_handle = None
+            if req.swapped_state is not None:
+                self.runner.states.restore(req.state_slot, req.swapped_state)
+                req.swapped_state = None
+        self._decode_states_in_front(out.scheduled)
+        logits, meta = self.runner.execute(out.scheduled, out.block_copies)
+        self.scheduler.mark_computed(out)
+        return logits, meta
+
+    def _rows_to_sample(self, logits: torch.Tensor, meta: Any, forked: list[Request]) -> _StepRows:
+        """The step's rows: scored rows' entries, then one row per sampled request, its first
+        step's n - 1 forked samples sharing its logits; rows a generate call picks for itself
+        go to their call."""
+        n_sampled = len(meta.sampled_requests)
+        scores, score_errors = (
+            score_step_rows(logits[n_sampled:], meta.score_rows) if meta.score_rows else ({}, {})
+        )
+        logits = logits[:n_sampled]
+        rows = list(meta.sampled_requests)
+        row_of = list(range(len(rows)))
+        for i, req in enumerate(meta.sampled_requests):
+            if req.params.n > 1 and not req.forked and req.parent is None:
+                children = [self._fork_child(req, k) for k in range(1, req.params.n)]
+                self.scheduler.fork(req, children)
+                forked.append(req)
+                rows += children
+                row_of += [i] * len(children)
+        if len(rows) != n_sampled:
+            logits = logits[torch.tensor(row_of, device=logits.device)]
+        rows, logits, joint = _hand_joint_rows_to_their_groups(rows, logits)
+        return _StepRows(rows, logits, scores, score_errors, joint)
+
+    def _sample(self, batch: _StepRows) -> Any:
+        matchers = {i: r.grammar for i, r in enumerate(batch.rows) if r.grammar is not None}
+        mask = (lambda lg, errs: self.structured.apply(lg, matchers, errs)) if matchers else None
+        return sample(batch.logits, batch.rows, mask)
+
+    def _undo_step(self, out: SchedulerOutput, forked: list[Request]) -> None:
+        """An interrupted step: its requests keep their tokens and recompute what was lost."""
+        for victim, _ in out.swap_out:  # preempted, KV not (all) saved: recompute it
+            if victim.swap_handle is None:
+                victim.swapped_tokens = 0
+        for parent in forked:
+            self.scheduler.unfork(parent)
+        self.scheduler.requeue([req for req, _ in out.scheduled])
+
+    def _update(
+        self, out: SchedulerOutput, batch: _StepRows, decode_tokens: int
+    ) -> tuple[dict[Request, int], list[Request]]:
+        """The step's tokens and failures applied: requests advance, stop, or end with an error."""
         sampled: dict[Request, int] = {}
         failed: list[Request] = []
-        for req, entries in scores.items():
+        for req, entries in batch.scores.items():
             req.scored.extend(entries)
-        for req, why in score_errors.items():
+        for req, why in batch.score_errors.items():
             req.error = f"request {req.request_id}: {why}"
             failed.append(req)
-        for i, (req, tok, lp) in enumerate(zip(rows, result.tokens, result.logprobs)):
+        result = batch.result
+        for i, (req, tok, lp) in enumerate(zip(batch.rows, result.tokens, result.logprobs)):
             if tok is None:
                 req.error = f"request {req.request_id}: {result.errors[i]}"
                 failed.append(req)
@@ -136,22 +198,9 @@ class StepLoop:
             sampled[req] = tok
             if lp is not None:
                 req.logprobs.append(lp)
-        for (
-            group
-        ) in joint:  # calls whose every row has its logits for the step pick their tokens now
-            chosen = group.choose()
-            if isinstance(chosen, dict):
-                if getattr(
-                    group, "reassignments", None
-                ):  # beam search: each beam continues another's
-                    sched.reassign(group.reassignments)
-                    group.reassignments = []
-                sampled.update(chosen)
-                continue
-            for req, _, why in chosen:
-                req.error = f"request {req.request_id}: {why}"
-                failed.append(req)
+        failed += self._let_calls_choose(batch.joint, sampled)
         now = time.perf_counter()
+        sched = self.scheduler
         finished = sched.update(out, sampled, now)
         finished += self._finish_prefill_only(out, failed, now)
         failed += self._check_stop_strings(sampled, finished, now)
@@ -165,6 +214,23 @@ class StepLoop:
             logger.warning("paged_hf: %s", req.error)
         self._record_step(out, sampled, decode_tokens)
         return sampled, finished + [req for req in failed if req not in finished]
+
+    def _let_calls_choose(self, joint: list[Any], sampled: dict[Request, int]) -> list[Request]:
+        """Calls whose every row has its logits for the step pick their tokens now (into
+        ``sampled``); returns the rows that failed."""
+        failed = []
+        for group in joint:
+            chosen = group.choose()
+            if isinstance(chosen, dict):
+                if getattr(group, "reassignments", None):  # beam search: a beam continues another's
+                    self.scheduler.reassign(group.reassignments)
+                    group.reassignments = []
+                sampled.update(chosen)
+                continue
+            for req, _, why in chosen:
+                req.error = f"request {req.request_id}: {why}"
+                failed.append(req)
+        return failed
 
     def _decode_states_in_front(self, scheduled: list[tuple[Request, int]]) -> None:
         """A hybrid's decode batch in slots 0..N-1, its states moved with it, so the mixers update

@@ -58,9 +58,8 @@ class StructuredOutputs:
         grammar = self._compiled.get(key)
         if grammar is None:
             start = time.perf_counter()
-            if (
-                kind == "json_schema"
-            ):  # compact JSON: small models given free whitespace loop on newlines
+            # compact JSON: small models given free whitespace loop on newlines
+            if kind == "json_schema":
                 grammar = self.compiler.compile_json_schema(text, any_whitespace=False)
             elif kind == "regex":
                 grammar = self.compiler.compile_regex(text)

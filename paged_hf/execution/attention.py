@@ -72,9 +72,8 @@ def set_fallback(config: Any, implementation: str | None) -> None:
 
 def _fallback(config: Any) -> str:
     impl = _fallback_impl.get(id(config))
-    if (
-        impl is None
-    ):  # a model loaded with attn_implementation="paged_hf" that paged_hf never patched
+    # a model loaded with attn_implementation="paged_hf" that paged_hf never patched
+    if impl is None:
         return _fallback_by_class.get(type(config), "sdpa")
     return impl
 
@@ -99,16 +98,14 @@ def paged_attention_forward(
         return fn(
             module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
         )
-    if (
-        attention_mask is not None
-    ):  # paged_mask returns None in a step: this one the module built itself
+    # paged_mask returns None in a step: this one the module built itself
+    if attention_mask is not None:
         raise RuntimeError(
             f"paged_hf: {type(module).__name__} (layer {module.layer_idx}) passed an attention mask "
             "that paged attention would drop; paged_hf.patch should have refused this model"
         )
-    layer_idx = module.__dict__.get(
-        LAYER_ATTR, module.layer_idx
-    )  # no AttributeError per call, as getattr has
+    # no AttributeError per call, as getattr has
+    layer_idx = module.__dict__.get(LAYER_ATTR, module.layer_idx)
     out = backend.attend(
         backend.layout.kv_index(layer_idx),
         query,

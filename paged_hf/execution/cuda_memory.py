@@ -25,9 +25,8 @@ from .kv_geometry import KVLayout
 logger = logging.getLogger("paged_hf")
 
 FLOAT_WORKSPACE_BYTES = 128 << 20  # FlashInfer's float workspace, one for all wrappers
-INT_WORKSPACE_BYTES = (
-    8 << 20
-)  # FlashInfer's int workspace, one per attention variant (shared by its wrappers)
+# FlashInfer's int workspace, one per attention variant (shared by its wrappers)
+INT_WORKSPACE_BYTES = 8 << 20
 MARGIN_BYTES = 256 << 20  # cuBLAS workspaces, allocator rounding, kernels loaded later
 
 

@@ -269,8 +269,7 @@ class ModelRunner:
                 logits_to_keep=meta.logits_indices,
             )
         logits = out.logits[0]
-        if (
-            logits.shape[0] != meta.logits_indices.numel()
-        ):  # a forward without logits_to_keep (Whisper's): every row
+        # a forward without logits_to_keep (Whisper's): every row
+        if logits.shape[0] != meta.logits_indices.numel():
             logits = logits.index_select(0, meta.logits_indices)
         return logits, meta

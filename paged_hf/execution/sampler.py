@@ -87,9 +87,8 @@ def sample(
                 continue
             try:
                 row_lp = processed.get(i)
-                if (
-                    row_lp is None
-                ):  # greedy rows' processed distribution: their masked, penalised logits
+                # greedy rows' processed distribution: their masked, penalised logits
+                if row_lp is None:
                     row_lp = (
                         torch.log_softmax(logits[i], dim=-1)
                         if r.params.processed_logprobs
@@ -156,9 +155,8 @@ def _row_max(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def _prepare_row(logits: torch.Tensor, row: int, req: Request) -> None:
     """The per-request processors, in place on ``logits[row]``: the penalties, EOS ban, suppressed tokens."""
     p = req.params
-    if (
-        p.encoder_repetition_penalty != 1.0
-    ):  # transformers' EncoderRepetitionPenaltyLogitsProcessor: by 1 / penalty
+    # transformers' EncoderRepetitionPenaltyLogitsProcessor: by 1 / penalty
+    if p.encoder_repetition_penalty != 1.0:
         ids = req.encoder_token_ids if req.encoder_token_ids is not None else req.prompt_ids
         _penalise(logits, row, ids, 1 / p.encoder_repetition_penalty)
     if p.repetition_penalty != 1.0:
@@ -177,9 +175,8 @@ def _prepare_row(logits: torch.Tensor, row: int, req: Request) -> None:
     suppressed = [t for t in suppressed if t < logits.shape[1]]
     if suppressed:
         logits[row, suppressed] = float("-inf")
-    for (
-        processor
-    ) in p.logits_processors:  # the caller's, after the built-in ones (transformers' order)
+    # the caller's, after the built-in ones (transformers' order)
+    for processor in p.logits_processors:
         out = processor(list(req.token_ids), logits[row])
         if not isinstance(out, torch.Tensor) or out.shape != logits[row].shape:
             raise ValueError(

@@ -62,9 +62,8 @@ def decodes_from_state(n_tokens: int, computed: int, snapshots: list) -> bool:
 class StatePlan:
     """Which rows of a step's packed batch go to the mixers together, and with which slots."""
 
-    decode_rows: (
-        torch.Tensor | None
-    )  # [N] rows of single-token sequences that have a state, by slot
+    # [N] rows of single-token sequences that have a state, by slot
+    decode_rows: torch.Tensor | None
     # their slots, a..b-1 (the step loop renumbers slots so that they are): the mixers read and
     # update those states in place, through views of the slots, with no gather or scatter
     decode_span: tuple[int, int] | None
@@ -148,9 +147,8 @@ class SlotView(Cache):
         self.offloading = False
         self.layer = layer
         self.given = [t for t in (*conv, *recurrent) if t is not None]  # the slots' own tensors
-        for i, (get, put) in enumerate(
-            spec.own_methods
-        ):  # the model's own cache's pair, over the same slots
+        # the model's own cache's pair, over the same slots
+        for i, (get, put) in enumerate(spec.own_methods):
             setattr(self, get, functools.partial(self.get_recurrent_state, state_idx=i))
             setattr(self, put, functools.partial(_own_set, self, state_idx=i))
 

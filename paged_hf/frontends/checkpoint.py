@@ -175,9 +175,8 @@ class Checkpoint:
         self.file.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
         self.file.flush()  # in the OS now: survives the process being killed
         now = time.perf_counter()
-        if (
-            now - self.last_sync >= _FSYNC_INTERVAL_S
-        ):  # on the disk: survives the machine going down
+        # on the disk: survives the machine going down
+        if now - self.last_sync >= _FSYNC_INTERVAL_S:
             os.fsync(self.file.fileno())
             self.last_sync = now
 

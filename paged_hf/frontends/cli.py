@@ -199,9 +199,8 @@ def generate(args: argparse.Namespace) -> int:
     if args.no_prefix_caching:
         engine_config["enable_prefix_caching"] = False
     try:
-        EngineConfig.from_kwargs(
-            **engine_config
-        )  # the engine checks them again; here it costs nothing
+        # the engine checks them again; here it costs nothing
+        EngineConfig.from_kwargs(**engine_config)
     except (ValueError, TypeError) as err:
         return _fail(str(err))
     if _is_main_process():  # under accelerate launch only rank 0 writes the result
@@ -320,12 +319,10 @@ def load_input(path: str, split: str | None) -> Any:
             if kind is None
             else datasets.load_dataset(kind, data_files=str(p), split="train")
         )
-    except (
-        Exception
-    ) as err:  # the parser's reason, not datasets' "An error occurred while generating"
-        if "corresponds to no data" in str(
-            err
-        ):  # datasets' words for a file with no rows (a CSV header only)
+    except Exception as err:
+        # the parser's reason, not datasets' "An error occurred while generating"
+        # datasets' words for a file with no rows (a CSV header only)
+        if "corresponds to no data" in str(err):
             raise ValueError(f"--input {path}: no rows") from None
         raise ValueError(
             f"--input {path}: cannot read it as {kind or 'a saved dataset'} ({_reason(err)})"

@@ -276,9 +276,8 @@ def _run_shard(
         done = {i: restored[i] for i in shard_rows if i in restored}
         checkpoint.open()
     sched = engine.scheduler
-    engine.check_weights(
-        rescan=True
-    )  # this loop steps the engine itself: look for replaced tensors now
+    # this loop steps the engine itself: look for replaced tensors now
+    engine.check_weights(rescan=True)
     target_waiting = 2 * engine.config.max_num_seqs
 
     rows = _rows(
@@ -351,13 +350,13 @@ def _submit(
         errors.append(_error_record(row, _describe(e)))
         return None
     try:
-        return engine.add_request(
-            ids, params
-        )  # an auto id: never collides with a shared engine's others
+        # an auto id: never collides with a shared engine's others
+        return engine.add_request(ids, params)
     except (
         ValueError,
         TypeError,
-    ) as e:  # refused at admission; anything else is a bug and propagates
+    ) as e:
+        # refused at admission; anything else is a bug and propagates
         errors.append(_error_record(row, f"{type(e).__name__}: {_without_request_id(str(e))}"))
         return None
 
@@ -367,15 +366,13 @@ def _finished_record(engine: Any, tokenizer: Any, row: int, req: Any) -> dict:
     if out.error is not None or out.finish_reason == "error":  # it failed inside a step, alone
         return _error_record(row, _without_request_id(out.error or "failed in the engine"))
     try:
-        if isinstance(
-            out.completions[0].stop_reason, str
-        ):  # ended by a stop string: the engine's cut text
+        # ended by a stop string: the engine's cut text
+        if isinstance(out.completions[0].stop_reason, str):
             text = out.text
         else:
             text = _decode(tokenizer, out.token_ids) if tokenizer is not None else (out.text or "")
-    except (
-        Exception
-    ) as e:  # the tokenizer cannot decode what this row generated: the row fails alone
+    except Exception as e:
+        # the tokenizer cannot decode what this row generated: the row fails alone
         return _error_record(row, _describe(e))
     return make_record(row, text, len(out.token_ids), out.finish_reason, out.ttft, None)
 
@@ -461,9 +458,8 @@ def _prompt_ids(tokenizer: Any, prompt: Any, is_messages: bool) -> list[int]:
         if not prompt:
             raise ValueError("no chat messages")
         text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
-        return list(
-            tokenizer(text, add_special_tokens=False)["input_ids"]
-        )  # the template adds its own
+        # the template adds its own
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
     if prompt is None or (isinstance(prompt, str) and not prompt):
         raise ValueError("empty prompt")
     if isinstance(prompt, str):
@@ -492,9 +488,8 @@ def _row_params(base: SamplingParams, row_params: Any, row: int) -> SamplingPara
     if params.n != 1:
         raise ValueError(f"n={params.n}; generate_dataset makes one completion per row")
     if not params.is_greedy and "seed" not in changes:
-        params = params.with_(
-            seed=(base.seed or 0) + row
-        )  # independent of batching, resume, shards
+        # independent of batching, resume, shards
+        params = params.with_(seed=(base.seed or 0) + row)
     return params
 
 

@@ -198,9 +198,8 @@ class BackgroundEngine:
         step), running, waiting, tokens, blocks_used, kv_waste, preempted."""
         import pandas as pd
 
-        rows = list(
-            self.engine._stats.step_log
-        )  # appended by the loop thread; a copy is consistent
+        # appended by the loop thread; a copy is consistent
+        rows = list(self.engine._stats.step_log)
         frame = pd.DataFrame(
             rows,
             columns=[

@@ -101,6 +101,7 @@ RECURRENT_PAIRS = (
     ("delta", "attention"),
 )
 RECURRENT_MODULES = (torch.nn.Conv1d, torch.nn.RNNBase)
+# class-name endings
 NOT_MIXERS = (
     "Norm",
     "Embedding",
@@ -109,7 +110,7 @@ NOT_MIXERS = (
     "Experts",
     "Gate",
     "Router",
-)  # class-name endings
+)
 MEDIA_PLACEHOLDERS = (
     "image_token_id",
     "image_token_index",
@@ -271,9 +272,8 @@ class _Call:
 @dataclass
 class _Probe:
     calls: list[_Call] = field(default_factory=list)
-    masks: dict[int, tuple[torch.Tensor, Any, bool]] = field(
-        default_factory=dict
-    )  # id(mask) -> (mask, fn, vmap)
+    # id(mask) -> (mask, fn, vmap)
+    masks: dict[int, tuple[torch.Tensor, Any, bool]] = field(default_factory=dict)
     ran: list[torch.nn.Module] = field(default_factory=list)
 
 
@@ -719,10 +719,11 @@ def _mask_pattern(
     """(window, chunk) of the mask transformers built for this call, evaluated up to ``max_pos``."""
     mask = call.mask
     if mask is None:
+        # no mask: the attention function's own causal masking (module.is_causal is True)
         return (
             None,
             None,
-        )  # no mask: the attention function's own causal masking (module.is_causal is True)
+        )
     entry = probe.masks.get(id(mask)) if isinstance(mask, torch.Tensor) else None
     if entry is None:
         raise refuse(

@@ -56,11 +56,12 @@ JOINT_SAMPLING_SETTINGS = {
     "top_h": None,
 }  # with do_sample
 JOINT_OUTPUTS = ("output_scores", "output_logits")  # with return_dict_in_generate
+# beam search: transformers' own, on shared blocks
 BEAM_SETTINGS = (
     "num_beams",
     "early_stopping",
     "length_penalty",
-)  # beam search: transformers' own, on shared blocks
+)
 CRITERIA_SETTINGS = ("max_time",)
 # changes the result, not run here; with the values at which transformers does nothing
 REFUSED_SETTINGS = {

@@ -9,6 +9,7 @@ NotImplementedError naming the option: never a silently different result.
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -44,6 +45,21 @@ _MEDIA_KWARG_PREFIXES = (
 )
 
 
+@dataclass
+class _Call:
+    """One ``generate`` call as read: its rows and settings, before any request exists."""
+
+    input_ids: torch.Tensor  # [batch, padded length]
+    attention_mask: torch.Tensor
+    gc: GenerationConfig
+    params: SamplingParams
+    pad: int
+    eos: list[int]
+    tokenizer: Any  # what stop_strings are read with, as in transformers
+    stop_strings: list[str] | None
+    encoder_rows: bool  # encoder_repetition_penalty favours each row's own ids, pad included
+
+
 def paged_generate(
     self: torch.nn.Module,
     inputs: torch.Tensor | None = None,
@@ -59,6 +75,8 @@ def paged_generate(
     custom_generate: Any = None,
     **kwargs: Any,
 ) -> torch.Tensor | GenerateDecoderOnlyOutput:
+    """transformers' ``generate`` on the engine: each row a request, the result as transformers
+    returns it; refused before anything runs where the engine cannot honour an option."""
     for name, value in (
         ("assistant_model", assistant_model),
         ("negative_prompt_ids", negative_prompt_ids),
@@ -68,7 +86,48 @@ def paged_generate(
             raise NotImplementedError(
                 f"paged_hf generate: {name} is not supported; unpatch the model to use it"
             )
-    tokenizer = kwargs.pop("tokenizer", None)  # what stop_strings are read with, as in transformers
+    call = _read_call(self, inputs, generation_config, kwargs)
+    if streamer is not None and call.input_ids.shape[0] * call.params.n != 1:
+        raise NotImplementedError("paged_hf generate: a streamer needs a batch of one sequence")
+    plan = plan_call(
+        self,
+        call.gc,
+        call.input_ids,
+        call.attention_mask,
+        call.params,
+        call.pad,
+        call.eos,
+        call.tokenizer,
+        logits_processor,
+        stopping_criteria,
+        prefix_allowed_tokens_fn,
+    )
+    # transformers' own processor applies the encoder penalty in a joint call
+    call.params, call.eos = plan.params, plan.eos
+    call.encoder_rows = call.encoder_rows and not plan.joint
+    state = patch_state(self)
+    if state is None:
+        raise ValueError(
+            "paged_hf generate: this model is not patched (call paged_hf.patch(model))"
+        )
+    outputs = _run_rows(state.get_engine(), call, plan, streamer)
+    if plan.group is not None and plan.group.error is not None:
+        raise plan.group.error  # the caller's criterion raised: so does its call
+    failed = [(i, out.error) for i, out in enumerate(outputs) if out.error is not None]
+    if failed:  # a tensor has no per-row errors: the call fails, naming the rows
+        raise RuntimeError(
+            f"paged_hf generate: {len(failed)} row(s) failed: "
+            + "; ".join(f"row {i}: {err}" for i, err in failed[:3])
+        )
+    return _result(call, plan, outputs)
+
+
+def _read_call(
+    model: torch.nn.Module, inputs: Any, generation_config: Any, kwargs: dict[str, Any]
+) -> _Call:
+    """The call's rows and settings, resolved as transformers resolves them; what the engine
+    cannot honour raises NotImplementedError naming it."""
+    tokenizer = kwargs.pop("tokenizer", None)
     # paged_hf's own keywords (structured outputs: the engine needs a tokenizer, patch(model, tok))
     constraint = {
         name: kwargs.pop(f"paged_hf_{name}")
@@ -80,18 +139,10 @@ def paged_generate(
         raise ValueError("paged_hf generate needs input_ids")
     if input_ids.dim() == 1:
         input_ids = input_ids[None]
-    gc, model_kwargs = self._prepare_generation_config(generation_config, **kwargs)
+    gc, model_kwargs = model._prepare_generation_config(generation_config, **kwargs)
     attention_mask = model_kwargs.pop("attention_mask", None)
     model_kwargs.pop("use_cache", None)
-    bad = [k for k in model_kwargs if k in _UNSUPPORTED_MODEL_KWARGS or model_kwargs[k] is not None]
-    media = [k for k in bad if k.startswith(_MEDIA_KWARG_PREFIXES)]
-    if media:
-        raise NotImplementedError(
-            f"paged_hf generate: image / video / audio inputs ({', '.join(media)}) are not "
-            "supported yet; paged_hf runs the text path of multimodal models (text-only input_ids)"
-        )
-    if bad:
-        raise NotImplementedError(f"paged_hf generate: argument(s) {bad} are not supported")
+    _refuse_model_kwargs(model_kwargs)
     refused = [
         f"{name}={getattr(gc, name, None)!r}"
         for name, neutral in REFUSED_SETTINGS.items()
@@ -102,18 +153,15 @@ def paged_generate(
             f"paged_hf generate: {', '.join(refused)}: not supported (beam search, assisted "
             "decoding, contrastive search, guidance and watermarking are not)"
         )
-
-    batch, padded_len = input_ids.shape
     eos = gc.eos_token_id
     eos_list = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
     pad = gc.pad_token_id if gc.pad_token_id is not None else (eos_list[0] if eos_list else 0)
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
         if gc.pad_token_id is not None and gc.pad_token_id not in eos_list:
-            attention_mask = (
-                input_ids != gc.pad_token_id
-            ).long()  # transformers infers it the same way
-    params = _sampling_params(gc, padded_len)
+            # transformers infers it the same way
+            attention_mask = (input_ids != gc.pad_token_id).long()
+    params = _sampling_params(gc, input_ids.shape[1])
     # transformers favours every id of the rows as they are, pad included, and ignores the penalty
     # (with a warning) where an id is negative
     encoder_rows = params.encoder_repetition_penalty != 1.0 and bool((input_ids >= 0).all())
@@ -122,83 +170,48 @@ def paged_generate(
             "Passing `encoder_repetition_penalty` requires some form of `input_ids` to be passed to "
             "`generate`, ignoring the argument.",
             UserWarning,
-            stacklevel=2,
+            stacklevel=3,
         )
         params = params.with_(encoder_repetition_penalty=1.0)
     if constraint:
         params = params.with_(**constraint)
         params.validate("paged_hf generate")
-    stop_strings = gc.stop_strings
-    if isinstance(stop_strings, str):
-        stop_strings = [stop_strings]
+    stop_strings = [gc.stop_strings] if isinstance(gc.stop_strings, str) else gc.stop_strings
     if stop_strings and tokenizer is None:
         raise ValueError(
             "paged_hf generate: stop_strings need the model's tokenizer: pass it as "
             "generate(..., stop_strings=..., tokenizer=tokenizer), as transformers requires"
         )
-    if streamer is not None and batch * params.n != 1:
-        raise NotImplementedError("paged_hf generate: a streamer needs a batch of one sequence")
-    plan = plan_call(
-        self,
-        gc,
-        input_ids,
-        attention_mask,
-        params,
-        pad,
-        eos_list,
-        tokenizer,
-        logits_processor,
-        stopping_criteria,
-        prefix_allowed_tokens_fn,
+    return _Call(
+        input_ids, attention_mask, gc, params, pad, eos_list, tokenizer, stop_strings, encoder_rows
     )
-    group, params, eos_list = plan.group, plan.params, plan.eos
-    encoder_rows = (
-        encoder_rows and not plan.joint
-    )  # transformers' own processor does it in a joint call
 
-    state = patch_state(self)
-    if state is None:
-        raise ValueError(
-            "paged_hf generate: this model is not patched (call paged_hf.patch(model))"
+
+def _refuse_model_kwargs(model_kwargs: dict[str, Any]) -> None:
+    bad = [k for k in model_kwargs if k in _UNSUPPORTED_MODEL_KWARGS or model_kwargs[k] is not None]
+    media = [k for k in bad if k.startswith(_MEDIA_KWARG_PREFIXES)]
+    if media:
+        raise NotImplementedError(
+            f"paged_hf generate: image / video / audio inputs ({', '.join(media)}) are not "
+            "supported yet; paged_hf runs the text path of multimodal models (text-only input_ids)"
         )
-    engine = state.get_engine()
+    if bad:
+        raise NotImplementedError(f"paged_hf generate: argument(s) {bad} are not supported")
+
+
+def _run_rows(engine: Any, call: _Call, plan: Any, streamer: Any) -> list:
+    """Each row a request of the engine, run to the end; on any exception (a refused row, Ctrl-C
+    in a notebook) what was submitted is aborted."""
     prompts = [
-        row[mask.bool()].tolist() for row, mask in zip(input_ids.cpu(), attention_mask.cpu())
+        row[mask.bool()].tolist()
+        for row, mask in zip(call.input_ids.cpu(), call.attention_mask.cpu())
     ]
     rids: list[str] = []
-    try:  # on any exception (a refused row, Ctrl-C in a notebook) abort what was submitted
+    try:
         for i, prompt in enumerate(prompts):
-            try:  # refuse the whole call before anything runs: a tensor API has no per-row errors
-                # stop on the generation config's EOS, as transformers does; stop strings as its
-                # StopStringCriteria: on special tokens' text too, and beginning in the prompt
-                stops = (
-                    StopStrings(
-                        tokenizer,
-                        stop_strings,
-                        include=True,
-                        context_ids=prompt,
-                        skip_special_tokens=False,
-                    )
-                    if stop_strings and plan.native_stops
-                    else None
-                )
-                encoder_ids = tuple(input_ids[i].tolist()) if encoder_rows else None
-                rids.append(
-                    engine._add(
-                        engine._new_id(None),
-                        prompt,
-                        params,
-                        frozenset(eos_list),
-                        stops,
-                        encoder_ids,
-                    )
-                )
-                if group is not None:
-                    group.join(engine.requests[rids[-1]], i * params.n)
-            except (ValueError, TypeError) as e:
-                raise ValueError(f"paged_hf generate: row {i}: {e}") from e
+            rids.append(_add_row(engine, call, plan, i, prompt))
         if streamer is not None:
-            streamer.put(input_ids.cpu())
+            streamer.put(call.input_ids.cpu())
         outputs = engine.run_until_done(
             rids,
             on_token=(lambda _rid, tok: streamer.put(torch.tensor([tok])))
@@ -210,17 +223,42 @@ def paged_generate(
     except BaseException:
         engine.abort_all(rids)
         raise
-    if (
-        group is not None and group.error is not None
-    ):  # the caller's criterion raised: so does its call
-        raise group.error
-    failed = [(i, out.error) for i, out in enumerate(outputs) if out.error is not None]
-    if failed:  # a tensor has no per-row errors: the call fails, naming the rows
-        raise RuntimeError(
-            f"paged_hf generate: {len(failed)} row(s) failed: "
-            + "; ".join(f"row {i}: {err}" for i, err in failed[:3])
-        )
+    return outputs
 
+
+def _add_row(engine: Any, call: _Call, plan: Any, i: int, prompt: list[int]) -> str:
+    """Row ``i`` as a request; a refused row refuses the whole call before anything runs (a
+    tensor API has no per-row errors)."""
+    try:
+        # stop on the generation config's EOS, as transformers does; stop strings as its
+        # StopStringCriteria: on special tokens' text too, and beginning in the prompt
+        stops = None
+        if call.stop_strings and plan.native_stops:
+            stops = StopStrings(
+                call.tokenizer,
+                call.stop_strings,
+                include=True,
+                context_ids=prompt,
+                skip_special_tokens=False,
+            )
+        rid = engine.add_request(
+            prompt,
+            call.params,
+            eos_token_ids=frozenset(call.eos),
+            stop_strings=stops,
+            encoder_token_ids=tuple(call.input_ids[i].tolist()) if call.encoder_rows else None,
+        )
+        if plan.group is not None:
+            plan.group.join(engine.requests[rid], i * call.params.n)
+        return rid
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"paged_hf generate: row {i}: {e}") from e
+
+
+def _result(call: _Call, plan: Any, outputs: list) -> torch.Tensor | GenerateDecoderOnlyOutput:
+    """The call's sequences (prompt rows as given, then the new tokens, pad after each row's
+    end), as a tensor or transformers' output dict."""
+    gc, group, input_ids = call.gc, plan.group, call.input_ids
     if isinstance(group, BeamCallGroup):  # transformers' best hypotheses
         sequences, scores, indices = group.result(gc.num_return_sequences or 1)
         if gc.return_dict_in_generate:
@@ -241,12 +279,11 @@ def paged_generate(
         return sequences
     rows = [c.token_ids for out in outputs for c in out.completions]
     width = max(len(r) for r in rows)
-    new = torch.full((len(rows), width), pad, dtype=input_ids.dtype)
+    new = torch.full((len(rows), width), call.pad, dtype=input_ids.dtype)
     for i, r in enumerate(rows):
         new[i, : len(r)] = torch.tensor(r, dtype=input_ids.dtype)
-    sequences = torch.cat([input_ids.cpu().repeat_interleave(params.n, dim=0), new], dim=1).to(
-        input_ids.device
-    )
+    prompts = input_ids.cpu().repeat_interleave(call.params.n, dim=0)
+    sequences = torch.cat([prompts, new], dim=1).to(input_ids.device)
     if gc.return_dict_in_generate:
         return GenerateDecoderOnlyOutput(sequences=sequences)
     return sequences

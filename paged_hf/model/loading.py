@@ -115,7 +115,8 @@ def _to_device(
         ValueError,
         TypeError,
         AssertionError,
-    ) as err:  # torch's ways of refusing a device
+    ) as err:
+        # torch's ways of refusing a device
         raise LoadError(f"{label['device']} {device}: {err}") from None
 
 
@@ -124,9 +125,8 @@ def _attempt(label: str, name: str, subject: str, load: Callable[[], Any]) -> An
         raise LoadError(f"{label} {name}: no such directory")
     try:
         return load()
-    except (
-        Exception
-    ) as err:  # transformers raises OSError, ValueError, KeyError, ... for "not a model here"
+    except Exception as err:
+        # transformers raises OSError, ValueError, KeyError, ... for "not a model here"
         raise LoadError(
             f"{label} {name}: cannot load {subject} ({type(err).__name__}: {err})"
         ) from None

@@ -42,10 +42,11 @@ def ensure_attention_patched(model: torch.nn.Module) -> PatchState:
     for cfg in configs:
         attention.set_fallback(cfg, cfg._attn_implementation or original)
     model.set_attn_implementation(attention.NAME)
+    # each application of a shared block: the layer its KV is kept as
     for (
         path,
         layer,
-    ) in cap.attention_layers:  # each application of a shared block: the layer its KV is kept as
+    ) in cap.attention_layers:
         setattr(model.get_submodule(path), attention.LAYER_ATTR, layer)
     stuck = [cfg for cfg in cap.attention_configs if cfg._attn_implementation != attention.NAME]
     if stuck:  # a sub-model that refused the switch: put everything back and say so

@@ -118,9 +118,8 @@ def record_cache_calls(model: torch.nn.Module, input_ids: torch.Tensor) -> Cache
         return call
 
     def handed(args: tuple, kwargs: dict) -> bool:
-        if (
-            record.cache is None
-        ):  # the model's own cache, on its way to the first module it is handed to
+        # the model's own cache, on its way to the first module it is handed to
+        if record.cache is None:
             found = next((a for a in (*args, *kwargs.values()) if isinstance(a, Cache)), None)
             if found is None:
                 return False

@@ -257,9 +257,8 @@ def _shrink(cls: type, overrides: dict[str, Any]) -> Any:
         default = cls()
     names = _field_names(cls, default)
     kw = {k: v for k, v in TINY_SIZES.items() if k in names or k == "is_decoder"}
-    if (
-        "kv_lora_rank" in names and "num_key_value_heads" in names
-    ):  # MLA: one KV head per query head
+    # MLA: one KV head per query head
+    if "kv_lora_rank" in names and "num_key_value_heads" in names:
         kw["num_key_value_heads"] = kw["num_attention_heads"]
     if "qk_rope_head_dim" in names and "head_dim" in names:  # MLA: head_dim is the rotary part
         kw["head_dim"] = kw["qk_rope_head_dim"]
@@ -279,10 +278,11 @@ def _shrink(cls: type, overrides: dict[str, Any]) -> Any:
         if kinds:
             cycled = [kinds[i % len(kinds)] for i in range(kw.get("num_hidden_layers", 4))]
     for source in (TINY_EXTRA.get(model_type, {}), overrides):
+        # a dict for a shrunk sub-config adjusts it; anything else replaces
         for (
             key,
             value,
-        ) in source.items():  # a dict for a shrunk sub-config adjusts it; anything else replaces
+        ) in source.items():
             kw[key] = (
                 {**kw[key], **value}
                 if isinstance(value, dict) and isinstance(kw.get(key), dict)
@@ -570,9 +570,8 @@ def run_sweep(
     hf_logging.set_verbosity_error()
     paged_logger = logging.getLogger("paged_hf")
     level = paged_logger.level
-    paged_logger.setLevel(
-        logging.CRITICAL
-    )  # a refused or failed request is the result here, not news
+    # a refused or failed request is the result here, not news
+    paged_logger.setLevel(logging.CRITICAL)
     try:
         for kind, names in ((False, types), (True, multimodal)):
             for model_type in names:

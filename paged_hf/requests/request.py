@@ -60,9 +60,8 @@ class Request:
     arrival_time: float = field(default_factory=time.perf_counter)
     sample_index: int = 0  # which of the parent's n samples this is
     parent: "Request | None" = None  # set on forked samples 1..n-1
-    children: "list[Request]" = field(
-        default_factory=list
-    )  # on the root: samples 1..n-1, once forked
+    # on the root: samples 1..n-1, once forked
+    children: "list[Request]" = field(default_factory=list)
 
     token_ids: list[int] = field(init=False)  # prompt followed by outputs
     status: RequestStatus = RequestStatus.WAITING
@@ -72,9 +71,8 @@ class Request:
     # per cache group (paged_hf/cache/kv_groups.py), the page of each block of its context; -1 where a
     # sliding or chunked group holds none (out of every later query's reach); empty: holds nothing
     block_tables: list = field(default_factory=list)
-    kv_released: list = field(
-        default_factory=list
-    )  # per group: the blocks before this are -1 (freed)
+    # per group: the blocks before this are -1 (freed)
+    kv_released: list = field(default_factory=list)
     prefix_node: Any = (
         None  # deepest locked prefix-index node (the block manager's handle; opaque here)
     )
@@ -111,9 +109,8 @@ class Request:
     # cache may serve only positions before the next one still to score (prefix_limit).
     score_targets: list[int] | None = None
     score_start: int = 0
-    scored: list = field(
-        default_factory=list
-    )  # per target so far: (logprob, is greedy, top-k dict or None)
+    # per target so far: (logprob, is greedy, top-k dict or None)
+    scored: list = field(default_factory=list)
     prefill_only: bool = (
         False  # a scoring request: computes its prompt's logits and finishes, samples nothing
     )

@@ -91,9 +91,8 @@ class SamplingParams:
     grammar: str | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(
-            self.json_schema, dict
-        ):  # its text is the key compiled grammars are cached by
+        # its text is the key compiled grammars are cached by
+        if isinstance(self.json_schema, dict):
             object.__setattr__(self, "json_schema", json.dumps(self.json_schema, sort_keys=True))
         if self.choice is not None and not isinstance(self.choice, tuple):
             if isinstance(self.choice, str):

@@ -227,9 +227,8 @@ class FlashInferBackend(SwapMixin):
         bucket, to be run by (or captured into) a CUDA graph."""
         bs = self.block_size
         slots = meta.slot_mapping.to(torch.long)
-        k_rows = (
-            slots + (slots // bs) * bs
-        )  # block b, offset o -> flat K row b*2*bs + o; V is bs rows later
+        # block b, offset o -> flat K row b*2*bs + o; V is bs rows later
+        k_rows = slots + (slots // bs) * bs
         if graph_batch is not None:
             g = self._graph_bufs
             assert g is not None, "prepare_cuda_graphs() must run before a graph step"
@@ -268,9 +267,8 @@ class FlashInferBackend(SwapMixin):
         graph bucket is planned again before every replay, so the variant's wrappers never hold
         live plans at once. Per wrapper it was (2 + buckets) x 16 MiB a variant: 340 MiB at 256
         sequences (cuda_memory.reserve_bytes counts one per variant)."""
-        if not hasattr(
-            wrapper, "_int_workspace_buffer"
-        ):  # FlashInfer renamed it: each keeps its own
+        # FlashInfer renamed it: each keeps its own
+        if not hasattr(wrapper, "_int_workspace_buffer"):
             return
         shared = self._int_workspaces.setdefault(
             variant, (wrapper._int_workspace_buffer, wrapper._pin_memory_int_workspace_buffer)
@@ -364,9 +362,8 @@ class FlashInferBackend(SwapMixin):
         """q/k/v: [1, heads, T, head_dim] -> attention output [1, T, q_heads, head_dim]. The window
         is the layer's own (the layout); one the model passes must agree with it."""
         spec = self.layout.layers[layer_idx]
-        if (
-            sinks is not None
-        ):  # unsupported_reason refuses such layouts; a model that grew sinks since
+        # unsupported_reason refuses such layouts; a model that grew sinks since
+        if sinks is not None:
             raise ValueError(
                 f"flashinfer backend: layer {layer_idx} passed attention sinks, which it does not apply"
             )
@@ -396,9 +393,8 @@ class FlashInferBackend(SwapMixin):
             g,
         )
         wrapper = self._planned.get(variant)
-        if (
-            wrapper is None
-        ):  # first forward only: learn the variant and plan it now (never under capture)
+        # first forward only: learn the variant and plan it now (never under capture)
+        if wrapper is None:
             if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
                 raise RuntimeError(
                     f"flashinfer backend: attention variant {variant} of layer {layer_idx} was not "

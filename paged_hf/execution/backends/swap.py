@@ -102,9 +102,8 @@ class SwapMixin:
         return getattr(self, "kv_slabs", None) or self.kv
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        if (
-            not copies or not self._distinct_kv
-        ):  # a model with no attention layer (pure SSM) keeps no KV
+        # a model with no attention layer (pure SSM) keeps no KV
+        if not copies or not self._distinct_kv:
             return
         device = self.kv[0].device
         src = torch.tensor([s for s, _ in copies], device=device)

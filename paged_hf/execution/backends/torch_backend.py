@@ -318,9 +318,8 @@ class TorchBackend(SwapMixin):
         """Store the step's new K/V ([1, kv_heads, T, K / V width]) of one layer at the planned slots."""
         k_rows, v_rows = self._rows[2 * layer_idx], self._rows[2 * layer_idx + 1]
         write = writes[self.layout.layers[layer_idx].kv_heads]
-        k_new = (
-            key[0].transpose(0, 1).reshape(-1, k_rows.shape[1])
-        )  # [T * Hkv, D], token-major like the write rows
+        # [T * Hkv, D], token-major like the write rows
+        k_new = key[0].transpose(0, 1).reshape(-1, k_rows.shape[1])
         v_new = value[0].transpose(0, 1).reshape(-1, v_rows.shape[1])
         k_rows.index_copy_(0, write, k_new.to(k_rows.dtype))
         v_rows.index_copy_(0, write, v_new.to(v_rows.dtype))

@@ -102,9 +102,8 @@ def _structure(
         or id(n2) not in norms
     ):
         return None
-    if (
-        type(attn).__module__ not in rope_files
-    ):  # its rotary function: the fused op's, as in its own steps
+    # its rotary function: the fused op's, as in its own steps
+    if type(attn).__module__ not in rope_files:
         return None
     if not all(
         isinstance(getattr(attn, n, None), torch.nn.Linear)

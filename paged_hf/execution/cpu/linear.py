@@ -430,9 +430,8 @@ def _fused_forward_for(module: torch.nn.Linear, state: _FusedState, i: int):
             or module.weight is not state.weights[i]
         ):
             return F.linear(x, module.weight, module.bias)
-        if (
-            x is not state.x or i in state.served
-        ):  # the first sibling called on this input computes them all
+        # the first sibling called on this input computes them all
+        if x is not state.x or i in state.served:
             state.out = state.packed(x)
             state.x = x
             state.served = set()

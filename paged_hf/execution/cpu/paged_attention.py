@@ -131,9 +131,8 @@ class CpuPagedBackend(TorchBackend):
                 kv_indptr.contiguous(),
                 kv_indices.contiguous(),
             )
-            if any(
-                tables.kv_starts
-            ):  # blocks a window freed: where each table starts in its sequence
+            # blocks a window freed: where each table starts in its sequence
+            if any(tables.kv_starts):
                 plan.offsets = torch.tensor([tables.kv_starts[i] for i in short], dtype=torch.int32)
         return plan
 
@@ -186,9 +185,8 @@ class CpuPagedBackend(TorchBackend):
             return super().attend(
                 layer_idx, query, key, value, scaling, sliding_window, softcap, sinks=sinks
             )
-        window = layer_window(
-            self.layout.layers[layer_idx], layer_idx, sliding_window
-        )  # the layout's, as torch's
+        # the layout's, as torch's
+        window = layer_window(self.layout.layers[layer_idx], layer_idx, sliding_window)
         if scaling is None:
             scaling = query.shape[-1] ** -0.5
         v_cache = self.kv[2 * layer_idx + 1]
