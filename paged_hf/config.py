@@ -75,54 +75,41 @@ class EngineConfig:
     cpu_tune_malloc: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "num_blocks"):
             value = getattr(self, name)
-            if value is None and name != "block_size":
-                continue
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name}={value!r}, must be an integer >= 1")
+            if value is not None or name == "block_size":
+                _check_int(name, value, 1)
+        if self.max_model_len is not None:
+            _check_int("max_model_len", self.max_model_len, 2)
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = max(
                 DEFAULT_MAX_NUM_BATCHED_TOKENS, self.max_num_seqs or 0
             )
         if self.max_num_seqs is None:
             self.max_num_seqs = min(DEFAULT_MAX_NUM_SEQS, self.max_num_batched_tokens)
-        cap = self.max_prefill_tokens_while_decoding
-        if (
-            cap is not None
-            and cap != "auto"
-            and (not isinstance(cap, int) or isinstance(cap, bool) or cap < 1)
-        ):
-            raise ValueError(
-                f"max_prefill_tokens_while_decoding={cap!r}, must be 'auto', None or an integer >= 1"
-            )
-        if self.num_blocks is not None and (
-            not isinstance(self.num_blocks, int)
-            or isinstance(self.num_blocks, bool)
-            or self.num_blocks < 1
-        ):
-            raise ValueError(f"num_blocks={self.num_blocks!r}, must be an integer >= 1")
-        if self.max_model_len is not None and (
-            not isinstance(self.max_model_len, int)
-            or isinstance(self.max_model_len, bool)
-            or self.max_model_len < 2
-        ):
-            raise ValueError(f"max_model_len={self.max_model_len!r}, must be an integer >= 2")
-        if self.kv_cache_memory is not None and (
-            not isinstance(self.kv_cache_memory, (int, float))
-            or isinstance(self.kv_cache_memory, bool)
-            or not self.kv_cache_memory > 0
-        ):
-            raise ValueError(f"kv_cache_memory={self.kv_cache_memory!r}, must be > 0")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(
-                f"gpu_memory_utilization={self.gpu_memory_utilization!r}, must be in (0, 1]"
-            )
         if self.max_num_seqs > self.max_num_batched_tokens:
             raise ValueError(
                 f"max_num_seqs={self.max_num_seqs} exceeds max_num_batched_tokens="
                 f"{self.max_num_batched_tokens}: decodes need one token of budget each"
             )
+        cap = self.max_prefill_tokens_while_decoding
+        if cap is not None and cap != "auto" and not _is_int_at_least(cap, 1):
+            raise ValueError(
+                f"max_prefill_tokens_while_decoding={cap!r}, must be 'auto', None or an integer >= 1"
+            )
+        memory = self.kv_cache_memory
+        if memory is not None and (
+            not isinstance(memory, (int, float)) or isinstance(memory, bool) or not memory > 0
+        ):
+            raise ValueError(f"kv_cache_memory={memory!r}, must be > 0")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(
+                f"gpu_memory_utilization={self.gpu_memory_utilization!r}, must be in (0, 1]"
+            )
+        self._check_switches()
+
+    def _check_switches(self) -> None:
+        """The options that take one of a few values."""
         if not (
             isinstance(self.cpu_packed_weights, bool)
             or self.cpu_packed_weights in ("onednn", "fp32")
@@ -166,3 +153,12 @@ class EngineConfig:
         if unknown:
             raise TypeError(f"unknown engine option(s) {unknown}; known: {sorted(names)}")
         return cls(**kwargs)
+
+
+def _is_int_at_least(value: Any, least: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
+def _check_int(name: str, value: Any, least: int) -> None:
+    if not _is_int_at_least(value, least):
+        raise ValueError(f"{name}={value!r}, must be an integer >= {least}")

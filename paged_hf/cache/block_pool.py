@@ -1,10 +1,6 @@
 """Physical KV blocks: ids, refcounts, the free list, and eviction of cached-but-unused blocks.
 
-A block's refcount is the number of request block tables holding it. With cache groups a block
-is a page: one group's layers' KV of ``block_size`` tokens (paged_hf/cache/kv_groups.py). At refcount 0 a block
-is either truly free or, when the prefix index holds it, cached: kept for reuse until an
-allocation needs the room, which takes free blocks first, then evicts least recently used
-cached ones.
+Design notes: docs/internals.md, paged_hf/cache/block_pool.py.
 """
 
 from __future__ import annotations

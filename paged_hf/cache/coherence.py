@@ -1,13 +1,6 @@
 """What cached KV depends on besides tokens, and the checks that keep the cache honest.
 
-KV in the prefix cache was computed by particular weights, under a particular adapter state,
-through paged attention. An optimizer step, ``load_state_dict``, a swapped-in parameter or a
-merged adapter makes it stale; switching or disabling an adapter makes it another model's; and
-``unpatch`` or ``set_attn_implementation`` means the engine no longer drives the attention it
-writes KV with. The engine checks all three before every step: a weight change resets what was
-derived from the weights (prefix cache, packed CPU weights, captured CUDA graphs), an adapter
-switch moves the prefix cache to that adapter state's own namespace, and a lost patch stops the
-engine with an error (``binding.check_still_patched``).
+Design notes: docs/internals.md, paged_hf/cache/coherence.py.
 """
 
 from __future__ import annotations

@@ -1,14 +1,6 @@
 """Cache groups: layers grouped by what they keep of a request's KV (docs/cache_groups.md).
 
-    full attention    every block of the context, until the request ends;
-    sliding window w  the blocks some query can still read: a query at position q reads keys
-                      q - w + 1 .. q, so a block wholly before that goes back to the pool;
-    chunked c         the blocks of the query's own chunk of c positions (Llama 4).
-
-Every group has the same number of layers (padded), so a page (``block_size`` tokens of KV of one
-group's layers) is the same bytes whichever group holds it: one pool, one free list, one LRU serve
-them all. Group 0 is always a full-attention group: the prefix index's tree is keyed on its blocks.
-This file is plain data; the layout (paged_hf/execution/kv_geometry.py) decides the groups.
+Design notes: docs/internals.md, paged_hf/cache/kv_groups.py.
 """
 
 from __future__ import annotations

@@ -1,19 +1,6 @@
 """Radix tree over block-aligned token chunks: which physical blocks already hold a prefix's KV.
 
-SGLang-style, with page size = block size: every edge holds a whole number of blocks, so a
-split always falls on a block boundary. Each root is one (namespace, cache_salt) pair: the
-key of a chunk is its whole path from that root, so requests with different salts, or
-models/adapters with different namespaces, can never share a block.
-
-The tree holds no references. A node's ``lock_ref`` counts the requests whose block tables
-use it (lock/unlock go along the whole path); an unlocked node's blocks are therefore
-unused and may be evicted, least recently used leaf first.
-
-With cache groups (paged_hf/cache/kv_groups.py) a node also holds, per further group, the pages of
-its positions there (``extra``; -1 where none). The tree is keyed on group 0's blocks (full
-attention); a sliding or chunked group's page is "loose": once nobody uses it (it slid out of a
-running request's window, or its request ended) it may be evicted by itself, least recently
-released first, its node staying. Eviction takes loose pages and leaves by one clock.
+Design notes: docs/internals.md, paged_hf/cache/prefix_index.py.
 """
 
 from __future__ import annotations

@@ -1,16 +1,6 @@
 """State slot ids for hybrid models (the memory lives in paged_hf/execution/state_store.py).
 
-Two kinds of slot, numbered in one range:
-- running slots, ``0 .. num_slots-1``: one per running sequence, naming its state in every stateful
-  layer. There are as many as the engine runs sequences at most (``max_num_seqs``), so admission
-  under ``max_num_seqs`` never waits for one. Taken when a sequence is admitted or forked (a
-  forked sample copies its parent's state), given back when it finishes, is aborted, fails or is
-  preempted (it then recomputes its state, or gets it back from host memory with its KV).
-- checkpoint slots, after them: the state of some prefix at a block boundary, attached to the
-  prefix-index node that ends there, so a later request with that prefix can start from it (KV
-  alone would resume a recurrence mid-stream). A checkpoint is taken during a step (pending),
-  attached to its node after the step, and dropped when its node's end is evicted or, least
-  recently used first, when a new one needs its room.
+Design notes: docs/internals.md, paged_hf/cache/state_slots.py.
 """
 
 from __future__ import annotations

@@ -4,8 +4,7 @@ What passes here cannot fail later for reasons of its own (the failure model): t
 are ints inside the vocabulary and no media placeholder, the sampling params are valid for this
 model, stop strings have a tokenizer to read them. Errors name the request.
 
-``AdmissionMixin`` is a part of ``Engine`` (paged_hf/engine/engine.py); what it reads of the
-engine it declares.
+Design notes: docs/internals.md, paged_hf/engine/admission.py.
 """
 
 from __future__ import annotations

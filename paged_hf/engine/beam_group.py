@@ -1,13 +1,6 @@
 """Beam search as one ``generate`` call's group of rows, the beams, sharing their blocks.
 
-Each prompt's ``num_beams`` beams are engine requests: sample 0 prefills the prompt and the others
-fork from it (sharing every block, the partial last one copied on first write). Every step, once all
-beams have their logits, the group runs one iteration of transformers' own beam search (its
-``GenerationMixin`` helpers: top-k continuations, the running beams for the next step, the finished
-hypotheses, the early-stop heuristic), so the hypotheses, their scores and the stopping decisions
-are transformers'. Each new beam continues an old one: it takes that beam's blocks by reference
-(``reassign``) and its tokens, then its new token. A beam that is not continued gives its blocks
-back; nothing is copied but a shared partial block, on write.
+Design notes: docs/internals.md, paged_hf/engine/beam_group.py.
 """
 
 from __future__ import annotations
@@ -77,81 +70,14 @@ class BeamCallGroup(JointCallGroup):
         ] = []  # (beam, the beam it continues), this step's
 
     def choose(self) -> dict[Request, int] | list[Ending]:
+        """One iteration of transformers' beam search over the beams' logits: each beam's next
+        token, and which beam it continues (``reassignments``)."""
         logits = self.take_offered(self.running.device)
         if logits is None:
             return {}
-        s, gc, b, k, cur = self.search, self.gc, self.batch, self.num_beams, self.cur_len
+        s, cur = self.search, self.cur_len
         try:
-            flat = s._flatten_beam_dim(self.running[:, :, :cur])
-            log_probs = self.processors(flat, torch.log_softmax(logits, dim=-1))
-            if self.logits is not None:
-                self.logits += (logits.clone(),)
-            if self.scores is not None:
-                self.scores += (log_probs.clone(),)
-            log_probs = (
-                s._unflatten_beam_dim(log_probs, b, k) + self.running_scores[:, :, None]
-            ).reshape(b, -1)
-            top_lp, top_seq, top_idx = s._get_top_k_continuations(
-                accumulated_log_probs=log_probs,
-                running_sequences=self.running,
-                running_beam_indices=self.running_indices,
-                cur_len=cur,
-                decoder_prompt_len=self.prompt_len,
-                do_sample=self.do_sample,
-                beams_to_keep=self.beams_to_keep,
-                num_beams=k,
-                batch_size=b,
-            )
-            hits = s._unflatten_beam_dim(
-                self.criteria(s._flatten_beam_dim(top_seq[:, :, : cur + 1]), self.scores),
-                b,
-                self.beams_to_keep,
-            )
-            self.running, self.running_scores, self.running_indices = (
-                s._get_running_beams_for_next_iteration(
-                    topk_log_probs=top_lp,
-                    topk_running_sequences=top_seq,
-                    topk_running_beam_indices=top_idx,
-                    next_token_hits_stopping_criteria=hits,
-                    num_beams=k,
-                )
-            )
-            self.sequences, self.beam_scores, self.beam_indices, self.finished = (
-                s._update_finished_beams(
-                    sequences=self.sequences,
-                    topk_running_sequences=top_seq,
-                    beam_scores=self.beam_scores,
-                    topk_log_probs=top_lp,
-                    beam_indices=self.beam_indices,
-                    topk_running_beam_indices=top_idx,
-                    is_early_stop_heuristic_unsatisfied=self.improvable,
-                    is_sent_finished=self.finished,
-                    next_token_hits_stopping_criteria=hits,
-                    top_num_beam_mask=self.top_num_beam_mask,
-                    num_beams=k,
-                    cur_len=cur,
-                    decoder_prompt_len=self.prompt_len,
-                    length_penalty=gc.length_penalty,
-                    early_stopping=gc.early_stopping,
-                )
-            )
-            self.cur_len = cur + 1
-            self.improvable = s._check_early_stop_heuristic(
-                is_early_stop_heuristic_unsatisfied=self.improvable,
-                running_beam_scores=self.running_scores,
-                beam_scores=self.beam_scores,
-                is_sent_finished=self.finished,
-                cur_len=self.cur_len,
-                max_length=gc.max_length,
-                decoder_prompt_len=self.prompt_len,
-                early_stopping=gc.early_stopping,
-                length_penalty=gc.length_penalty,
-            )
-            self.over = not bool(
-                s._beam_search_has_unfinished_sequences(
-                    self.improvable, self.finished, hits, gc.early_stopping
-                )
-            )
+            self._iterate(logits)
         except Exception as e:  # noqa: BLE001 - the caller's processor or criterion: its call ends
             return self._fail(e, "logits processors or stopping criteria")
         parents = s._flatten_beam_dim(self.running_indices[..., cur - self.prompt_len]).tolist()
@@ -159,6 +85,85 @@ class BeamCallGroup(JointCallGroup):
         self.reassignments = [(self.members[j], self.members[p]) for j, p in enumerate(parents)]
         self.steps += 1
         return dict(zip(self.members, tokens))
+
+    def _iterate(self, logits: torch.Tensor) -> None:
+        """transformers' beam-search loop body (its GenerationMixin helpers), once."""
+        s, gc, b, k, cur = self.search, self.gc, self.batch, self.num_beams, self.cur_len
+        flat = s._flatten_beam_dim(self.running[:, :, :cur])
+        log_probs = self.processors(flat, torch.log_softmax(logits, dim=-1))
+        if self.logits is not None:
+            self.logits += (logits.clone(),)
+        if self.scores is not None:
+            self.scores += (log_probs.clone(),)
+        log_probs = (
+            s._unflatten_beam_dim(log_probs, b, k) + self.running_scores[:, :, None]
+        ).reshape(b, -1)
+        top_lp, top_seq, top_idx = s._get_top_k_continuations(
+            accumulated_log_probs=log_probs,
+            running_sequences=self.running,
+            running_beam_indices=self.running_indices,
+            cur_len=cur,
+            decoder_prompt_len=self.prompt_len,
+            do_sample=self.do_sample,
+            beams_to_keep=self.beams_to_keep,
+            num_beams=k,
+            batch_size=b,
+        )
+        hits = s._unflatten_beam_dim(
+            self.criteria(s._flatten_beam_dim(top_seq[:, :, : cur + 1]), self.scores),
+            b,
+            self.beams_to_keep,
+        )
+        self.running, self.running_scores, self.running_indices = (
+            s._get_running_beams_for_next_iteration(
+                topk_log_probs=top_lp,
+                topk_running_sequences=top_seq,
+                topk_running_beam_indices=top_idx,
+                next_token_hits_stopping_criteria=hits,
+                num_beams=k,
+            )
+        )
+        self.sequences, self.beam_scores, self.beam_indices, self.finished = (
+            s._update_finished_beams(
+                sequences=self.sequences,
+                topk_running_sequences=top_seq,
+                beam_scores=self.beam_scores,
+                topk_log_probs=top_lp,
+                beam_indices=self.beam_indices,
+                topk_running_beam_indices=top_idx,
+                is_early_stop_heuristic_unsatisfied=self.improvable,
+                is_sent_finished=self.finished,
+                next_token_hits_stopping_criteria=hits,
+                top_num_beam_mask=self.top_num_beam_mask,
+                num_beams=k,
+                cur_len=cur,
+                decoder_prompt_len=self.prompt_len,
+                length_penalty=gc.length_penalty,
+                early_stopping=gc.early_stopping,
+            )
+        )
+        self.cur_len = cur + 1
+        self._check_stop(hits)
+
+    def _check_stop(self, hits: torch.Tensor) -> None:
+        """transformers' early-stop heuristic, and whether the search is over."""
+        s, gc = self.search, self.gc
+        self.improvable = s._check_early_stop_heuristic(
+            is_early_stop_heuristic_unsatisfied=self.improvable,
+            running_beam_scores=self.running_scores,
+            beam_scores=self.beam_scores,
+            is_sent_finished=self.finished,
+            cur_len=self.cur_len,
+            max_length=gc.max_length,
+            decoder_prompt_len=self.prompt_len,
+            early_stopping=gc.early_stopping,
+            length_penalty=gc.length_penalty,
+        )
+        self.over = not bool(
+            s._beam_search_has_unfinished_sequences(
+                self.improvable, self.finished, hits, gc.early_stopping
+            )
+        )
 
     def result(self, num_return_sequences: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """transformers' output: the best ``num_return_sequences`` hypotheses per prompt, their
@@ -184,14 +189,6 @@ def beam_search(
 ) -> list[list[tuple[list[int], float]]]:
     """``Engine.beam_search``: the prompts' beams through the engine, the search transformers' own
     (the model's GenerationMixin helpers), its processors ``logits_processors`` on log-probabilities."""
-    from transformers import (
-        EosTokenCriteria,
-        GenerationConfig,
-        LogitsProcessorList,
-        MaxLengthCriteria,
-        StoppingCriteriaList,
-    )
-
     if engine.kv_manager.state is not None:
         raise NotImplementedError(
             "beam search on a model with recurrent / convolution state layers is not supported"
@@ -202,6 +199,64 @@ def beam_search(
             "in [1, num_beams]"
         )
     ids = [engine._prompt_ids("beam search", p) for p in prompts]
+    group, width = _search_group(
+        engine,
+        ids,
+        num_beams,
+        max_new_tokens,
+        num_return_sequences,
+        length_penalty,
+        early_stopping,
+        eos_token_ids,
+        logits_processors,
+    )
+    params = SamplingParams(max_new_tokens=max_new_tokens, n=num_beams, ignore_eos=True)
+    rids: list[str] = []
+    try:
+        for i, p in enumerate(ids):
+            rids.append(engine.add_request(p, params, eos_token_ids=frozenset()))
+            group.join(engine.requests[rids[-1]], i * num_beams)
+        outputs = engine.run_until_done(rids)
+    except BaseException:
+        engine.abort_all(rids)
+        raise
+    if group.error is not None:
+        raise group.error
+    failed = [out.error for out in outputs if out.error is not None]
+    if failed:
+        raise RuntimeError(f"beam search failed: {failed[0]}")
+    sequences, scores, indices = group.result(num_return_sequences)
+    lengths = ((indices + 1).bool()).sum(dim=1).tolist()
+    best = [
+        (sequences[j, width : width + lengths[j]].tolist(), float(scores[j]))
+        for j in range(sequences.shape[0])
+    ]
+    return [
+        best[i * num_return_sequences : (i + 1) * num_return_sequences] for i in range(len(ids))
+    ]
+
+
+def _search_group(
+    engine: Any,
+    ids: list[list[int]],
+    num_beams: int,
+    max_new_tokens: int,
+    num_return_sequences: int,
+    length_penalty: float,
+    early_stopping: bool | str,
+    eos_token_ids: Any,
+    logits_processors: Any,
+) -> tuple[BeamCallGroup, int]:
+    """The search's group over the prompts left-padded to one width, configured as transformers'
+    generate would be; and that width."""
+    from transformers import (
+        EosTokenCriteria,
+        GenerationConfig,
+        LogitsProcessorList,
+        MaxLengthCriteria,
+        StoppingCriteriaList,
+    )
+
     eos = sorted(engine.eos_token_ids if eos_token_ids is None else set(eos_token_ids))
     pad = eos[0] if eos else 0
     width = max(map(len, ids))
@@ -231,27 +286,4 @@ def beam_search(
         logits=False,
         device=None,
     )
-    params = SamplingParams(max_new_tokens=max_new_tokens, n=num_beams, ignore_eos=True)
-    rids: list[str] = []
-    try:
-        for i, p in enumerate(ids):
-            rids.append(engine.add_request(p, params, eos_token_ids=frozenset()))
-            group.join(engine.requests[rids[-1]], i * num_beams)
-        outputs = engine.run_until_done(rids)
-    except BaseException:
-        engine.abort_all(rids)
-        raise
-    if group.error is not None:
-        raise group.error
-    failed = [out.error for out in outputs if out.error is not None]
-    if failed:
-        raise RuntimeError(f"beam search failed: {failed[0]}")
-    sequences, scores, indices = group.result(num_return_sequences)
-    lengths = ((indices + 1).bool()).sum(dim=1).tolist()
-    best = [
-        (sequences[j, width : width + lengths[j]].tolist(), float(scores[j]))
-        for j in range(sequences.shape[0])
-    ]
-    return [
-        best[i * num_return_sequences : (i + 1) * num_return_sequences] for i in range(len(ids))
-    ]
+    return group, width

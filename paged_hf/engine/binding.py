@@ -1,10 +1,6 @@
 """What a patched model carries for the engine: the binding between a model and paged attention.
 
-``paged_hf.patch`` (the model side: patching.py, capability.py, patches/) checks the model, selects
-the paged attention implementation and leaves a ``PatchState`` on the model. The engine reads it
-(the KV layout to size and run its cache, the media placeholder ids to refuse, the configs whose
-attention implementation must stay paged) and never imports the model side: the dependency runs
-one way, model side -> engine.
+Design notes: docs/internals.md, paged_hf/engine/binding.py.
 """
 
 from __future__ import annotations

@@ -1,22 +1,6 @@
 """One ``model.generate`` call's rows as a group, for callbacks written for transformers' loop.
 
-transformers steps a call's rows together. Each step it runs its logits processors on the rows'
-logits (``[batch * n, vocab]``, with ``input_ids``: the rows as the caller padded them and the
-tokens so far), picks a token per row (pad for a finished row), and calls its stopping criteria,
-which may answer one bool for the call (lm-eval's: "every row has met its stop sequence") or one
-per row. Here the rows share steps with everything else in the engine, and a group keeps what its
-callbacks see exactly as transformers shows it:
-
-- ``CallGroup`` (stopping criteria, ``max_time``): rows sample on their own; a row that has its
-  token for the call's next step waits (``holds``) until every unfinished row has its own, then the
-  criteria run once on transformers' view (``advance``). Rows they stop end there and free their
-  blocks; rows they do not stop run on; nothing else in the step waits.
-- ``JointCallGroup`` (logits processors, ``prefix_allowed_tokens_fn``, scores and logits, and the
-  options only transformers' processor classes implement): the group picks its rows' tokens itself
-  with transformers' own processors, once every row has its logits for the step, as transformers'
-  loop does, finished rows running on with pad as there.
-
-A callback that raises ends its own call (every row of it), no one else's.
+Design notes: docs/internals.md, paged_hf/engine/call_group.py.
 """
 
 from __future__ import annotations

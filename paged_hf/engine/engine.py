@@ -1,16 +1,6 @@
 """The engine: requests in, tokens out, over a model whose attention is paged.
 
-    >>> engine = paged_hf.Engine(model, tokenizer)
-    >>> out = engine.generate(["Hello"], paged_hf.SamplingParams(max_new_tokens=8))
-    >>> out[0].text
-
-The class is assembled from its seams, each a file of its own:
-  admission.py  validate a request, make its id, tokenize it (``add_request``)
-  step.py       one step: schedule -> execute -> sample -> update, and failure handling (``step``)
-  outputs.py    completions, stop strings and logprobs of a finished request (``make_output``)
-  batch.py      the blocking calls: ``generate``, ``score``, ``score_rolling``, ``run_until_done``
-This file builds the engine (sizing the KV pool, the scheduler, the runner) and holds what spans
-them: weight coherence, abort / fail, warm-up and stats.
+Design notes: docs/internals.md, paged_hf/engine/engine.py.
 """
 
 from __future__ import annotations
@@ -93,6 +83,21 @@ class Engine(AdmissionMixin, StepMixin, OutputsMixin, BatchCallsMixin):
         self._cache_generation = 0
         self._weights = WeightsWatch(model)
         self._adapters = self._weights.adapter_state()
+        self._build_parts(num_blocks, auto_prefill_cap, "max_num_batched_tokens" in config)
+        # requests by id until collected or aborted; samples 1..n-1 of n > 1 live on their root
+        self.requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+        self._stats = EngineStats()
+        self._aborts = 0  # counts aborts, so run_until_done notices ones made from its callbacks
+        # structured outputs' compiler, made for the first constrained request
+        self.structured = None
+        self.serving = False  # a BackgroundEngine steps this engine
+        self._patch_state = state
+        state.engines.add(self)
+
+    def _build_parts(self, num_blocks: int, auto_prefill_cap: bool, budget_set: bool) -> None:
+        """The block manager, the scheduler and the runner, over ``num_blocks`` pages."""
+        model = self.model
         slots = (
             StateSlots(self.config.max_num_seqs, self._num_checkpoints)
             if self.state_layout is not None
@@ -103,7 +108,7 @@ class Engine(AdmissionMixin, StepMixin, OutputsMixin, BatchCallsMixin):
         batch_budget = (
             DEFAULT_CPU_BATCH_CALL_TOKENS
             if (
-                "max_num_batched_tokens" not in config
+                not budget_set
                 and self.state_layout is None
                 and next(model.parameters()).device.type == "cpu"
             )
@@ -139,17 +144,6 @@ class Engine(AdmissionMixin, StepMixin, OutputsMixin, BatchCallsMixin):
             slots.total if slots is not None else 0,
             groups=self.groups,
         )
-        # requests by id until collected or aborted; samples 1..n-1 of n > 1 live on their root
-        self.requests: dict[str, Request] = {}
-        self._ids = itertools.count()
-        self._stats = EngineStats()
-        self._aborts = 0  # counts aborts, so run_until_done notices ones made from its callbacks
-        self.structured = (
-            None  # structured outputs' compiler, made for the first constrained request
-        )
-        self.serving = False  # a BackgroundEngine steps this engine
-        self._patch_state = state
-        state.engines.add(self)
 
     # ---- sizing ------------------------------------------------------------------------------
     def _num_kv_blocks(self, explicit_max_num_seqs: bool) -> int:

@@ -16,6 +16,15 @@ from ..requests.request import FinishReason, Request, RequestStatus
 
 
 @dataclass
+class _Budget:
+    """What is left of a step's token budget, and of its room for prefill tokens (set once the
+    decodes are placed)."""
+
+    tokens: int
+    prefill_room: int | None = None
+
+
+@dataclass
 class SchedulerOutput:
     scheduled: list[tuple[Request, int]]  # in batch order: decodes, then prefill chunks
     preempted: list[Request] = field(default_factory=list)
@@ -114,25 +123,39 @@ class Scheduler:
 
     # ---- one step ------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        """This step's requests and token counts: running ones first (decodes, then unfinished
+        prefills, preempting when blocks run out), then waiting ones in order while they fit."""
         out = SchedulerOutput(scheduled=[])
         chosen: dict[Request, int] = {}
-        budget = (
+        budget = _Budget(
             self.batch_call_budget
             if self.batch_call and self.batch_call_budget
             else self.max_num_batched_tokens
         )
+        self._schedule_running(out, chosen, budget)
+        self._schedule_waiting(out, chosen, budget)
+        out.scheduled = list(chosen.items())
+        if self.kv_manager.checkpoints:
+            for req, n in out.scheduled:
+                self.kv_manager.plan_checkpoints(
+                    req, n, whole_chunks_only=not self.continues_chunks
+                )
+        out.state_copies = self.kv_manager.take_state_copies()
+        return out
 
+    def _schedule_running(
+        self, out: SchedulerOutput, chosen: dict[Request, int], budget: _Budget
+    ) -> None:
         # 1. running requests: decodes first (one token each), then unfinished prefills
         decodes = [r for r in self.running if r.num_pending_tokens == 1]
         prefills = [r for r in self.running if r.num_pending_tokens > 1]
-        prefill_room: int | None = None  # set once the decodes are placed
         for req in decodes + prefills:
-            if req.status is not RequestStatus.RUNNING or budget == 0 or _held(req):
+            if req.status is not RequestStatus.RUNNING or budget.tokens == 0 or _held(req):
                 continue
             prefill = req.num_pending_tokens > 1
-            if prefill and prefill_room is None:
-                prefill_room = self._prefill_room(budget, decoding=bool(chosen))
-            n = min(req.num_pending_tokens, prefill_room if prefill else budget)
+            if prefill and budget.prefill_room is None:
+                budget.prefill_room = self._prefill_room(budget.tokens, decoding=bool(chosen))
+            n = min(req.num_pending_tokens, budget.prefill_room if prefill else budget.tokens)
             if not self.continues_chunks and req.num_computed_tokens:
                 n = min(n, 1)
             elif prefill:
@@ -141,23 +164,26 @@ class Scheduler:
                 continue
             while not self.kv_manager.allocate_slots(req, n, out.block_copies):
                 victim = self._victim()
-                budget += chosen.pop(victim, 0)
+                budget.tokens += chosen.pop(victim, 0)
                 self._preempt(victim, out)
                 out.preempted.append(victim)
                 if victim is req:
                     break
             if req.status is RequestStatus.RUNNING:
                 chosen[req] = n
-                budget -= n
+                budget.tokens -= n
                 if prefill:
-                    prefill_room -= n
+                    budget.prefill_room -= n
 
+    def _schedule_waiting(
+        self, out: SchedulerOutput, chosen: dict[Request, int], budget: _Budget
+    ) -> None:
         # 2. waiting requests, in order, while nothing had to be preempted
         pending = self._blocks_in_flight(chosen)
         skipped: list[Request] = []
-        if prefill_room is None:
-            prefill_room = self._prefill_room(budget, decoding=bool(chosen))
-        while self.waiting and min(budget, prefill_room) > 0 and not out.preempted:
+        if budget.prefill_room is None:
+            budget.prefill_room = self._prefill_room(budget.tokens, decoding=bool(chosen))
+        while self.waiting and min(budget.tokens, budget.prefill_room) > 0 and not out.preempted:
             req = self.waiting[0]
             if _held(req):  # its call's other rows first: it does not block the queue meanwhile
                 skipped.append(self.waiting.popleft())
@@ -175,7 +201,7 @@ class Scheduler:
                 self.kv_manager.free(req)
                 skipped.append(self.waiting.popleft())
                 continue
-            n = min(req.num_pending_tokens, budget, prefill_room)
+            n = min(req.num_pending_tokens, budget.tokens, budget.prefill_room)
             if not self.continues_chunks and req.num_computed_tokens:  # swapped in: it has a state
                 n = min(n, 1)
             else:
@@ -197,19 +223,10 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             chosen[req] = n
-            budget -= n
-            prefill_room -= n
+            budget.tokens -= n
+            budget.prefill_room -= n
             pending |= self._blocks_in_flight({req: n})
         self.waiting.extendleft(reversed(skipped))
-
-        out.scheduled = list(chosen.items())
-        if self.kv_manager.checkpoints:
-            for req, n in out.scheduled:
-                self.kv_manager.plan_checkpoints(
-                    req, n, whole_chunks_only=not self.continues_chunks
-                )
-        out.state_copies = self.kv_manager.take_state_copies()
-        return out
 
     def _no_lone_token(self, req: Request, n: int) -> int:
         """A hybrid's prompt chunk leaves two tokens or none behind: a lone last token would go through

@@ -1,26 +1,7 @@
 """Scoring through the engine: the loglikelihood of continuations, rolling loglikelihood of
 whole texts, and prompt logprobs.
 
-    >>> engine = paged_hf.Engine(model, tokenizer)
-    >>> a, b = engine.score([("The capital of France is", " Paris"), ("The capital of France is", " Rome")])
-    >>> a.logprob > b.logprob                 # SmolLM2-135M-Instruct: Paris is the likelier
-    True
-    >>> len(a.token_logprobs) == len(a.token_ids)
-    True
-    >>> engine.score_rolling(["a text longer than the window ..."], window=512)[0].logprob
-
-A scoring request is a prefill-only request: its tokens are ``context + continuation[:-1]``,
-the logits of the positions that predict the continuation are kept (and no others: never a
-``[T, vocab]`` tensor for a whole prompt), and it finishes when its last chunk is computed. It
-goes through the same scheduler as everything else: token budget, chunked prefill, prefix
-cache, batched with whatever else runs. Requests with the same context share its KV through
-the prefix cache; since cached positions have no logits, the cache serves a scoring request
-only the full blocks before its first scored position (the context/continuation boundary), so
-every continuation token still gets its logprob.
-
-Logprobs are ``log_softmax`` in float32 (float64 for a float64 model) of the logits the model returns (after its own final
-processing: Gemma 2's final softcap, say); ``is_greedy`` is whether every continuation token is
-the argmax of its position's distribution, as lm-evaluation-harness defines it.
+Design notes: docs/internals.md, paged_hf/engine/scoring.py.
 """
 
 from __future__ import annotations

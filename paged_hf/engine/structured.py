@@ -1,14 +1,7 @@
 """Structured outputs: a request's output constrained to a JSON schema, a regular expression, a
 list of choices or an EBNF grammar, through xgrammar (``pip install paged_hf[structured]``).
 
-At admission a constraint is compiled for the engine's tokenizer (cached by kind and text) and
-the request gets its own matcher. Each step, one bitmask covers the sampled rows that carry a
-matcher; each row's part is filled from its matcher and the mask sets every token its grammar
-forbids to -inf in that row only, before sampling (so temperature, top-k/p, seeds and processed
-logprobs all see the constrained distribution; raw logprobs stay the model's). A matcher
-advances on each token its request keeps and the request stops ("stop") once its grammar is
-complete. A matcher depends only on the tokens a request has output, so preemption (recompute or
-swap) needs nothing, and a forked sample starts from a fresh one.
+Design notes: docs/internals.md, paged_hf/engine/structured.py.
 """
 
 from __future__ import annotations

@@ -1,21 +1,7 @@
 """The seam into transformers: one attention function and one mask function, registered as
 "paged_hf" in transformers' AttentionInterface / AttentionMaskInterface.
 
-During an engine step the runner makes a backend active (a context variable, set only for
-the duration of that forward): attention then writes and reads the paged KV, and the mask
-function returns None (a paged kernel needs no dense mask). Outside a step the model is a
-plain transformers model: both functions hand over to the attention implementation the model
-had before ``patch``, so training and scoring keep working exactly as before (a model loaded with
-``attn_implementation="paged_hf"`` and never patched: what patched models of its class had, or sdpa).
-
-In a step the backend gets the layer index, q/k/v, ``scaling``, ``softcap``, ``sliding_window``
-and ``s_aux`` (attention sinks); the layer's window and chunk come from the KV layout patch read
-(paged_hf/execution/kv_geometry.py). The layer index is ``module.layer_idx``, or ``LAYER_ATTR`` where
-patch wrote one: the applications of a block shared across layers (Zamba2's) are each their own
-module, weights tied, all with layer_idx -1, and patch gives each the layer transformers' own cache
-keeps its KV under (paged_hf/model/capability.py). A mask that still reaches attention in a step was
-built by the module itself (the mask function returned None): it fails the step rather than being
-dropped.
+Design notes: docs/internals.md, paged_hf/execution/attention.py.
 """
 
 from __future__ import annotations

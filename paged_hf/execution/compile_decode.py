@@ -1,17 +1,6 @@
 """torch.compile of the decode step, with each attention call one opaque custom op.
 
-Dynamo must not trace into the attention backend: FlashInfer's kernels are not registered
-custom ops, and the torch backend is data-dependent Python. So during a compiled step the
-attention function sees ``OpBackend``, whose ``attend`` is the custom op ``paged_hf::attend``
-(with a fake implementation for tracing); the op's real implementation calls the step's backend.
-
-Shapes: the caller pads decode batches to buckets (paged_hf/execution/decode_accelerator.py) and marks the token
-dimension dynamic, so a run of steps within one bucket never recompiles, and other buckets reuse
-one dynamic graph (a batch of one is specialised by dynamo, as always for size 1).
-
-    fwd = compile_forward(model, "inductor")
-    with compiled_step(op_backend, backend):
-        logits = fwd(input_ids[1, T], position_ids[1, T])    # [T, V]
+Design notes: docs/internals.md, paged_hf/execution/compile_decode.py.
 """
 
 from __future__ import annotations

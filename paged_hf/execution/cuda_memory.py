@@ -1,15 +1,6 @@
 """KV-cache sizing on CUDA: what is left for the KV blocks after the largest step's activations.
 
-    budget = gpu_memory_utilization * total GPU memory
-             - (peak memory of a profiling forward at the largest step + memory outside torch)
-             - the reserve: FlashInfer's workspaces, the CUDA-graph pool, a margin
-
-The profiling forward is the step the engine can schedule at most: ``max_num_batched_tokens``
-tokens, keeping the logits of ``max_num_seqs`` rows, then the sampler's float32 softmax over
-them. Attention runs through the paged seam with ``ProfileBackend``, which returns an output of
-the shape a paged kernel writes and builds nothing else: the model's own attention (eager
-attention's [heads, T, T] scores, 8.6 GB for Gemma 2 at 16k tokens) never runs in a paged step
-and must not shrink the KV room.
+Design notes: docs/internals.md, paged_hf/execution/cuda_memory.py.
 """
 
 from __future__ import annotations
@@ -138,7 +129,7 @@ def _activation_peak(
 
 @torch.inference_mode()
 def profile_kv_budget(model: torch.nn.Module, config: Any, layout: KVLayout) -> int:
-    """Bytes left for the KV cache on the model's CUDA device (see the module docstring).
+    """Bytes left for the KV cache on the model's CUDA device (docs/internals.md).
 
     Call it before any KV tensor is allocated. ``config`` is a ``paged_hf.EngineConfig``.
     """

@@ -4,15 +4,7 @@ A pure-decode step of b sequences runs as a step of ``bucket_for(b)`` rows: rows
 padding that read and write one reserved KV block (``pad_block``, one block beyond those the
 block manager hands out) and are never sampled, since ``logits_indices`` names real rows only.
 
-With CUDA graphs (CUDA + a backend with ``supports_cuda_graphs``, i.e. FlashInfer), the first
-eligible step captures every bucket, largest first, into one shared memory pool; each capture
-reads fixed input buffers (token ids, positions, and the backend's K/V write rows, indptr,
-indices and last-page arrays). Every later step copies its padded inputs into those buffers,
-runs ``plan()`` eagerly (FlashInfer's plan is host work and cannot be captured), and replays.
-Prefill steps and batches above the largest bucket run eagerly, as before.
-
-With ``compile_decode`` the forward that runs (or is captured) is ``torch.compile``d, attention
-being the custom op of compile_decode.py.
+Design notes: docs/internals.md, paged_hf/execution/decode_accelerator.py.
 """
 
 from __future__ import annotations

@@ -1,23 +1,6 @@
 """Per-layer KV geometry: what each attention layer writes into the paged cache, and how it reads it.
 
-The capability check (paged_hf/model/capability.py) reads it from the model (one probe forward: the
-shapes each attention layer's K and V really have, the masks transformers builds for it, the
-keywords it passes) and the engine sizes and runs the KV cache from it. Nothing here knows about
-models; it is plain data, so the engine side depends on it and never on the model side.
-
-    layer = LayerSpec(q_heads=32, kv_heads=8, k_dim=128, v_dim=128, window=4096)
-    layout = KVLayout((layer,) * 32)
-    layout.bytes_per_block(block_size=16, element_size=2)   # K and V of one block, all layers
-
-- ``window``: the layer attends to the last ``window`` positions, itself included (transformers'
-  ``sliding_window``: key k is masked for query q when ``q - k >= window``);
-- ``chunk``: the layer attends only within its own chunk of ``chunk`` positions counted from the
-  sequence start (Llama 4's chunked attention: key k is seen by query q iff ``k // chunk ==
-  q // chunk`` and ``k <= q``);
-- ``sinks``: the layer passes per-head sink logits (``s_aux``, GPT-OSS), a softmax column that
-  takes probability mass and is then dropped;
-- ``k_dim`` and ``v_dim`` differ for MLA (DeepSeek V2/V3, MiniCPM3, ...): K and V are stored per
-  head at their own widths, as the attention function receives them (not padded to one width).
+Design notes: docs/internals.md, paged_hf/execution/kv_geometry.py.
 """
 
 from __future__ import annotations

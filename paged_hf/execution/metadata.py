@@ -1,20 +1,6 @@
 """Step metadata: the packed batch in FlashInfer's own CSR format, used by every backend.
 
-For B sequences and T new tokens:
-  input_ids[T], positions[T]   the new tokens, sequence after sequence
-  slot_mapping[T]              where each new token's K/V goes: block * block_size + offset
-  qo_indptr[B+1]               sequence i's new tokens are rows qo_indptr[i]:qo_indptr[i+1]
-  kv_indptr[B+1], kv_indices   sequence i's KV blocks (cached and new) are
-                               kv_indices[kv_indptr[i]:kv_indptr[i+1]]
-  kv_last_page_len[B]          tokens used in each sequence's last block (1..block_size)
-  logits_indices[B' + R]       rows whose logits are needed: first the B' sampled rows (last
-                               token of each sequence whose chunk reaches the end of its known
-                               tokens), then the R rows scored (prompt logprobs, scoring requests)
-
-With cache groups (paged_hf/cache/kv_groups.py) each group has its own slot mapping and KV pages
-(``groups``; the fields above are group 0's): a sliding or chunked group's pages of a sequence
-start at the first block its first query reads, ``kv_starts`` tokens in, and
-``kv_last_page_len`` and the lengths a backend attends over count from there.
+Design notes: docs/internals.md, paged_hf/execution/metadata.py.
 """
 
 from __future__ import annotations
@@ -79,51 +65,20 @@ def build_step_metadata(
     groups: tuple[CacheGroup, ...] = (FULL,),
 ) -> StepMetadata:
     """Metadata for requests that will compute ``n`` more tokens each (before ``mark_computed``)."""
-    input_ids: list[int] = []
-    positions: list[int] = []
-    slots: list[int] = []
-    qo_indptr, kv_indptr = [0], [0]
-    kv_indices: list[int] = []
-    last_page_len: list[int] = []
-    logits_indices: list[int] = []
-    sampled: list[Request] = []
-    score_indices: list[int] = []
-    score_rows: list[tuple[Request, int, int]] = []
-    q_lens, kv_lens = [], []
-    kv_blocks: list[list[int]] = []
-    bs = block_size
+    host = _HostLists()
     for req, n in scheduled:
-        start = req.num_computed_tokens
-        end = start + n
-        table = req.block_table
-        assert len(table) * bs >= end, (
-            f"request {req.request_id}: {len(table)} blocks cannot hold {end} tokens"
-        )
-        input_ids.extend(req.token_ids[start:end])
-        positions.extend(range(start, end))
-        slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-        n_blocks = -(-end // bs)
-        kv_blocks.append(table[:n_blocks])
-        kv_indices.extend(kv_blocks[-1])
-        qo_indptr.append(qo_indptr[-1] + n)
-        kv_indptr.append(kv_indptr[-1] + n_blocks)
-        last_page_len.append(end - (n_blocks - 1) * bs)
-        q_lens.append(n)
-        kv_lens.append(end)
-        if end == req.num_tokens and not req.prefill_only:
-            logits_indices.append(len(input_ids) - 1)
-            sampled.append(req)
-        first, count = req.score_rows(start, end)
-        if count:
-            row0 = len(input_ids) - n + (req.score_start + first - start)
-            score_indices.extend(range(row0, row0 + count))
-            score_rows.append((req, first, count))
-
+        host.add(req, n, block_size)
     ids, pos, logits_rows = upload(
-        device, torch.long, input_ids, positions, logits_indices + score_indices
+        device, torch.long, host.input_ids, host.positions, host.logits_indices + host.score_indices
     )
     slot_t, qo_t, kv_t, idx_t, last_t = upload(
-        device, torch.int32, slots, qo_indptr, kv_indptr, kv_indices, last_page_len
+        device,
+        torch.int32,
+        host.slots,
+        host.qo_indptr,
+        host.kv_indptr,
+        host.kv_indices,
+        host.last_page_len,
     )
     meta = StepMetadata(
         input_ids=ids,
@@ -134,26 +89,65 @@ def build_step_metadata(
         kv_indices=idx_t,
         kv_last_page_len=last_t,
         logits_indices=logits_rows,
-        block_size=bs,
-        q_lens=q_lens,
-        kv_lens=kv_lens,
-        kv_blocks=kv_blocks,
-        sampled_requests=sampled,
-        score_rows=score_rows,
+        block_size=block_size,
+        q_lens=host.q_lens,
+        kv_lens=host.kv_lens,
+        kv_blocks=host.kv_blocks,
+        sampled_requests=host.sampled,
+        score_rows=host.score_rows,
     )
-    meta.groups = [
-        GroupTables(
-            meta.slot_mapping,
-            meta.kv_indptr,
-            meta.kv_indices,
-            meta.kv_last_page_len,
-            kv_blocks,
-            [0] * len(kv_blocks),
-        )
-    ]
+    first = [0] * len(host.kv_blocks)
+    meta.groups = [GroupTables(slot_t, kv_t, idx_t, last_t, host.kv_blocks, first)]
     for g in range(1, len(groups)):
-        meta.groups.append(_group_tables(scheduled, g, groups[g], bs, device))
+        meta.groups.append(_group_tables(scheduled, g, groups[g], block_size, device))
     return meta
+
+
+@dataclass
+class _HostLists:
+    """A step's metadata as host lists, one scheduled request at a time."""
+
+    input_ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+    qo_indptr: list[int] = field(default_factory=lambda: [0])
+    kv_indptr: list[int] = field(default_factory=lambda: [0])
+    kv_indices: list[int] = field(default_factory=list)
+    last_page_len: list[int] = field(default_factory=list)
+    logits_indices: list[int] = field(default_factory=list)
+    sampled: list[Request] = field(default_factory=list)
+    score_indices: list[int] = field(default_factory=list)
+    score_rows: list[tuple[Request, int, int]] = field(default_factory=list)
+    q_lens: list[int] = field(default_factory=list)
+    kv_lens: list[int] = field(default_factory=list)
+    kv_blocks: list[list[int]] = field(default_factory=list)
+
+    def add(self, req: Request, n: int, bs: int) -> None:
+        start = req.num_computed_tokens
+        end = start + n
+        table = req.block_table
+        assert len(table) * bs >= end, (
+            f"request {req.request_id}: {len(table)} blocks cannot hold {end} tokens"
+        )
+        self.input_ids.extend(req.token_ids[start:end])
+        self.positions.extend(range(start, end))
+        self.slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+        n_blocks = -(-end // bs)
+        self.kv_blocks.append(table[:n_blocks])
+        self.kv_indices.extend(self.kv_blocks[-1])
+        self.qo_indptr.append(self.qo_indptr[-1] + n)
+        self.kv_indptr.append(self.kv_indptr[-1] + n_blocks)
+        self.last_page_len.append(end - (n_blocks - 1) * bs)
+        self.q_lens.append(n)
+        self.kv_lens.append(end)
+        if end == req.num_tokens and not req.prefill_only:
+            self.logits_indices.append(len(self.input_ids) - 1)
+            self.sampled.append(req)
+        first, count = req.score_rows(start, end)
+        if count:
+            row0 = len(self.input_ids) - n + (req.score_start + first - start)
+            self.score_indices.extend(range(row0, row0 + count))
+            self.score_rows.append((req, first, count))
 
 
 def _group_tables(

@@ -1,15 +1,6 @@
 """Next-token choice for a batch of logits rows, each with its own SamplingParams.
 
-Order follows transformers' logits processors: encoder repetition penalty, repetition penalty,
-min-new-tokens EOS ban, suppressed tokens, the request's own logits processors, temperature, top-k,
-top-p, min-p; then inverse-CDF sampling. Logprobs are of the
-model's distribution, or (``logprobs_mode="processed"``) of the one the token was drawn from. A seeded request draws from its own
-torch.Generator, so it picks the same tokens alone or in any batch; unseeded ones share one draw
-per step from torch's default generator.
-
-A row that cannot be sampled (its processing raised, or its logits are NaN / infinite, or every
-token is banned) fails alone: it gets no token and an entry in ``errors``, and the other rows'
-tokens are what they would have been without it.
+Design notes: docs/internals.md, paged_hf/execution/sampler.py.
 """
 
 from __future__ import annotations
@@ -78,31 +69,45 @@ def sample(
             errors[row] = "its logits are not finite (NaN or inf), or every token was excluded"
             token_list[row] = None
 
-    logprobs: list = [None] * len(requests)
-    if any(r.params.logprobs is not None for r in requests):
-        lp = torch.log_softmax(raw, dim=-1)
-        for i, r in enumerate(requests):
-            k = r.params.logprobs
-            if k is None or token_list[i] is None:
-                continue
-            try:
-                row_lp = processed.get(i)
-                # greedy rows' processed distribution: their masked, penalised logits
-                if row_lp is None:
-                    row_lp = (
-                        torch.log_softmax(logits[i], dim=-1)
-                        if r.params.processed_logprobs
-                        else lp[i]
-                    )
-                top = torch.topk(row_lp, k) if k > 0 else None
-                logprobs[i] = (
-                    float(row_lp[token_list[i]]),
-                    {} if top is None else dict(zip(top.indices.tolist(), top.values.tolist())),
-                )
-            except Exception as e:  # noqa: BLE001
-                errors[i] = f"logprobs failed: {type(e).__name__}: {e}"
-                token_list[i] = None
+    logprobs = _logprobs(raw, logits, requests, token_list, processed, errors)
     return SampleResult(token_list, logprobs, errors)
+
+
+def _logprobs(
+    raw: torch.Tensor,
+    logits: torch.Tensor,
+    requests: list[Request],
+    token_list: list[int | None],
+    processed: dict[int, torch.Tensor],
+    errors: dict[int, str],
+) -> list:
+    """Each row's (chosen token's logprob, top-k) where it asked: from the model's own
+    distribution, or with ``processed_logprobs`` the one it was drawn from. A row whose
+    logprobs fail ends without a token (``errors``)."""
+    logprobs: list = [None] * len(requests)
+    if not any(r.params.logprobs is not None for r in requests):
+        return logprobs
+    lp = torch.log_softmax(raw, dim=-1)
+    for i, r in enumerate(requests):
+        k = r.params.logprobs
+        if k is None or token_list[i] is None:
+            continue
+        try:
+            row_lp = processed.get(i)
+            # greedy rows' processed distribution: their masked, penalised logits
+            if row_lp is None:
+                row_lp = (
+                    torch.log_softmax(logits[i], dim=-1) if r.params.processed_logprobs else lp[i]
+                )
+            top = torch.topk(row_lp, k) if k > 0 else None
+            logprobs[i] = (
+                float(row_lp[token_list[i]]),
+                {} if top is None else dict(zip(top.indices.tolist(), top.values.tolist())),
+            )
+        except Exception as e:  # noqa: BLE001
+            errors[i] = f"logprobs failed: {type(e).__name__}: {e}"
+            token_list[i] = None
+    return logprobs
 
 
 def _plain_greedy(req: Request) -> bool:

@@ -1,18 +1,6 @@
 """What each stateful layer of a hybrid model keeps per sequence: its conv and recurrent states.
 
-Linear-attention, SSM and short-convolution layers (gated DeltaNet, Kimi delta attention, Mamba2,
-LFM2's short conv) keep a fixed-size state per sequence instead of K and V. The capability check
-(paged_hf/model/capability.py) reads it from the model itself: one forward through the model's
-own cache records, per mixer module, the states it writes (``update_conv_state`` /
-``update_recurrent_state``, per ``state_idx``; or through a ``get_X`` / ``set_X`` pair of the model's
-own cache class, MiniMax's) with their shapes and dtypes. The engine sizes its state slots from it
-(paged_hf/execution/state_store.py) and runs the mixers through a per-step cache view
-(paged_hf/execution/stateful_mixers.py). Plain data, like the KV geometry.
-
-    mixer = MixerSpec(layer_idx=0, path="model.layers.0.linear_attn", kind="gated delta net",
-                      cache_arg="cache", conv=((48, 4),), conv_dtypes=("float32",), recurrent=((4, 8, 8),),
-                      recurrent_dtypes=("float32",))
-    StateLayout((mixer,)).bytes_per_slot()
+Design notes: docs/internals.md, paged_hf/execution/state_geometry.py.
 """
 
 from __future__ import annotations

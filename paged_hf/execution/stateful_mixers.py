@@ -1,25 +1,6 @@
 """Stateful layers of hybrid models, run through their own transformers modules during engine steps.
 
-The engine's packed forward puts every scheduled sequence's tokens side by side in one
-``[1, T]`` batch, and a linear-attention / SSM / short-conv mixer would scan straight across the
-sequence boundaries. So, for the duration of an engine forward only, each stateful module's
-``forward`` is wrapped: its input rows are split by sequence and the module's own forward runs
-on
-  - the step's decode rows (one token each, with a previous state) as one batch ``[N, 1, H]``;
-  - each other sequence's chunk as ``[1, L, H]``, continuing its state (none before its first token),
-with a cache view over those sequences' state slots as its ``cache`` argument. The view is
-transformers' own ``Cache`` with one ``LinearAttentionLayer`` holding views of the slots (the step
-loop keeps the decode batch's slots one span, 0..N-1, so no state is gathered or scattered), so
-the module's reads and writes (``get/update_conv_state``, ``get/update_recurrent_state``,
-``has_previous_state``) follow transformers' bookkeeping exactly and its in-place updates land in
-the slots; a state the layer replaced goes back to them after the call. A mixer that keeps its
-state through a ``get_X`` / ``set_X`` pair of its model's own cache class (MiniMax's
-``get_linear_cache`` / ``set_linear_cache``) finds that pair on the view too, as
-``get_recurrent_state`` / ``update_recurrent_state`` over the same slots. A mixer that returns
-``(output, state)`` (MiniMax's) gets ``(output, None)`` back: the packed batch has no one state, and a
-caller that read it would fail, not go on with a wrong one. No model math is copied (a kernel of
-paged_hf's may stand in for a fallback function at transformers' own kernel seam:
-paged_hf/execution/cpu/mixer_kernels.py). Outside a step the modules are untouched.
+Design notes: docs/internals.md, paged_hf/execution/stateful_mixers.py.
 """
 
 from __future__ import annotations

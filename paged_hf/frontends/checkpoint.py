@@ -1,16 +1,7 @@
 """The resumable checkpoint of ``generate_dataset``: a manifest that says what the run was, and
 one results file per rank that finished rows are appended to.
 
-  manifest.json          ``{"version": ..., "fingerprint": ...}``: model, tokenizer, the engine's
-                         effective max_model_len and EOS ids, sampling params, columns, dataset. A
-                         rerun whose fingerprint differs raises ValueError naming what changed.
-  results-<rank>.jsonl   one record per line, ``{"row_index": i, "text": ..., "num_tokens": ...,
-                         "finish_reason": ..., "ttft": ..., "error": ...}``.
-
-A rerun reads every rank's file. Rows with a good record (finish_reason other than "error") are
-done; rows whose only records are errors run again. A record that is not what this module
-writes is logged and never trusted (its row runs again). The last line of a file may lack its
-newline: a record cut short by a kill (invalid JSON) is cut off, a complete one is kept.
+Design notes: docs/internals.md, paged_hf/frontends/checkpoint.py.
 """
 
 from __future__ import annotations

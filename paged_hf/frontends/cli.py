@@ -1,11 +1,6 @@
 """The ``paged-hf`` command (also ``python -m paged_hf``).
 
-    paged-hf generate --model default --input prompts.jsonl --output out.jsonl --max-new-tokens 64
-    paged-hf generate --model ./my-model --input ./saved_dataset --split test --messages-column messages \\
-        --output out.jsonl --checkpoint-dir runs/eval1 --temperature 0.7 --top-p 0.9 --seed 1
-    paged-hf bench --quick          # the benchmark harness, benchmarks/bench.py (source checkout)
-    paged-hf lm-eval --model paged_hf --model_args pretrained=default,dtype=bfloat16 --tasks ...
-                                    # lm-evaluation-harness's CLI with the paged_hf backend registered
+Design notes: docs/internals.md, paged_hf/frontends/cli.py.
 """
 
 from __future__ import annotations
@@ -44,6 +39,26 @@ def _parser() -> argparse.ArgumentParser:
         "column and its _num_tokens, _finish_reason, _ttft and _error. A row that "
         "fails gets finish_reason 'error' and its message in _error; the others run.",
     )
+    _add_data_options(g)
+    _add_sampling_options(g)
+    _add_engine_options(g)
+    g.set_defaults(func=generate)
+
+    b = sub.add_parser(
+        "bench", help="run the benchmark harness (benchmarks/bench.py); arguments pass through"
+    )
+    b.set_defaults(func=lambda a: bench([]))
+    e = sub.add_parser(
+        "lm-eval",
+        help="lm-evaluation-harness's CLI with --model paged_hf available; arguments "
+        "pass through (needs the eval extra: pip install 'paged_hf[eval]')",
+    )
+    e.set_defaults(func=lambda a: lm_eval([]))
+    return parser
+
+
+def _add_data_options(g: argparse.ArgumentParser) -> None:
+    """`paged-hf generate`'s model, input and output options."""
     g.add_argument(
         "--model",
         required=True,
@@ -97,6 +112,10 @@ def _parser() -> argparse.ArgumentParser:
         "--checkpoint-dir", help="append finished rows here; rerun the same command to resume"
     )
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _add_sampling_options(g: argparse.ArgumentParser) -> None:
+    """`paged-hf generate`'s sampling and structured-output options."""
     s = g.add_argument_group("sampling")
     s.add_argument("--max-new-tokens", type=int, default=128)
     s.add_argument("--min-new-tokens", type=int, default=0)
@@ -127,6 +146,10 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument(
         "--choice", action="append", metavar="TEXT", help="every output is one of these (repeat it)"
     )
+
+
+def _add_engine_options(g: argparse.ArgumentParser) -> None:
+    """`paged-hf generate`'s engine options (EngineConfig fields)."""
     e = g.add_argument_group("engine")
     e.add_argument("--max-num-seqs", type=int)
     e.add_argument("--max-num-batched-tokens", type=int)
@@ -138,79 +161,19 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--max-model-len", type=int)
     e.add_argument("--backend", choices=("auto", "torch", "flashinfer"))
     e.add_argument("--no-prefix-caching", action="store_true")
-    g.set_defaults(func=generate)
-
-    b = sub.add_parser(
-        "bench", help="run the benchmark harness (benchmarks/bench.py); arguments pass through"
-    )
-    b.set_defaults(func=lambda a: bench([]))
-    e = sub.add_parser(
-        "lm-eval",
-        help="lm-evaluation-harness's CLI with --model paged_hf available; arguments "
-        "pass through (needs the eval extra: pip install 'paged_hf[eval]')",
-    )
-    e.set_defaults(func=lambda a: lm_eval([]))
-    return parser
 
 
 def generate(args: argparse.Namespace) -> int:
-    from ..config import EngineConfig
-    from ..requests.sampling_params import SamplingParams
     from .dataset_generation import generate_dataset
 
     # every check that needs no data or model comes first: a mistake costs nothing
-    if args.limit is not None and args.limit < 0:
-        return _fail(f"--limit {args.limit}: must be >= 0")
     try:
-        params = SamplingParams(
-            max_new_tokens=args.max_new_tokens,
-            min_new_tokens=args.min_new_tokens,
-            temperature=args.temperature,
-            top_p=args.top_p,
-            top_k=args.top_k,
-            min_p=args.min_p,
-            repetition_penalty=args.repetition_penalty,
-            seed=args.seed,
-            ignore_eos=args.ignore_eos,
-            stop=[_unescape(s) for s in args.stop],
-            include_stop_str_in_output=args.include_stop_str,
-            regex=args.regex,
-            choice=args.choice,
-            json_schema=_read_schema(args.json_schema),
-        )
-        params.validate("sampling options")
-    except ValueError as err:
-        return _fail(str(err))
-    engine_config = {
-        k: v
-        for k, v in {
-            "max_num_seqs": args.max_num_seqs,
-            "max_num_batched_tokens": args.max_num_batched_tokens,
-            "block_size": args.block_size,
-            "num_blocks": args.num_blocks,
-            "max_model_len": args.max_model_len,
-            "kv_cache_memory": int(args.kv_cache_memory)
-            if args.kv_cache_memory and args.kv_cache_memory > 1
-            else args.kv_cache_memory,
-            "backend": args.backend,
-        }.items()
-        if v is not None
-    }
-    if args.no_prefix_caching:
-        engine_config["enable_prefix_caching"] = False
-    try:
-        # the engine checks them again; here it costs nothing
-        EngineConfig.from_kwargs(**engine_config)
+        params, engine_config = _options(args)
     except (ValueError, TypeError) as err:
         return _fail(str(err))
-    if _is_main_process():  # under accelerate launch only rank 0 writes the result
-        problem = check_output(args.output)
-        if problem is not None:
-            return _fail(problem)
-    if args.checkpoint_dir is not None:
-        problem = _check_directory("--checkpoint-dir", Path(args.checkpoint_dir))
-        if problem is not None:
-            return _fail(problem)
+    problem = _check_paths(args)
+    if problem is not None:
+        return _fail(problem)
     try:
         dataset = load_input(args.input, args.split)
     except (FileNotFoundError, ValueError) as err:
@@ -243,6 +206,66 @@ def generate(args: argparse.Namespace) -> int:
         return _fail(str(err))
     if result is None or not _is_main_process():
         return 0
+    return _write(result, args)
+
+
+def _options(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
+    """The sampling params and engine options the command line asks for; ValueError names a
+    wrong one."""
+    from ..config import EngineConfig
+    from ..requests.sampling_params import SamplingParams
+
+    if args.limit is not None and args.limit < 0:
+        raise ValueError(f"--limit {args.limit}: must be >= 0")
+    params = SamplingParams(
+        max_new_tokens=args.max_new_tokens,
+        min_new_tokens=args.min_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        seed=args.seed,
+        ignore_eos=args.ignore_eos,
+        stop=[_unescape(s) for s in args.stop],
+        include_stop_str_in_output=args.include_stop_str,
+        regex=args.regex,
+        choice=args.choice,
+        json_schema=_read_schema(args.json_schema),
+    )
+    params.validate("sampling options")
+    memory = args.kv_cache_memory
+    engine_config = {
+        k: v
+        for k, v in {
+            "max_num_seqs": args.max_num_seqs,
+            "max_num_batched_tokens": args.max_num_batched_tokens,
+            "block_size": args.block_size,
+            "num_blocks": args.num_blocks,
+            "max_model_len": args.max_model_len,
+            "kv_cache_memory": int(memory) if memory and memory > 1 else memory,
+            "backend": args.backend,
+        }.items()
+        if v is not None
+    }
+    if args.no_prefix_caching:
+        engine_config["enable_prefix_caching"] = False
+    EngineConfig.from_kwargs(**engine_config)  # the engine checks them again; here it costs nothing
+    return params, engine_config
+
+
+def _check_paths(args: argparse.Namespace) -> str | None:
+    """What is wrong with --output or --checkpoint-dir, before any work."""
+    if _is_main_process():  # under accelerate launch only rank 0 writes the result
+        problem = check_output(args.output)
+        if problem is not None:
+            return problem
+    if args.checkpoint_dir is not None:
+        return _check_directory("--checkpoint-dir", Path(args.checkpoint_dir))
+    return None
+
+
+def _write(result: Any, args: argparse.Namespace) -> int:
     try:
         write_output(result, args.output)
     except OSError as err:  # checked at the start, but disks fill up and permissions change
@@ -253,15 +276,12 @@ def generate(args: argparse.Namespace) -> int:
         )
         return _fail(f"--output {args.output}: {err}{kept}")
     errors = sum(1 for r in result[f"{args.output_column}_finish_reason"] if r == "error")
-    print(
-        f"paged-hf: wrote {len(result)} rows to {args.output}"
-        + (
-            f" ({errors} failed, finish_reason 'error': see {args.output_column}_error)"
-            if errors
-            else ""
-        ),
-        file=sys.stderr,
+    failed = (
+        f" ({errors} failed, finish_reason 'error': see {args.output_column}_error)"
+        if errors
+        else ""
     )
+    print(f"paged-hf: wrote {len(result)} rows to {args.output}{failed}", file=sys.stderr)
     return 0
 
 

@@ -2,18 +2,7 @@
 whole dataset, original order, a progress bar, a resumable checkpoint, and sharding under
 ``accelerate launch``.
 
-    >>> ds = datasets.Dataset.from_dict({"prompt": ["The capital of France is", "1, 2, 3,"]})
-    >>> out = paged_hf.generate_dataset(model, tokenizer, ds, sampling_params=SamplingParams(max_new_tokens=16),
-    ...                                 checkpoint_dir="runs/eval1")
-    >>> out.column_names
-    ['prompt', 'generation', 'generation_num_tokens', 'generation_finish_reason', 'generation_ttft',
-     'generation_error']
-
-A row that fails (refused at admission, raising while it is tokenized or chat-templated, or
-failing inside the engine) does not stop the run: it gets finish_reason "error" and its message
-in ``{output_column}_error``. Checkpoint layout and resume rules: ``paged_hf.frontends.checkpoint``
-(finished rows are appended as they complete, written and flushed every step, fsynced about once
-a second; errored rows run again on a rerun).
+Design notes: docs/internals.md, paged_hf/frontends/dataset_generation.py.
 """
 
 from __future__ import annotations
@@ -65,51 +54,74 @@ def generate_dataset(
 ) -> Any:
     """Generate one completion per row of ``dataset``; return the dataset with the results added.
 
-    The returned ``datasets.Dataset`` has the original columns in the original order plus
-    ``output_column`` (the generated text) and ``{output_column}_num_tokens``,
-    ``{output_column}_finish_reason`` ("stop", "length", or "error"), ``{output_column}_ttft``
-    (seconds from the row entering the engine to its first token) and ``{output_column}_error``
-    (None, or for a row with finish_reason "error" the message naming the row and what went
-    wrong; its text is "", its num_tokens 0 and its ttft None). A row fails alone, whatever it
-    raises while it is prepared (an empty prompt, a chat template's ``raise_exception``, a
-    tokenizer error), when the engine refuses it, or when it fails inside an engine step; the
-    other rows run. ``KeyboardInterrupt`` stops the run (submitted rows are aborted).
-
-    - ``prompt_column`` holds text or token ids. Text goes to the model as one user message
-      through the tokenizer's chat template when it has one (``chat=None``, the default; ``system``
-      adds a system message before it), else as it is (tokenized with special tokens);
-      ``chat=False`` sends it raw, ``chat=True`` requires a template. With ``messages_column`` set,
-      that column's chat messages go through ``tokenizer.apply_chat_template(...,
-      add_generation_prompt=True)`` instead. A run where most rows end within two tokens warns,
-      naming the likely cause.
-    - ``json_schema``: every row's output is constrained to this JSON schema (structured outputs,
-      the "structured" extra); ``json_schema_column``: a column of per-row schemas (dicts or JSON
-      text; None leaves a row unconstrained).
-    - ``params_column`` holds per-row dicts of ``SamplingParams`` fields, applied over
-      ``sampling_params``. When sampling (temperature > 0), row ``i`` without its own seed uses
-      seed ``(sampling_params.seed or 0) + i``, so results do not depend on batching, resuming
-      or sharding. One completion per row: ``n > 1`` is refused (repeat the rows instead).
-      Stop strings (``SamplingParams(stop=[...])``, or a row's own ``stop``) end a row on the
-      token that completes one; its text ends before the stop string.
-    - One engine serves the whole dataset; rows are tokenized and queued as the engine drains
-      (about ``2 * max_num_seqs`` waiting at a time), so a 100k-row dataset is never all queued.
-      A model patched with ``paged_hf.patch`` uses its engine (``engine_for``) unless
-      ``engine_config`` is given; otherwise ``Engine(model, tokenizer, **engine_config)``.
-    - ``checkpoint_dir``: finished rows are appended to disk as they complete; a rerun with the
-      same arguments skips them and returns the same dataset as an uninterrupted run (the ttft
-      of restored rows is the one measured when they ran). Rows that ended in "error" run again.
-      Different arguments (model, tokenizer, sampling params, columns, dataset, or the engine's
-      effective max_model_len and EOS ids) raise ValueError. See ``paged_hf.frontends.checkpoint``.
-    - Under ``accelerate launch --num_processes K`` (or ``torchrun --nproc_per_node K``) each
-      process runs its shard (``datasets.distributed.split_dataset_by_node``) on its own engine;
-      rank 0 gathers (``torch.distributed.gather_object``) and returns the whole dataset in the
-      original order, the other ranks return their own shard with its results (contiguous rows,
-      in order). Put each process's model on its device first (``PartialState().device``).
-      Without CUDA the processes join over gloo; note that ``accelerate launch --cpu`` starts
-      one process unless MPI is set up, while ``--multi_gpu`` on a machine without GPUs starts K
-      CPU processes through torchrun. Checkpoints are shared: each rank appends to
-      ``results-<rank>.jsonl`` and reads them all, so a rerun may use a different K.
+    The result keeps the original columns and order and adds ``output_column`` (the text) and its
+    ``_num_tokens``, ``_finish_reason``, ``_ttft`` and ``_error`` columns; a row fails alone and the
+    others run. Prompts and chat templates, per-row params and schemas, checkpoints and resuming,
+    sharding under ``accelerate launch``: docs/usage.md, "generate_dataset in full".
     """
+    base, chat = _checked_arguments(
+        dataset,
+        tokenizer,
+        sampling_params,
+        prompt_column,
+        output_column,
+        messages_column,
+        params_column,
+        json_schema,
+        json_schema_column,
+        chat,
+        system,
+    )
+    rank, world, state = _distributed()
+    shard_rows, shard = _shard(dataset, rank, world)
+
+    # the engine first: its effective max_model_len and EOS ids belong to the checkpoint's fingerprint
+    engine = _engine(model, tokenizer, engine_config)
+    prompts = _Prompts(messages_column, chat, system, json_schema_column)
+    checkpoint = None
+    if checkpoint_dir is not None:
+        columns = {"prompt": prompt_column, "output": output_column, "params": params_column}
+        columns.update(prompts.settings())
+        checkpoint = Checkpoint(
+            Path(checkpoint_dir),
+            fingerprint(model, tokenizer, engine, dataset, base, columns),
+            rank,
+            state,
+            len(dataset),
+        )
+    records = _run_shard(
+        engine,
+        tokenizer,
+        shard,
+        shard_rows,
+        base,
+        prompt_column,
+        prompts,
+        params_column,
+        checkpoint,
+        progress and rank == 0,
+        desc="paged_hf" if world == 1 else f"paged_hf [rank 0 of {world}]",
+    )
+    _warn_if_mostly_empty(records, chat)
+
+    return _gathered(dataset, shard, records, rank, world, output_column)
+
+
+def _checked_arguments(
+    dataset: Any,
+    tokenizer: Any,
+    sampling_params: SamplingParams | None,
+    prompt_column: str,
+    output_column: str,
+    messages_column: str | None,
+    params_column: str | None,
+    json_schema: dict | str | None,
+    json_schema_column: str | None,
+    chat: bool | None,
+    system: str | None,
+) -> tuple[SamplingParams, bool]:
+    """The run's base params and whether prompts go through the chat template; a mistake in
+    the arguments raises before any work, naming it."""
     import datasets
 
     if isinstance(dataset, datasets.DatasetDict):
@@ -148,55 +160,29 @@ def generate_dataset(
     if json_schema is not None:
         base = base.with_(json_schema=json_schema)
 
-    rank, world, state = _distributed()
-    if world > 1:
-        from datasets.distributed import split_dataset_by_node
+    return base, chat
 
-        # the same split applied to a column of row numbers gives each shard row's global index
-        numbers = datasets.Dataset.from_dict({"i": list(range(len(dataset)))})
-        shard_rows = list(split_dataset_by_node(numbers, rank=rank, world_size=world)["i"])
-        shard = split_dataset_by_node(dataset, rank=rank, world_size=world)
-        assert len(shard) == len(shard_rows)
-    else:
-        shard_rows, shard = list(range(len(dataset))), dataset
 
-    # the engine first: its effective max_model_len and EOS ids belong to the checkpoint's fingerprint
-    engine = _engine(model, tokenizer, engine_config)
-    checkpoint = None
-    if checkpoint_dir is not None:
-        columns = {
-            "prompt": prompt_column,
-            "output": output_column,
-            "messages": messages_column,
-            "params": params_column,
-            "chat": chat,
-            "system": system,
-            "json_schema": json_schema_column,
-        }
-        checkpoint = Checkpoint(
-            Path(checkpoint_dir),
-            fingerprint(model, tokenizer, engine, dataset, base, columns),
-            rank,
-            state,
-            len(dataset),
-        )
+def _shard(dataset: Any, rank: int, world: int) -> tuple[list[int], Any]:
+    """This process's rows: their global indices, and the shard."""
+    if world == 1:
+        return list(range(len(dataset))), dataset
+    import datasets
+    from datasets.distributed import split_dataset_by_node
 
-    prompts = _Prompts(messages_column, chat, system, json_schema_column)
-    records = _run_shard(
-        engine,
-        tokenizer,
-        shard,
-        shard_rows,
-        base,
-        prompt_column,
-        prompts,
-        params_column,
-        checkpoint,
-        progress and rank == 0,
-        desc="paged_hf" if world == 1 else f"paged_hf [rank 0 of {world}]",
-    )
-    _warn_if_mostly_empty(records, chat)
+    # the same split applied to a column of row numbers gives each shard row's global index
+    numbers = datasets.Dataset.from_dict({"i": list(range(len(dataset)))})
+    shard_rows = list(split_dataset_by_node(numbers, rank=rank, world_size=world)["i"])
+    shard = split_dataset_by_node(dataset, rank=rank, world_size=world)
+    assert len(shard) == len(shard_rows)
+    return shard_rows, shard
 
+
+def _gathered(
+    dataset: Any, shard: Any, records: list[dict], rank: int, world: int, output_column: str
+) -> Any:
+    """Rank 0 (or the only process): the whole dataset with every rank's results, in row order;
+    another rank: its own shard with its results."""
     if world > 1:
         import torch.distributed as dist
 
@@ -226,6 +212,15 @@ class _Prompts:
     ):
         self.messages_column, self.chat, self.system = messages_column, chat, system
         self.json_schema_column = json_schema_column
+
+    def settings(self) -> dict[str, Any]:
+        """What a checkpoint's fingerprint records of them."""
+        return {
+            "messages": self.messages_column,
+            "chat": self.chat,
+            "system": self.system,
+            "json_schema": self.json_schema_column,
+        }
 
     def ids(self, tokenizer: Any, prompt: Any) -> list[int]:
         if self.chat and isinstance(prompt, str) and prompt:
@@ -275,7 +270,6 @@ def _run_shard(
         restored = checkpoint.load()  # every record is checked here, before any row runs
         done = {i: restored[i] for i in shard_rows if i in restored}
         checkpoint.open()
-    sched = engine.scheduler
     # this loop steps the engine itself: look for replaced tensors now
     engine.check_weights(rescan=True)
     target_waiting = 2 * engine.config.max_num_seqs
@@ -291,34 +285,23 @@ def _run_shard(
     )
     live: dict[str, int] = {}  # engine request id -> row index
     bar = _Progress(len(shard_rows), len(done), engine, desc) if progress else None
-    exhausted = False
+    more = True
     try:
         while True:
             new: list[dict] = []
-            while not exhausted and len(sched.waiting) < target_waiting:
-                item = next(rows, None)
-                if item is None:
-                    exhausted = True
-                    break
-                row, prompt, row_params = item
-                rid = _submit(engine, tokenizer, base, row, prompt, row_params, prompts, new)
-                if rid is not None:
-                    live[rid] = row
-            if not new and not live and exhausted:
+            if more:
+                more = _queue_rows(
+                    engine, tokenizer, base, prompts, rows, live, new, target_waiting
+                )
+            if not new and not live and not more:
                 break
-            sampled: dict = {}
-            if live:
-                sampled, finished = engine.step()
-                for req in finished:
-                    row = live.pop(req.request_id, None)
-                    if row is not None:  # else someone else's request on a shared engine
-                        new.append(_finished_record(engine, tokenizer, row, req))
+            sampled = _step_rows(engine, tokenizer, live, new) if live else 0
             for rec in new:
                 done[rec["row_index"]] = rec
             if checkpoint is not None and new:
                 checkpoint.write(new)
             if bar is not None:
-                bar.update(len(new), len(sampled))
+                bar.update(len(new), sampled)
     finally:
         for rid in list(live):  # interrupted: leave a shared engine clean
             try:
@@ -330,6 +313,39 @@ def _run_shard(
         if bar is not None:
             bar.close()
     return [done[i] for i in shard_rows]
+
+
+def _queue_rows(
+    engine: Any,
+    tokenizer: Any,
+    base: SamplingParams,
+    prompts: _Prompts,
+    rows: Iterator,
+    live: dict[str, int],
+    new: list[dict],
+    target: int,
+) -> bool:
+    """Submit rows until ``target`` wait in the engine (a row refused at once goes to ``new``);
+    False once the rows are exhausted."""
+    while len(engine.scheduler.waiting) < target:
+        item = next(rows, None)
+        if item is None:
+            return False
+        row, prompt, row_params = item
+        rid = _submit(engine, tokenizer, base, row, prompt, row_params, prompts, new)
+        if rid is not None:
+            live[rid] = row
+    return True
+
+
+def _step_rows(engine: Any, tokenizer: Any, live: dict[str, int], new: list[dict]) -> int:
+    """One engine step: the rows it finished go to ``new``; returns the tokens it sampled."""
+    sampled, finished = engine.step()
+    for req in finished:
+        row = live.pop(req.request_id, None)
+        if row is not None:  # else someone else's request on a shared engine
+            new.append(_finished_record(engine, tokenizer, row, req))
+    return len(sampled)
 
 
 def _submit(

@@ -1,21 +1,6 @@
 """A background engine for notebooks and services: submit, stream, cancel, watch.
 
-    >>> engine = paged_hf.serve(model, tokenizer, max_num_seqs=32)
-    >>> h = engine.submit("Once upon a time", SamplingParams(max_new_tokens=32))
-    >>> for delta in h.stream():          # text deltas as tokens arrive (token ids without a tokenizer)
-    ...     print(delta, end="")
-    >>> h.result().text                   # the RequestOutput; equals the concatenated deltas
-    >>> engine.stats_frame()              # pandas: per-step running / waiting / tokens / blocks_used
-    >>> engine.plot()                     # matplotlib figure of the same
-    >>> engine.shutdown()
-
-One daemon thread owns the ``Engine`` and is the only one that touches it: callers' commands
-(add, cancel, stop) go through a queue that the thread drains before every step. Each handle
-keeps its tokens and final output behind a condition variable, so ``stream()`` and
-``result()`` block only their own caller. An exception in the loop thread ends the loop and
-is raised to every waiting handle and to later ``submit`` calls; nothing hangs. A request that
-fails on its own (its sampling, or the step it ran in) ends alone with ``finish_reason`` "error";
-the loop goes on serving the others.
+Design notes: docs/internals.md, paged_hf/frontends/serve.py.
 """
 
 from __future__ import annotations

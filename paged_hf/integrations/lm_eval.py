@@ -1,50 +1,6 @@
 """lm-evaluation-harness backend: ``--model paged_hf``.
 
-Importing this module registers the backend (lm-eval 0.4.13 reads no entry points, so a
-backend from another package exists once its module is imported). Three ways in:
-
-    # the command line: lm-eval's own CLI, with the backend registered
-    paged-hf lm-eval --model paged_hf --model_args pretrained=PATH,dtype=bfloat16,max_num_seqs=64 \\
-        --tasks hellaswag --device cpu
-
-    # Python, by name
-    import paged_hf.integrations.lm_eval
-    lm_eval.simple_evaluate(model="paged_hf", model_args="pretrained=PATH,dtype=bfloat16", tasks=[...])
-
-    # Python, a model you already loaded (patched or not)
-    lm = paged_hf.integrations.lm_eval.PagedHFLM(pretrained=model, tokenizer=tokenizer, max_num_seqs=64)
-    lm_eval.simple_evaluate(model=lm, tasks=[...])
-
-Every request type runs through one engine (``paged_hf.Engine``), continuously batched:
-``loglikelihood`` and ``loglikelihood_rolling`` as scoring requests (``Engine.score``: the
-choices of a question share their context's KV through the prefix cache), ``generate_until``
-as generation with ``until`` as stop strings. Tokenization, truncation, rolling windows, the
-``until`` post-processing and chat templates follow lm-eval's own transformers backend
-(``--model hf``), so the two give the same requests to the model. Logprobs are float32
-``log_softmax`` of the model's logits (``--model hf`` takes log_softmax in the model's dtype).
-
-Options (``--model_args``): ``pretrained`` (a path, hub id, or ``default`` for the embedded
-SmolLM2-135M-Instruct; or a model object), ``tokenizer``, ``dtype`` (``auto``: the
-checkpoint's; bfloat16 for ``default``), ``revision``, ``trust_remote_code``, ``gguf_file``,
-``max_length`` (default: the engine's ``max_model_len``), ``max_gen_toks`` (256),
-``add_bos_token``, ``prefix_token_id``, ``truncation``, ``chat_template_args``,
-``think_end_token``, and any ``paged_hf.EngineConfig`` field (``max_num_seqs``,
-``max_num_batched_tokens``, ``kv_cache_memory``, ``block_size``, ...). Two engine defaults
-differ from ``paged_hf.Engine``'s, for throughput over latency: ``block_size=4`` (the prefix
-cache shares whole blocks, so each choice of a question recomputes the context's last partial
-block: 3 tokens at most instead of 15; measured on the multiple-choice task, 10% less CPU time
-than 8-token blocks, 16% less than 16, and the same for generation) and
-``max_num_batched_tokens=2048`` (fewer, larger steps).
-
-lm-eval also passes ``batch_size``, ``max_batch_size`` and ``device`` whatever the user
-typed (its CLI defaults are 1, None and "cuda:0"). Here they mean:
-- ``batch_size``: an integer k > 1 caps the sequences the engine runs at once
-  (``max_num_seqs=k``) unless ``max_num_seqs`` is given; 1 (lm-eval's default) and ``auto``
-  leave the engine's own default (128), since continuous batching needs no padded batch size;
-  pass ``max_num_seqs=1`` to run one request at a time.
-- ``max_batch_size``: with ``batch_size=auto``, the cap on ``max_num_seqs``.
-- ``device``: where a model loaded by name goes; ``cuda``/``cuda:N`` without CUDA falls back to
-  the CPU with a warning, as lm-eval's own ``hf`` backend does. A model object stays where it is.
+Design notes: docs/internals.md, paged_hf/integrations/lm_eval.py.
 """
 
 from __future__ import annotations
@@ -80,8 +36,65 @@ _ENGINE_OPTIONS = {f for f in EngineConfig.__dataclass_fields__}
 # generation kwargs of lm-eval tasks that map onto SamplingParams (do_sample and temperature are
 # read first); anything else is refused, never silently ignored
 _SAMPLING_KWARGS = {"temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed"}
-# engine defaults for evaluation (see the module docstring); what the user gives wins
+# engine defaults for evaluation (docs/internals.md, lm_eval); what the user gives wins
 EVAL_ENGINE_DEFAULTS = {"block_size": 4, "max_num_batched_tokens": 2048}
+
+
+def _engine_for_eval(
+    pretrained: Any,
+    tokenizer: Any,
+    dtype: Any,
+    device: str | None,
+    batch_size: Any,
+    max_batch_size: int | None,
+    revision: str | None,
+    trust_remote_code: bool,
+    gguf_file: str | None,
+    engine_options: dict[str, Any],
+) -> tuple[Any, torch.nn.Module, Any]:
+    """(engine, model, tokenizer) for ``pretrained``: an Engine as it is, a model (its patched
+    engine unless options are given), or a name loaded here; the evaluation defaults apply where
+    the options do not say."""
+    from ..engine.engine import Engine as EngineCore
+    from ..model.patching import Engine, engine_for, is_patched
+
+    explicit = dict(engine_options)
+    seqs = _max_num_seqs(batch_size, max_batch_size)
+    if seqs is not None and "max_num_seqs" not in explicit:
+        explicit["max_num_seqs"] = seqs
+    engine_options = {**EVAL_ENGINE_DEFAULTS, **explicit}
+    if "max_num_seqs" in explicit and "max_num_batched_tokens" not in explicit:
+        engine_options["max_num_batched_tokens"] = max(
+            EVAL_ENGINE_DEFAULTS["max_num_batched_tokens"], explicit["max_num_seqs"]
+        )
+    if isinstance(pretrained, EngineCore):
+        if explicit:
+            raise TypeError(
+                f"paged_hf: engine options {sorted(explicit)} cannot change an existing Engine"
+            )
+        engine = pretrained
+        model = pretrained.model
+        tokenizer = tokenizer if tokenizer is not None else pretrained.tokenizer
+    elif isinstance(pretrained, torch.nn.Module):
+        model = pretrained
+        tokenizer = _load_tokenizer(tokenizer, model, revision, trust_remote_code, gguf_file)
+        if is_patched(model) and not explicit:
+            engine = engine_for(model)
+        else:
+            engine = Engine(model, tokenizer, **engine_options)
+    else:
+        model, tokenizer = load_model(
+            str(pretrained),
+            tokenizer=tokenizer,
+            dtype=dtype,
+            device=_device(device),
+            gguf_file=gguf_file,
+            revision=revision,
+            trust_remote_code=trust_remote_code,
+            labels={"model": "pretrained", "tokenizer": "tokenizer"},
+        )
+        engine = Engine(model, tokenizer, **engine_options)
+    return engine, model, tokenizer
 
 
 @register_model("paged_hf")
@@ -124,47 +137,20 @@ class PagedHFLM(TemplateLM):
         if unknown:
             raise TypeError(
                 f"paged_hf: unknown model_args {unknown}; known: the lm-eval options in "
-                f"paged_hf.integrations.lm_eval's docstring and the engine options {sorted(_ENGINE_OPTIONS)}"
+                f"docs/internals.md (paged_hf/integrations/lm_eval.py) and the engine options {sorted(_ENGINE_OPTIONS)}"
             )
-        from ..engine.engine import Engine as EngineCore
-        from ..model.patching import Engine, engine_for, is_patched
-
-        explicit = dict(engine_options)
-        seqs = _max_num_seqs(batch_size, max_batch_size)
-        if seqs is not None and "max_num_seqs" not in explicit:
-            explicit["max_num_seqs"] = seqs
-        engine_options = {**EVAL_ENGINE_DEFAULTS, **explicit}
-        if "max_num_seqs" in explicit and "max_num_batched_tokens" not in explicit:
-            engine_options["max_num_batched_tokens"] = max(
-                EVAL_ENGINE_DEFAULTS["max_num_batched_tokens"], explicit["max_num_seqs"]
-            )
-        if isinstance(pretrained, EngineCore):
-            if explicit:
-                raise TypeError(
-                    f"paged_hf: engine options {sorted(explicit)} cannot change an existing Engine"
-                )
-            self.engine = pretrained
-            model = pretrained.model
-            tokenizer = tokenizer if tokenizer is not None else pretrained.tokenizer
-        elif isinstance(pretrained, torch.nn.Module):
-            model = pretrained
-            tokenizer = _load_tokenizer(tokenizer, model, revision, trust_remote_code, gguf_file)
-            if is_patched(model) and not explicit:
-                self.engine = engine_for(model)
-            else:
-                self.engine = Engine(model, tokenizer, **engine_options)
-        else:
-            model, tokenizer = load_model(
-                str(pretrained),
-                tokenizer=tokenizer,
-                dtype=dtype,
-                device=_device(device),
-                gguf_file=gguf_file,
-                revision=revision,
-                trust_remote_code=trust_remote_code,
-                labels={"model": "pretrained", "tokenizer": "tokenizer"},
-            )
-            self.engine = Engine(model, tokenizer, **engine_options)
+        self.engine, model, tokenizer = _engine_for_eval(
+            pretrained,
+            tokenizer,
+            dtype,
+            device,
+            batch_size,
+            max_batch_size,
+            revision,
+            trust_remote_code,
+            gguf_file,
+            engine_options,
+        )
         if tokenizer is None:
             raise ValueError(
                 "paged_hf: lm-eval passes text, so a tokenizer is needed (tokenizer=...)"
@@ -387,7 +373,7 @@ def _special_kwargs(add_special_tokens: bool | None, add_bos: bool | None) -> di
 
 
 def _max_num_seqs(batch_size: int | str | None, max_batch_size: int | None) -> int | None:
-    """lm-eval's batch_size / max_batch_size as the engine's max_num_seqs (see the module docstring)."""
+    """lm-eval's batch_size / max_batch_size as the engine's max_num_seqs (docs/internals.md, lm_eval)."""
     if batch_size is None:
         return None
     if isinstance(batch_size, str) and batch_size.startswith("auto"):

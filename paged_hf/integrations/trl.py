@@ -1,27 +1,6 @@
 """TRL's online trainers (GRPOTrainer, RLOOTrainer) generating through paged_hf.
 
-    from trl import GRPOConfig, GRPOTrainer
-    from paged_hf.integrations.trl import PagedGenerationMixin
-
-    class PagedGRPOTrainer(PagedGenerationMixin, GRPOTrainer):
-        paged_hf_options = {"kv_cache_memory": 1 << 30}   # engine options (paged_hf.EngineConfig)
-
-    trainer = PagedGRPOTrainer(model=model, args=GRPOConfig(...), reward_funcs=..., train_dataset=...)
-
-The mixin replaces TRL's plain ``model.generate`` path (not its vLLM one): each prompt's
-``num_generations`` completions are one request with ``n = num_generations``, so they share the
-prompt's KV, sampled with TRL's generation config; the sampled tokens' logprobs under the
-distribution actually sampled (``logprobs_mode="processed"``, what vLLM returns to TRL) come back
-where TRL's vLLM path puts vLLM's (TRL applies its importance-sampling correction only on that
-path). The model may stay in train mode: engine forwards run with dropout off. Weights are never
-stale: every optimizer step on the model's parameters (torch's fused AdamW included) marks the
-engine's derived state stale (paged_hf/cache/coherence.py), and PEFT adapters are part of the
-prefix cache's key. Between generations the engine sleeps (``Engine.sleep``: its KV memory is let
-go for the training step that follows); ``paged_hf_sleep = False`` keeps it.
-
-Unsupported here, and left to TRL's own path: images and other multimodal inputs, tool-calling
-turns that generate one completion per sample (``num_generations=1`` calls run through the engine
-too), and the vLLM path itself.
+Design notes: docs/internals.md, paged_hf/integrations/trl.py.
 """
 
 from __future__ import annotations

@@ -4,33 +4,7 @@
 from, the configs whose attention implementation must stay "paged_hf", the placeholder token ids
 of media inputs) or raises ``UnsupportedModelError`` naming the module and the reason.
 
-What the paged engine relies on, and how each is checked:
-
-1. Only attention mixes tokens, and it keeps no state but K and V. Refused: ``config.layer_types``
-   naming anything but full / sliding / chunked attention (mamba, linear attention, convolution,
-   sparse indexers), and modules that ran in the text forward and keep recurrent or convolution
-   state (``nn.Conv1d`` / RNN modules, Mamba / SSM / RWKV / linear-attention classes).
-2. Every attention layer goes through transformers' ``AttentionInterface``, once per forward, with
-   its own ``layer_idx``. Checked by one probe forward of a few tokens with a recording attention
-   function: modules named ``*Attention`` that ran without calling it compute attention themselves
-   (bloom, falcon, mpt, ...); a module called twice attends twice (differential attention, looped
-   blocks). Modules whose ``layer_idx`` does not tell them apart (none, or one another module has: a
-   block shared across layers, Zamba2's, whose every application carries -1 and is passed its depth
-   as a forward argument) are each given the layer transformers' own cache keeps their K and V under
-   (one forward through it, recording ``update``); ``patch`` writes it on the module as
-   ``paged_hf_layer_idx``, which the attention seam reads first. One that cache does not tell apart
-   either is refused.
-3. Each layer's geometry and variant are known: the probe reads the K / V shapes each layer really
-   writes (per-layer heads and widths, MLA's different K and V widths), the keywords it passes
-   (``s_aux`` sinks, ``softcap``, ``scaling``, ``sliding_window``; any other keyword is refused,
-   as it may carry meaning the paged kernels would drop), and the mask transformers builds for it,
-   which is evaluated far past the probe's length to find a sliding window or a chunk (so the
-   verdict follows config values: qwen2_moe slides only with ``use_sliding_window``). A mask that
-   is not causal (bidirectional prefixes, encoder models), or one the module builds itself, is
-   refused.
-4. Positions come from ``position_ids``: a second probe forward with shifted ``position_ids`` must
-   change some layer's queries or keys (models that compute positions from the cache position,
-   like BART's decoder, would put every packed sequence after the one before it).
+Design notes: docs/internals.md, paged_hf/model/capability.py.
 """
 
 from __future__ import annotations
@@ -525,104 +499,18 @@ def _layout(
 ) -> tuple[KVLayout, list[Any], tuple[tuple[str, int], ...]]:
     """``sparse``: a hybrid's attention layers need not be numbered 0..n-1 (stateful layers sit between)."""
     names = _names(model)
-    n = PROBE_TOKENS
     max_pos = max_positions(model)[1] or (1 << 17)
     by_layer: dict[int, LayerSpec] = {}
     configs: dict[int, Any] = {}
     windows_cache: dict[int, tuple[int | None, int | None]] = {}
-    seen: set[int] = set()
-    for call in probe.calls:
-        if id(call.module) in seen:
-            raise refuse(
-                model_name,
-                f"{names.get(id(call.module), '?')} ({type(call.module).__name__})",
-                "attends more "
-                "than once per forward (a second attention map, or a block reused across layers); each call "
-                "would need its own KV",
-            )
-        seen.add(id(call.module))
+    _refuse_repeated_calls(probe, names, model_name)
     layers = _attention_layers(model, probe, model_name)
     for call in probe.calls:
         m = call.module
         module_path = f"{names.get(id(m), '?')} ({type(m).__name__})"
         layer_idx = layers[id(m)]
-        unknown = sorted(
-            k
-            for k, v in call.kwargs.items()
-            if k not in HONOURED_KWARGS + INERT_KWARGS and v is not None
-        )
-        if unknown:
-            raise refuse(
-                model_name,
-                module_path,
-                f"passes {unknown} to its attention function, which paged attention does not "
-                "apply (e.g. a position bias)",
-            )
-        if call.kwargs.get("is_causal") is False or getattr(m, "is_causal", True) is False:
-            raise refuse(
-                model_name,
-                module_path,
-                "is not causal (is_causal=False): bidirectional attention cannot be paged",
-            )
-        q, k, v = call.query, call.key, call.value
-        if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or q.shape[0] != 1:
-            raise refuse(
-                model_name,
-                module_path,
-                f"passes query/key/value of shapes {tuple(q.shape)}, {tuple(k.shape)}, "
-                f"{tuple(v.shape)}; paged attention takes [1, heads, tokens, head_dim]",
-            )
-        if q.shape[2] != n or k.shape[2] != n or v.shape[2] != n:
-            raise refuse(
-                model_name,
-                module_path,
-                f"attends {k.shape[2]} keys for {q.shape[2]} queries of a {n}-token input "
-                "(cross-attention or extra memory tokens)",
-            )
-        hq, hkv, dq, dk, dv = q.shape[1], k.shape[1], q.shape[3], k.shape[3], v.shape[3]
-        if v.shape[1] != hkv or dq != dk or hkv < 1 or hq % hkv:
-            raise refuse(
-                model_name,
-                module_path,
-                f"query/key/value heads {hq}/{hkv}/{v.shape[1]} and widths {dq}/{dk}/{dv} "
-                "do not form (grouped-query) attention",
-            )
-        sinks = call.kwargs.get("s_aux")
-        if sinks is not None and (not isinstance(sinks, torch.Tensor) or sinks.numel() != hq):
-            raise refuse(
-                model_name,
-                module_path,
-                f"passes attention sinks (s_aux) of shape {getattr(sinks, 'shape', None)}; "
-                f"paged attention takes one sink logit per query head ({hq})",
-            )
-        window, chunk = _mask_pattern(probe, call, module_path, model_name, max_pos, windows_cache)
-        kw_window = call.kwargs.get("sliding_window")
-        if kw_window is not None and window is not None and int(kw_window) != window:
-            raise refuse(
-                model_name,
-                module_path,
-                f"passes sliding_window={kw_window} but transformers masks it with a window of "
-                f"{window}; the two disagree",
-            )
-        if (
-            kw_window is not None
-            and window is None
-            and chunk is None
-            and 0 < int(kw_window) < max_pos
-        ):
-            raise refuse(
-                model_name,
-                module_path,
-                f"passes sliding_window={kw_window} but its mask has no window; the two disagree",
-            )
-        by_layer[layer_idx] = LayerSpec(
-            q_heads=hq,
-            kv_heads=hkv,
-            k_dim=dk,
-            v_dim=dv,
-            window=window,
-            chunk=chunk,
-            sinks=sinks is not None,
+        by_layer[layer_idx] = _layer_spec(
+            call, module_path, model_name, probe, max_pos, windows_cache
         )
         cfg = getattr(m, "config", None)
         if cfg is not None:
@@ -645,6 +533,124 @@ def _layout(
         list(configs.values()),
         tagged,
     )
+
+
+def _layer_spec(
+    call: Any,
+    module_path: str,
+    model_name: str,
+    probe: _Probe,
+    max_pos: int,
+    windows_cache: dict[int, tuple[int | None, int | None]],
+) -> LayerSpec:
+    """One attention call's layer, as the probe saw it; what paged attention cannot apply is
+    refused, naming the module."""
+    _refuse_what_paging_drops(call, module_path, model_name)
+    n = PROBE_TOKENS
+    q, k, v = call.query, call.key, call.value
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or q.shape[0] != 1:
+        raise refuse(
+            model_name,
+            module_path,
+            f"passes query/key/value of shapes {tuple(q.shape)}, {tuple(k.shape)}, "
+            f"{tuple(v.shape)}; paged attention takes [1, heads, tokens, head_dim]",
+        )
+    if q.shape[2] != n or k.shape[2] != n or v.shape[2] != n:
+        raise refuse(
+            model_name,
+            module_path,
+            f"attends {k.shape[2]} keys for {q.shape[2]} queries of a {n}-token input "
+            "(cross-attention or extra memory tokens)",
+        )
+    hq, hkv, dq, dk, dv = q.shape[1], k.shape[1], q.shape[3], k.shape[3], v.shape[3]
+    if v.shape[1] != hkv or dq != dk or hkv < 1 or hq % hkv:
+        raise refuse(
+            model_name,
+            module_path,
+            f"query/key/value heads {hq}/{hkv}/{v.shape[1]} and widths {dq}/{dk}/{dv} "
+            "do not form (grouped-query) attention",
+        )
+    sinks = call.kwargs.get("s_aux")
+    if sinks is not None and (not isinstance(sinks, torch.Tensor) or sinks.numel() != hq):
+        raise refuse(
+            model_name,
+            module_path,
+            f"passes attention sinks (s_aux) of shape {getattr(sinks, 'shape', None)}; "
+            f"paged attention takes one sink logit per query head ({hq})",
+        )
+    window, chunk = _mask_pattern(probe, call, module_path, model_name, max_pos, windows_cache)
+    _refuse_disagreeing_window(call, window, chunk, max_pos, module_path, model_name)
+    return LayerSpec(
+        q_heads=hq,
+        kv_heads=hkv,
+        k_dim=dk,
+        v_dim=dv,
+        window=window,
+        chunk=chunk,
+        sinks=sinks is not None,
+    )
+
+
+def _refuse_what_paging_drops(call: Any, module_path: str, model_name: str) -> None:
+    """Keywords paged attention would not apply, and bidirectional attention."""
+    m = call.module
+    unknown = sorted(
+        k
+        for k, v in call.kwargs.items()
+        if k not in HONOURED_KWARGS + INERT_KWARGS and v is not None
+    )
+    if unknown:
+        raise refuse(
+            model_name,
+            module_path,
+            f"passes {unknown} to its attention function, which paged attention does not "
+            "apply (e.g. a position bias)",
+        )
+    if call.kwargs.get("is_causal") is False or getattr(m, "is_causal", True) is False:
+        raise refuse(
+            model_name,
+            module_path,
+            "is not causal (is_causal=False): bidirectional attention cannot be paged",
+        )
+
+
+def _refuse_disagreeing_window(
+    call: Any,
+    window: int | None,
+    chunk: int | None,
+    max_pos: int,
+    module_path: str,
+    model_name: str,
+) -> None:
+    """The ``sliding_window`` a layer passes must be the window its mask has."""
+    kw_window = call.kwargs.get("sliding_window")
+    if kw_window is not None and window is not None and int(kw_window) != window:
+        raise refuse(
+            model_name,
+            module_path,
+            f"passes sliding_window={kw_window} but transformers masks it with a window of "
+            f"{window}; the two disagree",
+        )
+    if kw_window is not None and window is None and chunk is None and 0 < int(kw_window) < max_pos:
+        raise refuse(
+            model_name,
+            module_path,
+            f"passes sliding_window={kw_window} but its mask has no window; the two disagree",
+        )
+
+
+def _refuse_repeated_calls(probe: _Probe, names: dict[int, str], model_name: str) -> None:
+    seen: set[int] = set()
+    for call in probe.calls:
+        if id(call.module) in seen:
+            raise refuse(
+                model_name,
+                f"{names.get(id(call.module), '?')} ({type(call.module).__name__})",
+                "attends more "
+                "than once per forward (a second attention map, or a block reused across layers); each call "
+                "would need its own KV",
+            )
+        seen.add(id(call.module))
 
 
 def _attention_layers(model: torch.nn.Module, probe: _Probe, model_name: str) -> dict[int, int]:

@@ -1,11 +1,6 @@
 """A patched ``generate`` call's callbacks and transformers-only options, run as transformers runs them.
 
-The engine samples a row on its own wherever its own sampler gives transformers' result. Where a
-call passes stopping criteria or ``max_time``, its rows become a ``CallGroup`` under transformers'
-own criteria list for the call. Where it passes logits processors, ``prefix_allowed_tokens_fn``,
-asks for scores or logits, or sets an option only transformers' processor classes implement, its
-rows become a ``JointCallGroup``: transformers' own processor list picks their tokens, step by step,
-on the same inputs transformers' loop gives it (paged_hf/engine/call_group.py).
+Design notes: docs/internals.md, paged_hf/model/generate_callbacks.py.
 """
 
 from __future__ import annotations

@@ -1,11 +1,6 @@
 """What a patched ``generate`` does with each of transformers' generation options, in one table.
 
-Every field of transformers' ``GenerationConfig`` and every keyword of its ``generate`` is in exactly
-one row: run by the engine's own sampler, run by transformers' own processors or criteria on the
-call's rows (paged_hf/model/generate_callbacks.py), refused with NotImplementedError naming it, or
-without effect on the result in transformers itself for a decoder-only model. ``hf_generate`` and
-``generate_callbacks`` read their sets from here, and docs/generate.md's table is rendered from it
-(``python -m paged_hf.model.generate_options_page --page docs/generate.md``; a test checks it is current).
+Design notes: docs/internals.md, paged_hf/model/generate_options.py.
 """
 
 from __future__ import annotations

@@ -1,12 +1,6 @@
 """A model and its tokenizer by name, for the front ends (the CLI, the lm-eval backend).
 
-    model, tokenizer = load_model("default")                       # the embedded SmolLM2-135M-Instruct
-    model, tokenizer = load_model("/ckpts/llama", dtype="bfloat16", device="cpu")
-    model, tokenizer = load_model("repo/name", gguf_file="model.Q4_K_M.gguf")   # dequantized
-
-Every mistake is a ``LoadError`` (a ``ValueError``) that names the argument at fault in the
-caller's words (``labels``: the CLI says ``--model``, lm-eval ``pretrained``), and the tokenizer
-and config are read before the weights, so a wrong name is found in a moment.
+Design notes: docs/internals.md, paged_hf/model/loading.py.
 """
 
 from __future__ import annotations

@@ -1,14 +1,7 @@
 """patch / unpatch: switch a loaded transformers model to paged attention and the engine's
 ``generate``, and back.
 
-    >>> model = paged_hf.patch(model, max_num_seqs=64)
-    >>> model.generate(input_ids, attention_mask=mask, max_new_tokens=32)  # same API, continuous batching
-    >>> paged_hf.unpatch(model)                                            # exactly as before
-
-This is the model side: it decides whether the model can run (paged_hf/model/capability.py, with the
-per-family quirks in patches/), selects the paged attention implementation and leaves a
-``PatchState`` (paged_hf/engine/binding.py) for the engine to read. It builds engines; engines never
-import it.
+Design notes: docs/internals.md, paged_hf/model/patching.py.
 """
 
 from __future__ import annotations

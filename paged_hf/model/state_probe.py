@@ -1,20 +1,6 @@
 """Which modules of a hybrid model keep state, and what they keep: read from the model itself.
 
-One forward of a few tokens through the cache the model builds for itself (``use_cache=True`` and
-none given: transformers' ``DynamicCache``, what ``generate`` builds, or a cache class of the
-model's own, MiniMax's) records every call of the unified linear-attention cache API
-(``get/update_conv_state``, ``get/update_recurrent_state``), and of any ``get_X`` / ``set_X`` pair
-the model's own cache class adds to transformers' (MiniMax's ``get_linear_cache`` /
-``set_linear_cache``), with the innermost module whose forward was handed the cache when the call
-came: that module is the layer's mixer (a gated DeltaNet, a Mamba2 mixer, a short conv, MiniMax's
-lightning attention), and it is what the engine wraps during its steps. The states it left in the
-cache (or handed to ``set_X``) give their shapes and dtypes. A stateful module that keeps its state
-some other way (module attributes, explicit state arguments) is found by the capability check's
-module scan and refused there.
-
-The same recording tells which layer transformers' own cache keeps each attention module's K and V
-under (``update(key, value, layer_idx)``): ``attention_cache_layers``, for a block shared across
-layers whose modules all carry one ``layer_idx`` (Zamba2's).
+Design notes: docs/internals.md, paged_hf/model/state_probe.py.
 """
 
 from __future__ import annotations
@@ -217,7 +203,6 @@ def _run_as_engine(
     model is refused; the second half as one chunk tells whether it carries its state into a
     chunk (Mamba1-style mixers drop it). Returns that, and the paged_hf kernel its decode path
     runs with (None: its own code only): one that gave its own code's outputs, to rounding."""
-    from ..execution.cpu import mixer_kernels
     from ..execution.state_store import StateStore
     from ..execution.stateful_mixers import (
         StatePlan,
@@ -255,32 +240,7 @@ def _run_as_engine(
         ).float()
         by_token = pieces([half] + [1] * (n - half))
         chunked = pieces([half, n - half])
-        kernel = None
-        sites = mixer_kernels.sites_of(module) if hidden.device.type == "cpu" else []
-        if sites and mixer_kernels.available():
-            calls = mixer_kernels.calls
-            try:
-                with mixer_kernels.installed(sites):
-                    with_kernel = pieces(
-                        [half] + [1] * (n - half),
-                        dataclasses.replace(spec, kernel=mixer_kernels.KIND),
-                    )
-            except Exception as e:  # noqa: BLE001 - the model's own code serves it: slower, same outputs
-                logger.warning(
-                    "paged_hf: %s runs without paged_hf's %s kernel, which failed on it: %s: %s",
-                    module_path,
-                    mixer_kernels.KIND,
-                    type(e).__name__,
-                    e,
-                )
-            else:
-                # the same math in another order: fp32 rounding, or one step of the output's dtype
-                if mixer_kernels.calls > calls and _close(
-                    by_token,
-                    with_kernel,
-                    1e-5 if hidden.dtype == torch.float32 else 2 * torch.finfo(hidden.dtype).eps,
-                ):
-                    kernel = mixer_kernels.KIND
+        kernel = _checked_kernel(module, spec, hidden, by_token, pieces, module_path)
     if not _close(whole, by_token, tol):
         raise StateProbeError(
             f"{module_path} ({type(module).__name__})",
@@ -289,6 +249,48 @@ def _run_as_engine(
             f"{float((whole - by_token).abs().max()):.2e}): its state cannot be carried between steps",
         )
     return _close(whole, chunked, tol), kernel
+
+
+def _checked_kernel(
+    module: torch.nn.Module,
+    spec: MixerSpec,
+    hidden: torch.Tensor,
+    by_token: torch.Tensor,
+    pieces: Any,
+    module_path: str,
+) -> str | None:
+    """paged_hf's CPU kernel for this mixer's decode path where it gives the mixer's own outputs
+    token by token (to rounding), else None."""
+    from ..execution.cpu import mixer_kernels
+
+    half, n = hidden.shape[1] // 2, hidden.shape[1]
+    kernel = None
+    sites = mixer_kernels.sites_of(module) if hidden.device.type == "cpu" else []
+    if sites and mixer_kernels.available():
+        calls = mixer_kernels.calls
+        try:
+            with mixer_kernels.installed(sites):
+                with_kernel = pieces(
+                    [half] + [1] * (n - half),
+                    dataclasses.replace(spec, kernel=mixer_kernels.KIND),
+                )
+        except Exception as e:  # noqa: BLE001 - the model's own code serves it: slower, same outputs
+            logger.warning(
+                "paged_hf: %s runs without paged_hf's %s kernel, which failed on it: %s: %s",
+                module_path,
+                mixer_kernels.KIND,
+                type(e).__name__,
+                e,
+            )
+        else:
+            # the same math in another order: fp32 rounding, or one step of the output's dtype
+            if mixer_kernels.calls > calls and _close(
+                by_token,
+                with_kernel,
+                1e-5 if hidden.dtype == torch.float32 else 2 * torch.finfo(hidden.dtype).eps,
+            ):
+                kernel = mixer_kernels.KIND
+    return kernel
 
 
 def _close(a: torch.Tensor, b: torch.Tensor, tol: float) -> bool:

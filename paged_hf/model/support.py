@@ -1,25 +1,6 @@
 """Which transformers causal LMs paged_hf runs: the support table, measured, not declared.
 
-    python -m paged_hf.model.support                       # every type of the installed transformers
-    python -m paged_hf.model.support llama gpt_oss bloom   # some types
-    python -m paged_hf.model.support --page docs/support.md --json support.json
-    python -m paged_hf.model.support --from-json support.json --page docs/support.md   # re-render only
-
-For every ``model_type`` in ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` (and the text path of a few
-image-text models), a tiny random model is built from the type's own config class (sizes shrunk,
-windows and chunks kept small so they are exercised), ``paged_hf.patch`` is asked to take it, and
-what it takes is run through the engine and compared with transformers itself:
-
-- four prompts of 5 to 70 tokens, 12 greedy tokens each, with default settings and with 4-token
-  blocks and a 16-token budget (chunked prefill, decode over cached blocks);
-- teacher-forced against the unpatched model: every generated token within 1e-3 of the
-  reference's best logit, and the engine's logprobs (chosen and top 5) within 1e-4 of the
-  reference's log-softmax (fp32);
-- after ``unpatch`` the model's logits equal the reference's exactly.
-
-Verdicts: ``pass``; ``refused`` (patch raised ``UnsupportedModelError``, with its reason);
-``wrong`` (taken but not equal to transformers) and ``error`` (taken, then failed) must never
-happen; ``no tiny model`` when transformers itself cannot build or run the tiny config.
+Design notes: docs/internals.md, paged_hf/model/support.py.
 """
 
 from __future__ import annotations

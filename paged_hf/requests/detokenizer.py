@@ -1,25 +1,6 @@
 """Incremental detokenization and stop strings.
 
-``IncrementalDetokenizer`` turns a growing list of token ids into text deltas in O(window) per
-token: it decodes only the tokens since the last complete character (plus the one before, so
-a decoder's context-dependent rules such as SentencePiece's leading space see what they
-would in a full decode), never the whole output. A token that ends inside a multi-byte UTF-8
-character yields the complete characters before it, and the rest once the character is done.
-
-    >>> detok = IncrementalDetokenizer(tokenizer)
-    >>> "".join(detok.push(t) for t in tokenizer("héllo", add_special_tokens=False)["input_ids"])
-    'héllo'
-
-``StopStrings`` finds stop strings in that text as it grows: a stop string ends the request on
-the token that completes it, wherever the token boundaries fall (split over several tokens, or
-one token holding the end of the stop string and more). Only the newly decoded characters and
-the ``longest - 1`` before them are searched, so a check costs O(longest stop string).
-
-    >>> stops = StopStrings(tokenizer, ["\\n\\n", "Question:"])
-    >>> for t in token_ids:
-    ...     if stops.push(t) is not None:   # the stop string that ended it
-    ...         break
-    >>> stops.text                            # the output, cut before the stop string
+Design notes: docs/internals.md, paged_hf/requests/detokenizer.py.
 """
 
 from __future__ import annotations

@@ -136,75 +136,94 @@ class SamplingParams:
         self.validate()
 
     def validate(self, who: str = "sampling params") -> None:
-        def bad(name: str, value: Any, limit: str) -> ValueError:
-            return ValueError(f"{who}: {name}={value!r}, must be {limit}")
+        """Raise ValueError naming ``who``, the field, its value and what it must be."""
+        self._check_sampling(who)
+        self._check_outputs(who)
+        self._check_stop_strings(who)
+        self._check_rest(who)
 
+    def _check_sampling(self, who: str) -> None:
+        """Lengths, temperature, top-k/p, min-p, penalties."""
         if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
-            raise bad("max_new_tokens", self.max_new_tokens, "an integer >= 1")
+            raise _bad(who, "max_new_tokens", self.max_new_tokens, "an integer >= 1")
         if not _is_int(self.min_new_tokens) or not 0 <= self.min_new_tokens <= self.max_new_tokens:
-            raise bad(
+            raise _bad(
+                who,
                 "min_new_tokens",
                 self.min_new_tokens,
                 f"an integer in [0, max_new_tokens={self.max_new_tokens}]",
             )
         if not _finite(self.temperature) or self.temperature < 0:
-            raise bad("temperature", self.temperature, "a finite number >= 0")
+            raise _bad(who, "temperature", self.temperature, "a finite number >= 0")
         if not _is_int(self.top_k) or self.top_k < 0:
-            raise bad("top_k", self.top_k, "an integer >= 0 (0 disables)")
+            raise _bad(who, "top_k", self.top_k, "an integer >= 0 (0 disables)")
         if not _finite(self.top_p) or not 0 < self.top_p <= 1:
-            raise bad("top_p", self.top_p, "in (0, 1]")
+            raise _bad(who, "top_p", self.top_p, "in (0, 1]")
         if not _finite(self.min_p) or not 0 <= self.min_p <= 1:
-            raise bad("min_p", self.min_p, "in [0, 1]")
+            raise _bad(who, "min_p", self.min_p, "in [0, 1]")
         for name in ("repetition_penalty", "encoder_repetition_penalty"):
             value = getattr(self, name)
             if not _finite(value) or not MIN_REPETITION_PENALTY <= value <= MAX_REPETITION_PENALTY:
-                raise bad(
+                raise _bad(
+                    who,
                     name,
                     value,
                     f"in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}] (1 disables)",
                 )
+
+    def _check_outputs(self, who: str) -> None:
+        """Samples, seeds, logprobs, EOS and stop ids."""
         if not _is_int(self.n) or self.n < 1:
-            raise bad("n", self.n, "an integer >= 1")
+            raise _bad(who, "n", self.n, "an integer >= 1")
         if self.logprobs is not None and (
             not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
         ):
-            raise bad("logprobs", self.logprobs, f"None or an integer in [0, {MAX_LOGPROBS}]")
+            raise _bad(who, "logprobs", self.logprobs, f"None or an integer in [0, {MAX_LOGPROBS}]")
         if self.seed is not None and (
             not _is_int(self.seed) or not 0 <= self.seed <= MAX_SEED - (self.n - 1)
         ):
-            raise bad(
+            raise _bad(
+                who,
                 "seed",
                 self.seed,
                 f"None or an integer in [0, {MAX_SEED} - (n - 1)] "
                 "(sample k of n draws with seed + k)",
             )
         if any(t < 0 for t in self.stop_token_ids):
-            raise bad("stop_token_ids", self.stop_token_ids, "non-negative token ids")
+            raise _bad(who, "stop_token_ids", self.stop_token_ids, "non-negative token ids")
         if not isinstance(self.ignore_eos, bool):
-            raise bad("ignore_eos", self.ignore_eos, "True or False")
+            raise _bad(who, "ignore_eos", self.ignore_eos, "True or False")
         if self.prompt_logprobs is not None and (
             not _is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS
         ):
-            raise bad(
+            raise _bad(
+                who,
                 "prompt_logprobs",
                 self.prompt_logprobs,
                 f"None or an integer in [0, {MAX_LOGPROBS}]",
             )
+
+    def _check_stop_strings(self, who: str) -> None:
+        """Stop strings."""
         if not all(isinstance(s, str) and s for s in self.stop):
-            raise bad("stop", self.stop, "non-empty strings")
+            raise _bad(who, "stop", self.stop, "non-empty strings")
         if len(self.stop) > MAX_STOP_STRINGS or any(
             len(s) > MAX_STOP_STRING_LEN for s in self.stop
         ):
-            raise bad(
+            raise _bad(
+                who,
                 "stop",
                 self.stop,
                 f"at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_STRING_LEN} "
                 "characters each",
             )
         if not isinstance(self.include_stop_str_in_output, bool):
-            raise bad(
-                "include_stop_str_in_output", self.include_stop_str_in_output, "True or False"
+            raise _bad(
+                who, "include_stop_str_in_output", self.include_stop_str_in_output, "True or False"
             )
+
+    def _check_rest(self, who: str) -> None:
+        """Structured-output constraints, logprobs mode, suppressed tokens, processors, salt."""
         set_ = [
             name
             for name in ("json_schema", "regex", "choice", "grammar")
@@ -217,27 +236,31 @@ class SamplingParams:
         for name in ("json_schema", "regex", "grammar"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
-                raise bad(
-                    name, value, "a non-empty str" + (" or a dict" if name == "json_schema" else "")
+                raise _bad(
+                    who,
+                    name,
+                    value,
+                    "a non-empty str" + (" or a dict" if name == "json_schema" else ""),
                 )
         if self.choice is not None and (
             not self.choice or not all(isinstance(c, str) and c for c in self.choice)
         ):
-            raise bad("choice", self.choice, "a non-empty list of non-empty strings")
+            raise _bad(who, "choice", self.choice, "a non-empty list of non-empty strings")
         if self.logprobs_mode not in LOGPROBS_MODES:
-            raise bad("logprobs_mode", self.logprobs_mode, f"one of {sorted(LOGPROBS_MODES)}")
+            raise _bad(who, "logprobs_mode", self.logprobs_mode, f"one of {sorted(LOGPROBS_MODES)}")
         for name in ("suppress_tokens", "begin_suppress_tokens"):
             if any(not _is_int(t) or t < 0 for t in getattr(self, name)):
-                raise bad(name, getattr(self, name), "non-negative token ids")
+                raise _bad(who, name, getattr(self, name), "non-negative token ids")
         if not all(callable(f) for f in self.logits_processors):
-            raise bad(
+            raise _bad(
+                who,
                 "logits_processors",
                 self.logits_processors,
                 "callables (token_ids, logits) -> logits",
             )
         if self.cache_salt is not None and not isinstance(self.cache_salt, str):
             # 1, True and 1.0 are equal as dict keys: they would share one cache
-            raise bad("cache_salt", self.cache_salt, "None or a str")
+            raise _bad(who, "cache_salt", self.cache_salt, "None or a str")
 
     @property
     def is_greedy(self) -> bool:
@@ -305,3 +328,7 @@ def _is_int(x: Any) -> bool:
 
 def _finite(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _bad(who: str, name: str, value: Any, limit: str) -> ValueError:
+    return ValueError(f"{who}: {name}={value!r}, must be {limit}")

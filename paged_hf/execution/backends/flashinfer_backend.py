@@ -3,38 +3,7 @@
 Importing this module imports flashinfer, so only ``select_backend`` imports it, and a CPU
 install of paged_hf never does. Without flashinfer the import fails with an install hint.
 
-Per step, ``plan(meta)`` does FlashInfer's host-side scheduling once per attention *variant*
-(not per layer); per layer, ``attend`` writes the new K/V at the step's slots and runs the
-planned kernel:
-
-- a step with any prefill chunk uses ``BatchPrefillWithPagedKVCacheWrapper`` (``causal=True``;
-  decode rows in a mixed step are sequences of one query token);
-- a pure-decode step uses ``BatchDecodeWithPagedKVCacheWrapper`` (tensor cores when the GQA
-  group is larger than 4, as its own kernels support groups 1-4, 6, 8, 16 only).
-
-A variant is ``(window_left, logits_soft_cap, sm_scale, q_heads, kv_heads, head_dim)``: FlashInfer
-fixes all of them at ``plan`` and ``run`` takes no per-call scale, so each distinct combination
-gets its own planned wrapper (Gemma 2/3: a sliding and a full one; GPT-2 with
-``scale_attn_by_inverse_layer_idx``: one per layer; per-layer geometry, as in Gemma 4: one per
-shape). Variants are learnt from the first forward (``attend`` plans a new one on the spot,
-eagerly) and planned up front in every later ``plan``. Each layer's cache has its own heads and
-width (paged_hf/execution/kv_geometry.py). What these wrappers cannot do here (K and V of different widths,
-attention sinks, chunked attention) ``unsupported_reason`` names, and 'auto' then runs the torch
-backend on CUDA with one warning.
-
-transformers masks key k for query q when ``q - k >= sliding_window``; FlashInfer keeps key k
-when ``k >= q - window_left`` (variants.cuh: ``kv_idx + qo_len + window_left >= kv_len + qo_idx``),
-so ``window_left = sliding_window - 1``. Soft-capping matches Gemma 2:
-``cap * tanh(q.k * sm_scale / cap)``.
-
-Index tensors are int32; the small indptr / last-page arrays are built on the host from the
-metadata's host lists (FlashInfer's ``plan`` reads them on the host anyway, so passing device
-tensors would cost a device sync per plan), ``kv_indices`` stays on the device.
-
-CUDA graphs (paged_hf/execution/decode_accelerator.py): ``prepare_cuda_graphs`` allocates fixed buffers, and
-``plan(meta, graph_batch=b)`` plans the bucket's ``use_cuda_graph=True`` decode wrappers, whose
-indptr / indices / last_page_len live in those buffers, and copies the K/V write rows into a
-fixed buffer too, so a captured ``attend`` reads everything from fixed addresses.
+Design notes: docs/internals.md, paged_hf/execution/backends/flashinfer_backend.py.
 """
 
 from __future__ import annotations

@@ -1,21 +1,6 @@
 """Swap preemption, the data-movement half: copy a request's KV blocks to host memory and back.
 
-Every backend keeps its KV in ``kv``, a list of tensors whose first dimension is the block
-(FlashInfer: one [num_blocks, 2, block_size, kv_heads, head_dim] per layer; torch: K and V of
-each layer apart, [num_blocks, kv_heads, block_size, head_dim]); the rest is copied as it is,
-so one implementation serves all of them (``SwapMixin`` adds it as methods). The tensors may
-differ in their other dimensions (per-layer heads and widths): the host copy is one flat buffer
-cut into one contiguous part per tensor, [num_blocks, *the rest of its shape]. Contiguous
-matters: a copy into a strided slice of pinned memory goes through an unpinned temporary and
-waits for the device.
-
-    handle = backend.swap_out(req.block_table)   # before the blocks are freed
-    ...                                          # the blocks may be reused at once
-    backend.swap_in(handle, new_block_table)     # after fresh blocks were allocated
-
-On CUDA the host copy is pinned and both directions are asynchronous on the current stream:
-a later kernel that overwrites the freed blocks is ordered after the copy-out, and the copy-in
-is ordered before the next step's attention, so neither call synchronises.
+Design notes: docs/internals.md, paged_hf/execution/backends/swap.py.
 """
 
 from __future__ import annotations

@@ -1,32 +1,12 @@
 """Pure-PyTorch paged attention: the reference backend, on any device.
 
-K of layer l lives in ``kv[2 * l]`` and V in ``kv[2 * l + 1]``, [num_blocks, kv_heads,
-block_size, k_dim] and [num_blocks, kv_heads, block_size, v_dim], contiguous: each head's tokens
-sit together (HND). Heads and widths are the layer's own (paged_hf/execution/kv_geometry.py: per-layer
-geometry, MLA's K and V at their own widths). That layout is
-chosen for the decode gather: one ``index_select`` of whole blocks copies 1-2 KB runs and
-yields K/V in the [seq, head, position, dim] order attention wants. (Gathering token rows of
-an NHD cache, then transposing, was ~5x slower on CPU; gathering from a K/V-interleaved
-cache, a strided view, ~3x slower than from a contiguous one.)
-
-``plan`` turns the step metadata into gather indices and masks once per step; ``attend`` then
-runs once per layer: write the new K/V, attend the decodes in a few batched calls (sequences
-grouped by length, so a batch of short ones does not gather a long one's context each), and
-each prefill chunk with its own causal offset.
-
-Per layer, besides softcap and scaling (passed by the model each call), the layout gives a
-sliding window, a chunk (Llama 4's chunked attention: keys of the query's own chunk only) and
-attention sinks (GPT-OSS's ``s_aux``: one logit per query head joins the softmax and is dropped).
-
-Cache groups (paged_hf/cache/kv_groups.py): layer j of every group reads and writes memory slab j
-(``kv[2 * l]`` of two layers in different groups may be the same tensor), through its own group's
-pages (``meta.groups``), so one page id names the same bytes in every group. A sliding group's pages
-of a sequence start at its first block still read (``kv_starts``): positions count from there.
+Design notes: docs/internals.md, paged_hf/execution/backends/torch_backend.py.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -269,44 +249,62 @@ class TorchBackend(SwapMixin):
             out[group.rows] = o.reshape(group.n, hq, dv)
 
         for seq in plan.prefills:
-            q = q_all[:, seq.rows].unsqueeze(0)  # [1, Hq, q, D]
-            gqa = key.shape[1] != q.shape[1]
-            plain_causal = (
-                softcap is None
-                and sinks is None
-                and (window is None or window >= seq.kv_len)
-                and (chunk is None or chunk >= seq.kv_len)
+            o = self._attend_prefill(
+                layer_idx, seq, q_all, key, value, scaling, window, chunk, softcap, sink_logits
             )
-            if seq.fresh and plain_causal:
-                o = F.scaled_dot_product_attention(
-                    q,
-                    key[:, :, seq.rows],
-                    value[:, :, seq.rows],
-                    is_causal=True,
-                    scale=scaling,
-                    enable_gqa=gqa,
-                )
-            else:
-                held = seq.kv_len - seq.start
-                k, v = self._gather(layer_idx, seq.blocks, 1)
-                k, v = k[:, :, :held], v[:, :, :held]  # [1, Hkv, held, D]
-                if plain_causal:
-                    # causal with the chunk's offset, as a bias SDPA knows (~20% faster than a mask here)
-                    bias = causal_lower_right(q.shape[2], held)
-                    o = F.scaled_dot_product_attention(
-                        q, k, v, attn_mask=bias, scale=scaling, enable_gqa=gqa
-                    )
-                else:
-                    kv_pos = torch.arange(seq.start, seq.kv_len, device=q.device)
-                    mask = kv_pos[None, :] <= seq.q_pos[:, None]
-                    if window is not None:
-                        mask = mask & (seq.q_pos[:, None] - kv_pos[None, :] < window)
-                    if chunk is not None:
-                        mask = mask & (seq.q_pos[:, None] // chunk == kv_pos[None, :] // chunk)
-                    prefill_sinks = None if sink_logits is None else sink_logits.view(1, hq, 1, 1)
-                    o = _attention(q, k, v, mask[None, None], scaling, softcap, sinks=prefill_sinks)
             out[seq.rows] = o[0].transpose(0, 1)
         return out.unsqueeze(0)
+
+    def _attend_prefill(
+        self,
+        layer_idx: int,
+        seq: Any,
+        q_all: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        scaling: float,
+        window: int | None,
+        chunk: int | None,
+        softcap: float | None,
+        sink_logits: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """One prefill chunk's attention, [1, Hq, q, Dv]: SDPA on the step's own K/V for a fresh
+        causal prompt, else over the pages it holds with the chunk's offset and the layer's mask."""
+        q = q_all[:, seq.rows].unsqueeze(0)  # [1, Hq, q, D]
+        hq = q.shape[1]
+        gqa = key.shape[1] != hq
+        plain_causal = (
+            softcap is None
+            and sink_logits is None
+            and (window is None or window >= seq.kv_len)
+            and (chunk is None or chunk >= seq.kv_len)
+        )
+        if seq.fresh and plain_causal:
+            return F.scaled_dot_product_attention(
+                q,
+                key[:, :, seq.rows],
+                value[:, :, seq.rows],
+                is_causal=True,
+                scale=scaling,
+                enable_gqa=gqa,
+            )
+        held = seq.kv_len - seq.start
+        k, v = self._gather(layer_idx, seq.blocks, 1)
+        k, v = k[:, :, :held], v[:, :, :held]  # [1, Hkv, held, D]
+        if plain_causal:
+            # causal with the chunk's offset, as a bias SDPA knows (~20% faster than a mask here)
+            bias = causal_lower_right(q.shape[2], held)
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=bias, scale=scaling, enable_gqa=gqa
+            )
+        kv_pos = torch.arange(seq.start, seq.kv_len, device=q.device)
+        mask = kv_pos[None, :] <= seq.q_pos[:, None]
+        if window is not None:
+            mask = mask & (seq.q_pos[:, None] - kv_pos[None, :] < window)
+        if chunk is not None:
+            mask = mask & (seq.q_pos[:, None] // chunk == kv_pos[None, :] // chunk)
+        prefill_sinks = None if sink_logits is None else sink_logits.view(1, hq, 1, 1)
+        return _attention(q, k, v, mask[None, None], scaling, softcap, sinks=prefill_sinks)
 
     def _write_kv(
         self,

@@ -1,27 +1,6 @@
 """Pre-norm decoder layers as one compact function each, during engine steps on a CPU.
 
-At decode sizes a step's ops are small and the Python around them is not: one Llama layer's forward
-makes ~400 Python calls (a dozen module calls, decorators, the attention interface's lookup, the
-config's attribute chain, the packed linears' and fused ops' own checks), ~5 ms of a lone sequence's
-24 ms decode step for SmolLM2-135M and ~4.5 ms of 32 sequences' 46 on a Zen 4. Where a layer is the
-canonical pre-norm block
-
-    h   = x + o_proj(attention(rope(q), rope(k), v)),   q, k, v = q/k/v_proj(norm_1(x))
-    out = h + down_proj(silu(gate_proj(norm_2(h))) * up_proj(norm_2(h)))
-
-with both norms and the MLP served by the fused ops (fused_ops.py) and the projections by packed
-GEMMs, q/k/v and gate/up each fused into one (cpu_linear.py), the step calls those ops itself: the
-same ops on the same tensors in the same order as the layer's own code makes them, so the same bits.
-
-A layer is served only where the engine checked it when built, on the model itself: its own forward
-and the compact one, both with the fused ops and packed weights in place and attention answered by
-a recording stand-in, give equal outputs bit for bit, hand attention equal q, k and v, and make the
-same attention call (layer, scale, window, softcap). Anything else in a layer (a per-head q/k norm,
-another norm, a residual multiplier, a window passed differently) makes one of those differ, and the
-layer runs its own code. So does a layer called otherwise than the engine calls it (an attention
-mask, another batch size or dtype), and a layer any of whose modules has hooks, looked at every step
-(transformers' output-recording hooks included: the layer's own code runs them). ``cpu_compact_layers
-=False`` turns it off.
+Design notes: docs/internals.md, paged_hf/execution/cpu/compact_layers.py.
 """
 
 from __future__ import annotations
@@ -131,7 +110,7 @@ def _forward(
     position_embeddings: Any = None,
     **kwargs: Any,
 ) -> torch.Tensor:
-    """The layer's step: its own code's ops and calls, made directly (see the module docstring)."""
+    """The layer's step: its own code's ops and calls, made directly (docs/internals.md)."""
     if (
         args
         or attention_mask is not None

@@ -1,24 +1,6 @@
 """Fused element-wise ops on the CPU step: RMSNorm, a gated MLP's SiLU-and-multiply, rotary embedding.
 
-transformers' module code runs each of these as several small ops (an RMSNorm: a cast, pow, mean,
-add, rsqrt, mul, a cast back and the weight's mul, each a new tensor), and at decode sizes each op
-costs mostly its dispatch: together about a tenth of a CPU step. During engine steps on a CPU,
-paged_hf's C++ ops (paged_hf/execution/cpu/csrc/fused_ops.cpp) stand in for them, one pass each:
-  - an RMSNorm module (a ``*RMSNorm`` class with a 1-D weight and an epsilon) runs
-    ``paged_hf::rms_norm``, llama-style or gemma-style (``1 + weight``, in fp32), whichever gives
-    the module's own outputs;
-  - a gated MLP (``gate_proj``, ``up_proj``, ``down_proj``, SiLU) runs its own three linears (so the
-    fused gate/up GEMM still applies) around ``paged_hf::silu_and_mul``;
-  - the ``apply_rotary_pos_emb`` of the attention modules' modeling files (transformers' kernel
-    seam for rotary embeddings) answers with ``paged_hf::rotary`` for one-batch, ``unsqueeze_dim=1``
-    calls at a rotary width it was checked at (the full head, or the first part of it: partial
-    rotary), and with the original for any other (paged_hf/execution/cpu/kernel_seams.py).
-Each is used only where it was checked when the engine was built, on the model itself: the
-module's (or function's) own output against the fused op's on random inputs laid out as a step
-hands them (rows of a packed ``[1, T]`` batch; q and k as views of one fused projection; the
-widths the model's rotary embeddings give), equal within one rounding of the dtype (bf16:
-bit-identical in practice; fp32: the order of one sum). Outside a step the modules are untouched.
-``cpu_fused_ops=False`` turns it off.
+Design notes: docs/internals.md, paged_hf/execution/cpu/fused_ops.py.
 """
 
 from __future__ import annotations

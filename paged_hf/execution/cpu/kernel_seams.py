@@ -1,13 +1,7 @@
 """Module-level functions of transformers' modeling files that paged_hf's CPU kernels answer for,
 during engine steps only.
 
-transformers marks the functions a faster kernel may replace (``use_kernel_func_from_hub_with_fallback``,
-``use_kernel_forward_from_hub``: fla's gated delta rule on a GPU, a hub kernel's rotary embedding),
-and its modules call them by their module-level name. paged_hf puts a wrapper under that name
-while an engine step runs (``installed``: counted, under a lock, since steps of several engines
-may overlap; the original is put back when no step needs it). The wrapper runs paged_hf's kernel
-only on a thread that switched it on (``switch``) and only for inputs it takes; any other call (a
-plain forward on another thread, a GPU tensor) goes to the function that was there.
+Design notes: docs/internals.md, paged_hf/execution/cpu/kernel_seams.py.
 """
 
 from __future__ import annotations

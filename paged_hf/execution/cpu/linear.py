@@ -1,46 +1,6 @@
 """Packed weights for the model's linear layers, during engine steps on a CPU.
 
-bf16 models, two ways, by what the CPU's oneDNN can do (``mode``):
-
-- ``"onednn"`` (AVX-512 bf16 / AMX): a bf16 ``F.linear`` already runs oneDNN's matmul, but it
-  reorders the weight into oneDNN's blocked layout on every call. For the few rows of a decode step
-  that reorder is a large part of the call (SmolLM2-135M, 1 thread: a 1536x576 weight at 8 rows
-  0.44 -> 0.23 ms, at 64 rows 1.29 -> 1.10 ms; the lm_head at 8 rows 19 -> 10 ms). Each weight is
-  reordered once (``torch.ops.mkldnn._reorder_linear_weight``, what inductor's freezing does) and
-  each ``nn.Linear`` points at ``torch.ops.mkldnn._linear_pointwise`` over that copy: the same
-  oneDNN kernel on the same blocked weight, so the results are ``F.linear``'s bit for bit (checked
-  once per process and in tests/test_cpu_linear.py).
-- ``"fp32"`` (a CPU with no bf16 matmul: AVX2, AVX-512 without its bf16 extension): there torch's
-  bf16 matmul runs at a fifth of its fp32 one or less (AMD EPYC Zen 3, 2 threads, 3072x576 at 32
-  rows: 14 GFLOP/s against 119 for oneDNN's fp32 matmul on a packed weight;
-  benchmarks/bench_cpu_linear.py). Each weight gets an fp32 copy packed for oneDNN and the layer
-  runs in fp32, its output rounded to bf16 once: products and sums are fp32 either way (a product
-  of two bf16 values is exact in fp32), only the order of the sums differs, so each output is
-  ``F.linear``'s or the bf16 value next to it (about 1 in 10,000 differs here; checked once per
-  process: ``within_a_rounding``). Faster from 8 rows on for every weight measured (2-7x); at one
-  row, where the fp32 copy's twice the bytes cost more, the layer runs its own bf16 ``F.linear``.
-
-fp32 models: ``"fp32"`` too. torch's fp32 ``F.linear`` runs MKL's sgemm, which packs the weight
-on every call: oneDNN's fp32 matmul on a weight packed once is up to 2.5x faster from 8 rows on
-(Zen 3, 2 threads, benchmarks/bench_cpu_linear.py), and in the engine faster at every row count,
-a lone sequence's decode step included (~82 -> ~70 ms). The same products summed in another order:
-within fp32 rounding of ``F.linear`` (checked once per process), and a row's result does not
-depend on the rows beside it (MKL's does, below 16 rows).
-
-Fused projections (both ways): linears that one forward calls on the same input tensor (an
-attention block's q, k and v; a gated MLP's gate and up), found by one probe forward when the
-engine is built, run as one GEMM over their concatenated packed weights; the first of them called
-on an input computes all of them, the others take their slice (fewer, wider GEMMs at decode batch
-sizes). A group is fused only where the fused GEMM gives each module's own packed result bit for
-bit (checked when it is packed); the modules' parameters are untouched.
-
-Costs and limits: one packed copy of each weight (the model's linear weights again in memory,
-twice over for a bf16 model's fp32 copies), made on the first step and made again when the weights change (the engine drops
-the copies whenever it resets its prefix cache: a weight update it sees, or
-``reset_prefix_cache``). Inputs the packed path might compute differently (not contiguous, another
-dtype) and modules whose ``forward`` was replaced go through the module as usual. Outside a step
-the model is untouched; ``unpatch`` has nothing to undo. ``cpu_packed_weights=False`` keeps
-``F.linear`` everywhere; ``"onednn"`` or ``"fp32"`` asks for one way (``"fp32"`` runs on any CPU).
+Design notes: docs/internals.md, paged_hf/execution/cpu/linear.py.
 """
 
 from __future__ import annotations

@@ -1,27 +1,6 @@
 """glibc's malloc, set once per process for a CPU engine's steps.
 
-A step allocates the same large temporaries every time (a layer's activations, the logits, the
-sampler's fp32 copy of them: megabytes each). torch's CPU allocator takes them from malloc and
-gives them back as soon as they die, and glibc's defaults hand that memory back to the kernel:
-blocks over its mmap threshold are unmapped on free, and the top of the heap is trimmed once
-128 KiB of it are free. So the next step faults the same pages in again, zero-filled by the kernel
-(the sampler alone, 32 rows of a 49,152-token vocabulary: 6.7 ms a call with the defaults, 1.2 ms
-without the faults; W-mixed 1.08x end to end, median of 3 alternating rounds; docs/measurements.md).
-vLLM's CPU engine preloads tcmalloc for the same reason.
-
-``tune()`` raises glibc's mmap threshold to its maximum (32 MiB: smaller blocks come from the heap)
-and its trim threshold to ``TRIM_BYTES``, so freed memory stays mapped for the next step instead.
-That is not enough for large steps: the heap fragments (a freed block under a small live one, the
-next large request does not fit its hole, the heap grows, every new page faults in). So torch's CPU
-allocator is also wrapped by ``paged_hf::keep_large_blocks`` (paged_hf/execution/cpu/csrc/cpu_allocator.cpp):
-blocks of 256 KiB and more in size classes, a freed block kept for the next request of its class,
-up to ``keep_bytes()`` (a W-mixed run at a 4,096-token budget: 341,000 faults and 4.7 s in the
-kernel before, on a virtual machine where a fault costs ~13 us). The cost is memory: up to
-``TRIM_BYTES`` of free heap and ``keep_bytes()`` of kept blocks stay resident rather than going back
-to the system (``release()`` gives the kept blocks back; ``Engine.sleep`` calls it). Results do not change. It is left alone where the process already chose: another allocator
-preloaded (tcmalloc, jemalloc, mimalloc), glibc's malloc tuned through ``GLIBC_TUNABLES`` or
-``MALLOC_*`` variables, or ``PAGED_HF_CPU_MALLOC=0``; and it needs glibc (no-op elsewhere).
-``EngineConfig(cpu_tune_malloc=False)`` turns it off for an engine.
+Design notes: docs/internals.md, paged_hf/execution/cpu/malloc.py.
 """
 
 from __future__ import annotations

@@ -1,19 +1,6 @@
 """A CPU kernel for hybrid models' gated-DeltaNet decode, at the seam transformers uses for fla's.
 
-transformers' gated-DeltaNet mixers (Qwen3.5, Qwen3-Next, OLMo-hybrid, ...) call a module-level
-``torch_recurrent_gated_delta_rule`` for single-token steps: fla's fused kernel when fla is
-installed (on a GPU), else a torch fallback that makes some ten passes over every [Dk, Dv] state
-per token, each a new tensor. On a CPU that fallback was 40% of a hybrid's engine time. During an
-engine step, and only for the mixers the capability probe checked it on (on the model itself,
-against the fallback), that name answers with ``paged_hf::gated_delta_recurrent``
-(paged_hf/execution/cpu/csrc/gated_delta.cpp): the same recurrence, each state read and written once,
-in place in the state slots when the state is the step's own (the cache view's). Everything else
-(another thread, a plain forward, a GPU tensor, varlen arguments) goes to the function that was
-there (the seam: paged_hf/execution/cpu/kernel_seams.py).
-
-    with installed(sites_of(module)):          # around the step
-        with enabled(spec.kernel is not None, view.given):   # around one mixer call
-            module(...)
+Design notes: docs/internals.md, paged_hf/execution/cpu/mixer_kernels.py.
 """
 
 from __future__ import annotations

@@ -1,20 +1,7 @@
 """CPU attention that reads K/V through the block table in place: the ``paged_hf::paged_attention``
 C++ op (``paged_hf/execution/cpu/csrc/paged_attention.cpp``) and the backend that uses it.
 
-The torch backend copies every decoding sequence's K/V out of the pages for every layer of every
-step; this op reads them where they are: one call per layer for all sequences of the step, decode
-and prefill chunks alike, parallel over (sequence, KV head, query tile), fp32 online softmax,
-sliding window, softcap and per-layer scaling. ``CpuPagedBackend`` is the torch backend with that
-op in its ``attend``; the torch backend stays the reference (the tests check one against the other
-and both against transformers), and any layer the op cannot serve (a feature it lacks, a dtype it
-does not take) still runs the torch path.
-
-The op lives in paged_hf's C++ library (``ops``: built on first use, cached):
-
-    from paged_hf.execution.cpu import ops
-    ops.load()                # True when the op is usable (builds it the first time)
-    torch.ops.paged_hf.paged_attention(query, k_cache, v_cache, q_start, q_len, kv_len,
-                                       kv_indptr, kv_indices, scale, sliding_window, softcap, out)
+Design notes: docs/internals.md, paged_hf/execution/cpu/paged_attention.py.
 """
 
 from __future__ import annotations
