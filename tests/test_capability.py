@@ -13,7 +13,7 @@ from tiny_models import make_tiny_model
 
 import paged_hf
 from paged_hf.execution import attention
-from paged_hf.model import capability
+from paged_hf.model import layer_geometry
 from paged_hf.model.support import build_tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
@@ -253,15 +253,15 @@ def test_mask_patterns_are_read_past_the_probe():
     )
 
     zeros = torch.zeros(1, dtype=torch.long)
-    assert capability._classify(causal_mask_function, False, 4096, "m", "l") == (None, None)
-    assert capability._classify(
+    assert layer_geometry._classify(causal_mask_function, False, 4096, "m", "l") == (None, None)
+    assert layer_geometry._classify(
         sliding_window_causal_mask_function(1000), False, 4096, "m", "l"
     ) == (1000, None)
-    assert capability._classify(
+    assert layer_geometry._classify(
         chunked_causal_mask_function(300, zeros), False, 4096, "m", "l"
     ) == (None, 300)
-    assert capability._classify(
+    assert layer_geometry._classify(
         sliding_window_causal_mask_function(5000), False, 4096, "m", "l"
     ) == (None, None)
     with pytest.raises(paged_hf.UnsupportedModelError, match="see later keys"):
-        capability._classify(lambda b, h, q, kv: q >= 0, False, 64, "m", "l")
+        layer_geometry._classify(lambda b, h, q, kv: q >= 0, False, 64, "m", "l")

@@ -33,7 +33,8 @@ from tiny_models import make_tiny_model  # noqa: E402
 from tiny_tokenizer import make_tiny_tokenizer  # noqa: E402
 
 import paged_hf  # noqa: E402
-from paged_hf.integrations.lm_eval import PagedHFLM, _device, wrap  # noqa: E402
+from paged_hf.integrations.lm_eval import PagedHFLM, wrap  # noqa: E402
+from paged_hf.integrations.lm_eval_engine import device_for  # noqa: E402
 
 TASKS = ["phf_mc", "phf_gen", "phf_rolling"]
 # max_length 128 for both backends: contexts are cut from the left as lm-eval cuts them, and
@@ -233,8 +234,8 @@ def test_lm_evals_batch_size_and_device_are_interpreted():
     lm = PagedHFLM(pretrained=model, tokenizer=tok, device="cuda:0", max_length=64)
     assert lm.device.type == "cpu" and lm.max_length == 64  # a model object stays where it is
     if not torch.cuda.is_available():
-        assert _device("cuda:0") == "cpu" and _device(None) == "cpu"
-    assert _device("cpu") == "cpu"
+        assert device_for("cuda:0") == "cpu" and device_for(None) == "cpu"
+    assert device_for("cpu") == "cpu"
     with pytest.raises(TypeError, match="unknown model_args"):
         PagedHFLM(pretrained=model, tokenizer=tok, not_an_option=1)
     with pytest.raises(ValueError, match="batch_size"):

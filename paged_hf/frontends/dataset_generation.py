@@ -7,10 +7,8 @@ Design notes: docs/internals.md, paged_hf/frontends/dataset_generation.py.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
-import re
 import time
 from pathlib import Path
 from typing import Any, Iterator
@@ -18,21 +16,20 @@ from typing import Any, Iterator
 import torch
 
 from ..requests.sampling_params import SamplingParams
-from .checkpoint import Checkpoint, fingerprint, make_record
+from .checkpoint import Checkpoint, fingerprint
+from .dataset_rows import (
+    Prompts,
+    assemble,
+    check_columns,
+    dataset_rows,
+    describe,
+    error_record,
+    finished_record,
+    params_for_row,
+    without_request_id,
+)
 
 logger = logging.getLogger("paged_hf")
-
-# record field -> Arrow type of its output column: ``output_column`` holds the text, and
-# ``{output_column}_{field}`` the others, in this order
-_FEATURES = {
-    "text": "string",
-    "num_tokens": "int64",
-    "finish_reason": "string",
-    "ttft": "float64",
-    "error": "string",
-}
-_SUFFIXES = tuple(_FEATURES)[1:]
-_READ_BATCH = 256
 
 
 def generate_dataset(
@@ -77,7 +74,7 @@ def generate_dataset(
 
     # the engine first: its effective max_model_len and EOS ids belong to the checkpoint's fingerprint
     engine = _engine(model, tokenizer, engine_config)
-    prompts = _Prompts(messages_column, chat, system, json_schema_column)
+    prompts = Prompts(messages_column, chat, system, json_schema_column)
     checkpoint = None
     if checkpoint_dir is not None:
         columns = {"prompt": prompt_column, "output": output_column, "params": params_column}
@@ -139,7 +136,7 @@ def _checked_arguments(
             f"sampling_params: n={base.n}; generate_dataset makes one completion per row "
             "(repeat the rows for several samples)"
         )
-    _check_columns(dataset, prompt_column, output_column, messages_column, params_column)
+    check_columns(dataset, prompt_column, output_column, messages_column, params_column)
     if json_schema_column is not None and json_schema_column not in dataset.column_names:
         raise ValueError(
             f"json_schema_column {json_schema_column!r} is not a column of the dataset "
@@ -189,46 +186,15 @@ def _gathered(
         gathered: list[Any] | None = [None] * world if rank == 0 else None
         dist.gather_object(records, gathered, dst=0)
         if rank != 0:
-            return _assemble(shard, records, output_column)
+            return assemble(shard, records, output_column)
         records = [rec for part in gathered for rec in part]
         assert [r["row_index"] for r in records] == list(range(len(dataset))), (
             "shards lost or reordered rows"
         )
-    return _assemble(dataset, records, output_column)
+    return assemble(dataset, records, output_column)
 
 
 # ---- the loop ------------------------------------------------------------------------------------
-
-
-class _Prompts:
-    """How a row's prompt becomes token ids, and which extra column it reads."""
-
-    def __init__(
-        self,
-        messages_column: str | None,
-        chat: bool,
-        system: str | None,
-        json_schema_column: str | None,
-    ):
-        self.messages_column, self.chat, self.system = messages_column, chat, system
-        self.json_schema_column = json_schema_column
-
-    def settings(self) -> dict[str, Any]:
-        """What a checkpoint's fingerprint records of them."""
-        return {
-            "messages": self.messages_column,
-            "chat": self.chat,
-            "system": self.system,
-            "json_schema": self.json_schema_column,
-        }
-
-    def ids(self, tokenizer: Any, prompt: Any) -> list[int]:
-        if self.chat and isinstance(prompt, str) and prompt:
-            messages = (
-                [{"role": "system", "content": self.system}] if self.system is not None else []
-            ) + [{"role": "user", "content": prompt}]
-            return _prompt_ids(tokenizer, messages, True)
-        return _prompt_ids(tokenizer, prompt, self.messages_column is not None)
 
 
 def _warn_if_mostly_empty(records: list[dict], chat: bool) -> None:
@@ -258,7 +224,7 @@ def _run_shard(
     shard_rows: list[int],
     base: SamplingParams,
     prompt_column: str,
-    prompts: _Prompts,
+    prompts: Prompts,
     params_column: str | None,
     checkpoint: Checkpoint | None,
     progress: bool,
@@ -274,7 +240,7 @@ def _run_shard(
     engine.check_weights(rescan=True)
     target_waiting = 2 * engine.config.max_num_seqs
 
-    rows = _rows(
+    rows = dataset_rows(
         shard,
         shard_rows,
         done,
@@ -319,7 +285,7 @@ def _queue_rows(
     engine: Any,
     tokenizer: Any,
     base: SamplingParams,
-    prompts: _Prompts,
+    prompts: Prompts,
     rows: Iterator,
     live: dict[str, int],
     new: list[dict],
@@ -344,7 +310,7 @@ def _step_rows(engine: Any, tokenizer: Any, live: dict[str, int], new: list[dict
     for req in finished:
         row = live.pop(req.request_id, None)
         if row is not None:  # else someone else's request on a shared engine
-            new.append(_finished_record(engine, tokenizer, row, req))
+            new.append(finished_record(engine, tokenizer, row, req))
     return len(sampled)
 
 
@@ -355,15 +321,15 @@ def _submit(
     row: int,
     prompt: Any,
     row_params: Any,
-    prompts: _Prompts,
+    prompts: Prompts,
     errors: list[dict],
 ) -> str | None:
     """Queue one row; its engine request id, or None when it failed (its record added to ``errors``)."""
     try:
         ids = prompts.ids(tokenizer, prompt)
-        params = _row_params(base, row_params, row)
+        params = params_for_row(base, row_params, row)
     except Exception as e:  # whatever the row's template or tokenizer raise, the row fails alone
-        errors.append(_error_record(row, _describe(e)))
+        errors.append(error_record(row, describe(e)))
         return None
     try:
         # an auto id: never collides with a shared engine's others
@@ -373,40 +339,8 @@ def _submit(
         TypeError,
     ) as e:
         # refused at admission; anything else is a bug and propagates
-        errors.append(_error_record(row, f"{type(e).__name__}: {_without_request_id(str(e))}"))
+        errors.append(error_record(row, f"{type(e).__name__}: {without_request_id(str(e))}"))
         return None
-
-
-def _finished_record(engine: Any, tokenizer: Any, row: int, req: Any) -> dict:
-    out = engine.collect([req])
-    if out.error is not None or out.finish_reason == "error":  # it failed inside a step, alone
-        return _error_record(row, _without_request_id(out.error or "failed in the engine"))
-    try:
-        # ended by a stop string: the engine's cut text
-        if isinstance(out.completions[0].stop_reason, str):
-            text = out.text
-        else:
-            text = _decode(tokenizer, out.token_ids) if tokenizer is not None else (out.text or "")
-    except Exception as e:
-        # the tokenizer cannot decode what this row generated: the row fails alone
-        return _error_record(row, _describe(e))
-    return make_record(row, text, len(out.token_ids), out.finish_reason, out.ttft, None)
-
-
-def _error_record(row: int, message: str) -> dict:
-    error = f"row {row}: {message}"
-    logger.warning("paged_hf.generate_dataset: %s", error)
-    return make_record(row, "", 0, "error", None, error)
-
-
-def _describe(e: BaseException) -> str:
-    return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
-
-
-def _without_request_id(message: str) -> str:
-    """An engine message without its "request <id>: " prefix: the row number replaces the
-    auto id, which means nothing to the caller."""
-    return re.sub(r"^request [^ ]+: ", "", message)
 
 
 def _engine(model: Any, tokenizer: Any, engine_config: dict) -> Any:
@@ -428,138 +362,6 @@ def _engine(model: Any, tokenizer: Any, engine_config: dict) -> Any:
             )
         return engine
     return Engine(model, tokenizer, **engine_config)
-
-
-def _rows(
-    shard: Any,
-    shard_rows: list[int],
-    done: dict,
-    prompt_column: str,
-    messages_column: str | None,
-    params_column: str | None,
-    json_schema_column: str | None = None,
-) -> Iterator[tuple[int, Any, Any]]:
-    """(row index, prompt or messages, row params) of the rows still to run, read in batches; a
-    row's schema (``json_schema_column``) joins its params."""
-    source = messages_column or prompt_column
-    columns = (
-        [source]
-        + ([params_column] if params_column else [])
-        + ([json_schema_column] if json_schema_column else [])
-    )
-    todo = [k for k, i in enumerate(shard_rows) if i not in done]
-    view = shard.select_columns(columns)
-    if len(todo) < len(shard_rows):
-        view = view.select(todo)
-
-    def gen() -> Iterator[tuple[int, Any, Any]]:
-        k = 0
-        for batch in view.iter(batch_size=_READ_BATCH):
-            for j, prompt in enumerate(batch[source]):
-                row_params = batch[params_column][j] if params_column else None
-                schema = batch[json_schema_column][j] if json_schema_column else None
-                if schema is not None:
-                    row_params = {
-                        **(row_params if isinstance(row_params, dict) else {}),
-                        "json_schema": schema,
-                    }
-                yield shard_rows[todo[k]], prompt, row_params
-                k += 1
-
-    return gen()
-
-
-def _prompt_ids(tokenizer: Any, prompt: Any, is_messages: bool) -> list[int]:
-    if is_messages:
-        if not prompt:
-            raise ValueError("no chat messages")
-        text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
-        # the template adds its own
-        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-    if prompt is None or (isinstance(prompt, str) and not prompt):
-        raise ValueError("empty prompt")
-    if isinstance(prompt, str):
-        if tokenizer is None:
-            raise ValueError("a text prompt needs a tokenizer")
-        return list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
-    if isinstance(prompt, (list, tuple)):
-        return list(prompt)
-    raise ValueError(f"prompt must be text or token ids, got {type(prompt).__name__}")
-
-
-def _row_params(base: SamplingParams, row_params: Any, row: int) -> SamplingParams:
-    changes: dict[str, Any] = {}
-    if row_params is not None:
-        if not isinstance(row_params, dict):
-            raise ValueError(
-                f"params must be a dict of SamplingParams fields, got {type(row_params).__name__}"
-            )
-        # Arrow fills the keys other rows have with None: those mean "not set"
-        changes = {k: v for k, v in row_params.items() if v is not None}
-        known = {f.name for f in dataclasses.fields(SamplingParams)}
-        unknown = sorted(set(changes) - known)
-        if unknown:
-            raise ValueError(f"unknown SamplingParams field(s) {unknown}")
-    params = base.with_(**changes)
-    if params.n != 1:
-        raise ValueError(f"n={params.n}; generate_dataset makes one completion per row")
-    if not params.is_greedy and "seed" not in changes:
-        # independent of batching, resume, shards
-        params = params.with_(seed=(base.seed or 0) + row)
-    return params
-
-
-def _decode(tokenizer: Any, ids: list[int]) -> str:
-    return tokenizer.decode(ids, skip_special_tokens=True)
-
-
-def _assemble(dataset: Any, records: list[dict], output_column: str) -> Any:
-    import datasets
-
-    names = _output_columns(output_column)
-    features = datasets.Features(
-        {names[key]: datasets.Value(kind) for key, kind in _FEATURES.items()}
-    )
-    extra = datasets.Dataset.from_dict(
-        {names[key]: [r[key] for r in records] for key in _FEATURES}, features=features
-    )
-    if dataset._indices is not None:
-        dataset = dataset.flatten_indices()
-    if len(dataset) == 0:  # concatenate_datasets(axis=1) drops the new columns of 0-row datasets
-        return datasets.Dataset.from_dict(
-            {name: [] for name in [*dataset.column_names, *features]},
-            features=datasets.Features({**dataset.features, **features}),
-        )
-    return datasets.concatenate_datasets([dataset, extra], axis=1)
-
-
-def _output_columns(output_column: str) -> dict[str, str]:
-    """record field -> its output column"""
-    return {"text": output_column, **{s: f"{output_column}_{s}" for s in _SUFFIXES}}
-
-
-def _check_columns(
-    dataset: Any,
-    prompt_column: str,
-    output_column: str,
-    messages_column: str | None,
-    params_column: str | None,
-) -> None:
-    names = dataset.column_names
-    source = messages_column or prompt_column
-    if source not in names:
-        what = "messages_column" if messages_column else "prompt_column"
-        raise ValueError(f"{what}={source!r} is not a column of the dataset; columns: {names}")
-    if params_column is not None and params_column not in names:
-        raise ValueError(
-            f"params_column={params_column!r} is not a column of the dataset; columns: {names}"
-        )
-    clash = [c for c in _output_columns(output_column).values() if c in names]
-    if clash:
-        raise ValueError(
-            f"output_column={output_column!r}: the dataset already has column(s) {clash}; "
-            "choose another output_column"
-        )
 
 
 def _distributed() -> tuple[int, int, Any]:

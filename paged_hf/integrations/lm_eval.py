@@ -25,76 +25,15 @@ except ImportError as _err:  # pragma: no cover - the message is the point
         f"(lm-eval==0.4.13) ({_err})"
     ) from _err
 
-from ..config import EngineConfig
 from ..engine.scoring import prefix_token_id, rolling_windows
-from ..model.loading import load_model, load_tokenizer
 from ..requests.sampling_params import SamplingParams
+from .lm_eval_engine import ENGINE_OPTIONS, engine_for_eval, special_kwargs
 
 logger = logging.getLogger("paged_hf")
 
-_ENGINE_OPTIONS = {f for f in EngineConfig.__dataclass_fields__}
 # generation kwargs of lm-eval tasks that map onto SamplingParams (do_sample and temperature are
 # read first); anything else is refused, never silently ignored
 _SAMPLING_KWARGS = {"temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed"}
-# engine defaults for evaluation (docs/internals.md, lm_eval); what the user gives wins
-EVAL_ENGINE_DEFAULTS = {"block_size": 4, "max_num_batched_tokens": 2048}
-
-
-def _engine_for_eval(
-    pretrained: Any,
-    tokenizer: Any,
-    dtype: Any,
-    device: str | None,
-    batch_size: Any,
-    max_batch_size: int | None,
-    revision: str | None,
-    trust_remote_code: bool,
-    gguf_file: str | None,
-    engine_options: dict[str, Any],
-) -> tuple[Any, torch.nn.Module, Any]:
-    """(engine, model, tokenizer) for ``pretrained``: an Engine as it is, a model (its patched
-    engine unless options are given), or a name loaded here; the evaluation defaults apply where
-    the options do not say."""
-    from ..engine.engine import Engine as EngineCore
-    from ..model.patching import Engine, engine_for, is_patched
-
-    explicit = dict(engine_options)
-    seqs = _max_num_seqs(batch_size, max_batch_size)
-    if seqs is not None and "max_num_seqs" not in explicit:
-        explicit["max_num_seqs"] = seqs
-    engine_options = {**EVAL_ENGINE_DEFAULTS, **explicit}
-    if "max_num_seqs" in explicit and "max_num_batched_tokens" not in explicit:
-        engine_options["max_num_batched_tokens"] = max(
-            EVAL_ENGINE_DEFAULTS["max_num_batched_tokens"], explicit["max_num_seqs"]
-        )
-    if isinstance(pretrained, EngineCore):
-        if explicit:
-            raise TypeError(
-                f"paged_hf: engine options {sorted(explicit)} cannot change an existing Engine"
-            )
-        engine = pretrained
-        model = pretrained.model
-        tokenizer = tokenizer if tokenizer is not None else pretrained.tokenizer
-    elif isinstance(pretrained, torch.nn.Module):
-        model = pretrained
-        tokenizer = _load_tokenizer(tokenizer, model, revision, trust_remote_code, gguf_file)
-        if is_patched(model) and not explicit:
-            engine = engine_for(model)
-        else:
-            engine = Engine(model, tokenizer, **engine_options)
-    else:
-        model, tokenizer = load_model(
-            str(pretrained),
-            tokenizer=tokenizer,
-            dtype=dtype,
-            device=_device(device),
-            gguf_file=gguf_file,
-            revision=revision,
-            trust_remote_code=trust_remote_code,
-            labels={"model": "pretrained", "tokenizer": "tokenizer"},
-        )
-        engine = Engine(model, tokenizer, **engine_options)
-    return engine, model, tokenizer
 
 
 @register_model("paged_hf")
@@ -133,13 +72,13 @@ class PagedHFLM(TemplateLM):
         **engine_options: Any,
     ) -> None:
         super().__init__()
-        unknown = sorted(set(engine_options) - _ENGINE_OPTIONS)
+        unknown = sorted(set(engine_options) - ENGINE_OPTIONS)
         if unknown:
             raise TypeError(
                 f"paged_hf: unknown model_args {unknown}; known: the lm-eval options in "
-                f"docs/internals.md (paged_hf/integrations/lm_eval.py) and the engine options {sorted(_ENGINE_OPTIONS)}"
+                f"docs/internals.md (paged_hf/integrations/lm_eval.py) and the engine options {sorted(ENGINE_OPTIONS)}"
             )
-        self.engine, model, tokenizer = _engine_for_eval(
+        self.engine, model, tokenizer = engine_for_eval(
             pretrained,
             tokenizer,
             dtype,
@@ -235,7 +174,7 @@ class PagedHFLM(TemplateLM):
     ) -> list[int]:
         """As lm-eval's ``hf`` backend: the tokenizer's own special tokens unless told otherwise
         (``add_bos_token``), none when the text already starts with the BOS text."""
-        special = _special_kwargs(add_special_tokens, self.add_bos_token)
+        special = special_kwargs(add_special_tokens, self.add_bos_token)
         if add_special_tokens is None and string.startswith(
             self.tokenizer.decode(self.prefix_token_id)
         ):
@@ -364,50 +303,6 @@ class PagedHFLM(TemplateLM):
 # ---- helpers ----------------------------------------------------------------------------------------
 
 
-def _special_kwargs(add_special_tokens: bool | None, add_bos: bool | None) -> dict:
-    if add_special_tokens is not None:
-        return {"add_special_tokens": add_special_tokens}
-    if add_bos is not None:
-        return {"add_special_tokens": add_bos}
-    return {}
-
-
-def _max_num_seqs(batch_size: int | str | None, max_batch_size: int | None) -> int | None:
-    """lm-eval's batch_size / max_batch_size as the engine's max_num_seqs (docs/internals.md, lm_eval)."""
-    if batch_size is None:
-        return None
-    if isinstance(batch_size, str) and batch_size.startswith("auto"):
-        return int(max_batch_size) if max_batch_size else None
-    try:
-        k = int(batch_size)
-    except (TypeError, ValueError):
-        raise ValueError(
-            f"paged_hf: batch_size={batch_size!r}, must be an integer or 'auto'"
-        ) from None
-    if k < 1:
-        raise ValueError(f"paged_hf: batch_size={k}, must be >= 1")
-    if k == 1:
-        logger.info(
-            "paged_hf: batch_size=1 (lm-eval's default) leaves the engine's continuous batching as it is; "
-            "pass max_num_seqs=1 in model_args to run one request at a time"
-        )
-        return None
-    return k
-
-
-def _device(device: str | None) -> str:
-    if device is None:
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        logger.warning(
-            "paged_hf: device=%s but CUDA is not available (lm-eval's CLI asks for cuda:0 unless told "
-            "otherwise); running on the CPU",
-            device,
-        )
-        return "cpu"
-    return device
-
-
 def _sampling_params(kwargs: dict, max_new_tokens: int, stop: list[str]) -> SamplingParams:
     do_sample = bool(kwargs.pop("do_sample", False))
     temperature = float(kwargs.pop("temperature", 0.0) or 0.0)
@@ -428,29 +323,6 @@ def _sampling_params(kwargs: dict, max_new_tokens: int, stop: list[str]) -> Samp
     if kwargs.get("seed") is not None:
         fields["seed"] = int(kwargs["seed"])
     return SamplingParams(max_new_tokens=max_new_tokens, stop=stop, **fields)
-
-
-def _load_tokenizer(
-    tokenizer: Any,
-    model: torch.nn.Module,
-    revision: str | None,
-    trust_remote_code: bool,
-    gguf_file: str | None,
-) -> Any:
-    """The tokenizer for a model object: one given as an object, by name, or the model's own."""
-    if tokenizer is not None and not isinstance(tokenizer, str):
-        return tokenizer
-    name = tokenizer or getattr(model, "name_or_path", None)
-    if not name:
-        raise ValueError(
-            "paged_hf: give the tokenizer (tokenizer=...) of a model object that has no name_or_path"
-        )
-    return load_tokenizer(
-        name,
-        gguf_file=gguf_file if tokenizer is None else None,
-        revision=revision,
-        trust_remote_code=trust_remote_code,
-    )
 
 
 def run_cli(argv: list[str]) -> int:
