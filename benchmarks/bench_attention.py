@@ -49,7 +49,7 @@ def step_metadata(
     specs: list[tuple[int, int]], bs: int, perm: list[int], shared: int = 0
 ) -> StepMetadata:
     """A step built by hand: sequence i has ``specs[i] = (new tokens, context length)``, its blocks
-    taken in turn from ``perm`` (also used by tests/test_cpu_paged_attention.py); with ``shared``,
+    taken in turn from ``perm`` (also used by tests/kernels/test_cpu_paged_attention.py); with ``shared``,
     every sequence's first ``shared`` blocks are the same ones (a prefix hit)."""
     slots, pos, qo, kvp, kvi, last, blocks, used = [], [], [0], [0], [], [], [], shared
     for ql, kv in specs:

@@ -9,7 +9,7 @@
 
     write_tasks("tasks/", n_mc=200, n_gen=100)   # then: lm-eval --include_path tasks/ --tasks phf_mc,phf_gen
 
-Used by benchmarks/bench_eval.py, tests/test_lm_eval.py and examples/lm_eval_local.py. The data
+Used by benchmarks/bench_eval.py, tests/integrations/test_lm_eval.py and examples/lm_eval_local.py. The data
 are drawn from a seeded generator, so a directory is the same on every machine.
 """
 

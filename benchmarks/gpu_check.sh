@@ -60,7 +60,7 @@ done
 if ! compgen -G "$WHEELS/paged_hf-*.whl" >/dev/null; then
   echo "gpu_check: installing paged_hf from $REPO (offline build, from a copy: the tree stays clean)"
   src="$(mktemp -d)"
-  tar -C "$REPO" --exclude=.git --exclude=.venv --exclude=benchmarks/wheels --exclude=build -cf - . | tar -C "$src" -xf -
+  tar -C "$REPO" --exclude=.git --exclude='.venv*' --exclude=benchmarks/wheels --exclude=build -cf - . | tar -C "$src" -xf -
   "$PY" -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --upgrade --target "$SITE" "$src"
   rm -rf "$src"
 fi

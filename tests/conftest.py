@@ -82,3 +82,11 @@ def fake_flashinfer(monkeypatch):
     monkeypatch.setattr(mod, "SUPPORTED_HEAD_DIMS", (16,))
     yield mod
     forget_flashinfer_backend()
+
+
+def pytest_collection_modifyitems(config, items):
+    """Every test under tests/kernels/ builds or loads the C++ library: mark it ``compiler``."""
+    kernels = os.path.join(os.path.dirname(__file__), "kernels") + os.sep
+    for item in items:
+        if str(item.fspath).startswith(kernels):
+            item.add_marker(pytest.mark.compiler)

@@ -298,7 +298,7 @@ def probe_attention(model: PreTrainedModel) -> Iterator[list[dict[str, Any]]]:
 
 
 # ---- the architectures of issue 13, each for the feature it brings ---------------------------------
-# Every config below is written out so the feature is visible; tests/test_architectures.py checks
+# Every config below is written out so the feature is visible; tests/models/test_architectures.py checks
 # that patch really finds it in the model (a window on the right layers, a chunk, sinks, MLA widths,
 # per-layer head widths) before comparing generations with transformers.
 ARCHITECTURES = (

@@ -193,7 +193,7 @@ class PackedWeight:
             ]
             return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
         # the rows as a matrix: the same GEMM, ~10 us a call less than a [1, T, K] input costs the op
-        # (a lone decode's step makes 121 of them; the same bits: tests/test_cpu_linear.py)
+        # (a lone decode's step makes 121 of them; the same bits: tests/kernels/test_cpu_linear.py)
         rows = x.view(-1, x.shape[-1]) if x.dim() != 2 else x
         if self.how == ONEDNN:
             out = torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")

@@ -15,7 +15,7 @@
 // exact zeros (P = 0) or nothing, and the lanes never mix. So a token's output is the same computed
 // in a prompt chunk, alone as a decode, or beside any other rows, and a chunk several decodes share
 // (the same pages: a common prompt, a prefix hit) can be computed once for all of them and merged
-// into each one's own chunks (tests/test_cpu_paged_attention.py checks all of it bit for bit).
+// into each one's own chunks (tests/kernels/test_cpu_paged_attention.py checks all of it bit for bit).
 //
 // An item's rows: one sequence's tokens x query heads of one kv head (prompt chunks), or one
 // decode's query heads of up to 4 kv heads (each head's rows meet only its own K and V: P of the

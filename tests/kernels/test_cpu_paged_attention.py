@@ -25,7 +25,7 @@ from paged_hf.execution.backends import TorchBackend, select_backend
 from paged_hf.execution.cpu import ops as cpu_ops
 from paged_hf.execution.cpu import paged_attention as cpa
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from bench_attention import step_metadata  # noqa: E402  (steps built by hand, shared with the benchmark)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -34,7 +34,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 # every test below needs the op, and a failed build must fail this module, not skip it.
 assert cpu_ops.load(), f"the CPU paged attention kernel did not build: {cpu_ops.status()['error']}"
 
-# bf16 logits of two correct kernels differ by a few 1e-2 (tests/test_smollm2.py); a wrong page,
+# bf16 logits of two correct kernels differ by a few 1e-2 (tests/models/test_smollm2.py); a wrong page,
 # mask or offset moves them by whole units
 BF16_TOL = 0.125
 
@@ -641,7 +641,7 @@ def test_no_compiler_in_a_fresh_process(tmp_path):
         "PAGED_HF_CPU_KERNEL": "1",
     }
     res = subprocess.run(
-        [sys.executable, "-c", script, str(Path(__file__).parent)],
+        [sys.executable, "-c", script, str(Path(__file__).resolve().parents[1])],
         env=env,
         capture_output=True,
         text=True,

@@ -9,7 +9,7 @@ import warnings
 
 import pytest
 import torch
-from test_cuda_path import _flashinfer_matches_torch, _workload
+from stand_in_engines import flashinfer_matches_torch, workload
 from tiny_models import make_arch_model
 
 import paged_hf
@@ -41,7 +41,7 @@ def test_flashinfer_backend_runs_per_layer_widths(fake_flashinfer, monkeypatch):
     """Gemma 4's sliding layers (16 wide) and full layer (32 wide) through the FlashInfer backend:
     one planned variant per shape, the same tokens as the torch backend."""
     monkeypatch.setattr(fake_flashinfer, "SUPPORTED_HEAD_DIMS", (16, 32))
-    engine = _flashinfer_matches_torch(
+    engine = flashinfer_matches_torch(
         make_arch_model("gemma4_text"), fake_flashinfer.FlashInferBackend, monkeypatch
     )
     backend = engine.runner.backend
@@ -91,7 +91,7 @@ def test_swap_round_trip_with_layers_of_different_shapes(layout):
 @pytest.mark.parametrize("name", ["deepseek_v3", "gpt_oss"])
 def test_swap_preemption_gives_the_same_tokens(name):
     model = make_arch_model(name)
-    prompts, params = _workload(model.config.vocab_size)
+    prompts, params = workload(model.config.vocab_size)
     big = paged_hf.Engine(model, num_blocks=128, block_size=4, max_num_seqs=8)
     # pages of one cache group each: gpt_oss's sliding and full layers are two groups, its sliding
     # pages freed as they slide out; both pools are small enough to preempt
@@ -114,7 +114,7 @@ def test_compiled_decode_with_mla_widths_and_sinks(name):
     """The compiled decode step's attention op carries sinks and returns V's width (its fake too)."""
     torch._dynamo.reset()
     model = make_arch_model(name)
-    prompts, params = _workload(model.config.vocab_size)
+    prompts, params = workload(model.config.vocab_size)
     kw = dict(
         num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=64, backend="torch"
     )

@@ -204,6 +204,7 @@ def _attention_families() -> dict[str, list[str]]:
     return families
 
 
+@pytest.mark.slow
 def test_every_attention_family_of_the_sweep_gives_the_same_step_with_the_fused_ops_on_and_off():
     """One representative of each attention family that patch takes: its prompts' prefill and a
     decode step with the fused ops (and the compact layers) on give the tokens and logprobs of the

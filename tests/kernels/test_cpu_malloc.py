@@ -15,7 +15,7 @@ import pytest
 
 from paged_hf.execution.cpu import malloc as cpu_malloc
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # A step's temporaries: four 24 MiB activations alive at once, then freed, 10 times, counting the
 # minor page faults (the fewest of 3 rounds: the kernel's own page sampling adds a few now and then).
@@ -61,7 +61,7 @@ def _run(mode: str, **env: str) -> dict:
     }
     full.update(env)
     res = subprocess.run(
-        [sys.executable, "-c", SCRIPT, str(Path(__file__).parent), mode],
+        [sys.executable, "-c", SCRIPT, str(Path(__file__).resolve().parents[1]), mode],
         env=full,
         capture_output=True,
         text=True,
@@ -83,6 +83,7 @@ START_FAULTS = 10 * 4 * 6144  # every page of the four 24 MiB blocks, 10 times
 
 
 @needs_glibc
+@pytest.mark.slow
 def test_a_cpu_engine_keeps_freed_blocks_mapped_unless_told_not_to():
     off = _run("engine-off")
     on = _run("engine")
@@ -123,6 +124,7 @@ print(json.dumps({"faults": sum(counts[2:]), "status": cpu_malloc.status(),
 
 
 @needs_glibc
+@pytest.mark.slow
 def test_large_blocks_are_kept_for_the_next_step():
     def run(**env):
         full = {
@@ -132,7 +134,7 @@ def test_large_blocks_are_kept_for_the_next_step():
         }
         full.update(env)
         res = subprocess.run(
-            [sys.executable, "-c", FRAGMENTING, str(Path(__file__).parent)],
+            [sys.executable, "-c", FRAGMENTING, str(Path(__file__).resolve().parents[1])],
             env=full,
             capture_output=True,
             text=True,
@@ -216,7 +218,7 @@ def test_kept_blocks_make_room_for_the_classes_a_step_asks_for_now():
     """Past the cap the blocks kept longest go back first: a step whose token count moved (other size
     classes) keeps its own blocks, and they serve it again without faults; trim gives everything back."""
     res = subprocess.run(
-        [sys.executable, "-c", LRU, str(Path(__file__).parent)],
+        [sys.executable, "-c", LRU, str(Path(__file__).resolve().parents[1])],
         capture_output=True,
         text=True,
         timeout=300,

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tiny_models import make_tiny_model  # noqa: E402
 from tiny_tokenizer import make_tiny_tokenizer  # noqa: E402
@@ -51,6 +51,7 @@ def test_mistakes_name_the_argument_in_the_callers_words(tiny_dir, tmp_path):
     assert load_model(str(tiny_dir), tokenizer=tok)[1] is tok
 
 
+@pytest.mark.slow
 def test_a_gguf_file_loads_as_the_plain_weights_the_engine_patches(smollm2_fp32):
     """The SmolLM2 GGUF by directory and file name: dense nn.Linear weights (never transformers'
     packed GGUF modules), the same tensors as the default model's cache, made from that file."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 from oracle import teacher_forced_violations
 
@@ -45,6 +46,7 @@ def _generated(got, i: int, width: int, eos: int) -> list[int]:
     return gen[: gen.index(eos) + 1] if eos in gen else gen
 
 
+@pytest.mark.slow
 def test_smollm2_patched_generate_equals_transformers(smollm2, smollm2_fp32):
     """bf16: every token of a padded batch through the patched generate is transformers' argmax
     teacher-forced, or a near-tie there and in fp32. (Exact agreement with transformers' own bf16

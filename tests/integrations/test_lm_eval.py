@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 lm_eval = pytest.importorskip(
@@ -165,6 +165,7 @@ def test_bfloat16_smollm2_within_tolerance(smollm2_dir, task_manager):
     assert metrics(ours, "phf_mc")["acc,none"] > 0  # a real model: not every question missed
 
 
+@pytest.mark.slow
 def test_command_line_with_chat_template(tiny_dir, task_manager, tmp_path):
     """`paged-hf lm-eval` forwards to lm-eval's CLI (no --device: lm-eval asks for cuda:0, which
     falls back to the CPU as its hf backend does); with --apply_chat_template the prompts go

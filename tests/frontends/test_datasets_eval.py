@@ -20,7 +20,7 @@ from dataset_eval_worker import columns, eval_setup
 import paged_hf
 from paged_hf import SamplingParams
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[1]  # tests/
 WORKER = HERE / "dataset_eval_worker.py"
 ROWS = 200
 MAX_NUM_SEQS = 16
@@ -352,6 +352,7 @@ ACCELERATE = shutil.which("accelerate", path=os.path.dirname(sys.executable)) or
 
 @pytest.mark.skipif(ACCELERATE is None, reason="the accelerate CLI is not installed")
 @pytest.mark.skipif(torch.cuda.is_available(), reason="runs the CPU (gloo) launch")
+@pytest.mark.slow
 def test_two_process_accelerate_run_equals_one_process(setup, reference, tmp_path):
     out = tmp_path / "out.json"
     # `--cpu` alone starts one process (accelerate wants MPI for several); on a machine without

@@ -25,7 +25,7 @@ needs_onednn = pytest.mark.skipif(
 HOWS = [pytest.param(cpu_linear.ONEDNN, marks=needs_onednn), cpu_linear.FP32]
 
 SMALL = {"block_size": 4, "max_num_batched_tokens": 16, "max_num_seqs": 8}
-BF16_TOL = 0.125  # teacher forcing against transformers' bf16 forward (as tests/test_cpu_paged_attention.py)
+BF16_TOL = 0.125  # teacher forcing against transformers' bf16 forward (as tests/kernels/test_cpu_paged_attention.py)
 
 
 def test_the_default_way_follows_the_cpu():

@@ -16,7 +16,7 @@ from paged_hf.execution import attention
 from paged_hf.model import layer_geometry
 from paged_hf.model.support import build_tiny_model
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def refusal(model: torch.nn.Module) -> str:

@@ -19,6 +19,7 @@ import pytest
 import torch
 from conftest import forget_flashinfer_backend
 from oracle import assert_teacher_forced
+from stand_in_engines import flashinfer_matches_torch, generate_tokens, use_backend, workload
 from tiny_models import FAMILIES, make_tiny_model, tiny_prompts
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -45,7 +46,7 @@ from paged_hf.execution.decode_accelerator import (
 )
 from paged_hf.execution.metadata import build_step_metadata
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 # ---- step metadata vs FlashInfer's CSR semantics ----------------------------------------------
@@ -295,62 +296,11 @@ print("ok")
 
 
 # ---- the FlashInfer backend's logic, through a stand-in flashinfer -------------------------------
-def _use_backend(monkeypatch, backend_cls, graphs: bool = False, graph_factory=_EagerGraph):
-    """Make engines built from now on use ``backend_cls`` (on CPU), and with ``graphs`` the
-    CUDA-graph decode path with stand-in graphs (``graph_factory``, eager by default)."""
-    monkeypatch.setattr(paged_hf.execution.runner, "select_backend", lambda *a, **k: backend_cls)
-    if graphs:
-        monkeypatch.setattr(
-            paged_hf.execution.runner, "wants_decode_accelerator", lambda config, device: True
-        )
-        monkeypatch.setattr(
-            DecodeAccelerator,
-            "build",
-            classmethod(
-                lambda cls, model, backend, config, pad_block: cls(
-                    model,
-                    backend,
-                    config.max_num_seqs,
-                    pad_block,
-                    use_graphs=True,
-                    compile_backend=None,
-                    graph_factory=graph_factory,
-                )
-            ),
-        )
-
-
-def _workload(vocab: int) -> tuple[list[list[int]], list[SamplingParams]]:
-    shared = tiny_prompts(vocab, 1, 21, seed=11)[0]
-    prompts = [shared + p for p in tiny_prompts(vocab, 3, [2, 9, 14], seed=12)] + tiny_prompts(
-        vocab, 3, [1, 5, 26], seed=13
-    )
-    params = [SamplingParams(max_new_tokens=n) for n in (9, 4, 12, 7, 10, 3)]
-    return prompts, params
-
-
-def _generate(model, prompts, params, **config):
-    engine = paged_hf.Engine(
-        model, num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=24, **config
-    )
-    outs = engine.generate(prompts, params)
-    return [o.token_ids for o in outs], engine
-
-
-def _flashinfer_matches_torch(model, backend_cls, monkeypatch, graphs: bool = False):
-    """The workload through the torch backend, then through ``backend_cls`` (and with ``graphs``
-    the CUDA-graph decode path): the same tokens. Returns the second engine."""
-    prompts, params = _workload(model.config.vocab_size)
-    expected, _ = _generate(model, prompts, params, backend="torch")
-    _use_backend(monkeypatch, backend_cls, graphs=graphs)
-    got, engine = _generate(model, prompts, params)
-    assert got == expected
-    return engine
 
 
 @pytest.mark.parametrize("family", ["llama", "llama_mqa", "qwen2", "gemma2", "gpt2"])
 def test_flashinfer_backend_matches_torch_backend(family, fake_flashinfer, monkeypatch):
-    engine = _flashinfer_matches_torch(
+    engine = flashinfer_matches_torch(
         make_tiny_model(family), fake_flashinfer.FlashInferBackend, monkeypatch
     )
     backend = engine.runner.backend
@@ -392,7 +342,7 @@ def test_flashinfer_backend_reads_each_cache_group_through_its_pages(
     expected = [
         o.token_ids for o in paged_hf.Engine(model, backend="torch", **kw).generate(prompts, params)
     ]
-    _use_backend(monkeypatch, fake_flashinfer.FlashInferBackend)
+    use_backend(monkeypatch, fake_flashinfer.FlashInferBackend)
     engine = paged_hf.Engine(model, **kw)
     assert (
         isinstance(engine.runner.backend, fake_flashinfer.FlashInferBackend)
@@ -407,9 +357,9 @@ def test_flashinfer_backend_reads_each_cache_group_through_its_pages(
 
 def test_flashinfer_backend_plans_once_per_step_per_variant(fake_flashinfer, monkeypatch):
     model = make_tiny_model("gemma2")  # 4 layers, 2 variants
-    prompts, params = _workload(model.config.vocab_size)
-    _use_backend(monkeypatch, fake_flashinfer.FlashInferBackend)
-    _, engine = _generate(model, prompts, params)
+    prompts, params = workload(model.config.vocab_size)
+    use_backend(monkeypatch, fake_flashinfer.FlashInferBackend)
+    _, engine = generate_tokens(model, prompts, params)
     backend = engine.runner.backend
     steps = engine.stats()["steps"]
     plans = sum(w.plan_count for w in backend._eager.values())
@@ -421,7 +371,7 @@ def test_flashinfer_backend_plans_once_per_step_per_variant(fake_flashinfer, mon
 @pytest.mark.parametrize("family", ["llama", "gemma2"])
 def test_cuda_graph_decode_path(family, fake_flashinfer, monkeypatch):
     """Decode steps padded to buckets and replayed from fixed buffers give the same tokens."""
-    engine = _flashinfer_matches_torch(
+    engine = flashinfer_matches_torch(
         make_tiny_model(family), fake_flashinfer.FlashInferBackend, monkeypatch, graphs=True
     )
     runner, backend = engine.runner, engine.runner.backend
@@ -463,9 +413,9 @@ def test_cuda_graph_decode_path(family, fake_flashinfer, monkeypatch):
 
 def test_warmup_captures_the_graphs_before_the_first_request(fake_flashinfer, monkeypatch):
     model = make_tiny_model("gemma2")
-    prompts, params = _workload(model.config.vocab_size)
-    expected, _ = _generate(model, prompts, params, backend="torch")
-    _use_backend(monkeypatch, fake_flashinfer.FlashInferBackend, graphs=True)
+    prompts, params = workload(model.config.vocab_size)
+    expected, _ = generate_tokens(model, prompts, params, backend="torch")
+    use_backend(monkeypatch, fake_flashinfer.FlashInferBackend, graphs=True)
     engine = paged_hf.Engine(
         model, num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=24
     )
@@ -541,12 +491,12 @@ def test_captured_decode_step_never_syncs_with_the_host(family, fake_flashinfer,
     """What runs under CUDA-graph capture (the model's forward, paged attention, the K/V writes)
     makes no host round trip, which a real capture would refuse."""
     model = make_tiny_model(family)
-    prompts, params = _workload(model.config.vocab_size)
-    _use_backend(
+    prompts, params = workload(model.config.vocab_size)
+    use_backend(
         monkeypatch, fake_flashinfer.FlashInferBackend, graphs=True, graph_factory=_WatchedGraph
     )
     monkeypatch.setattr(_WatchedGraph, "watches", [])
-    _generate(model, prompts, params)
+    generate_tokens(model, prompts, params)
     assert len(_WatchedGraph.watches) == len(decode_buckets(8))
     assert [w.seen for w in _WatchedGraph.watches] == [[]] * len(decode_buckets(8))
 
@@ -749,6 +699,7 @@ def test_profiling_forward_runs_the_paged_seam_not_the_models_attention(monkeypa
 
 
 # ---- the GPU check script -------------------------------------------------------------------------
+@pytest.mark.slow
 def test_gpu_check_dry_run(tmp_path):
     """gpu_check.sh as the GPU machine runs it (offline install of this repository into a private
     site, then gpu_check.py, each phase in its own process), with nothing carried, tiny sizes on CPU
@@ -835,6 +786,7 @@ def test_gpu_check_dry_run(tmp_path):
         assert "./batch_decode/batch_decode.so" in archive.getnames()
 
 
+@pytest.mark.slow
 def test_gpu_check_stops_at_once_without_flashinfer(tmp_path):
     """On a GPU run, a flashinfer that does not import stops the script before any timing."""
     broken = tmp_path / "broken"
@@ -878,7 +830,7 @@ GRAPH_GREEDY = SamplingParams(max_new_tokens=6, ignore_eos=True)
 def test_captured_decode_graphs_follow_replaced_weights(fake_flashinfer, monkeypatch):
     model = make_tiny_model("llama")
     prompts = tiny_prompts(model.config.vocab_size, 3, [5, 9, 14], seed=11)
-    _use_backend(monkeypatch, fake_flashinfer.FlashInferBackend, graphs=True)
+    use_backend(monkeypatch, fake_flashinfer.FlashInferBackend, graphs=True)
     engine = paged_hf.Engine(
         model, block_size=4, num_blocks=96, max_num_seqs=4, max_num_batched_tokens=24
     )

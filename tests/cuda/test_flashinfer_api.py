@@ -21,7 +21,7 @@ from pathlib import Path
 import fake_flashinfer
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 # (class, method in the stand-in, method in flashinfer that holds the parameters). The decode
 # wrapper's public plan() forwards **kwargs to _plan_impl, where the keyword names live.
 METHODS = [

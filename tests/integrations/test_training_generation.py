@@ -1,4 +1,4 @@
-"""What training loops need of the engine besides fresh weights (tests/test_training_coherence.py):
+"""What training loops need of the engine besides fresh weights (tests/engine/test_training_coherence.py):
 a model in train mode, a second model loaded with the policy's ``attn_implementation``, the
 logprobs of the distribution actually sampled, suppressed tokens, memory let go between
 generations, and TRL's GRPOTrainer generating through the engine.

@@ -7,7 +7,7 @@ Greedy options are compared token for token (the tiny model's greedy paths here 
 checked). Sampling options run by transformers' processors on the call's rows draw from torch's
 default generator as transformers does: seeded alike, the same tokens. Sampling options the engine's
 own sampler runs are checked to reach it (SamplingParams); its draws are checked against
-transformers' distributions in tests/test_sampler.py.
+transformers' distributions in tests/unit/test_sampler.py.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from paged_hf.model import generate_options as options
 from paged_hf.model.hf_generate import _sampling_params
 
 MAX_NEW = 8
-PAGE = Path(__file__).resolve().parents[1] / "docs" / "generate.md"
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "generate.md"
 
 
 def test_every_field_and_keyword_has_a_row():
@@ -161,14 +161,14 @@ ENGINE_SAMPLING = {
     "num_return_sequences": dict(do_sample=True, num_return_sequences=2),
 }
 ELSEWHERE = {  # field: the test that checks it
-    "stop_strings": "tests/test_stop_strings.py (with the tokenizer it needs)",
+    "stop_strings": "tests/unit/test_stop_strings.py (with the tokenizer it needs)",
     "cache_config": "no value changes transformers' result without a cache implementation that reads it",
     "continuous_batching_config": "transformers' own continuous batching only (generate_batch)",
     "is_assistant": "set by transformers on an assistant model's config",
     "assistant_ensemble_weight": "needs an assistant model",
 }
 UNCHANGED_HERE = {
-    "remove_invalid_values": "the tiny model's logits are finite (tests/test_generate_processors.py)"
+    "remove_invalid_values": "the tiny model's logits are finite (tests/engine/test_generate_processors.py)"
 }
 
 

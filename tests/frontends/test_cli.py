@@ -268,12 +268,12 @@ def test_the_readme_cli_lines_answer_on_topic(tmp_path):
     import re
     import shlex
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     lines = [
         line for line in readme.splitlines() if line.startswith("paged-hf generate --model default")
     ]
     assert len(lines) == 2, lines
-    repo = Path(__file__).resolve().parents[1]
+    repo = Path(__file__).resolve().parents[2]
     results = []
     for line in lines:
         argv = shlex.split(line)[1:]

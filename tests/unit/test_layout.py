@@ -21,7 +21,7 @@ import pytest
 
 import paged_hf
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 # rank of each layer: a module may import modules of its own rank or lower
 LAYERS = {
