@@ -288,9 +288,8 @@ def make_row(
     focus = ran.focus_ids
     lat = latency_metrics(res, focus)
     if res.subset is not None:
-        lat["ttft_p50"] = lat["ttft_p99"] = (
-            None  # queueing in a subset says nothing of the full run
-        )
+        # queueing in a subset says nothing of the full run
+        lat["ttft_p50"] = lat["ttft_p99"] = None
     gflops = ceiling["gflops"]
     computed = res.computed_tokens * (
         work["naive_tokens"] / ran_work["naive_tokens"] if ran is not w else 1

@@ -43,19 +43,15 @@ class EngineConfig:
     # default a block goes back to the pool once no query can read it (paged_hf/cache/kv_groups.py)
     keep_every_kv_block: bool = False
     backend: str = "auto"  # "auto", "torch" or "flashinfer"
-    namespace: str | None = (
-        None  # prefix-cache namespace (model / adapter id); None: derived from the model
-    )
+    # prefix-cache namespace (model / adapter id); None: derived from the model
+    namespace: str | None = None
     # the CUDA path: paged_hf/execution/decode_accelerator.py, compile_decode.py, backends/swap.py
-    use_cuda_graphs: bool = (
-        True  # capture pure-decode steps per batch bucket; CUDA + FlashInfer only, else ignored
-    )
-    compile_decode: bool | str = (
-        False  # torch.compile the decode step; a string names the compile backend
-    )
-    preemption_mode: str = (
-        "recompute"  # or "swap": preempted requests' blocks go to pinned host memory
-    )
+    # capture pure-decode steps per batch bucket; CUDA + FlashInfer only, else ignored
+    use_cuda_graphs: bool = True
+    # torch.compile the decode step; a string names the compile backend
+    compile_decode: bool | str = False
+    # or "swap": preempted requests' blocks go to pinned host memory
+    preemption_mode: str = "recompute"
     # on a CPU: linear layers run on weights packed once for oneDNN (paged_hf/execution/cpu/linear.py): bf16
     # for its bf16 matmul (same results), or as fp32 copies where the CPU has no bf16 matmul (within one bf16
     # rounding, ~5x faster there); fp32 models on its fp32 matmul (within fp32 rounding, up to 2.5x faster at

@@ -39,9 +39,8 @@ class EngineStats:
     generated_tokens: int = 0
     steps: int = 0
     peak_blocks_used: int = 0
-    peak_blocks_shared: int = (
-        0  # references beyond a block's first, at the step with the most (blocks sharing saved)
-    )
+    # references beyond a block's first, at the step with the most (blocks sharing saved)
+    peak_blocks_shared: int = 0
     peak_bytes: int = 0  # KV pages and state slots held, at the step that held the most
     peak_running: int = 0  # sequences running in one step, at most
     kv_waste_sum: float = 0.0

@@ -21,9 +21,8 @@ class Completion:
     text: str | None = None
     logprobs: list | None = None  # per token: (chosen logprob, {token: logprob} top-k)
     error: str | None = None  # why this sample failed (finish_reason "error")
-    stop_reason: str | int | None = (
-        None  # the stop string or stop token id that ended it (None: EOS or other)
-    )
+    # the stop string or stop token id that ended it (None: EOS or other)
+    stop_reason: str | int | None = None
 
 
 @dataclass

@@ -29,9 +29,8 @@ class ScoreOutput:
     is_greedy: bool  # every token is the argmax given what precedes it
     token_ids: list[int]  # the continuation's tokens
     token_logprobs: list[float]  # one per token
-    top_logprobs: list[dict[int, float]] | None = (
-        None  # with top_logprobs=k: the k best per position
-    )
+    # with top_logprobs=k: the k best per position
+    top_logprobs: list[dict[int, float]] | None = None
     num_cached_tokens: int = 0  # context tokens the prefix cache served
     error: str | None = None  # refused or failed: the others still ran
 

@@ -52,9 +52,8 @@ class OpBackend:
     name = "op"
 
     def __init__(self, layout: Any) -> None:
-        self.layout = (
-            layout  # the real backend's KV layout: the attention seam numbers layers by it
-        )
+        # the real backend's KV layout: the attention seam numbers layers by it
+        self.layout = layout
 
     def attend(
         self,

@@ -29,9 +29,8 @@ MAX_NEW_TOKENS = 12
 TOP_LOGPROBS = 5
 TOKEN_TOL = 1e-3  # a generated token's logit may trail the reference's best by this much
 LOGPROB_TOL = 1e-4  # |engine logprob - reference log-softmax| (fp32)
-STATEFUL_LOGPROB_TOL = (
-    5e-4  # stateful layers, against transformers' incremental path: see compare()
-)
+# stateful layers, against transformers' incremental path: see compare()
+STATEFUL_LOGPROB_TOL = 5e-4
 SETTINGS = {
     "defaults": {},
     "small blocks and budget": dict(block_size=4, max_num_batched_tokens=16, max_num_seqs=4),

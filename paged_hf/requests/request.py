@@ -73,9 +73,8 @@ class Request:
     block_tables: list = field(default_factory=list)
     # per group: the blocks before this are -1 (freed)
     kv_released: list = field(default_factory=list)
-    prefix_node: Any = (
-        None  # deepest locked prefix-index node (the block manager's handle; opaque here)
-    )
+    # deepest locked prefix-index node (the block manager's handle; opaque here)
+    prefix_node: Any = None
     num_tree_blocks: int = 0  # leading blocks of the tables that the prefix index holds
     first_token_time: float | None = None
     finish_time: float | None = None
@@ -91,9 +90,8 @@ class Request:
     logprobs: list = field(default_factory=list)
     generator: "torch.Generator | None" = None
     error: str | None = None  # why it finished with FinishReason.ERROR
-    cache_namespace: Any = (
-        None  # prefix-cache namespace it was admitted under (the weights' generation)
-    )
+    # prefix-cache namespace it was admitted under (the weights' generation)
+    cache_namespace: Any = None
     stop_strings: "StopStrings | None" = None  # matches params.stop in the output as it grows
     grammar: Any = None  # structured outputs: its grammar matcher (paged_hf/engine/structured.py)
     # the tokens encoder_repetition_penalty favours: None, the prompt's; patched generate's, the row
@@ -111,9 +109,8 @@ class Request:
     score_start: int = 0
     # per target so far: (logprob, is greedy, top-k dict or None)
     scored: list = field(default_factory=list)
-    prefill_only: bool = (
-        False  # a scoring request: computes its prompt's logits and finishes, samples nothing
-    )
+    # a scoring request: computes its prompt's logits and finishes, samples nothing
+    prefill_only: bool = False
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_ids)

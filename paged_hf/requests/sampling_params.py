@@ -59,9 +59,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     n: int = 1
-    logprobs: int | None = (
-        None  # None: none; 0 <= k <= 20: the chosen token's logprob plus the top k
-    )
+    # None: none; 0 <= k <= 20: the chosen token's logprob plus the top k
+    logprobs: int | None = None
     cache_salt: str | None = None  # requests with different salts never share cached KV
     # text that ends the request on the token completing it (needs the engine's tokenizer); the
     # text returned ends before it (include_stop_str_in_output: after it)

@@ -93,9 +93,8 @@ def test_refused_request_in_a_batch_ends_alone(model, prompts, reference):
 
 def test_logprobs_above_the_vocabulary_are_refused():
     tiny = make_tiny_model("llama")
-    tiny.config.vocab_size = (
-        16  # what the engine reads; the check must not need a real 16-token model
-    )
+    # what the engine reads; the check must not need a real 16-token model
+    tiny.config.vocab_size = 16
     engine = paged_hf.Engine(tiny, num_blocks=8)
     with pytest.raises(ValueError, match=r"logprobs=20 exceeds the vocabulary \(16\)"):
         engine.add_request([5, 6], SamplingParams(logprobs=20))

@@ -109,9 +109,8 @@ class _GraphBuffers:
 class FlashInferBackend(SwapMixin):
     name = "flashinfer"
     supports_cuda_graphs = True
-    serves_cache_groups = (
-        True  # eager steps; CUDA-graph steps keep every block (cache_groups in runner.py)
-    )
+    # eager steps; CUDA-graph steps keep every block (cache_groups in runner.py)
+    serves_cache_groups = True
 
     def __init__(
         self,

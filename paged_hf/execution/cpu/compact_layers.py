@@ -39,9 +39,8 @@ class _Plan:
         self.modules = list(layer.modules())
         self.eps_1, self.eps_2 = _eps(self.norm_1), _eps(self.norm_2)
         self.intermediate = mlp.gate_proj.out_features
-        self.call: tuple | None = (
-            None  # (scaling, sliding_window, softcap): what its own code passed attention
-        )
+        # (scaling, sliding_window, softcap): what its own code passed attention
+        self.call: tuple | None = None
         # made from the packed set (CompactLayers._refresh): q/k/v, o, gate/up and down's packed weights,
         # the norms' weights
         self.weights: tuple[PackedWeight | None, ...] | None = None

@@ -39,9 +39,8 @@ class FusedOps:
         self.norms: list[tuple[torch.nn.Module, bool]] = []  # (module, gemma-style)
         self.mlps: list[torch.nn.Module] = []
         self.rope_sites: list[kernel_seams.Site] = []
-        self._forwards: list | None = (
-            None  # (module's __dict__, its fused forward), made on first use
-        )
+        # (module's __dict__, its fused forward), made on first use
+        self._forwards: list | None = None
         if dtype not in DTYPES:
             return
         for module in model.modules():

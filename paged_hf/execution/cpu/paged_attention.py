@@ -225,6 +225,5 @@ class _KernelPlan:
     args: tuple | None = None
     torch_kind: str | None = None
     writes: dict | None = None  # the torch path's write rows, made if a layer's K/V need them
-    offsets: torch.Tensor | None = (
-        None  # tokens before each table's first block (freed by a window)
-    )
+    # tokens before each table's first block (freed by a window)
+    offsets: torch.Tensor | None = None
