@@ -4,6 +4,7 @@ import sys
 
 import pytest
 import torch
+from stand_in_engines import forget_flashinfer_backend
 
 
 @pytest.fixture(scope="session")
@@ -58,15 +59,6 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-def forget_flashinfer_backend() -> None:
-    """Drop the imported FlashInfer backend, so the next import sees whichever flashinfer is installed."""
-    import paged_hf.execution.backends as backends
-
-    sys.modules.pop("paged_hf.execution.backends.flashinfer_backend", None)
-    if hasattr(backends, "flashinfer_backend"):
-        delattr(backends, "flashinfer_backend")
 
 
 @pytest.fixture

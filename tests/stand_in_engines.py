@@ -4,6 +4,8 @@ of shared prefixes and mixed lengths, and the check that it gives the torch back
 
 from __future__ import annotations
 
+import sys
+
 from tiny_models import tiny_prompts
 
 import paged_hf
@@ -66,3 +68,12 @@ def flashinfer_matches_torch(model, backend_cls, monkeypatch, graphs: bool = Fal
     got, engine = generate_tokens(model, prompts, params)
     assert got == expected
     return engine
+
+
+def forget_flashinfer_backend() -> None:
+    """Drop the imported FlashInfer backend, so the next import sees whichever flashinfer is installed."""
+    import paged_hf.execution.backends as backends
+
+    sys.modules.pop("paged_hf.execution.backends.flashinfer_backend", None)
+    if hasattr(backends, "flashinfer_backend"):
+        delattr(backends, "flashinfer_backend")

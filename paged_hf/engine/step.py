@@ -61,7 +61,6 @@ class _StepRows:
     scores: dict
     score_errors: dict
     joint: list[Any]  # generate calls that pick their rows' tokens themselves
-    result: Any = None  # the sampler's SampleResult
 
 
 def _decode_tokens(out: SchedulerOutput) -> int:
@@ -110,13 +109,13 @@ class StepMixin:
         try:
             logits, meta = self._execute(out)
             batch = self._rows_to_sample(logits, meta, forked)
-            batch.result = self._sample(batch)
+            result = self._sample(batch)
         except Exception as e:  # noqa: BLE001 - ends the step's requests, not the engine
             return {}, self._fail_step(out, forked, e)
         except BaseException:
             self._undo_step(out, forked)
             raise
-        return self._update(out, batch, decode_tokens)
+        return self._update(out, batch, result, decode_tokens)
 
     def _before_step(self) -> None:
         check_still_patched(self.model, self._patch_state)
@@ -179,7 +178,7 @@ class StepMixin:
         self.scheduler.requeue([req for req, _ in out.scheduled])
 
     def _update(
-        self, out: SchedulerOutput, batch: _StepRows, decode_tokens: int
+        self, out: SchedulerOutput, batch: _StepRows, result: Any, decode_tokens: int
     ) -> tuple[dict[Request, int], list[Request]]:
         """The step's tokens and failures applied: requests advance, stop, or end with an error."""
         sampled: dict[Request, int] = {}
@@ -189,7 +188,6 @@ class StepMixin:
         for req, why in batch.score_errors.items():
             req.error = f"request {req.request_id}: {why}"
             failed.append(req)
-        result = batch.result
         for i, (req, tok, lp) in enumerate(zip(batch.rows, result.tokens, result.logprobs)):
             if tok is None:
                 req.error = f"request {req.request_id}: {result.errors[i]}"

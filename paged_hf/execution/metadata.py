@@ -5,6 +5,7 @@ Design notes: docs/internals.md, paged_hf/execution/metadata.py.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -178,7 +179,7 @@ def _group_tables(
 def upload(device: torch.device | str, dtype: torch.dtype, *lists: list[int]) -> list[torch.Tensor]:
     """Host lists as device tensors of ``dtype`` through one copy: on CUDA from pinned memory and
     asynchronous (a tensor built from a list on a CUDA device is one blocking copy per tensor)."""
-    flat = [x for values in lists for x in values]
+    flat = list(itertools.chain.from_iterable(lists))  # at C speed: a prefill step's lists are long
     device = torch.device(device)
     if device.type != "cuda":
         host = torch.tensor(flat, dtype=dtype, device=device)

@@ -101,7 +101,7 @@ def generate_dataset(
     )
     _warn_if_mostly_empty(records, chat)
 
-    return _gathered(dataset, shard, records, rank, world, output_column)
+    return _result_dataset(dataset, shard, records, rank, world, output_column)
 
 
 def _checked_arguments(
@@ -175,7 +175,7 @@ def _shard(dataset: Any, rank: int, world: int) -> tuple[list[int], Any]:
     return shard_rows, shard
 
 
-def _gathered(
+def _result_dataset(
     dataset: Any, shard: Any, records: list[dict], rank: int, world: int, output_column: str
 ) -> Any:
     """Rank 0 (or the only process): the whole dataset with every rank's results, in row order;

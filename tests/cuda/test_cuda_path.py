@@ -17,9 +17,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import forget_flashinfer_backend
 from oracle import assert_teacher_forced
-from stand_in_engines import flashinfer_matches_torch, generate_tokens, use_backend, workload
+from stand_in_engines import (
+    flashinfer_matches_torch,
+    forget_flashinfer_backend,
+    generate_tokens,
+    use_backend,
+    workload,
+)
 from tiny_models import FAMILIES, make_tiny_model, tiny_prompts
 from torch.utils._python_dispatch import TorchDispatchMode
 

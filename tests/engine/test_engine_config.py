@@ -17,16 +17,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 GREEDY = SamplingParams(max_new_tokens=6, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def model():
-    return make_tiny_model("llama").double()
-
-
-@pytest.fixture(scope="module")
-def prompts(model):
-    return tiny_prompts(model.config.vocab_size, 4, [5, 9, 13, 7], seed=3)
-
-
 def test_max_model_len_is_capped_by_what_the_model_can_position():
     gpt2 = make_tiny_model("gpt2")  # learned positions: 1024
     with pytest.raises(ValueError, match="max_model_len=2048 exceeds the 1024 positions"):

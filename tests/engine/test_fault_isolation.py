@@ -24,16 +24,6 @@ GREEDY = SamplingParams(max_new_tokens=6, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def model():
-    return make_tiny_model("llama").double()
-
-
-@pytest.fixture(scope="module")
-def prompts(model):
-    return tiny_prompts(model.config.vocab_size, 4, [5, 9, 13, 7], seed=3)
-
-
-@pytest.fixture(scope="module")
 def reference(model, prompts):
     """Fault-free tokens of ``prompts`` under GREEDY."""
     return [
