@@ -1,34 +1,21 @@
-"""transformers as the oracle: teacher-forced checks of generated tokens.
-
-A generated token passes if, given the same prefix, the reference model scores it within
-``tol`` of its best logit. Exact-argmax comparisons would make tests flaky on the near-ties
-tiny random models are full of; a wrong cache or mask moves logits far more than ``tol``.
-"""
+"""transformers as the oracle, for tests: asserting wrappers over ``paged_hf.model.oracle``, the
+teacher-forced checks the support sweep judges by too."""
 
 from __future__ import annotations
 
 import torch
 
-FP32_TOL = 1e-3
+from paged_hf.model.oracle import (
+    LOGPROB_TOL,
+    TOKEN_TOL,
+    incremental_logits,
+    logprob_errors,
+    reference_logits,
+    token_violations,
+)
 
-
-@torch.no_grad()
-def teacher_forced_violations(
-    reference: torch.nn.Module, prompt: list[int], generated: list[int], tol: float
-) -> list[tuple[int, int, int, float]]:
-    """(step, generated token, reference argmax, logit gap) for every step past ``tol``."""
-    if not generated:
-        return []
-    ids = torch.tensor([prompt + generated])
-    logits = reference(ids).logits[0, len(prompt) - 1 : len(prompt) - 1 + len(generated)].float()
-    chosen = logits[torch.arange(len(generated)), torch.tensor(generated)]
-    best, argmax = logits.max(dim=-1)
-    gap = best - chosen
-    return [
-        (i, generated[i], int(argmax[i]), float(gap[i]))
-        for i in range(len(generated))
-        if gap[i] > tol
-    ]
+FP32_TOL = TOKEN_TOL
+teacher_forced_violations = token_violations
 
 
 def assert_teacher_forced(
@@ -42,9 +29,6 @@ def assert_teacher_forced(
     assert not bad, (
         f"{what}: tokens the reference would not pick (step, token, argmax, gap): {bad[:5]}"
     )
-
-
-LOGPROB_TOL = 1e-4  # fp32: the engine's logprobs against the reference's log-softmax
 
 
 @torch.no_grad()
@@ -63,19 +47,9 @@ def assert_logprobs_close(
     )
     if not generated:
         return
-    ids = torch.tensor([prompt + generated])
-    logits = reference(input_ids=ids, use_cache=False).logits[
-        0, len(prompt) - 1 : len(prompt) - 1 + len(generated)
-    ]
-    expected = torch.log_softmax(logits.float(), dim=-1)
-    worst = []
-    for i, (tok, (chosen, top)) in enumerate(zip(generated, logprobs)):
-        assert top, f"{what}: step {i} has no top logprobs"
-        errors = [abs(chosen - float(expected[i, tok]))] + [
-            abs(v - float(expected[i, t])) for t, v in top.items()
-        ]
-        worst.append((max(errors), i))
-    bad = [(i, err) for err, i in worst if err > tol]
+    assert all(top for _, top in logprobs), f"{what}: a step has no top logprobs"
+    expected = torch.log_softmax(reference_logits(reference, prompt, generated), dim=-1)
+    bad = [(i, err) for i, err in logprob_errors(expected, generated, logprobs) if err > tol]
     assert not bad, (
         f"{what}: logprobs off the reference's by more than {tol} (step, error): {bad[:5]}"
     )
@@ -101,23 +75,12 @@ def assert_logprobs_close_incremental(
     expected = incremental_logprobs(reference, prompt, generated)
     # where transformers' own two paths part by more than ``tol`` (Mamba2's scan against its
     # recurrence), the engine's chunk boundaries may land it anywhere between them
-    ids = torch.tensor([prompt + generated])
-    whole = torch.log_softmax(
-        reference(input_ids=ids)
-        .logits[0, len(prompt) - 1 : len(prompt) - 1 + len(generated)]
-        .float(),
-        dim=-1,
-    )
+    whole = torch.log_softmax(reference_logits(reference, prompt, generated), dim=-1)
     tol = max(tol, 1.5 * float((whole - expected).abs().max()))
-    bad = []
-    for i, (tok, (chosen, top)) in enumerate(zip(generated, logprobs)):
-        errors = [abs(chosen - float(expected[i, tok]))] + [
-            abs(v - float(expected[i, t])) for t, v in top.items()
-        ]
-        if max(errors) > tol:
-            bad.append((i, max(errors)))
+    bad = [(i, err) for i, err in logprob_errors(expected, generated, logprobs) if err > tol]
     assert not bad, (
-        f"{what}: logprobs off transformers' incremental ones by more than {tol:.1e} (step, error): {bad[:5]}"
+        f"{what}: logprobs off transformers' incremental ones by more than {tol:.1e} "
+        f"(step, error): {bad[:5]}"
     )
 
 
@@ -126,8 +89,6 @@ def incremental_logprobs(
     reference: torch.nn.Module, prompt: list[int], generated: list[int]
 ) -> torch.Tensor:
     """[len(generated), vocab] log-softmax of transformers' incremental path, teacher-forced."""
-    from paged_hf.model.support import incremental_logits
-
     return torch.log_softmax(incremental_logits(reference, prompt, generated), dim=-1)
 
 
@@ -147,8 +108,7 @@ def processed_violations(
         return []
     from transformers import LogitsProcessorList
 
-    ids = torch.tensor([prompt + generated])
-    logits = reference(input_ids=ids, use_cache=False).logits[0, len(prompt) - 1 :].float()
+    logits = reference_logits(reference, prompt, generated)
     processors = LogitsProcessorList(processors)
     bad = []
     for i, tok in enumerate(generated):

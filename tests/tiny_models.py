@@ -34,6 +34,8 @@ from transformers import (
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
+from paged_hf.model.tiny_configs import build_model
+
 FAMILIES = (
     "llama",
     "llama_mqa",
@@ -191,29 +193,20 @@ def make_tiny_model(
 ) -> PreTrainedModel:
     """A tiny randomly initialised causal LM of ``family``, in eval mode.
 
-    The weights depend only on ``family`` and ``seed``: they are drawn in float32 and
-    then rounded to ``dtype``, so models of one seed in different dtypes agree up to
-    rounding. The global torch RNG is left untouched.
+    The weights depend only on ``family`` and ``seed`` (drawn in float32, then rounded to
+    ``dtype``: see ``paged_hf.model.tiny_configs.build_model``).
     """
-    config = make_config(family)
-    attn = attn_implementation or default_attn_implementation(family)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(
-            config, attn_implementation=attn, dtype=torch.float32
-        )
-    if family in _EMBEDDING_SCALE:
-        _shrink_tied_embeddings(model, _EMBEDDING_SCALE[family])
-    if dtype != torch.float32:
-        # Built directly in `dtype`, the model gets the buffers from_pretrained(dtype=...) would
-        # give it (rotary inv_freq stays float32, unlike after model.to(dtype)); then the float32
-        # draw is copied in, rounded.
-        state = model.state_dict()
-        with torch.random.fork_rng(devices=[]):
-            model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=dtype)
-        model.load_state_dict(state)
+    scale = _EMBEDDING_SCALE.get(family)
+    model = build_model(
+        make_config(family),
+        AutoModelForCausalLM,
+        seed=seed,
+        dtype=dtype,
+        attn_implementation=attn_implementation or default_attn_implementation(family),
+        adjust=None if scale is None else lambda m: _shrink_tied_embeddings(m, scale),
+    )
     model.generation_config.pad_token_id = PAD_ID
-    return model.eval()
+    return model
 
 
 def tiny_prompts(
@@ -459,20 +452,23 @@ def make_arch_config(name: str) -> PreTrainedConfig:
     raise ValueError(f"unknown architecture {name!r}; known: {ARCHITECTURES}")
 
 
+@torch.no_grad()
+def _shrink_gemma4_embeddings(model: PreTrainedModel) -> None:
+    # tied embeddings scaled by sqrt(hidden): shrink them, as for gemma2/3 above
+    model.get_input_embeddings().weight.mul_(1 / 16)
+    model.model.norm.weight.mul_(16)  # Gemma 4's norm multiplies by weight itself, not 1 + weight
+
+
 def make_arch_model(name: str, seed: int = 0) -> PreTrainedModel:
-    """A tiny random fp32 model of one of ``ARCHITECTURES`` (image-text models: their full class), eval mode."""
+    """A tiny random fp32 model of one of ``ARCHITECTURES`` (image-text models: their full class),
+    eval mode."""
     from transformers import AutoModelForImageTextToText
 
-    config = make_arch_config(name)
-    auto = AutoModelForImageTextToText if name == "qwen2_vl" else AutoModelForCausalLM
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = auto.from_config(config, dtype=torch.float32)
-    # tied embeddings scaled by sqrt(hidden): shrink them, as for gemma2/3 above
-    if name == "gemma4_text":
-        with torch.no_grad():
-            model.get_input_embeddings().weight.mul_(1 / 16)
-            # Gemma 4's norm multiplies by weight itself, not 1 + weight
-            model.model.norm.weight.mul_(16)
+    model = build_model(
+        make_arch_config(name),
+        AutoModelForImageTextToText if name == "qwen2_vl" else AutoModelForCausalLM,
+        seed=seed,
+        adjust=_shrink_gemma4_embeddings if name == "gemma4_text" else None,
+    )
     model.generation_config.pad_token_id = PAD_ID
-    return model.eval()
+    return model

@@ -9,7 +9,6 @@ import argparse
 import contextlib
 import copy
 import dataclasses
-import inspect
 import json
 import re
 import signal
@@ -22,13 +21,13 @@ from typing import Any, Iterator
 
 import torch
 
+from . import oracle
+from .oracle import LOGPROB_TOL, TOKEN_TOL
 from .tiny_configs import MAX_PARAMS, build_tiny_model, tiny_config  # noqa: F401 - the tests and the sweep build through support
 
 PROMPT_LENGTHS = (5, 23, 41, 70)
 MAX_NEW_TOKENS = 12
 TOP_LOGPROBS = 5
-TOKEN_TOL = 1e-3  # a generated token's logit may trail the reference's best by this much
-LOGPROB_TOL = 1e-4  # |engine logprob - reference log-softmax| (fp32)
 # stateful layers, against transformers' incremental path: see compare()
 STATEFUL_LOGPROB_TOL = 5e-4
 SETTINGS = {
@@ -87,68 +86,37 @@ def _special_ids(model: torch.nn.Module) -> set[int]:
     return ids
 
 
-@torch.no_grad()
 def compare(
     reference: torch.nn.Module, prompts: list[list[int]], outputs: list[Any], stateful: bool = False
 ) -> list[str]:
     """What differs from the reference, teacher-forced (empty when nothing does). ``stateful``: the
-    logprobs answer to transformers' incremental path (its generate's: the prompt, then a token at a
-    time), as the engine decodes; for stateful layers that is another algorithm than the whole
-    sequence's forward (Mamba2's recurrent update against its chunked scan), and chunk boundaries
-    move fp32 rounding, so they are held to STATEFUL_LOGPROB_TOL."""
+    logprobs answer to transformers' incremental path (``oracle.incremental_logits``), and chunk
+    boundaries move fp32 rounding, so they are held to STATEFUL_LOGPROB_TOL."""
     problems = []
     for i, (prompt, out) in enumerate(zip(prompts, outputs)):
         if out.error:
             raise RuntimeError(out.error)
         gen = out.token_ids
-        logits = (
-            reference(input_ids=torch.tensor([prompt + gen]), use_cache=False).logits[0].float()
-        )
-        logits = logits[len(prompt) - 1 : len(prompt) - 1 + len(gen)]
-        logprobs = torch.log_softmax(
-            incremental_logits(reference, prompt, gen) if stateful else logits, dim=-1
+        logits = oracle.reference_logits(reference, prompt, gen)
+        found = [
+            (
+                step,
+                0,
+                f"prompt {i} step {step}: token {tok} trails the reference's best by {gap:.2e}",
+            )
+            for step, tok, _, gap in oracle.violations_in(logits, gen, TOKEN_TOL)
+        ]
+        expected = torch.log_softmax(
+            oracle.incremental_logits(reference, prompt, gen) if stateful else logits, dim=-1
         )
         tol = STATEFUL_LOGPROB_TOL if stateful else LOGPROB_TOL
-        for step, tok in enumerate(gen):
-            gap = float(logits[step].max() - logits[step, tok])
-            if gap > TOKEN_TOL:
-                problems.append(
-                    f"prompt {i} step {step}: token {tok} trails the reference's best by {gap:.2e}"
-                )
-            chosen, top = out.completions[0].logprobs[step]
-            errs = [abs(chosen - float(logprobs[step, tok]))] + [
-                abs(v - float(logprobs[step, t])) for t, v in top.items()
-            ]
-            if max(errs) > tol:
-                problems.append(f"prompt {i} step {step}: logprob off by {max(errs):.2e}")
+        found += [
+            (step, 1, f"prompt {i} step {step}: logprob off by {err:.2e}")
+            for step, err in oracle.logprob_errors(expected, gen, out.completions[0].logprobs)
+            if err > tol
+        ]
+        problems += [text for *_, text in sorted(found)]
     return problems
-
-
-def incremental_logits(
-    reference: torch.nn.Module, prompt: list[int], gen: list[int]
-) -> torch.Tensor:
-    """The logits transformers' generate computes for ``gen``, teacher-forced: the prompt with the cache
-    the model builds for itself (transformers' DynamicCache, or its own class: MiniMax's), then one
-    token at a time through it (positions given, as generate gives them)."""
-    name = (
-        "cache" if "cache" in inspect.signature(reference.forward).parameters else "past_key_values"
-    )
-    out = reference(
-        input_ids=torch.tensor([prompt]),
-        position_ids=torch.arange(len(prompt))[None],
-        use_cache=True,
-    )
-    rows, cache = [out.logits[0, -1]], out[name]
-    for i, tok in enumerate(gen[:-1]):
-        rows.append(
-            reference(
-                input_ids=torch.tensor([[tok]]),
-                position_ids=torch.tensor([[len(prompt) + i]]),
-                **{name: cache},
-                use_cache=True,
-            ).logits[0, -1]
-        )
-    return torch.stack(rows).float()
 
 
 def check_type(model_type: str, multimodal: bool = False) -> Result:

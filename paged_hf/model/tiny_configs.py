@@ -1,5 +1,6 @@
-"""Tiny random models from each model type's own config class: every size field shrunk, the few
-configs that need more given it (``TINY_EXTRA``), built in fp32 and checked to be small."""
+"""Tiny random models: the one builder (seeded fp32 draw, size check, dtype rounding) that the
+support sweep and the tests build through, and tiny configs from each model type's own config
+class (every size field shrunk; the few that need more are given it in ``TINY_EXTRA``)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import contextlib
 import dataclasses
 import inspect
 import warnings
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -245,6 +246,41 @@ def _shrink(cls: type, overrides: dict[str, Any]) -> Any:
     return cls(**kw)
 
 
+def build_model(
+    config: Any,
+    model_class: type,
+    *,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    attn_implementation: str | None = None,
+    adjust: Callable[[torch.nn.Module], None] | None = None,
+) -> torch.nn.Module:
+    """The one tiny-model builder (the support sweep's and the tests'): ``model_class`` (or the
+    class an Auto class maps ``config`` to) with weights drawn in fp32 from ``seed``, leaving the
+    global RNG untouched, then ``adjust``ed, then rounded to ``dtype``; in eval mode. Models of one
+    seed in different dtypes agree up to rounding."""
+    if hasattr(model_class, "_model_mapping"):  # an Auto class
+        model_class = model_class._model_mapping[type(config)]
+    kw = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
+    with torch.device("meta"):
+        n = sum(p.numel() for p in model_class._from_config(config, **kw).parameters())
+    if n > MAX_PARAMS:
+        raise ValueError(f"the tiny config still has {n:,} parameters")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = model_class._from_config(config, dtype=torch.float32, **kw)
+    if adjust is not None:
+        adjust(model)
+    if dtype != torch.float32:
+        # built directly in ``dtype``, the model gets the buffers from_pretrained(dtype=...) gives
+        # (rotary inv_freq stays fp32, unlike after model.to(dtype)); the fp32 draw is copied in
+        state = model.state_dict()
+        with torch.random.fork_rng(devices=[]):
+            model = model_class._from_config(config, dtype=dtype, **kw)
+        model.load_state_dict(state)
+    return model.eval()
+
+
 def build_tiny_model(
     model_type: str, multimodal: bool = False, seed: int = 0, **overrides: Any
 ) -> torch.nn.Module:
@@ -258,17 +294,6 @@ def build_tiny_model(
         else modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     )
     model_class = getattr(transformers, names[model_type])
-    # the class's own config class: a decoder config where the type's is composite (MusicgenForCausalLM)
+    # the class's own config class: a decoder config where the type's is composite (Musicgen)
     config = tiny_config(model_type, model_class.config_class, **overrides)
-    with torch.device("meta"):
-        n = sum(
-            p.numel() for p in model_class._from_config(config, dtype=torch.float32).parameters()
-        )
-    if n > MAX_PARAMS:
-        raise ValueError(f"the tiny config still has {n:,} parameters")
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = model_class._from_config(config, dtype=torch.float32)
-    if model_type in AFTER_BUILD:
-        AFTER_BUILD[model_type](model)
-    return model.eval()
+    return build_model(config, model_class, seed=seed, adjust=AFTER_BUILD.get(model_type))
