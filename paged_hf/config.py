@@ -52,6 +52,17 @@ class EngineConfig:
     compile_decode: bool | str = False
     # or "swap": preempted requests' blocks go to pinned host memory
     preemption_mode: str = "recompute"
+    # "fcfs": arrival order, the head of the queue waits for room. "priority": lower
+    # SamplingParams.priority first, then arrival; a request that does not fit lets up to
+    # ``priority_lookahead`` behind it go first, and preempts running requests of a higher number
+    scheduling_policy: str = "fcfs"
+    priority_lookahead: int = 8
+    # under "priority", a request waiting this long (seconds since it arrived) competes as priority
+    # 0 for admission, so batch work is not starved (None: never)
+    priority_aging_s: float | None = 60.0
+    # requests waiting at most; a request beyond it is refused at once with QueueFull, or under
+    # "priority" the least urgent waiting one is (None: no bound)
+    max_waiting: int | None = None
     # on a CPU: linear layers run on weights packed once for oneDNN (paged_hf/execution/cpu/linear.py): bf16
     # for its bf16 matmul (same results), or as fp32 copies where the CPU has no bf16 matmul (within one bf16
     # rounding, ~5x faster there); fp32 models on its fp32 matmul (within fp32 rounding, up to 2.5x faster at
@@ -134,6 +145,18 @@ class EngineConfig:
             raise ValueError(
                 f"preemption_mode={self.preemption_mode!r}, must be 'recompute' or 'swap'"
             )
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(
+                f"scheduling_policy={self.scheduling_policy!r}, must be 'fcfs' or 'priority'"
+            )
+        _check_int("priority_lookahead", self.priority_lookahead, 0)
+        if self.max_waiting is not None:
+            _check_int("max_waiting", self.max_waiting, 1)
+        aging = self.priority_aging_s
+        if aging is not None and not (
+            isinstance(aging, (int, float)) and not isinstance(aging, bool) and aging >= 0
+        ):
+            raise ValueError(f"priority_aging_s={aging!r}, must be None or a number >= 0")
 
     def resolve_for(self, device: "torch.device") -> None:
         """Settle the defaults that depend on the device the model is on."""

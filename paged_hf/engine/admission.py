@@ -56,6 +56,7 @@ class AdmissionMixin:
         *,
         stop_strings: StopStrings | None = None,
         encoder_token_ids: tuple[int, ...] | None = None,
+        arrival_time: float | None = None,
     ) -> str:
         """Queue one prompt (token ids, or a string with a tokenizer). Bad input raises
         ValueError naming the request; nothing else is disturbed. ``eos_token_ids`` replaces the
@@ -64,9 +65,12 @@ class AdmissionMixin:
         (``"paged_hf:<n>"``); returns the id. ``stop_strings``: a matcher of the caller's making
         (``model.generate``'s, with transformers' semantics) instead of one for ``params.stop``;
         ``encoder_token_ids``: the tokens ``encoder_repetition_penalty`` favours instead of the
-        prompt's."""
+        prompt's. ``arrival_time``: when the caller asked (``scheduler.clock()``'s time; default
+        now), where its TTFT and queue time start. A full queue raises ``QueueFull``."""
         rid = self._new_id(request_id)
-        return self._add(rid, prompt, params, eos_token_ids, stop_strings, encoder_token_ids)
+        return self._add(
+            rid, prompt, params, eos_token_ids, stop_strings, encoder_token_ids, arrival_time
+        )
 
     def _add(
         self,
@@ -76,6 +80,7 @@ class AdmissionMixin:
         eos_token_ids: frozenset[int] | None = None,
         stop_strings: StopStrings | None = None,
         encoder_token_ids: tuple[int, ...] | None = None,
+        arrival_time: float | None = None,
     ) -> str:
         check_still_patched(self.model, self._patch_state)
         params = SamplingParams() if params is None else params
@@ -103,7 +108,8 @@ class AdmissionMixin:
             )
         ids = self._prompt_ids(rid, prompt)
         eos = self.eos_token_ids if eos_token_ids is None else frozenset(eos_token_ids)
-        req = Request(rid, ids, params, eos, self.max_model_len)
+        arrival = self.scheduler.clock() if arrival_time is None else arrival_time
+        req = Request(rid, ids, params, eos, self.max_model_len, arrival_time=arrival)
         req.generator = self._generator(params, 0)
         req.stop_strings = stop_strings if stop_strings is not None else self._stop_strings(params)
         req.grammar = self._grammar(rid, params)

@@ -22,10 +22,12 @@ from ..config import DEFAULT_CPU_BATCH_CALL_TOKENS, DEFAULT_CPU_KV_BYTES, Engine
 from ..execution.runner import ModelRunner, cache_groups
 from ..requests.request import FinishReason, Request
 from ..requests.sampling_params import SamplingParams
+from . import latency_stats
 from .admission import AdmissionMixin, eos_ids, max_model_len_for, within_limits
 from .batch import BatchCallsMixin
 from .binding import patch_state
 from .outputs import OutputsMixin, RequestOutput
+from .priority_scheduler import PriorityScheduler
 from .scheduler import Scheduler
 from .step import StepMixin
 
@@ -46,6 +48,8 @@ class EngineStats:
     kv_waste_sum: float = 0.0
     # one row per step, for plots and tables; bounded so a long-lived server does not grow without end
     step_log: deque = field(default_factory=lambda: deque(maxlen=100_000))
+    # one row per finished request (paged_hf/engine/latency_stats.py), bounded alike
+    finished_log: deque = field(default_factory=lambda: deque(maxlen=100_000))
 
 
 class Engine(AdmissionMixin, StepMixin, OutputsMixin, BatchCallsMixin):
@@ -124,13 +128,20 @@ class Engine(AdmissionMixin, StepMixin, OutputsMixin, BatchCallsMixin):
             groups=self.groups,
             step_tokens=max(self.config.max_num_batched_tokens, batch_budget or 0),
         )
-        self.scheduler = Scheduler(
+        policy = (
+            dict(lookahead=self.config.priority_lookahead, aging_s=self.config.priority_aging_s)
+            if self.config.scheduling_policy == "priority"
+            else {}
+        )
+        self.scheduler = (PriorityScheduler if policy else Scheduler)(
             self.kv_manager,
             self.config.max_num_batched_tokens,
             self.config.max_num_seqs,
             self.config.preemption_mode,
             self.config.max_prefill_tokens_while_decoding,
             continues_chunks=self.state_layout is None or self.state_layout.continues_chunks,
+            max_waiting=self.config.max_waiting,
+            **policy,
         )
         self.scheduler.lift_cap_in_batch_calls = auto_prefill_cap
         self.scheduler.batch_call_budget = batch_budget
@@ -229,7 +240,11 @@ class Engine(AdmissionMixin, StepMixin, OutputsMixin, BatchCallsMixin):
             [3 % vocab, 5 % vocab][:room],
         )
         params = SamplingParams(max_new_tokens=3, ignore_eos=True)
-        rids = [self.add_request(p, params) for p in prompts]
+        bound, self.scheduler.max_waiting = self.scheduler.max_waiting, None  # its own two
+        try:
+            rids = [self.add_request(p, params) for p in prompts]
+        finally:
+            self.scheduler.max_waiting = bound
         self.run_until_done(rids)
         self.kv_manager.pool.drop_cached()
         self._stats = EngineStats()
@@ -244,7 +259,7 @@ class Engine(AdmissionMixin, StepMixin, OutputsMixin, BatchCallsMixin):
         root = self.requests.pop(str(request_id), None)
         if root is None:
             raise ValueError(f"request {request_id}: unknown or already finished")
-        now = time.perf_counter()
+        now = self.scheduler.clock()
         for r in root.samples:
             if not r.is_finished:
                 self.scheduler.finish(r, FinishReason.ABORT, now)
@@ -260,7 +275,7 @@ class Engine(AdmissionMixin, StepMixin, OutputsMixin, BatchCallsMixin):
         if req.is_finished:  # e.g. its last token's callback failed: the output says so
             req.finish_reason = FinishReason.ERROR
         else:
-            self.scheduler.finish(req, FinishReason.ERROR, time.perf_counter())
+            self.scheduler.finish(req, FinishReason.ERROR, self.scheduler.clock())
 
     def sleep(self) -> None:
         """Let go of the KV cache's memory (and a hybrid's state slots, captured CUDA graphs, packed
@@ -341,7 +356,13 @@ class Engine(AdmissionMixin, StepMixin, OutputsMixin, BatchCallsMixin):
             for g, pages in zip(self.groups, held)
         ]
 
-    def stats(self) -> dict[str, Any]:
+    def stats(
+        self, ttft_target_s: float | None = None, tpot_target_s: float | None = None
+    ) -> dict[str, Any]:
+        """Counters of the engine's work so far, and under "latency" per priority the finished
+        requests' TTFT / TPOT / queue-time percentiles and goodput: good requests finished
+        without error within ``ttft_target_s`` / ``tpot_target_s`` (else each request's own
+        targets; none: every request without error is good)."""
         s, pool = self._stats, self.kv_manager.pool
         state = (
             {}
@@ -379,5 +400,8 @@ class Engine(AdmissionMixin, StepMixin, OutputsMixin, BatchCallsMixin):
                 "block_size": self.kv_manager.block_size,
                 "backend": self.runner.backend_name,
                 "asleep": self.runner.asleep,
+                "latency": latency_stats.summary(
+                    list(s.finished_log), ttft_target_s, tpot_target_s
+                ),
             }
         )

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..requests.request import FinishReason, Request
+from . import latency_stats
 from .scoring import ScoreOutput, prompt_logprobs_output, score_output
 
 
@@ -35,6 +36,11 @@ class RequestOutput:
     completions: list[Completion] = field(default_factory=list)
     ttft: float | None = None  # seconds from arrival to first token
     latency: float | None = None  # seconds from arrival to finish
+    queued_s: float | None = None  # seconds from arrival to its first step
+    # (latency - ttft) / (tokens - 1), vLLM's time per output token; None below two tokens
+    tpot: float | None = None
+    max_itl: float | None = None  # the longest gap between two of its tokens (seconds)
+    preemptions: int = 0  # times it (any of its samples) was preempted
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     error: str | None = None  # set when the request was refused or failed; the others still ran
     # with SamplingParams(prompt_logprobs=k): None for the first prompt token, then per token
@@ -61,10 +67,13 @@ class OutputsMixin:
 
     tokenizer: Any
     requests: dict[str, Request]
+    _stats: Any  # EngineStats
 
     def _collect_root(self, root: Request) -> RequestOutput:
         if self.requests.get(root.request_id) is root:
             del self.requests[root.request_id]
+        if not root.prefill_only and root.group_finished:
+            self._stats.finished_log.append(latency_stats.record(root))
         return self.make_output(root)
 
     def collect(self, group: list[Request]) -> RequestOutput:
@@ -85,6 +94,7 @@ class OutputsMixin:
             (r.first_token_time for r in samples if r.first_token_time is not None), default=None
         )
         error = next((c.error for c in completions if c.error is not None), None)
+        row = latency_stats.record(root)
         return RequestOutput(
             root.request_id,
             list(root.prompt_ids),
@@ -92,6 +102,10 @@ class OutputsMixin:
             ttft=None if first is None else first - root.arrival_time,
             latency=last - root.arrival_time if last else None,
             num_cached_tokens=root.num_cached_tokens,
+            queued_s=row["queued_s"],
+            tpot=row["tpot"],
+            max_itl=row["max_itl"] if first is not None else None,
+            preemptions=row["preemptions"],
             error=error,
             prompt_logprobs=prompt_logprobs_output(root),
         )

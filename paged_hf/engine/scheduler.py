@@ -8,11 +8,17 @@ decode has one such token; a prompt has many and may take several steps (chunked
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
 from ..cache.block_manager import BlockManager
 from ..requests.request import FinishReason, Request, RequestStatus
+
+
+class QueueFull(RuntimeError):
+    """The engine's waiting queue holds ``max_waiting`` requests: this one was refused (retry later,
+    or shed the load)."""
 
 
 @dataclass
@@ -54,6 +60,7 @@ class Scheduler:
         preemption_mode: str = "recompute",
         max_prefill_tokens_while_decoding: int | None = None,
         continues_chunks: bool = True,
+        max_waiting: int | None = None,
     ) -> None:
         """``continues_chunks=False``: the model's stateful layers cannot carry their state into a
         chunk of several tokens (Mamba1-style mixers), so after a request's first chunk its prompt
@@ -84,6 +91,9 @@ class Scheduler:
         self.running: list[Request] = []  # in admission order; the tail is preempted first
         self.num_preemptions = 0
         self.prefix_hit_tokens = 0
+        self.max_waiting = max_waiting
+        self.shed: list[Request] = []  # waiting requests refused to make room, until the next step
+        self.clock = time.perf_counter  # the engine's clock (a fake one in tests)
 
     # ---- submission ----------------------------------------------------------------------
     def check_fits(self, req: Request) -> None:
@@ -111,8 +121,22 @@ class Scheduler:
 
     def add(self, req: Request) -> None:
         self.check_fits(req)
+        if self.max_waiting is not None and len(self.waiting) >= self.max_waiting:
+            self._make_room(req)
         req.status = RequestStatus.WAITING
         self.waiting.append(req)
+
+    def _make_room(self, req: Request) -> None:
+        """The queue is full: refuse ``req`` (a policy with priorities may shed another)."""
+        raise QueueFull(
+            f"request {req.request_id}: refused, {len(self.waiting)} requests are waiting "
+            f"(max_waiting={self.max_waiting})"
+        )
+
+    def take_shed(self) -> list[Request]:
+        """Waiting requests refused since the last call (finished with their error)."""
+        shed, self.shed = self.shed, []
+        return shed
 
     @property
     def has_unfinished(self) -> bool:
@@ -190,43 +214,60 @@ class Scheduler:
                 continue
             if self.num_running_seqs() + req.seqs_when_running > self.max_num_seqs:
                 break
-            swapped = req.swapped_tokens
-            if swapped:  # its KV comes back from host memory into fresh blocks
-                req.num_computed_tokens, cached = swapped, 0
-            else:
-                cached = self.kv_manager.admit(req)
-            if not swapped and self._waits_for_sibling_prefill(req, pending):
-                # the next block of this prompt is being computed this step by another request:
-                # wait one step and take it from the prefix cache instead of computing it twice
-                self.kv_manager.free(req)
+            verdict = self._try_admit(req, out, chosen, budget, pending)
+            if verdict == "sibling":
                 skipped.append(self.waiting.popleft())
                 continue
-            n = min(req.num_pending_tokens, budget.tokens, budget.prefill_room)
-            if not self.continues_chunks and req.num_computed_tokens:  # swapped in: it has a state
-                n = min(n, 1)
-            else:
-                n = self._no_lone_token(req, n)
-            if not self.kv_manager.allocate_slots(req, n, out.block_copies):
-                self.kv_manager.free(req)
+            if verdict == "no blocks":
                 # rows that wait on it hold the blocks it needs
                 if not chosen and self._preempt_held(out):
                     continue
                 break
             self.waiting.popleft()
-            if swapped:
-                out.swap_in.append((req, self.kv_manager.held_pages(req, swapped)))
-                req.swapped_tokens = 0
-            if not req.admitted_once:
-                req.num_cached_tokens = cached
-                req.admitted_once = True
-            self.prefix_hit_tokens += cached
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
-            chosen[req] = n
-            budget.tokens -= n
-            budget.prefill_room -= n
-            pending |= self._blocks_in_flight({req: n})
         self.waiting.extendleft(reversed(skipped))
+
+    def _try_admit(
+        self,
+        req: Request,
+        out: SchedulerOutput,
+        chosen: dict[Request, int],
+        budget: _Budget,
+        pending: set,
+    ) -> str:
+        """Admit waiting ``req`` with this step's first chunk: "admitted", "sibling" (the next block
+        of its prompt is computed this step by another request: it waits a step and takes it from
+        the prefix cache instead of computing it twice) or "no blocks". Leaves ``waiting`` as it is."""
+        swapped = req.swapped_tokens
+        if swapped:  # its KV comes back from host memory into fresh blocks
+            req.num_computed_tokens, cached = swapped, 0
+        else:
+            cached = self.kv_manager.admit(req)
+        if not swapped and self._waits_for_sibling_prefill(req, pending):
+            self.kv_manager.free(req)
+            return "sibling"
+        n = min(req.num_pending_tokens, budget.tokens, budget.prefill_room)
+        if not self.continues_chunks and req.num_computed_tokens:  # swapped in: it has a state
+            n = min(n, 1)
+        else:
+            n = self._no_lone_token(req, n)
+        if not self.kv_manager.allocate_slots(req, n, out.block_copies):
+            self.kv_manager.free(req)
+            return "no blocks"
+        if swapped:
+            out.swap_in.append((req, self.kv_manager.held_pages(req, swapped)))
+            req.swapped_tokens = 0
+        if not req.admitted_once:
+            req.num_cached_tokens = cached
+            req.admitted_once = True
+            req.first_scheduled_time = self.clock()
+        self.prefix_hit_tokens += cached
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        chosen[req] = n
+        budget.tokens -= n
+        budget.prefill_room -= n
+        pending |= self._blocks_in_flight({req: n})
+        return "admitted"
 
     def _no_lone_token(self, req: Request, n: int) -> int:
         """A hybrid's prompt chunk leaves two tokens or none behind: a lone last token would go through
@@ -299,6 +340,7 @@ class Scheduler:
         req.status = RequestStatus.PREEMPTED
         self.waiting.appendleft(req)
         self.num_preemptions += 1
+        req.num_preemptions += 1
 
     # ---- after the model ran ---------------------------------------------------------------
     def mark_computed(self, out: SchedulerOutput) -> None:

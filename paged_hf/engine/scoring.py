@@ -113,7 +113,14 @@ def add_score_request(
             f"request {rid}: context ({len(ctx)}) + continuation ({len(cont)}) - 1 = {n} tokens, "
             f"max_model_len is {engine.max_model_len}"
         )
-    req = Request(rid, ctx + cont[:-1], params, frozenset(), engine.max_model_len)
+    req = Request(
+        rid,
+        ctx + cont[:-1],
+        params,
+        frozenset(),
+        engine.max_model_len,
+        arrival_time=engine.scheduler.clock(),
+    )
     req.prefill_only = True
     req.score_targets = list(cont)
     req.score_start = len(ctx) - 1

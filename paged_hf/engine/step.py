@@ -9,7 +9,6 @@ touched; an interrupted step is undone. ``StepMixin`` is a part of ``Engine``
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -103,7 +102,7 @@ class StepMixin:
                 raise RuntimeError(
                     "scheduler made no progress with requests pending (this is a bug)"
                 )
-            return {}, []
+            return {}, self.scheduler.take_shed()
         decode_tokens = _decode_tokens(out)  # before the step moves the requests on
         forked: list[Request] = []
         try:
@@ -111,11 +110,13 @@ class StepMixin:
             batch = self._rows_to_sample(logits, meta, forked)
             result = self._sample(batch)
         except Exception as e:  # noqa: BLE001 - ends the step's requests, not the engine
-            return {}, self._fail_step(out, forked, e)
+            return {}, self.scheduler.take_shed() + self._fail_step(out, forked, e)
         except BaseException:
             self._undo_step(out, forked)
             raise
-        return self._update(out, batch, result, decode_tokens)
+        sampled, finished = self._update(out, batch, result, decode_tokens)
+        # waiting requests the queue refused to make room for more urgent ones end here too
+        return sampled, self.scheduler.take_shed() + finished
 
     def _before_step(self) -> None:
         check_still_patched(self.model, self._patch_state)
@@ -197,7 +198,7 @@ class StepMixin:
             if lp is not None:
                 req.logprobs.append(lp)
         failed += self._let_calls_choose(batch.joint, sampled)
-        now = time.perf_counter()
+        now = self.scheduler.clock()
         sched = self.scheduler
         finished = sched.update(out, sampled, now)
         finished += self._finish_prefill_only(out, failed, now)
@@ -353,7 +354,7 @@ class StepMixin:
             exc_info=error,
         )
         touched = [req for req, _ in out.scheduled] + [c for p in forked for c in p.children]
-        now = time.perf_counter()
+        now = self.scheduler.clock()
         for req in touched:
             req.error = f"request {req.request_id}: the step it ran in failed: {type(error).__name__}: {error}"
             self.scheduler.finish(req, FinishReason.ERROR, now)
@@ -406,7 +407,7 @@ class StepMixin:
         s.step_log.append(
             {
                 "step": s.steps,
-                "time": time.perf_counter(),
+                "time": self.scheduler.clock(),
                 "running": len(self.scheduler.running),
                 "waiting": len(self.scheduler.waiting),
                 "tokens": out.num_tokens,

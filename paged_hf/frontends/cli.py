@@ -160,6 +160,11 @@ def _add_engine_options(g: argparse.ArgumentParser) -> None:
     e.add_argument(
         "--kv-cache-memory", type=float, help="bytes on CPU, a fraction of free memory on CUDA"
     )
+    e.add_argument(
+        "--scheduling-policy",
+        choices=("fcfs", "priority"),
+        help="priority: rows run by their --params-column 'priority' (lower first)",
+    )
     e.add_argument("--max-model-len", type=int)
     e.add_argument("--backend", choices=("auto", "torch", "flashinfer"))
     e.add_argument("--no-prefix-caching", action="store_true")
@@ -247,6 +252,7 @@ def _options(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
             "max_model_len": args.max_model_len,
             "kv_cache_memory": int(memory) if memory and memory > 1 else memory,
             "backend": args.backend,
+            "scheduling_policy": args.scheduling_policy,
         }.items()
         if v is not None
     }

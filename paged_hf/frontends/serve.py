@@ -165,18 +165,22 @@ class BackgroundEngine:
     ) -> RequestHandle:
         """Queue a prompt (text, or token ids); returns its handle at once. Bad input raises the
         engine's ValueError here, in the caller's thread (the loop thread validates it before
-        its next step, so this waits at most one step). Without ``request_id`` the engine makes one."""
+        its next step, so this waits at most one step; its TTFT counts from this call). Without
+        ``request_id`` the engine makes one. A full queue (``max_waiting``) raises ``QueueFull``."""
+        arrival = self.engine.scheduler.clock()
         handle = RequestHandle(self, request_id, self.tokenizer, params)
-        self._call("add", handle, prompt, params)
+        self._call("add", handle, prompt, params, arrival)
         return handle
 
     def generate(self, prompt: Any, params: SamplingParams | None = None) -> RequestOutput:
         """Submit and wait: the ``RequestOutput``."""
         return self.submit(prompt, params).result()
 
-    def stats(self) -> dict[str, Any]:
+    def stats(
+        self, ttft_target_s: float | None = None, tpot_target_s: float | None = None
+    ) -> dict[str, Any]:
         """``Engine.stats()`` of the engine, read from the loop thread between steps."""
-        return self._call("stats")
+        return self._call("stats", ttft_target_s, tpot_target_s)
 
     def stats_frame(self) -> Any:
         """A pandas DataFrame with one row per engine step: step, time (seconds since the first
@@ -202,13 +206,28 @@ class BackgroundEngine:
             frame["time"] = frame["time"] - frame["time"].iloc[0]
         return frame
 
+    def requests_frame(self) -> Any:
+        """A pandas DataFrame with one row per finished request: time (its finish, on
+        ``stats_frame``'s clock), arrival, priority, queued_s, ttft, tpot, max_itl, preemptions,
+        output_tokens, error, and its targets."""
+        import pandas as pd
+
+        rows = list(self.engine._stats.finished_log)
+        frame = pd.DataFrame(rows)
+        steps = list(self.engine._stats.step_log)
+        if len(frame) and steps:
+            start = steps[0]["time"]
+            frame["time"] = frame["time"] - start
+            frame["arrival"] = frame["arrival"] - start
+        return frame
+
     def plot(self) -> Any:
-        """A matplotlib figure of the step log over time: sequences running / waiting, tokens per
-        step, and KV blocks used against the pool size."""
+        """A matplotlib figure over time: sequences running / waiting, tokens per step, KV blocks
+        used against the pool size, and each finished request's TTFT by priority."""
         import matplotlib.pyplot as plt
 
         frame = self.stats_frame()
-        fig, axes = plt.subplots(3, 1, figsize=(8, 6.5), sharex=True, layout="constrained")
+        fig, axes = plt.subplots(4, 1, figsize=(8, 8.5), sharex=True, layout="constrained")
         x = frame["time"]
         axes[0].plot(x, frame["running"], label="running", drawstyle="steps-post")
         axes[0].plot(x, frame["waiting"], label="waiting", drawstyle="steps-post")
@@ -221,8 +240,14 @@ class BackgroundEngine:
             self.engine.kv_manager.num_blocks, color="gray", linestyle="--", label="pool"
         )
         axes[2].set_ylabel("KV blocks")
-        axes[2].set_xlabel("seconds since first step")
         axes[2].legend(loc="upper right")
+        requests = self.requests_frame()
+        for priority, rows in requests.groupby("priority") if len(requests) else ():
+            axes[3].scatter(rows["time"], rows["ttft"], s=8, label=f"priority {priority}")
+        axes[3].set_ylabel("TTFT (s) at finish")
+        axes[3].set_xlabel("seconds since first step")
+        if len(requests):
+            axes[3].legend(loc="upper right")
         fig.suptitle(f"paged_hf engine: {len(frame)} steps")
         plt.close(fig)  # returned, not shown twice by pyplot in a notebook
         return fig
@@ -308,15 +333,15 @@ class BackgroundEngine:
         """Handle one command; True when the loop must stop."""
         try:
             if op == "add":
-                handle, prompt, params = args
+                handle, prompt, params, arrival = args
                 handle.request_id = self.engine.add_request(
-                    prompt, params, request_id=handle.request_id
+                    prompt, params, request_id=handle.request_id, arrival_time=arrival
                 )
                 self._handles[handle.request_id] = handle
             elif op == "cancel":
                 self._cancel(args[0])
             elif op == "stats":
-                box["value"] = self.engine.stats()
+                box["value"] = self.engine.stats(*args)
             elif op == "stop":
                 for rid in list(self._handles):
                     self._cancel(rid)

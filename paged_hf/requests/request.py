@@ -76,7 +76,11 @@ class Request:
     # deepest locked prefix-index node (the block manager's handle; opaque here)
     prefix_node: Any = None
     num_tree_blocks: int = 0  # leading blocks of the tables that the prefix index holds
+    first_scheduled_time: float | None = None  # first admitted: its time in the queue ends
     first_token_time: float | None = None
+    last_token_time: float | None = None
+    max_itl: float = 0.0  # the longest gap between two of its tokens (inter-token latency)
+    num_preemptions: int = 0
     finish_time: float | None = None
     admitted_once: bool = False
     forked: bool = False  # for n > 1: the siblings have been created
@@ -186,6 +190,9 @@ class Request:
         self.token_ids.append(token)
         if self.first_token_time is None:
             self.first_token_time = now
+        else:
+            self.max_itl = max(self.max_itl, now - self.last_token_time)
+        self.last_token_time = now
         p = self.params
         n_out = self.num_output_tokens
         if n_out >= p.min_new_tokens and (

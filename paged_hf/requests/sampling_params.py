@@ -88,6 +88,12 @@ class SamplingParams:
     regex: str | None = None
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
+    # under EngineConfig(scheduling_policy="priority"): lower runs first, and preempts requests of
+    # a higher number (vLLM's convention); "fcfs" ignores it. Latency targets, in seconds: which
+    # requests stats() counts as good (goodput); a TPOT target also bounds the step's prefill
+    priority: int = 0
+    ttft_target_s: float | None = None
+    tpot_target_s: float | None = None
 
     def __post_init__(self) -> None:
         # its text is the key compiled grammars are cached by
@@ -260,6 +266,12 @@ class SamplingParams:
         if self.cache_salt is not None and not isinstance(self.cache_salt, str):
             # 1, True and 1.0 are equal as dict keys: they would share one cache
             raise _bad(who, "cache_salt", self.cache_salt, "None or a str")
+        if not _is_int(self.priority):
+            raise _bad(who, "priority", self.priority, "an integer (lower runs first)")
+        for name in ("ttft_target_s", "tpot_target_s"):
+            value = getattr(self, name)
+            if value is not None and not (_finite(value) and value > 0):
+                raise _bad(who, name, value, "None or a number of seconds > 0")
 
     @property
     def is_greedy(self) -> bool:

@@ -302,3 +302,20 @@ def test_the_readme_cli_lines_answer_on_topic(tmp_path):
         r"Paris", structured[questions.index("What is the capital of France?")]["generation"]
     )
     assert re.search(r"\b4\b", structured[questions.index("What is 2 + 2?")]["generation"])
+
+
+def test_scheduling_policy_reaches_the_engine_options(tmp_path):
+    base = [
+        "generate",
+        "--model",
+        "m",
+        "--input",
+        "in.jsonl",
+        "--output",
+        str(tmp_path / "o.jsonl"),
+    ]
+    args = cli._parser().parse_args(base + ["--scheduling-policy", "priority"])
+    _, engine_config = cli._options(args)
+    assert engine_config["scheduling_policy"] == "priority"
+    _, engine_config = cli._options(cli._parser().parse_args(base))
+    assert "scheduling_policy" not in engine_config

@@ -177,5 +177,27 @@ def test_n_samples_and_stats_frame_and_plot(bg):
         "blocks_used",
     ]
     assert len(frame) == bg.stats()["steps"] and frame["time"].iloc[0] == 0
+    requests = bg.requests_frame()
+    assert len(requests) == 1 and requests["priority"].tolist() == [0]
+    assert requests["ttft"].iloc[0] == pytest.approx(out.ttft)
+    assert requests["output_tokens"].iloc[0] == len(out.token_ids)
     fig = bg.plot()
-    assert len(fig.axes) == 3
+    assert len(fig.axes) == 4
+
+
+def test_a_full_queue_refuses_at_submit_in_the_callers_thread(model, tokenizer):
+    bg = paged_hf.serve(
+        model, tokenizer, num_blocks=128, block_size=4, max_num_seqs=1, max_waiting=1
+    )
+    try:
+        long = SamplingParams(max_new_tokens=400, ignore_eos=True)
+        running = bg.submit("one", long)
+        next(running.token_ids())  # admitted: it no longer waits
+        waiting = bg.submit("two", long)
+        with pytest.raises(paged_hf.QueueFull, match="max_waiting=1"):
+            bg.submit("three", long)
+        running.cancel()
+        waiting.cancel()
+        assert bg.stats()["blocks_used"] == 0
+    finally:
+        bg.shutdown()

@@ -147,6 +147,7 @@ def test_the_public_api_is_where_it_was():
         "Completion",
         "Engine",
         "EngineConfig",
+        "QueueFull",
         "RequestOutput",
         "SamplingParams",
         "ScoreOutput",
