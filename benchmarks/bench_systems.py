@@ -404,8 +404,16 @@ class VllmCpu:
     name = "vllm_cpu"
 
     def __init__(
-        self, python: Any, model: torch.nn.Module, dtype: torch.dtype, threads: int
+        self,
+        python: Any,
+        model: torch.nn.Module,
+        dtype: torch.dtype,
+        threads: int,
+        worker: str = "vllm_worker.py",
+        load_options: dict | None = None,
     ) -> None:
+        """``worker``: the script under peers/ (bench_goodput.py's replays a trace);
+        ``load_options``: more fields of its load command."""
         import os
         import subprocess
         import tempfile
@@ -431,7 +439,7 @@ class VllmCpu:
             "w+", prefix="vllm_cpu-", suffix=".log", delete=False
         )
         self.proc = subprocess.Popen(
-            [str(python), str(here / "peers" / "vllm_worker.py")],
+            [str(python), str(here / "peers" / worker)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self.log,
@@ -447,7 +455,12 @@ class VllmCpu:
             "log": self.log.name,
             "threads": threads,
             **self._ask(
-                {"cmd": "load", "model": str(self.model_dir), "dtype": str(dtype).split(".")[-1]}
+                {
+                    "cmd": "load",
+                    "model": str(self.model_dir),
+                    "dtype": str(dtype).split(".")[-1],
+                    **(load_options or {}),
+                }
             ),
         }
 

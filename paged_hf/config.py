@@ -63,6 +63,9 @@ class EngineConfig:
     # requests waiting at most; a request beyond it is refused at once with QueueFull, or under
     # "priority" the least urgent waiting one is (None: no bound)
     max_waiting: int | None = None
+    # seconds per output token for requests that set no SamplingParams.tpot_target_s (None: none);
+    # while requests with a target decode, a step carries only the prefill that keeps the tightest
+    tpot_target_s: float | None = None
     # on a CPU: linear layers run on weights packed once for oneDNN (paged_hf/execution/cpu/linear.py): bf16
     # for its bf16 matmul (same results), or as fp32 copies where the CPU has no bf16 matmul (within one bf16
     # rounding, ~5x faster there); fp32 models on its fp32 matmul (within fp32 rounding, up to 2.5x faster at
@@ -152,6 +155,11 @@ class EngineConfig:
         _check_int("priority_lookahead", self.priority_lookahead, 0)
         if self.max_waiting is not None:
             _check_int("max_waiting", self.max_waiting, 1)
+        target = self.tpot_target_s
+        if target is not None and not (
+            isinstance(target, (int, float)) and not isinstance(target, bool) and target > 0
+        ):
+            raise ValueError(f"tpot_target_s={target!r}, must be None or a number of seconds > 0")
         aging = self.priority_aging_s
         if aging is not None and not (
             isinstance(aging, (int, float)) and not isinstance(aging, bool) and aging >= 0

@@ -36,6 +36,7 @@ class AdmissionMixin:
 
     model: torch.nn.Module
     tokenizer: Any
+    config: EngineConfig
     vocab_size: int
     max_model_len: int
     eos_token_ids: frozenset[int]
@@ -110,6 +111,9 @@ class AdmissionMixin:
         eos = self.eos_token_ids if eos_token_ids is None else frozenset(eos_token_ids)
         arrival = self.scheduler.clock() if arrival_time is None else arrival_time
         req = Request(rid, ids, params, eos, self.max_model_len, arrival_time=arrival)
+        req.tpot_target_s = (
+            params.tpot_target_s if params.tpot_target_s is not None else self.config.tpot_target_s
+        )
         req.generator = self._generator(params, 0)
         req.stop_strings = stop_strings if stop_strings is not None else self._stop_strings(params)
         req.grammar = self._grammar(rid, params)

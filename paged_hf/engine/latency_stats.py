@@ -37,7 +37,7 @@ def record(root: Request) -> dict[str, Any]:
         "output_tokens": n_out,
         "error": any(r.finish_reason is FinishReason.ERROR for r in samples),
         "ttft_target_s": root.params.ttft_target_s,
-        "tpot_target_s": root.params.tpot_target_s,
+        "tpot_target_s": root.tpot_target_s,
     }
 
 

@@ -66,7 +66,7 @@ class PriorityScheduler(Scheduler):
     ) -> None:
         pending = self._blocks_in_flight(chosen)
         if budget.prefill_room is None:
-            budget.prefill_room = self._prefill_room(budget.tokens, decoding=bool(chosen))
+            budget.prefill_room = self._prefill_room(budget.tokens, chosen)
         # requests preempted for blocks this step wait; only more urgent ones may take their room
         preempted = set(out.preempted)
         now = self.clock()

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from ..cache.block_manager import BlockManager
 from ..requests.request import FinishReason, Request, RequestStatus
+from .step_time import StepTimeModel
 
 
 class QueueFull(RuntimeError):
@@ -94,6 +95,7 @@ class Scheduler:
         self.max_waiting = max_waiting
         self.shed: list[Request] = []  # waiting requests refused to make room, until the next step
         self.clock = time.perf_counter  # the engine's clock (a fake one in tests)
+        self.step_time = StepTimeModel()  # fed by the engine after each step
 
     # ---- submission ----------------------------------------------------------------------
     def check_fits(self, req: Request) -> None:
@@ -178,7 +180,7 @@ class Scheduler:
                 continue
             prefill = req.num_pending_tokens > 1
             if prefill and budget.prefill_room is None:
-                budget.prefill_room = self._prefill_room(budget.tokens, decoding=bool(chosen))
+                budget.prefill_room = self._prefill_room(budget.tokens, chosen)
             n = min(req.num_pending_tokens, budget.prefill_room if prefill else budget.tokens)
             if not self.continues_chunks and req.num_computed_tokens:
                 n = min(n, 1)
@@ -206,7 +208,7 @@ class Scheduler:
         pending = self._blocks_in_flight(chosen)
         skipped: list[Request] = []
         if budget.prefill_room is None:
-            budget.prefill_room = self._prefill_room(budget.tokens, decoding=bool(chosen))
+            budget.prefill_room = self._prefill_room(budget.tokens, chosen)
         while self.waiting and min(budget.tokens, budget.prefill_room) > 0 and not out.preempted:
             req = self.waiting[0]
             if _held(req):  # its call's other rows first: it does not block the queue meanwhile
@@ -277,13 +279,25 @@ class Scheduler:
             return n - 1
         return n
 
-    def _prefill_room(self, budget: int, decoding: bool) -> int:
+    def _prefill_room(self, budget: int, chosen: dict[Request, int]) -> int:
+        """Prefill tokens this step may carry beside the decodes in ``chosen``."""
+        if not chosen:
+            return budget
         cap = (
             None
             if self.batch_call and self.lift_cap_in_batch_calls
             else self.max_prefill_tokens_while_decoding
         )
-        return budget if cap is None or not decoding else min(budget, cap)
+        room = budget if cap is None else min(budget, cap)
+        targets = [r.tpot_target_s for r, n in chosen.items() if n == 1 and r.tpot_target_s]
+        if targets:  # requests with a TPOT target decode: keep the step within the tightest
+            decodes = sum(1 for n in chosen.values() if n == 1)
+            within = self.step_time.prefill_within(
+                min(targets), decodes, floor=self.kv_manager.block_size
+            )
+            if within is not None:
+                room = min(room, within)
+        return room
 
     def _blocks_in_flight(self, chosen: dict[Request, int]) -> set:
         """Keys of the full blocks that this step's prefill chunks complete."""

@@ -96,6 +96,7 @@ class StepMixin:
         requests keep their tokens and recompute their KV when next scheduled.
         """
         self._before_step()
+        start = self.scheduler.clock()
         out = self.scheduler.schedule()
         if out.is_empty:
             if self.scheduler.has_unfinished:
@@ -115,6 +116,9 @@ class StepMixin:
             self._undo_step(out, forked)
             raise
         sampled, finished = self._update(out, batch, result, decode_tokens)
+        self.scheduler.step_time.observe(
+            decode_tokens, out.num_tokens - decode_tokens, self.scheduler.clock() - start
+        )
         # waiting requests the queue refused to make room for more urgent ones end here too
         return sampled, self.scheduler.take_shed() + finished
 
@@ -382,6 +386,7 @@ class StepMixin:
             else None
         )
         child.encoder_token_ids = parent.encoder_token_ids
+        child.tpot_target_s = parent.tpot_target_s
         if parent.group is not None:
             parent.group.join_sample(parent, k, child)
         return child

@@ -81,6 +81,9 @@ class Request:
     last_token_time: float | None = None
     max_itl: float = 0.0  # the longest gap between two of its tokens (inter-token latency)
     num_preemptions: int = 0
+    # its time-per-output-token target (its params', else the engine's): steps that decode it
+    # carry only the prefill that keeps it (paged_hf/engine/step_time.py)
+    tpot_target_s: float | None = None
     finish_time: float | None = None
     admitted_once: bool = False
     forked: bool = False  # for n > 1: the siblings have been created
