@@ -87,7 +87,9 @@ def test_a_tpot_target_bounds_the_prefill_beside_its_decodes(model):
     assert max(p for ids, _, p in free_log if "chat" in ids) > 200
     # with one: every step that decodes chat costs at most the target on the fake clock
     chat_steps = [(rows, p) for ids, rows, p in kept_log if "chat" in ids]
-    assert chat_steps and all(BASE + PER_ROW * r + PER_TOKEN * p <= 0.05 + 1e-6 for r, p in chat_steps)
+    assert chat_steps and all(
+        BASE + PER_ROW * r + PER_TOKEN * p <= 0.05 + 1e-6 for r, p in chat_steps
+    )
     # the longest gap between chat's tokens: a whole budget of prefill without the target
     assert free["chat"].max_itl > 0.2 and kept["chat"].max_itl <= 0.05 + 1e-6
     assert kept["chat"].tpot <= 0.05
