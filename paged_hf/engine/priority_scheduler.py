@@ -19,6 +19,7 @@ class PriorityScheduler(Scheduler):
         super().__init__(*args, **kwargs)
         self.lookahead = lookahead  # waiting requests passed over for lack of room, at most, a step
         self.aging_s = aging_s
+        self._deferred: list[Request] = []  # running prefills that go after the waiting requests
 
     def urgency(self, req: Request, now: float) -> int:
         """The priority ``req`` competes with now: its own, or 0 once aged."""
@@ -61,7 +62,33 @@ class PriorityScheduler(Scheduler):
         self.finish(last, FinishReason.ERROR, self.clock())
         self.shed.append(last)
 
+    def _schedule_running(
+        self, out: SchedulerOutput, chosen: dict[Request, int], budget: _Budget
+    ) -> None:
+        """Decodes, then the running prefills at least as urgent as the most urgent waiting
+        request, most urgent first; the others wait for what the waiting requests leave
+        (``_schedule_waiting``), so a long batch prompt does not take an urgent one's prefill room."""
+        now = self.clock()
+        waiting = [self.urgency(r, now) for r in self.waiting if not _held(r)]
+        best = min(waiting, default=None)
+        decodes = [r for r in self.running if r.num_pending_tokens == 1]
+        prefills = sorted(
+            (r for r in self.running if r.num_pending_tokens > 1),
+            key=lambda r: self.urgency(r, now),
+        )
+        self._deferred = [r for r in prefills if best is not None and self.urgency(r, now) > best]
+        now_rows = [r for r in prefills if r not in self._deferred]
+        self._run_rows(decodes + now_rows, out, chosen, budget)
+
     def _schedule_waiting(
+        self, out: SchedulerOutput, chosen: dict[Request, int], budget: _Budget
+    ) -> None:
+        self._admit_waiting(out, chosen, budget)
+        # deferred prefills take what is left; they preempt nobody (the step's plan is set)
+        deferred, self._deferred = self._deferred, []
+        self._run_rows(deferred, out, chosen, budget, may_preempt=False)
+
+    def _admit_waiting(
         self, out: SchedulerOutput, chosen: dict[Request, int], budget: _Budget
     ) -> None:
         pending = self._blocks_in_flight(chosen)

@@ -175,7 +175,19 @@ class Scheduler:
         # 1. running requests: decodes first (one token each), then unfinished prefills
         decodes = [r for r in self.running if r.num_pending_tokens == 1]
         prefills = [r for r in self.running if r.num_pending_tokens > 1]
-        for req in decodes + prefills:
+        self._run_rows(decodes + prefills, out, chosen, budget)
+
+    def _run_rows(
+        self,
+        rows: list[Request],
+        out: SchedulerOutput,
+        chosen: dict[Request, int],
+        budget: _Budget,
+        may_preempt: bool = True,
+    ) -> None:
+        """Schedule running ``rows`` in order; where blocks run out, preempt (``may_preempt``) or
+        leave the row for a later step."""
+        for req in rows:
             if req.status is not RequestStatus.RUNNING or budget.tokens == 0 or _held(req):
                 continue
             prefill = req.num_pending_tokens > 1
@@ -189,13 +201,16 @@ class Scheduler:
             if n == 0:
                 continue
             while not self.kv_manager.allocate_slots(req, n, out.block_copies):
+                if not may_preempt:
+                    n = 0
+                    break
                 victim = self._victim()
                 budget.tokens += chosen.pop(victim, 0)
                 self._preempt(victim, out)
                 out.preempted.append(victim)
                 if victim is req:
                     break
-            if req.status is RequestStatus.RUNNING:
+            if req.status is RequestStatus.RUNNING and n:
                 chosen[req] = n
                 budget.tokens -= n
                 if prefill:

@@ -304,3 +304,30 @@ def test_a_failing_step_that_displaced_a_request_ends_only_its_own(model):
             assert out.token_ids == alone(model, prompts[i], batch, **SMALL), rid
     assert "b1" not in in_failed_step and outputs["b1"].preemptions == 1
     assert_clean(engine)
+
+
+def test_an_urgent_prompt_takes_the_prefill_room_before_running_batch_prefills(model):
+    """A batch prompt mid-prefill and a decode run; an urgent prompt arrives: the step's prefill
+    room (32 beside decodes) goes to the urgent prompt first, the batch chunk gets what is left."""
+    prompts = tiny_prompts(model.config.vocab_size, 3, [6, 200, 30], seed=8)
+    config = dict(
+        block_size=4,
+        num_blocks=128,
+        max_num_batched_tokens=64,
+        max_prefill_tokens_while_decoding=32,
+        max_num_seqs=4,
+    )
+    decode = SamplingParams(max_new_tokens=30, ignore_eos=True, priority=0)
+    batch = SamplingParams(max_new_tokens=4, ignore_eos=True, priority=1)
+    urgent = SamplingParams(max_new_tokens=4, ignore_eos=True, priority=0)
+    arrivals = {0: [(prompts[0], decode, "chat"), (prompts[1], batch, "batch")]}
+    arrivals[3] = [(prompts[2], urgent, "urgent")]
+    engine = paged_hf.Engine(model, **config, scheduling_policy="priority")
+    outputs, log = drain(engine, arrivals)
+    step = dict(log[3][0])
+    assert step["urgent"] == 30 and step["batch"] == 2, step
+    _, fcfs_log = drain(paged_hf.Engine(model, **config), arrivals)
+    assert dict(fcfs_log[3][0]).get("batch") == 32, "fcfs: the running prefill goes first"
+    for rid, prompt, params in [("urgent", prompts[2], urgent), ("batch", prompts[1], batch)]:
+        assert outputs[rid].token_ids == alone(model, prompt, params, **SMALL), rid
+    assert_clean(engine)
