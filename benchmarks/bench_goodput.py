@@ -143,8 +143,9 @@ def run_trace(model, tok, trace, system: str, args, tpot_target: float) -> dict:
     records = [
         (r["kind"], o.ttft, o.tpot, len(o.token_ids), o.error is not None) for r, o in outputs
     ]
-    prompt_tokens = stats["prompt_tokens"] - stats["prefix_hit_tokens"]
-    recomputed = max(0, stats["prefill_tokens_computed"] - prompt_tokens)
+    # prefill beyond each prompt's first computation (its first admission's cache hits aside)
+    first_time = sum(len(r["prompt"]) - o.num_cached_tokens for r, o in outputs)
+    recomputed = stats["prefill_tokens_computed"] - first_time
     row = summarize(records, wall, tpot_target, stats["preemptions"], recomputed)
     row["schedule_share"] = timing["schedule"] / timing["step"] if timing["step"] else None
     return row
