@@ -32,26 +32,19 @@ class PriorityScheduler(Scheduler):
         """Admission order: (urgency, arrival)."""
         return self.urgency(req, now), req.arrival_time
 
-    def _least_urgent(self, reqs: list[Request]) -> Request:
-        """The highest urgency number; among equals the latest to arrive, then the latest listed."""
-        now = self.clock()
+    def _first_to_give_up(self, reqs: list[Request], now: float | None = None) -> Request:
+        """The least urgent: the highest urgency number; among equals the latest to arrive, then
+        the latest listed."""
+        now = self.clock() if now is None else now
         return max(
             enumerate(reqs), key=lambda ir: (self.urgency(ir[1], now), ir[1].arrival_time, ir[0])
         )[1]
 
-    def _victim(self) -> Request:
-        """Who is preempted when a running request needs blocks: a held row, else the least
-        urgent (the highest priority number; among equals the latest to arrive)."""
-        held = [r for r in self.running if _held(r)]
-        return held[-1] if held else self._least_urgent(self.running)
-
     def _make_room(self, req: Request) -> None:
         """The queue is full: shed the least urgent waiting request if ``req`` is more urgent."""
-        waiting = [
-            r for r in self.waiting if not r.admitted_once
-        ]  # preempted ones keep their place
-        last = self._least_urgent(waiting) if waiting else None
         now = self.clock()
+        waiting = [r for r in self.waiting if not r.admitted_once]  # preempted ones keep theirs
+        last = self._first_to_give_up(waiting, now) if waiting else None
         if last is None or self.urgency(last, now) <= self.urgency(req, now):
             super()._make_room(req)
         self.waiting.remove(last)
@@ -59,7 +52,7 @@ class PriorityScheduler(Scheduler):
             f"request {last.request_id}: refused, the waiting queue is full "
             f"(max_waiting={self.max_waiting}) and request {req.request_id} is more urgent"
         )
-        self.finish(last, FinishReason.ERROR, self.clock())
+        self.finish(last, FinishReason.ERROR, now)
         self.shed.append(last)
 
     def _schedule_running(
@@ -76,9 +69,13 @@ class PriorityScheduler(Scheduler):
             (r for r in self.running if r.num_pending_tokens > 1),
             key=lambda r: self.urgency(r, now),
         )
-        self._deferred = [r for r in prefills if best is not None and self.urgency(r, now) > best]
-        now_rows = [r for r in prefills if r not in self._deferred]
-        self._run_rows(decodes + now_rows, out, chosen, budget)
+        # prefills are sorted by urgency: the deferred ones are a tail
+        first = next(
+            (i for i, r in enumerate(prefills) if best is not None and self.urgency(r, now) > best),
+            len(prefills),
+        )
+        self._deferred = prefills[first:]
+        self._run_rows(decodes + prefills[:first], out, chosen, budget)
 
     def _schedule_waiting(
         self, out: SchedulerOutput, chosen: dict[Request, int], budget: _Budget
@@ -160,8 +157,5 @@ class PriorityScheduler(Scheduler):
         victims = [r for r in self.running if self.urgency(r, now) > urgency and r not in admitted]
         if not victims:
             return False
-        victim = self._least_urgent(victims)
-        budget.tokens += chosen.pop(victim, 0)
-        self._preempt(victim, out)
-        out.preempted.append(victim)
+        self._preempt_scheduled(self._first_to_give_up(victims, now), out, chosen, budget)
         return True

@@ -205,9 +205,7 @@ class Scheduler:
                     n = 0
                     break
                 victim = self._victim()
-                budget.tokens += chosen.pop(victim, 0)
-                self._preempt(victim, out)
-                out.preempted.append(victim)
+                self._preempt_scheduled(victim, out, chosen, budget)
                 if victim is req:
                     break
             if req.status is RequestStatus.RUNNING and n:
@@ -336,13 +334,25 @@ class Scheduler:
 
     def _victim(self) -> Request:
         """Who is preempted for blocks: a row held for its generate call's others (it is idle), else
-        the latest admitted."""
+        the one the policy gives up first."""
         held = (
             [r for r in self.running if _held(r)]
             if any(r.group is not None for r in self.running)
             else ()
         )
-        return held[-1] if held else self.running[-1]
+        return held[-1] if held else self._first_to_give_up(self.running)
+
+    def _first_to_give_up(self, reqs: list[Request]) -> Request:
+        """fcfs: the latest admitted (``running`` is in admission order)."""
+        return reqs[-1]
+
+    def _preempt_scheduled(
+        self, victim: Request, out: SchedulerOutput, chosen: dict[Request, int], budget: _Budget
+    ) -> None:
+        """Preempt ``victim`` while this step is planned: its tokens go back to the budget."""
+        budget.tokens += chosen.pop(victim, 0)
+        self._preempt(victim, out)
+        out.preempted.append(victim)
 
     def _preempt_held(self, out: SchedulerOutput) -> bool:
         """With nothing else to run, preempt a held row (recompute: it keeps its tokens) so that the
