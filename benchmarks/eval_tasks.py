@@ -6,6 +6,9 @@
                  every prompt (lm-eval's first_n sampler, as MMLU's and BBH's configs use), until
                  ["\\n\\n", "Q:"], metric exact_match (leading whitespace removed)
     phf_rolling  loglikelihood_rolling: N short stories, word/byte perplexity, bits per byte
+    phf_gen_shots  generate_until: N story questions, 5 shots per prompt drawn by lm-eval's default
+                 (seeded, per document) sampler from 50 solved stories: ~500-token prompts that
+                 share little with each other but are the same in every run (the disk tier's case)
 
     write_tasks("tasks/", n_mc=200, n_gen=100)   # then: lm-eval --include_path tasks/ --tasks phf_mc,phf_gen
 
@@ -204,7 +207,49 @@ metric_list:
 metadata:
   version: 1.0
 """)
+    _write_gen_shots(out, rng, n_gen)  # last: the other tasks' data stay as they were
     return out
+
+
+def _write_gen_shots(out: Path, rng: random.Random, n: int) -> None:
+    def solved() -> dict:
+        passage, question, answer = _story(rng)
+        return {"context": f"{passage}\nQuestion: {question}", "answer": str(answer)}
+
+    _jsonl(out / "shots_train.jsonl", [solved() for _ in range(50)])
+    _jsonl(out / "shots_test.jsonl", [solved() for _ in range(n)])
+    (out / "phf_gen_shots.yaml").write_text(f"""task: phf_gen_shots
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    train: {(out / "shots_train.jsonl").resolve()}
+    test: {(out / "shots_test.jsonl").resolve()}
+output_type: generate_until
+training_split: train
+fewshot_split: train
+test_split: test
+num_fewshot: 5
+doc_to_text: "{{{{context}}}}\\nAnswer:"
+doc_to_target: " {{{{answer}}}}"
+generation_kwargs:
+  until:
+    - "\\n"
+  do_sample: false
+  max_gen_toks: 8
+filter_list:
+  - name: "strip"
+    filter:
+      - function: "remove_whitespace"
+      - function: "take_first"
+metric_list:
+  - metric: exact_match
+    aggregation: mean
+    higher_is_better: true
+    ignore_case: true
+    ignore_punctuation: true
+metadata:
+  version: 1.0
+""")
 
 
 def _jsonl(path: Path, rows: list[dict]) -> None:

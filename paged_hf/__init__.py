@@ -13,7 +13,7 @@ The package's map and one step's data flow: docs/architecture.md.
 
 from .config import EngineConfig
 from .engine.outputs import Completion, RequestOutput
-from .engine.scheduler import QueueFull
+from .engine.schedule_output import QueueFull
 from .engine.scoring import ScoreOutput
 from .execution import attention as _attention
 from .frontends.dataset_generation import generate_dataset

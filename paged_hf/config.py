@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
@@ -21,6 +22,7 @@ DEFAULT_CPU_MAX_PREFILL_TOKENS_WHILE_DECODING = 128
 # A blocking batch call's step budget on a CPU when max_num_batched_tokens is not set (models
 # without recurrent state): nobody waits on a token there, and wider steps run the linears faster.
 DEFAULT_CPU_BATCH_CALL_TOKENS = 2048
+DEFAULT_KV_CACHE_DIR_BYTES = 16 << 30
 
 
 @dataclass
@@ -66,6 +68,11 @@ class EngineConfig:
     # seconds per output token for requests that set no SamplingParams.tpot_target_s (None: none);
     # while requests with a target decode, a step carries only the prefill that keeps the tightest
     tpot_target_s: float | None = None
+    # a directory of KV records that outlives the process (paged_hf/engine/disk_tier.py): prompt
+    # blocks computed here are written there, and read back where the prefix cache misses, by any
+    # process with the same weights. None: $PAGED_HF_KV_CACHE_DIR, or no disk tier
+    kv_cache_dir: str | None = None
+    kv_cache_dir_bytes: int = DEFAULT_KV_CACHE_DIR_BYTES  # least recently used records go beyond it
     # on a CPU: linear layers run on weights packed once for oneDNN (paged_hf/execution/cpu/linear.py): bf16
     # for its bf16 matmul (same results), or as fp32 copies where the CPU has no bf16 matmul (within one bf16
     # rounding, ~5x faster there); fp32 models on its fp32 matmul (within fp32 rounding, up to 2.5x faster at
@@ -155,6 +162,11 @@ class EngineConfig:
         _check_int("priority_lookahead", self.priority_lookahead, 0)
         if self.max_waiting is not None:
             _check_int("max_waiting", self.max_waiting, 1)
+        _check_int("kv_cache_dir_bytes", self.kv_cache_dir_bytes, 1)
+        if self.kv_cache_dir is None and self.enable_prefix_caching:
+            self.kv_cache_dir = os.environ.get("PAGED_HF_KV_CACHE_DIR") or None
+        if self.kv_cache_dir is not None and not self.enable_prefix_caching:
+            raise ValueError("kv_cache_dir needs enable_prefix_caching=True: the tier is under it")
         target = self.tpot_target_s
         if target is not None and not (
             isinstance(target, (int, float)) and not isinstance(target, bool) and target > 0

@@ -26,6 +26,7 @@ from . import latency_stats
 from .admission import AdmissionMixin, eos_ids, max_model_len_for, within_limits
 from .batch import BatchCallsMixin
 from .binding import patch_state
+from .disk_tier import make_disk_tier
 from .outputs import OutputsMixin, RequestOutput
 from .priority_scheduler import PriorityScheduler
 from .scheduler import Scheduler
@@ -153,6 +154,14 @@ class Engine(AdmissionMixin, StepMixin, OutputsMixin, BatchCallsMixin):
             self.state_layout,
             slots.total if slots is not None else 0,
             groups=self.groups,
+        )
+        self.scheduler.tier = make_disk_tier(
+            self.config,
+            model,
+            self.groups,
+            self.state_layout,
+            self.runner.backend,
+            self._cache_key(),
         )
 
     # ---- sizing ------------------------------------------------------------------------------
@@ -307,6 +316,11 @@ class Engine(AdmissionMixin, StepMixin, OutputsMixin, BatchCallsMixin):
         self._weights_changed(moved=True)
 
     def _weights_changed(self, moved: bool) -> None:
+        if self.scheduler.tier is not None:
+            self.scheduler.tier.turn_off(
+                "the model's weights changed in this process (build a new engine to write and read "
+                "records of the new weights)"
+            )
         self._cache_generation += 1
         self.kv_manager.reset_prefix_cache(self._cache_key())
         self.runner.weights_changed(moved)
@@ -331,6 +345,8 @@ class Engine(AdmissionMixin, StepMixin, OutputsMixin, BatchCallsMixin):
         if adapters != self._adapters:  # blocks cached under the previous state stay, under its key
             self._adapters = adapters
             self.kv_manager.switch_namespace(self._cache_key())
+            if self.scheduler.tier is not None:
+                self.scheduler.tier.follow_adapters(adapters)
             logger.info(
                 "paged_hf: the model's adapter state changed; the prefix cache serves that state's blocks"
             )
@@ -355,6 +371,18 @@ class Engine(AdmissionMixin, StepMixin, OutputsMixin, BatchCallsMixin):
             {"kind": g.kind, "layers": len(g.layers), "blocks_used": len(pages)}
             for g, pages in zip(self.groups, held)
         ]
+
+    def flush_kv_tiers(self, timeout: float | None = None) -> None:
+        """Wait until the disk tier has written every record queued so far (the end of a run: the
+        next process reads them; a normal exit waits for them too)."""
+        if self.scheduler.tier is not None:
+            self.scheduler.tier.store.flush(timeout)
+
+    def _tier_stats(self) -> dict[str, Any]:
+        tier = self.scheduler.tier
+        if tier is None:
+            return {}
+        return {"disk": tier.stats(self.scheduler.step_time.prefill_token_s())}
 
     def stats(
         self, ttft_target_s: float | None = None, tpot_target_s: float | None = None
@@ -383,6 +411,7 @@ class Engine(AdmissionMixin, StepMixin, OutputsMixin, BatchCallsMixin):
                 "prompt_tokens": s.prompt_tokens,
                 "prefill_tokens_computed": s.prefill_tokens_computed,
                 "prefix_hit_tokens": self.scheduler.prefix_hit_tokens,
+                "kv_tiers": self._tier_stats(),
                 "generated_tokens": s.generated_tokens,
                 "preemptions": self.scheduler.num_preemptions,
                 "steps": s.steps,

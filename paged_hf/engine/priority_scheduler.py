@@ -11,7 +11,9 @@ aging cannot start a cycle of displacements either).
 from __future__ import annotations
 
 from ..requests.request import FinishReason, Request
-from .scheduler import Scheduler, SchedulerOutput, _Budget, _held
+from .schedule_output import Budget, SchedulerOutput
+from .scheduler import Scheduler, _held
+from .sibling_prefill import blocks_in_flight
 
 
 class PriorityScheduler(Scheduler):
@@ -56,7 +58,7 @@ class PriorityScheduler(Scheduler):
         self.shed.append(last)
 
     def _schedule_running(
-        self, out: SchedulerOutput, chosen: dict[Request, int], budget: _Budget
+        self, out: SchedulerOutput, chosen: dict[Request, int], budget: Budget
     ) -> None:
         """Decodes, then the running prefills at least as urgent as the most urgent waiting
         request, most urgent first; the others wait for what the waiting requests leave
@@ -78,7 +80,7 @@ class PriorityScheduler(Scheduler):
         self._run_rows(decodes + prefills[:first], out, chosen, budget)
 
     def _schedule_waiting(
-        self, out: SchedulerOutput, chosen: dict[Request, int], budget: _Budget
+        self, out: SchedulerOutput, chosen: dict[Request, int], budget: Budget
     ) -> None:
         self._admit_waiting(out, chosen, budget)
         # deferred prefills take what is left; they preempt nobody (the step's plan is set)
@@ -86,9 +88,9 @@ class PriorityScheduler(Scheduler):
         self._run_rows(deferred, out, chosen, budget, may_preempt=False)
 
     def _admit_waiting(
-        self, out: SchedulerOutput, chosen: dict[Request, int], budget: _Budget
+        self, out: SchedulerOutput, chosen: dict[Request, int], budget: Budget
     ) -> None:
-        pending = self._blocks_in_flight(chosen)
+        pending = blocks_in_flight(self.kv_manager, chosen)
         if budget.prefill_room is None:
             budget.prefill_room = self._prefill_room(budget.tokens, chosen)
         # requests preempted for blocks this step wait; only more urgent ones may take their room
@@ -123,7 +125,7 @@ class PriorityScheduler(Scheduler):
         req: Request,
         out: SchedulerOutput,
         chosen: dict[Request, int],
-        budget: _Budget,
+        budget: Budget,
         pending: set,
         admitted: set[Request],
     ) -> str:
@@ -147,7 +149,7 @@ class PriorityScheduler(Scheduler):
         req: Request,
         out: SchedulerOutput,
         chosen: dict[Request, int],
-        budget: _Budget,
+        budget: Budget,
         admitted: set[Request],
     ) -> bool:
         """Preempt the least urgent running request if it is strictly less urgent than ``req``

@@ -10,46 +10,13 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from typing import Any
 
 from ..cache.block_manager import BlockManager
 from ..requests.request import FinishReason, Request, RequestStatus
+from .schedule_output import Budget, QueueFull, SchedulerOutput
+from .sibling_prefill import blocks_in_flight, waits_for_sibling_prefill
 from .step_time import StepTimeModel
-
-
-class QueueFull(RuntimeError):
-    """The engine's waiting queue holds ``max_waiting`` requests: this one was refused (retry later,
-    or shed the load)."""
-
-
-@dataclass
-class _Budget:
-    """What is left of a step's token budget, and of its room for prefill tokens (set once the
-    decodes are placed)."""
-
-    tokens: int
-    prefill_room: int | None = None
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[tuple[Request, int]]  # in batch order: decodes, then prefill chunks
-    preempted: list[Request] = field(default_factory=list)
-    block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) before the step
-    # swap preemption, done by the backend before the step (swap-outs first: their blocks are free now)
-    swap_out: list[tuple[Request, list[int]]] = field(default_factory=list)
-    swap_in: list[tuple[Request, list[int]]] = field(default_factory=list)
-    # (src, dst) state slots before the step
-    state_copies: list[tuple[int, int]] = field(default_factory=list)
-    finished: list[Request] = field(default_factory=list)  # filled in by ``update``
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(n for _, n in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
 
 
 class Scheduler:
@@ -96,6 +63,7 @@ class Scheduler:
         self.shed: list[Request] = []  # waiting requests refused to make room, until the next step
         self.clock = time.perf_counter  # the engine's clock (a fake one in tests)
         self.step_time = StepTimeModel()  # fed by the engine after each step
+        self.tier: Any = None  # the disk tier under the prefix cache (paged_hf/engine/disk_tier.py)
 
     # ---- submission ----------------------------------------------------------------------
     def check_fits(self, req: Request) -> None:
@@ -153,7 +121,7 @@ class Scheduler:
         prefills, preempting when blocks run out), then waiting ones in order while they fit."""
         out = SchedulerOutput(scheduled=[])
         chosen: dict[Request, int] = {}
-        budget = _Budget(
+        budget = Budget(
             self.batch_call_budget
             if self.batch_call and self.batch_call_budget
             else self.max_num_batched_tokens
@@ -170,7 +138,7 @@ class Scheduler:
         return out
 
     def _schedule_running(
-        self, out: SchedulerOutput, chosen: dict[Request, int], budget: _Budget
+        self, out: SchedulerOutput, chosen: dict[Request, int], budget: Budget
     ) -> None:
         # 1. running requests: decodes first (one token each), then unfinished prefills
         decodes = [r for r in self.running if r.num_pending_tokens == 1]
@@ -182,7 +150,7 @@ class Scheduler:
         rows: list[Request],
         out: SchedulerOutput,
         chosen: dict[Request, int],
-        budget: _Budget,
+        budget: Budget,
         may_preempt: bool = True,
     ) -> None:
         """Schedule running ``rows`` in order; where blocks run out, preempt (``may_preempt``) or
@@ -215,10 +183,10 @@ class Scheduler:
                     budget.prefill_room -= n
 
     def _schedule_waiting(
-        self, out: SchedulerOutput, chosen: dict[Request, int], budget: _Budget
+        self, out: SchedulerOutput, chosen: dict[Request, int], budget: Budget
     ) -> None:
         # 2. waiting requests, in order, while nothing had to be preempted
-        pending = self._blocks_in_flight(chosen)
+        pending = blocks_in_flight(self.kv_manager, chosen)
         skipped: list[Request] = []
         if budget.prefill_room is None:
             budget.prefill_room = self._prefill_room(budget.tokens, chosen)
@@ -246,18 +214,19 @@ class Scheduler:
         req: Request,
         out: SchedulerOutput,
         chosen: dict[Request, int],
-        budget: _Budget,
+        budget: Budget,
         pending: set,
     ) -> str:
         """Admit waiting ``req`` with this step's first chunk: "admitted", "sibling" (the next block
         of its prompt is computed this step by another request: it waits a step and takes it from
         the prefix cache instead of computing it twice) or "no blocks". Leaves ``waiting`` as it is."""
-        swapped = req.swapped_tokens
+        swapped, loads = req.swapped_tokens, []
         if swapped:  # its KV comes back from host memory into fresh blocks
             req.num_computed_tokens, cached = swapped, 0
         else:
             cached = self.kv_manager.admit(req)
-        if not swapped and self._waits_for_sibling_prefill(req, pending):
+            loads = self._read_tier(req)
+        if not swapped and waits_for_sibling_prefill(self.kv_manager, req, pending):
             self.kv_manager.free(req)
             return "sibling"
         n = min(req.num_pending_tokens, budget.tokens, budget.prefill_room)
@@ -271,8 +240,11 @@ class Scheduler:
         if swapped:
             out.swap_in.append((req, self.kv_manager.held_pages(req, swapped)))
             req.swapped_tokens = 0
+        if loads:
+            end = req.num_computed_tokens // self.kv_manager.block_size
+            out.tier_loads.append((loads, req.block_tables[0][end - len(loads) : end]))
         if not req.admitted_once:
-            req.num_cached_tokens = cached
+            req.num_cached_tokens = cached + len(loads) * self.kv_manager.block_size
             req.admitted_once = True
             req.first_scheduled_time = self.clock()
         self.prefix_hit_tokens += cached
@@ -281,8 +253,18 @@ class Scheduler:
         chosen[req] = n
         budget.tokens -= n
         budget.prefill_room -= n
-        pending |= self._blocks_in_flight({req: n})
+        pending |= blocks_in_flight(self.kv_manager, {req: n})
         return "admitted"
+
+    def _read_tier(self, req: Request) -> list:
+        """Where the prefix cache's hit ends, the disk tier's records may go on (prompt blocks)."""
+        if self.tier is None:
+            return []
+        bs = self.kv_manager.block_size
+        first = req.num_computed_tokens // bs
+        loads = self.tier.read(req, first, self.kv_manager.hit_limit(req) // bs)
+        req.num_computed_tokens += len(loads) * bs
+        return loads
 
     def _no_lone_token(self, req: Request, n: int) -> int:
         """A hybrid's prompt chunk leaves two tokens or none behind: a lone last token would go through
@@ -312,26 +294,6 @@ class Scheduler:
                 room = min(room, within)
         return room
 
-    def _blocks_in_flight(self, chosen: dict[Request, int]) -> set:
-        """Keys of the full blocks that this step's prefill chunks complete."""
-        if self.kv_manager.index is None:
-            return set()
-        bs = self.kv_manager.block_size
-        keys = set()
-        for req, n in chosen.items():
-            first, last = req.num_computed_tokens // bs + 1, (req.num_computed_tokens + n) // bs
-            if n >= 2 and last >= first:
-                keys.update(_block_keys(req, bs, last)[first - 1 :])
-        return keys
-
-    def _waits_for_sibling_prefill(self, req: Request, pending: set) -> bool:
-        """Is the next block this request would compute being computed this step by another?"""
-        bs = self.kv_manager.block_size
-        end = req.num_computed_tokens + bs
-        if not pending or end > self.kv_manager.hit_limit(req):
-            return False
-        return _block_keys(req, bs, end // bs)[-1] in pending
-
     def _victim(self) -> Request:
         """Who is preempted for blocks: a row held for its generate call's others (it is idle), else
         the one the policy gives up first."""
@@ -347,7 +309,7 @@ class Scheduler:
         return reqs[-1]
 
     def _preempt_scheduled(
-        self, victim: Request, out: SchedulerOutput, chosen: dict[Request, int], budget: _Budget
+        self, victim: Request, out: SchedulerOutput, chosen: dict[Request, int], budget: Budget
     ) -> None:
         """Preempt ``victim`` while this step is planned: its tokens go back to the budget."""
         budget.tokens += chosen.pop(victim, 0)
@@ -465,13 +427,3 @@ class Scheduler:
 def _held(req: Request) -> bool:
     """A row of a lock-step generate call that has its token for the call's next step."""
     return req.group is not None and req.group.holds(req)
-
-
-def _block_keys(req: Request, block_size: int, n_blocks: int) -> list[tuple]:
-    """(namespace, salt, chain hash) of the request's first ``n_blocks`` blocks: each key covers its
-    whole prefix."""
-    keys, h = [], None
-    for b in range(n_blocks):
-        h = hash((h, tuple(req.token_ids[b * block_size : (b + 1) * block_size])))
-        keys.append((req.cache_namespace, req.cache_salt, h))
-    return keys

@@ -18,7 +18,7 @@ from ..execution.sampler import sample
 from ..execution.stateful_mixers import decodes_from_state
 from ..requests.request import FinishReason, Request, sample_request_id
 from .binding import check_still_patched
-from .scheduler import SchedulerOutput
+from .schedule_output import SchedulerOutput
 from .scoring import score_step_rows
 
 if TYPE_CHECKING:
@@ -140,9 +140,15 @@ class StepMixin:
             if req.swapped_state is not None:
                 self.runner.states.restore(req.state_slot, req.swapped_state)
                 req.swapped_state = None
+        tier = self.scheduler.tier
+        for handles, pages in out.tier_loads:
+            tier.load(handles, pages)
         self._decode_states_in_front(out.scheduled)
         logits, meta = self.runner.execute(out.scheduled, out.block_copies)
         self.scheduler.mark_computed(out)
+        if tier is not None:  # the prompt blocks this step completed, to the disk tier's writer
+            for req, _ in out.scheduled:
+                tier.write(req)
         return logits, meta
 
     def _rows_to_sample(self, logits: torch.Tensor, meta: Any, forked: list[Request]) -> _StepRows:

@@ -49,6 +49,10 @@ class StepTimeModel:
         base, per_row, per_token = self.coef
         return base + per_row * decode_rows + per_token * prefill_tokens
 
+    def prefill_token_s(self) -> float | None:
+        """Seconds one more prefill token adds to a step (None while unfitted)."""
+        return None if self.coef is None else self.coef[2]
+
     def prefill_within(self, seconds: float, decode_rows: int, floor: int) -> int | None:
         """Prefill tokens a step with ``decode_rows`` decodes may carry and take at most
         ``seconds``; never below ``floor`` (prompts must still move), None while unfitted."""

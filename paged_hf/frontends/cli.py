@@ -168,6 +168,12 @@ def _add_engine_options(g: argparse.ArgumentParser) -> None:
     e.add_argument("--max-model-len", type=int)
     e.add_argument("--backend", choices=("auto", "torch", "flashinfer"))
     e.add_argument("--no-prefix-caching", action="store_true")
+    e.add_argument(
+        "--kv-cache-dir",
+        help="keep computed prompt KV in this directory and read it back in later runs "
+        "(default: $PAGED_HF_KV_CACHE_DIR)",
+    )
+    e.add_argument("--kv-cache-dir-bytes", type=int, help="the directory's bound (16 GiB)")
 
 
 def generate(args: argparse.Namespace) -> int:
@@ -253,6 +259,8 @@ def _options(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
             "kv_cache_memory": int(memory) if memory and memory > 1 else memory,
             "backend": args.backend,
             "scheduling_policy": args.scheduling_policy,
+            "kv_cache_dir": args.kv_cache_dir,
+            "kv_cache_dir_bytes": args.kv_cache_dir_bytes,
         }.items()
         if v is not None
     }

@@ -278,6 +278,7 @@ def _run_shard(
             checkpoint.close()
         if bar is not None:
             bar.close()
+        engine.flush_kv_tiers()
     return [done[i] for i in shard_rows]
 
 

@@ -99,6 +99,11 @@ class Request:
     error: str | None = None  # why it finished with FinishReason.ERROR
     # prefix-cache namespace it was admitted under (the weights' generation)
     cache_namespace: Any = None
+    # the disk tier (paged_hf/engine/disk_tier.py): its chain root for this request, the keys of
+    # its prompt blocks so far, and how many leading blocks are known to be on disk
+    tier_root: bytes | None = None
+    tier_keys: list = field(default_factory=list)
+    tier_done: int = 0
     stop_strings: "StopStrings | None" = None  # matches params.stop in the output as it grows
     grammar: Any = None  # structured outputs: its grammar matcher (paged_hf/engine/structured.py)
     # the tokens encoder_repetition_penalty favours: None, the prompt's; patched generate's, the row

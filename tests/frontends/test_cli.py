@@ -319,3 +319,27 @@ def test_scheduling_policy_reaches_the_engine_options(tmp_path):
     assert engine_config["scheduling_policy"] == "priority"
     _, engine_config = cli._options(cli._parser().parse_args(base))
     assert "scheduling_policy" not in engine_config
+
+
+def test_kv_cache_dir_keeps_prompt_kv_for_the_next_run(model_dir, tmp_path):
+    """Two runs with --kv-cache-dir: the first writes records, the second gives the same output
+    (its prefill read from them, which tests/engine/test_disk_tier.py checks token by token)."""
+    data = tmp_path / "in.jsonl"
+    rows = [{"q": "a longer question about the weather in the mountains " * 2}, {"q": "hi " * 20}]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    kv_dir = tmp_path / "kv"
+
+    def run(out):
+        argv = ["generate", "--model", str(model_dir), "--input", str(data), "--prompt-column"]
+        argv += ["q", "--output", str(out), "--max-new-tokens", "4", "--dtype", "float32"]
+        argv += ["--no-progress", "--kv-cache-dir", str(kv_dir), "--kv-cache-dir-bytes", "10000000"]
+        assert cli.main(argv) == 0
+        return [json.loads(line)["generation"] for line in out.read_text().splitlines()]
+
+    first = run(tmp_path / "a.jsonl")
+    assert list(kv_dir.rglob("*.kv")), "the first run wrote records"
+    assert run(tmp_path / "b.jsonl") == first
+    args = cli._parser().parse_args(
+        ["generate", "--model", "m", "--input", "i.jsonl", "--output", str(tmp_path / "o.jsonl")]
+    )
+    assert "kv_cache_dir" not in cli._options(args)[1]

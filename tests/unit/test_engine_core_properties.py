@@ -18,7 +18,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from paged_hf.cache.block_manager import BlockManager, blocks_for
-from paged_hf.engine.scheduler import Scheduler, SchedulerOutput
+from paged_hf.engine.schedule_output import SchedulerOutput
+from paged_hf.engine.scheduler import Scheduler
 from paged_hf.requests.request import FinishReason, Request, RequestStatus
 from paged_hf.requests.sampling_params import SamplingParams
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from paged_hf.cache.block_manager import BlockManager
-from paged_hf.engine.scheduler import Scheduler, SchedulerOutput
+from paged_hf.engine.schedule_output import SchedulerOutput
+from paged_hf.engine.scheduler import Scheduler
 from paged_hf.requests.request import FinishReason, Request, RequestStatus
 from paged_hf.requests.sampling_params import SamplingParams
 

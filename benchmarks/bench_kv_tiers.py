@@ -1,0 +1,223 @@
+"""The disk tier (``kv_cache_dir``) across processes: what a second process computes and how long it
+takes, against the first, on SmolLM2-135M-Instruct (bf16, CPU).
+
+    python benchmarks/bench_kv_tiers.py                 # both scenarios
+    python benchmarks/bench_kv_tiers.py --quick         # fewer prompts, shorter document
+
+Scenarios, each run as separate processes in turn (a fresh directory per scenario):
+- ``eval``: lm-evaluation-harness's ``phf_gen_shots`` (benchmarks/eval_tasks.py: generate_until,
+  5 shots per prompt drawn per document, the same in every run) through ``--model paged_hf``:
+  once without a directory, then twice with one. Per run: prefill tokens computed, disk-tier blocks
+  read and written, the evaluation's wall time (model loading excluded; the process's whole
+  time beside it) and the metric.
+- ``document``: a ~4k-token document and 32 questions about it, asked one after another through
+  ``Engine.generate``: in a first process and then in a second on the same directory. Per run: the
+  first question's TTFT, the median of the others', prefill tokens computed.
+
+Prints a table, writes JSON to benchmarks/results/. No assertion on time anywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+
+def eval_worker(args) -> dict:
+    import lm_eval
+    import torch
+    from bench_eval import _metrics, _model_dir
+    from lm_eval.tasks import TaskManager
+
+    from paged_hf.integrations.lm_eval import PagedHFLM
+
+    torch.set_num_threads(args.threads)
+    extra = {"kv_cache_dir": args.kv_dir} if args.kv_dir else {}
+    lm = PagedHFLM(pretrained=str(_model_dir("default")), dtype="bfloat16", device="cpu", **extra)
+    torch.set_num_threads(args.threads)
+    tm = TaskManager(include_path=args.tasks_dir, include_defaults=False)
+    start = time.perf_counter()
+    res = lm_eval.simple_evaluate(
+        model=lm, tasks=["phf_gen_shots"], task_manager=tm, verbosity="WARNING"
+    )
+    lm.engine.flush_kv_tiers()  # the records are the run's output: count their writing
+    wall = time.perf_counter() - start
+    return {"eval_s": wall, "metrics": _metrics(res, "phf_gen_shots"), **_engine(lm.engine)}
+
+
+def document_worker(args) -> dict:
+    import torch
+
+    import paged_hf
+    from paged_hf import SamplingParams
+    from paged_hf.model.default_model import load_default_model
+
+    torch.set_num_threads(args.threads)
+    model, tok = load_default_model(dtype=torch.bfloat16)
+    engine = paged_hf.Engine(model, tok, kv_cache_dir=args.kv_dir, max_model_len=8192)
+    document = _document(tok, args.doc_tokens)
+    ttfts, answers = [], []
+    for i in range(args.questions):
+        messages = [
+            {"role": "user", "content": f"{document}\n\nQuestion {i + 1}: {QUESTIONS[i % 8]}"}
+        ]
+        prompt = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        out = engine.generate([prompt], SamplingParams(max_new_tokens=8))[0]
+        ttfts.append(out.ttft)
+        answers.append(out.token_ids)
+    engine.flush_kv_tiers()
+    return {
+        "first_ttft_s": ttfts[0],
+        "other_ttft_median_s": statistics.median(ttfts[1:]),
+        "answers": answers,
+        **_engine(engine),
+    }
+
+
+QUESTIONS = [
+    "Who went to the market?",
+    "How many apples were there at the end?",
+    "What was the weather like?",
+    "Who had the most stamps?",
+    "Where did they go after school?",
+    "How many coins were given away?",
+    "What did the dog do?",
+    "Summarise the first paragraph in five words.",
+]
+
+
+def _document(tok, n_tokens: int) -> str:
+    import random
+
+    from eval_tasks import _story
+
+    rng, parts = random.Random(0), []
+    while len(tok(" ".join(parts))["input_ids"]) < n_tokens:
+        passage, question, answer = _story(rng)
+        parts.append(f"{passage} {question} The answer is {answer}.")
+    return " ".join(parts)
+
+
+def _engine(engine) -> dict:
+    s = engine.stats()
+    disk = s["kv_tiers"].get("disk", {})
+    keep = ("hit_tokens", "stored_blocks", "read_s", "load_s", "write_s", "bytes_read")
+    return {
+        "prompt_tokens": s["prompt_tokens"],
+        "prefill_tokens_computed": s["prefill_tokens_computed"],
+        "prefix_hit_tokens": s["prefix_hit_tokens"],
+        "disk": {k: disk.get(k) for k in keep} | {"bytes_written": disk.get("bytes_written")},
+    }
+
+
+def run_worker(kind: str, kv_dir: str | None, args) -> dict:
+    cmd = [sys.executable, __file__, "--worker", kind, "--threads", str(args.threads)]
+    cmd += ["--tasks-dir", args.tasks_dir, "--questions", str(args.questions)]
+    cmd += ["--doc-tokens", str(args.doc_tokens)]
+    if kv_dir:
+        cmd += ["--kv-dir", kv_dir]
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{kind} worker failed:\n{proc.stderr[-3000:]}")
+    row = json.loads(proc.stdout.strip().splitlines()[-1])
+    row["process_s"] = time.perf_counter() - start
+    return row
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--scenarios", default="eval,document")
+    p.add_argument("--n-gen", type=int, default=100, help="eval: prompts")
+    p.add_argument("--questions", type=int, default=32, help="document: questions")
+    p.add_argument("--doc-tokens", type=int, default=4000)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--timeout", type=float, default=1200.0, help="per process")
+    p.add_argument(
+        "--quick", action="store_true", help="20 prompts, 8 questions, 1k-token document"
+    )
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--kv-dir", help=argparse.SUPPRESS)
+    p.add_argument("--tasks-dir", help=argparse.SUPPRESS)
+    p.add_argument("--out", default=str(HERE / "results"))
+    args = p.parse_args(argv)
+    if args.worker:
+        row = (eval_worker if args.worker == "eval" else document_worker)(args)
+        print(json.dumps(row))
+        return 0
+    if args.quick:
+        args.n_gen, args.questions, args.doc_tokens = 20, 8, 1000
+    from eval_tasks import write_tasks
+
+    work = Path(tempfile.mkdtemp(prefix="paged_hf_tiers_"))
+    args.tasks_dir = str(write_tasks(work / "tasks", n_mc=1, n_gen=args.n_gen, n_rolling=1))
+    rows = []
+    for scenario in args.scenarios.split(","):
+        kv_dir = str(work / f"kv_{scenario}")
+        runs = (
+            [("no directory", None), ("first", kv_dir), ("second", kv_dir)]
+            if scenario == "eval"
+            else [("first", kv_dir), ("second", kv_dir)]
+        )
+        for name, d in runs:
+            print(f"{scenario}: {name} process ...", flush=True)
+            row = {"scenario": scenario, "run": name, **run_worker(scenario, d, args)}
+            rows.append(row)
+            print("  " + _line(row), flush=True)
+    print()
+    for row in rows:
+        print(_line(row))
+    _summary(rows)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"kv_tiers-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path.write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
+    print(f"JSON: {path}")
+    return 0
+
+
+def _line(row: dict) -> str:
+    d = row["disk"]
+    head = f"{row['scenario']:8s} {row['run']:12s} prefill computed {row['prefill_tokens_computed']:7,d}"
+    head += (
+        f"  disk read {d['hit_tokens'] or 0:7,d} tok  written {d['stored_blocks'] or 0:5,d} blocks"
+    )
+    if row["scenario"] == "eval":
+        return (
+            head
+            + f"  eval {row['eval_s']:6.1f} s  process {row['process_s']:6.1f} s  {row['metrics']}"
+        )
+    return head + (
+        f"  first TTFT {row['first_ttft_s']:.3f} s  others' median {row['other_ttft_median_s']:.3f} s"
+    )
+
+
+def _summary(rows: list[dict]) -> None:
+    by = {(r["scenario"], r["run"]): r for r in rows}
+    if ("eval", "second") in by:
+        first, second = by["eval", "first"], by["eval", "second"]
+        print(
+            f"eval: the second process computed {second['prefill_tokens_computed'] / first['prefill_tokens_computed']:.0%} "
+            f"of the first's prefill tokens, in {first['eval_s'] / second['eval_s']:.1f}x less time; "
+            f"metrics {'equal' if first['metrics'] == second['metrics'] == by['eval', 'no directory']['metrics'] else 'DIFFER'}"
+        )
+    if ("document", "second") in by:
+        first, second = by["document", "first"], by["document", "second"]
+        print(
+            f"document: first question's TTFT {first['first_ttft_s']:.3f} s -> {second['first_ttft_s']:.3f} s "
+            f"({first['first_ttft_s'] / second['first_ttft_s']:.1f}x lower); answers "
+            f"{'equal' if first['answers'] == second['answers'] else 'DIFFER'}"
+        )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

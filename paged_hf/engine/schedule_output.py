@@ -1,0 +1,45 @@
+"""What the scheduler hands the step: who runs and how many tokens, and the data movement the
+backend does first (copies, swaps, disk-tier loads); and the step budget it plans within."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..requests.request import Request
+
+
+class QueueFull(RuntimeError):
+    """The engine's waiting queue holds ``max_waiting`` requests: this one was refused (retry later,
+    or shed the load)."""
+
+
+@dataclass
+class Budget:
+    """What is left of a step's token budget, and of its room for prefill tokens (set once the
+    decodes are placed)."""
+
+    tokens: int
+    prefill_room: int | None = None
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[tuple[Request, int]]  # in batch order: decodes, then prefill chunks
+    preempted: list[Request] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) before the step
+    # swap preemption, done by the backend before the step (swap-outs first: their blocks are free now)
+    swap_out: list[tuple[Request, list[int]]] = field(default_factory=list)
+    swap_in: list[tuple[Request, list[int]]] = field(default_factory=list)
+    # (host copies, pool pages) of blocks read from the disk tier, loaded before the step
+    tier_loads: list[tuple[list, list[int]]] = field(default_factory=list)
+    # (src, dst) state slots before the step
+    state_copies: list[tuple[int, int]] = field(default_factory=list)
+    finished: list[Request] = field(default_factory=list)  # filled in by ``update``
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled

@@ -1,0 +1,243 @@
+"""The disk tier under the prefix cache (``kv_cache_dir``): prompt blocks computed by one engine are
+read back by the next one, in this process or another, with the same tokens as computing them;
+nothing is served across weights, adapters, salts or block sizes; a damaged record is recomputed."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from engine_state import assert_clean
+from tiny_models import make_tiny_model, tiny_prompts
+
+import paged_hf
+from paged_hf import SamplingParams
+
+BS = 4
+LENGTHS = [21, 30, 17, 9]
+
+
+@pytest.fixture(scope="module")
+def prompts(model):
+    return tiny_prompts(model.config.vocab_size, 4, LENGTHS, seed=5)
+
+
+def run(model, prompts, kv_dir, params=None, **options):
+    """(tokens per prompt, the engine's stats, the engine) of one engine generating the prompts."""
+    engine = paged_hf.Engine(
+        model,
+        block_size=options.pop("block_size", BS),
+        num_blocks=256,
+        kv_cache_dir=kv_dir,
+        **options,
+    )
+    outs = engine.generate(prompts, params or SamplingParams(max_new_tokens=6))
+    engine.flush_kv_tiers()
+    assert_clean(engine)
+    return [o.token_ids for o in outs], engine.stats(), engine
+
+
+def servable_tokens(prompts) -> int:
+    """What a hit may serve of each prompt: its whole blocks before the last token (one is always
+    computed, for its logits)."""
+    return sum((len(p) - 1) // BS * BS for p in prompts)
+
+
+def disk(stats) -> dict:
+    return stats["kv_tiers"]["disk"]
+
+
+def test_a_second_engine_reads_what_the_first_wrote_with_the_same_tokens(model, prompts, tmp_path):
+    alone, _, _ = run(model, prompts, None)
+    first, s1, _ = run(model, prompts, str(tmp_path))
+    second, s2, _ = run(model, prompts, str(tmp_path))
+    assert first == alone and second == alone
+    assert disk(s1)["hit_tokens"] == 0
+    assert disk(s1)["stored_blocks"] == sum(len(p) // BS for p in prompts)
+    assert disk(s2)["hit_tokens"] == servable_tokens(prompts)
+    assert s2["prefill_tokens_computed"] == sum(map(len, prompts)) - servable_tokens(prompts)
+    assert disk(s2)["stored_blocks"] == 0, "the second engine rewrites nothing"
+
+
+def test_a_longer_prompt_reads_the_shared_part_and_computes_the_rest(model, prompts, tmp_path):
+    run(model, prompts[:1], str(tmp_path))
+    longer = [prompts[0] + prompts[1]]
+    alone, _, _ = run(model, longer, None)
+    tokens, stats, _ = run(model, longer, str(tmp_path))
+    assert tokens == alone
+    assert disk(stats)["hit_tokens"] == len(prompts[0]) // BS * BS
+
+
+def test_another_process_reads_the_records(model, prompts, tmp_path):
+    """A child process with the same weights (the same seed) writes; this one reads."""
+    tests = Path(__file__).resolve().parents[1]
+    code = (
+        "import paged_hf, sys\n"
+        "from tiny_models import make_tiny_model\n"
+        "from paged_hf import SamplingParams\n"
+        "model = make_tiny_model('llama').double()\n"
+        f"prompts = {prompts!r}\n"
+        f"e = paged_hf.Engine(model, block_size={BS}, num_blocks=256, kv_cache_dir=sys.argv[1])\n"
+        "outs = e.generate(prompts, SamplingParams(max_new_tokens=6))\n"
+        "e.flush_kv_tiers()\n"
+        "print([o.token_ids for o in outs])\n"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tests), str(tests.parent)]))
+    child = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert child.returncode == 0, child.stderr[-2000:]
+    tokens, stats, _ = run(model, prompts, str(tmp_path))
+    assert repr(tokens) == child.stdout.strip().splitlines()[-1]
+    assert disk(stats)["hit_tokens"] == servable_tokens(prompts)
+
+
+@pytest.mark.parametrize("change", ["weights", "salt", "block size", "namespace"])
+def test_nothing_is_served_across_what_the_kv_depends_on(model, prompts, tmp_path, change):
+    run(model, prompts, str(tmp_path))
+    other_model, params, options = model, None, {}
+    if change == "weights":
+        other_model = make_tiny_model("llama", seed=1).double()
+    elif change == "salt":
+        params = SamplingParams(max_new_tokens=6, cache_salt="tenant-b")
+    elif change == "block size":
+        options = {"block_size": 8}
+    else:
+        options = {"namespace": "another"}
+    alone, _, _ = run(other_model, prompts, None, params, **options)
+    tokens, stats, _ = run(other_model, prompts, str(tmp_path), params, **options)
+    assert tokens == alone
+    assert disk(stats)["hit_tokens"] == 0
+
+
+def test_an_adapter_switch_reads_only_that_adapters_records(tmp_path):
+    from peft import LoraConfig, get_peft_model
+
+    base = make_tiny_model("llama").double()
+    model = get_peft_model(
+        base,
+        LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False),
+    ).eval()
+    prompts = tiny_prompts(base.config.vocab_size, 2, [21, 30], seed=7)
+    _, s_on, _ = run(model, prompts, str(tmp_path))
+    with model.disable_adapter():
+        alone, _, _ = run(model, prompts, None)
+        tokens, s_off, _ = run(model, prompts, str(tmp_path))
+    assert tokens == alone
+    assert disk(s_off)["hit_tokens"] == 0, (
+        "KV computed with the adapter never serves the base model"
+    )
+    _, s_again, _ = run(model, prompts, str(tmp_path))
+    assert disk(s_again)["hit_tokens"] == servable_tokens(prompts)
+
+
+def test_a_damaged_record_is_skipped_with_a_warning_and_recomputed(model, prompts, tmp_path):
+    alone, _, _ = run(model, prompts, None)
+    run(model, prompts, str(tmp_path))
+    records = sorted(tmp_path.rglob("*.kv"))
+    assert records
+    for path in records[:3]:  # a flipped payload byte in three, a truncation in a fourth
+        data = bytearray(path.read_bytes())
+        data[-1] ^= 0xFF
+        path.write_bytes(data)
+    records[3].write_bytes(records[3].read_bytes()[:50])
+    with pytest.warns(RuntimeWarning, match="bad record"):
+        tokens, stats, _ = run(model, prompts, str(tmp_path))
+    assert tokens == alone
+    assert disk(stats)["corrupt"] >= 1  # a chain's read stops at its first bad record
+    assert disk(stats)["hit_tokens"] < servable_tokens(prompts)
+
+
+def test_a_weights_change_in_process_turns_the_tier_off_once(model, prompts, tmp_path, caplog):
+    trained = make_tiny_model("llama").double()
+    engine = paged_hf.Engine(trained, block_size=BS, num_blocks=256, kv_cache_dir=str(tmp_path))
+    engine.generate(prompts, SamplingParams(max_new_tokens=2))
+    with torch.no_grad():
+        trained.model.layers[0].mlp.down_proj.weight.mul_(1.5)
+    with caplog.at_level(logging.WARNING, logger="paged_hf"):
+        tokens = [o.token_ids for o in engine.generate(prompts, SamplingParams(max_new_tokens=6))]
+        with torch.no_grad():
+            trained.model.layers[0].mlp.down_proj.weight.mul_(1.5)
+        engine.generate(prompts, SamplingParams(max_new_tokens=2))
+    offs = [r for r in caplog.records if "disk KV tier is off" in r.getMessage()]
+    assert len(offs) == 1, "one message"
+    fresh = make_tiny_model("llama").double()
+    with torch.no_grad():
+        fresh.model.layers[0].mlp.down_proj.weight.mul_(1.5)
+    expected, _, _ = run(fresh, prompts, None)
+    assert tokens == expected
+    assert not engine.scheduler.tier.on and disk(engine.stats())["hit_tokens"] == 0
+
+
+def test_models_with_state_or_several_cache_groups_keep_the_tier_off(tmp_path, caplog):
+    model = make_tiny_model("gemma2").double()  # sliding and full layers: two cache groups
+    with caplog.at_level(logging.WARNING, logger="paged_hf"):
+        engine = paged_hf.Engine(model, block_size=BS, num_blocks=256, kv_cache_dir=str(tmp_path))
+    assert engine.scheduler.tier is None
+    assert any("kv_cache_dir" in r.getMessage() for r in caplog.records)
+    assert engine.stats()["kv_tiers"] == {}
+
+
+def test_the_directory_comes_from_the_environment(monkeypatch, tmp_path, model):
+    monkeypatch.setenv("PAGED_HF_KV_CACHE_DIR", str(tmp_path))
+    engine = paged_hf.Engine(model, block_size=BS, num_blocks=64)
+    assert engine.scheduler.tier is not None
+    assert (
+        paged_hf.Engine(
+            model, block_size=BS, num_blocks=64, enable_prefix_caching=False
+        ).scheduler.tier
+        is None
+    )
+
+
+def test_smollm2_reads_its_records_with_the_same_tokens(smollm2_fp32, tmp_path):
+    """The default model in fp32 (packed CPU weights and all): records written by one engine give
+    a second engine the tokens of computing them, and the fingerprint is the same for both."""
+    model, tok = smollm2_fp32
+    shared = tok("You are a careful assistant. Answer briefly and precisely. " * 4)["input_ids"]
+    prompts = [shared + tok(q)["input_ids"] for q in ("What is 2+2?", "Name a colour.")]
+    params = SamplingParams(max_new_tokens=8)
+
+    def run_smol(kv_dir):
+        engine = paged_hf.Engine(model, tok, block_size=16, num_blocks=64, kv_cache_dir=kv_dir)
+        outs = engine.generate(prompts, params)
+        engine.flush_kv_tiers()
+        return [o.token_ids for o in outs], engine.stats()
+
+    alone, _ = run_smol(None)
+    first, _ = run_smol(str(tmp_path))
+    second, stats = run_smol(str(tmp_path))
+    assert first == alone and second == alone
+    served = stats["kv_tiers"]["disk"]["hit_tokens"] + stats["prefix_hit_tokens"]
+    assert stats["kv_tiers"]["disk"]["hit_tokens"] > 0
+    assert served == sum((len(p) - 1) // 16 * 16 for p in prompts)
+
+
+def test_a_load_that_fails_ends_its_steps_requests_alone(model, prompts, tmp_path):
+    """Copying read records into the pool fails: the requests of that step end with the error, no
+    block leaks, and the engine goes on to give the next requests their tokens."""
+    alone, _, _ = run(model, prompts, None)
+    run(model, prompts[:2], str(tmp_path))
+    engine = paged_hf.Engine(model, block_size=BS, num_blocks=256, kv_cache_dir=str(tmp_path))
+    tier = engine.scheduler.tier
+
+    def broken(handles, pages):
+        raise OSError("injected: the copy into the pool failed")
+
+    tier.load = broken
+    outs = engine.generate(prompts[:2], SamplingParams(max_new_tokens=6))
+    assert all(o.finish_reason == "error" and "injected" in o.error for o in outs)
+    assert_clean(engine)
+    del tier.load  # the class's own again
+    outs = engine.generate(prompts, SamplingParams(max_new_tokens=6))
+    assert [o.token_ids for o in outs] == alone
+    assert_clean(engine)
