@@ -4,13 +4,17 @@ open loop, on SmolLM2-135M-Instruct (bf16, CPU), per scheduling system, across a
     python benchmarks/bench_goodput.py --threads 2
     python benchmarks/bench_goodput.py --rates 0.5,1.0 --duration 20       # quicker
     python benchmarks/bench_goodput.py --smoke     # a tiny random llama, seconds (the tests run it)
+    python benchmarks/bench_goodput.py --batch-job 32 --max-num-seqs 8 --rates 0.25,0.5
+        # a batch job holds the seats; interactive prompts arrive beside it
 
 Two classes (issue 46): interactive (prompts of 20-200 tokens, 16-64 new tokens, priority 0, targets
 TTFT 1 s and TPOT 5x this machine's lone decode step) and batch (prompts of 500-1,500 tokens,
 128-256 new tokens, priority 1, no target). Arrivals are seeded Poisson at ``rate x capacity``
 requests/s for ``--duration`` seconds, with a burst at 3x the rate over its middle fifth; every
 system gets the same trace. Capacity is the request rate this engine completes the class mix at
-when all of it arrives at once.
+when all of it arrives at once. ``--batch-job N`` submits N batch requests at once at the start and
+makes every Poisson arrival interactive: the notebook prompt beside a running batch job, where the
+batch work holds the seats (vLLM cannot displace a running request for a waiting one, vllm#40004).
 
 Systems: "fcfs" (the default scheduler), "priority", "priority+tpot" (interactive requests carry
 their TPOT target, which bounds the prefill beside their decodes). Per class and rate: goodput
@@ -62,10 +66,13 @@ def make_request(rng: random.Random, kind: str, vocab: list[int]) -> dict:
     }
 
 
-def make_trace(rate: float, duration: float, seed: int, share: float, vocab: list[int]) -> list:
-    """[(arrival offset s, request)]: Poisson at ``rate``/s, 3x over the middle fifth."""
+def make_trace(
+    rate: float, duration: float, seed: int, share: float, vocab: list[int], batch_job: int = 0
+) -> list:
+    """[(arrival offset s, request)]: Poisson at ``rate``/s, 3x over the middle fifth, after
+    ``batch_job`` batch requests at offset 0."""
     rng = random.Random(seed)
-    trace, t = [], 0.0
+    trace, t = [(0.0, make_request(rng, "batch", vocab)) for _ in range(batch_job)], 0.0
     while True:
         burst = 0.4 * duration <= t < 0.6 * duration
         t += rng.expovariate(rate * (3 if burst else 1))
@@ -237,7 +244,7 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def plot(rows: list[dict], path: Path) -> None:
+def plot(rows: list[dict], path: Path, title: str = "") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -250,8 +257,14 @@ def plot(rows: list[dict], path: Path) -> None:
     ax.set_xlabel("arrival rate (x capacity)")
     ax.set_ylabel("interactive requests within targets")
     ax.set_ylim(0, 1.05)
+    ax.set_title(title, fontsize=10)
     ax.legend()
     fig.savefig(path, dpi=120)
+
+
+def plot_title(args) -> str:
+    job = f", a batch job of {args.batch_job} at the start" if args.batch_job else ""
+    return f"max_num_seqs {args.max_num_seqs}{job}"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -260,6 +273,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--systems", default=",".join(SYSTEMS))
     p.add_argument("--duration", type=float, default=40.0, help="seconds of arrivals per run")
     p.add_argument("--interactive-share", type=float, default=0.8, help="of requests, by count")
+    p.add_argument(
+        "--batch-job",
+        type=int,
+        default=0,
+        help="batch requests submitted at the start; the Poisson arrivals are then all interactive",
+    )
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--capacity-requests", type=int, default=20)
     p.add_argument("--drain-timeout", type=float, default=600.0)
@@ -317,8 +336,9 @@ def main(argv=None) -> int:
     )
     rows = []
     for rate_x in [float(x) for x in args.rates.split(",")]:
+        share = 1.0 if args.batch_job else args.interactive_share
         trace = make_trace(
-            rate_x * capacity, args.duration, args.seed, args.interactive_share, vocab
+            rate_x * capacity, args.duration, args.seed, share, vocab, args.batch_job
         )
         for system in systems:
             print(f"[{rate_x}x] {system}: {len(trace)} requests ...", flush=True)
@@ -346,7 +366,7 @@ def main(argv=None) -> int:
     }
     path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     try:
-        plot(rows, path.with_suffix(".png"))
+        plot(rows, path.with_suffix(".png"), plot_title(args))
     except ImportError:
         pass
     print(f"JSON: {path}")

@@ -331,3 +331,29 @@ def test_an_urgent_prompt_takes_the_prefill_room_before_running_batch_prefills(m
     for rid, prompt, params in [("urgent", prompts[2], urgent), ("batch", prompts[1], batch)]:
         assert outputs[rid].token_ids == alone(model, prompt, params, **SMALL), rid
     assert_clean(engine)
+
+
+def test_smollm2_an_urgent_chat_displaces_batch_work_and_keeps_its_tokens(smollm2_fp32):
+    """The default model (fp32): an urgent chat arriving while batch requests hold both seats runs
+    in the next step; every request's tokens are the ones transformers picks (teacher forced)."""
+    from oracle import assert_teacher_forced
+
+    model, tok = smollm2_fp32
+    texts = ["Write a long story about the sea.", "List ten fruits.", "Explain rain.", "Hi! 2+2?"]
+    prompts = [
+        tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True)
+        for t in texts
+    ]
+    prompts = [p if isinstance(p, list) else p["input_ids"] for p in prompts]
+    batch = SamplingParams(max_new_tokens=12, ignore_eos=True, priority=1)
+    urgent = SamplingParams(max_new_tokens=6, ignore_eos=True, priority=0)
+    arrivals = {0: [(p, batch, f"b{i}") for i, p in enumerate(prompts[:3])]}
+    arrivals[3] = [(prompts[3], urgent, "urgent")]
+    engine = paged_hf.Engine(
+        model, tok, block_size=16, num_blocks=64, max_num_seqs=2, scheduling_policy="priority"
+    )
+    outputs, log = drain(engine, arrivals)
+    assert first_step(log, "urgent") == 3 and log[3][1] == ["b1"]
+    for rid, prompt in [("urgent", prompts[3])] + [(f"b{i}", p) for i, p in enumerate(prompts[:3])]:
+        assert_teacher_forced(model, prompt, outputs[rid].token_ids, what=rid)
+    assert_clean(engine)
