@@ -1,8 +1,10 @@
-"""The disk tier (``kv_cache_dir``) across processes: what a second process computes and how long it
-takes, against the first, on SmolLM2-135M-Instruct (bf16, CPU).
+"""The tiers under the prefix cache, on SmolLM2-135M-Instruct (bf16, CPU): the disk tier
+(``kv_cache_dir``) across processes, what a second process computes and how long it takes against
+the first; the host tier (``kv_host_cache_bytes``) against the pool alone.
 
-    python benchmarks/bench_kv_tiers.py                 # both scenarios
+    python benchmarks/bench_kv_tiers.py                 # every scenario
     python benchmarks/bench_kv_tiers.py --quick         # fewer prompts, shorter document
+    python benchmarks/bench_kv_tiers.py --scenarios eval --dtype float32   # outputs must be equal
 
 Scenarios, each run as separate processes in turn (a fresh directory per scenario):
 - ``eval``: lm-evaluation-harness's ``phf_gen_shots`` (benchmarks/eval_tasks.py: generate_until,
@@ -13,6 +15,10 @@ Scenarios, each run as separate processes in turn (a fresh directory per scenari
 - ``document``: a ~4k-token document and 32 questions about it, asked one after another through
   ``Engine.generate``: in a first process and then in a second on the same directory. Per run: the
   first question's TTFT, the median of the others', prefill tokens computed.
+- ``host``: a working set 3x the pool (24 prompts of 1,024 tokens, the pool holding 8), asked in
+  three shuffled rounds: prompts/s and hits with the pool alone and with a host tier holding them
+  all. On a CPU the host tier is the same memory as the pool: this measures the mechanism (and a
+  pool capped below the machine's memory), not a device's copy costs.
 
 Prints a table, writes JSON to benchmarks/results/. No assertion on time anywhere.
 """
@@ -42,16 +48,23 @@ def eval_worker(args) -> dict:
 
     torch.set_num_threads(args.threads)
     extra = {"kv_cache_dir": args.kv_dir} if args.kv_dir else {}
-    lm = PagedHFLM(pretrained=str(_model_dir("default")), dtype="bfloat16", device="cpu", **extra)
+    lm = PagedHFLM(pretrained=str(_model_dir("default")), dtype=args.dtype, device="cpu", **extra)
     torch.set_num_threads(args.threads)
     tm = TaskManager(include_path=args.tasks_dir, include_defaults=False)
     start = time.perf_counter()
     res = lm_eval.simple_evaluate(
-        model=lm, tasks=["phf_gen_shots"], task_manager=tm, verbosity="WARNING"
+        model=lm, tasks=["phf_gen_shots"], task_manager=tm, log_samples=True, verbosity="WARNING"
     )
     lm.engine.flush_kv_tiers()  # the records are the run's output: count their writing
     wall = time.perf_counter() - start
-    return {"eval_s": wall, "metrics": _metrics(res, "phf_gen_shots"), **_engine(lm.engine)}
+    samples = sorted(res["samples"]["phf_gen_shots"], key=lambda x: x["doc_id"])
+    outputs = [x["filtered_resps"] for x in samples]
+    return {
+        "eval_s": wall,
+        "metrics": _metrics(res, "phf_gen_shots"),
+        "outputs": outputs,
+        **_engine(lm.engine),
+    }
 
 
 def document_worker(args) -> dict:
@@ -62,7 +75,7 @@ def document_worker(args) -> dict:
     from paged_hf.model.default_model import load_default_model
 
     torch.set_num_threads(args.threads)
-    model, tok = load_default_model(dtype=torch.bfloat16)
+    model, tok = load_default_model(dtype=getattr(torch, args.dtype))
     engine = paged_hf.Engine(model, tok, kv_cache_dir=args.kv_dir, max_model_len=8192)
     document = _document(tok, args.doc_tokens)
     ttfts, answers = [], []
@@ -81,6 +94,46 @@ def document_worker(args) -> dict:
         "answers": answers,
         **_engine(engine),
     }
+
+
+def host_worker(args) -> dict:
+    """A working set 3x the pool: ``3 * args.pool_prompts`` distinct prompts of 1,024 tokens, asked
+    in three shuffled rounds, four at a time, with the pool alone and with a host tier that holds
+    them all; one process, the two engines in turn."""
+    import random
+
+    import torch
+
+    import paged_hf
+    from paged_hf import SamplingParams
+    from paged_hf.model.default_model import load_default_model
+
+    torch.set_num_threads(args.threads)
+    model, tok = load_default_model(dtype=getattr(torch, args.dtype))
+    rng = random.Random(0)
+    vocab = [t for t in range(1000, 30000) if t not in set(tok.all_special_ids)]
+    prompts = [[rng.choice(vocab) for _ in range(1024)] for _ in range(3 * args.pool_prompts)]
+    order = [i for _ in range(3) for i in rng.sample(range(len(prompts)), len(prompts))]
+    blocks = args.pool_prompts * 1024 // 16 + 64  # the prompts of a third of the set, and room
+    out = {}
+    for name, host in [("pool alone", None), ("host tier", 2 * len(prompts) * 1024 * 23 * 1024)]:
+        engine = paged_hf.Engine(model, tok, num_blocks=blocks, kv_host_cache_bytes=host)
+        start = time.perf_counter()
+        for k in range(0, len(order), 4):
+            batch = [prompts[i] for i in order[k : k + 4]]
+            engine.generate(batch, SamplingParams(max_new_tokens=4, ignore_eos=True))
+        wall = time.perf_counter() - start
+        s = engine.stats()
+        out[name] = {
+            "wall_s": wall,
+            "prompts_per_s": len(order) / wall,
+            "prompt_tokens": s["prompt_tokens"],
+            "prefill_tokens_computed": s["prefill_tokens_computed"],
+            "prefix_hit_tokens": s["prefix_hit_tokens"],
+            "host_hit_tokens": s["kv_tiers"].get("host", {}).get("hit_tokens", 0),
+            "tiers": s["kv_tiers"].get("total"),
+        }
+    return {"configs": out, "num_blocks": blocks, "prompts": len(prompts)}
 
 
 QUESTIONS = [
@@ -109,20 +162,23 @@ def _document(tok, n_tokens: int) -> str:
 
 def _engine(engine) -> dict:
     s = engine.stats()
-    disk = s["kv_tiers"].get("disk", {})
-    keep = ("hit_tokens", "stored_blocks", "read_s", "load_s", "write_s", "bytes_read")
+    disk, total = s["kv_tiers"].get("disk", {}), s["kv_tiers"].get("total", {})
     return {
         "prompt_tokens": s["prompt_tokens"],
         "prefill_tokens_computed": s["prefill_tokens_computed"],
         "prefix_hit_tokens": s["prefix_hit_tokens"],
-        "disk": {k: disk.get(k) for k in keep} | {"bytes_written": disk.get("bytes_written")},
+        "disk": {
+            k: disk.get(k) for k in ("hit_tokens", "stored_blocks", "bytes_read", "bytes_written")
+        }
+        | {k: total.get(k) for k in ("read_s", "load_s", "write_s", "recompute_saved_s")},
     }
 
 
 def run_worker(kind: str, kv_dir: str | None, args) -> dict:
     cmd = [sys.executable, __file__, "--worker", kind, "--threads", str(args.threads)]
     cmd += ["--tasks-dir", args.tasks_dir, "--questions", str(args.questions)]
-    cmd += ["--doc-tokens", str(args.doc_tokens)]
+    cmd += ["--doc-tokens", str(args.doc_tokens), "--dtype", args.dtype]
+    cmd += ["--pool-prompts", str(args.pool_prompts)]
     if kv_dir:
         cmd += ["--kv-dir", kv_dir]
     start = time.perf_counter()
@@ -136,11 +192,13 @@ def run_worker(kind: str, kv_dir: str | None, args) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--scenarios", default="eval,document")
+    p.add_argument("--scenarios", default="eval,document,host")
+    p.add_argument("--pool-prompts", type=int, default=8, help="host: prompts the pool holds")
     p.add_argument("--n-gen", type=int, default=100, help="eval: prompts")
     p.add_argument("--questions", type=int, default=32, help="document: questions")
     p.add_argument("--doc-tokens", type=int, default=4000)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--dtype", default="bfloat16", help="bfloat16 or float32")
     p.add_argument("--timeout", type=float, default=1200.0, help="per process")
     p.add_argument(
         "--quick", action="store_true", help="20 prompts, 8 questions, 1k-token document"
@@ -151,11 +209,12 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=str(HERE / "results"))
     args = p.parse_args(argv)
     if args.worker:
-        row = (eval_worker if args.worker == "eval" else document_worker)(args)
+        workers = {"eval": eval_worker, "document": document_worker, "host": host_worker}
+        row = workers[args.worker](args)
         print(json.dumps(row))
         return 0
     if args.quick:
-        args.n_gen, args.questions, args.doc_tokens = 20, 8, 1000
+        args.n_gen, args.questions, args.doc_tokens, args.pool_prompts = 20, 8, 1000, 2
     from eval_tasks import write_tasks
 
     work = Path(tempfile.mkdtemp(prefix="paged_hf_tiers_"))
@@ -163,11 +222,11 @@ def main(argv=None) -> int:
     rows = []
     for scenario in args.scenarios.split(","):
         kv_dir = str(work / f"kv_{scenario}")
-        runs = (
-            [("no directory", None), ("first", kv_dir), ("second", kv_dir)]
-            if scenario == "eval"
-            else [("first", kv_dir), ("second", kv_dir)]
-        )
+        runs = {
+            "eval": [("no directory", None), ("first", kv_dir), ("second", kv_dir)],
+            "document": [("first", kv_dir), ("second", kv_dir)],
+            "host": [("one process", None)],
+        }[scenario]
         for name, d in runs:
             print(f"{scenario}: {name} process ...", flush=True)
             row = {"scenario": scenario, "run": name, **run_worker(scenario, d, args)}
@@ -186,6 +245,13 @@ def main(argv=None) -> int:
 
 
 def _line(row: dict) -> str:
+    if row["scenario"] == "host":
+        return "host: " + "; ".join(
+            f"{name} {c['prompts_per_s']:.2f} prompts/s, prefill computed "
+            f"{c['prefill_tokens_computed']:,} of {c['prompt_tokens']:,}, pool hits "
+            f"{c['prefix_hit_tokens']:,}, host hits {c['host_hit_tokens']:,}"
+            for name, c in row["configs"].items()
+        )
     d = row["disk"]
     head = f"{row['scenario']:8s} {row['run']:12s} prefill computed {row['prefill_tokens_computed']:7,d}"
     head += (
@@ -201,6 +267,10 @@ def _line(row: dict) -> str:
     )
 
 
+def _differing(a: dict, b: dict) -> int:
+    return sum(x != y for x, y in zip(a["outputs"], b["outputs"]))
+
+
 def _summary(rows: list[dict]) -> None:
     by = {(r["scenario"], r["run"]): r for r in rows}
     if ("eval", "second") in by:
@@ -208,7 +278,16 @@ def _summary(rows: list[dict]) -> None:
         print(
             f"eval: the second process computed {second['prefill_tokens_computed'] / first['prefill_tokens_computed']:.0%} "
             f"of the first's prefill tokens, in {first['eval_s'] / second['eval_s']:.1f}x less time; "
-            f"metrics {'equal' if first['metrics'] == second['metrics'] == by['eval', 'no directory']['metrics'] else 'DIFFER'}"
+            f"metrics {first['metrics']} / {second['metrics']}; outputs differing from the run "
+            f"without a directory: first {_differing(first, by['eval', 'no directory'])}, second "
+            f"{_differing(second, by['eval', 'no directory'])} of {len(first['outputs'])}"
+        )
+    if ("host", "one process") in by:
+        c = by["host", "one process"]["configs"]
+        print(
+            f"host: a working set 3x the pool, {c['host tier']['prompts_per_s'] / c['pool alone']['prompts_per_s']:.1f}x "
+            f"the pool alone's prompts/s; host hit rate "
+            f"{c['host tier']['host_hit_tokens'] / c['host tier']['prompt_tokens']:.0%} of prompt tokens"
         )
     if ("document", "second") in by:
         first, second = by["document", "first"], by["document", "second"]

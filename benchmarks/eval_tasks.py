@@ -230,7 +230,7 @@ fewshot_split: train
 test_split: test
 num_fewshot: 5
 doc_to_text: "{{{{context}}}}\\nAnswer:"
-doc_to_target: " {{{{answer}}}}"
+doc_to_target: "{{{{answer}}}}"
 generation_kwargs:
   until:
     - "\\n"

@@ -68,7 +68,10 @@ class EngineConfig:
     # seconds per output token for requests that set no SamplingParams.tpot_target_s (None: none);
     # while requests with a target decode, a step carries only the prefill that keeps the tightest
     tpot_target_s: float | None = None
-    # a directory of KV records that outlives the process (paged_hf/engine/disk_tier.py): prompt
+    # bytes of host memory keeping KV records under the pool (paged_hf/engine/kv_tiers.py): prompt
+    # blocks computed here are kept there, and read back where the prefix cache misses (None: none)
+    kv_host_cache_bytes: int | None = None
+    # a directory of KV records that outlives the process (paged_hf/engine/kv_tiers.py): prompt
     # blocks computed here are written there, and read back where the prefix cache misses, by any
     # process with the same weights. None: $PAGED_HF_KV_CACHE_DIR, or no disk tier
     kv_cache_dir: str | None = None
@@ -163,10 +166,16 @@ class EngineConfig:
         if self.max_waiting is not None:
             _check_int("max_waiting", self.max_waiting, 1)
         _check_int("kv_cache_dir_bytes", self.kv_cache_dir_bytes, 1)
+        if self.kv_host_cache_bytes is not None:
+            _check_int("kv_host_cache_bytes", self.kv_host_cache_bytes, 1)
         if self.kv_cache_dir is None and self.enable_prefix_caching:
             self.kv_cache_dir = os.environ.get("PAGED_HF_KV_CACHE_DIR") or None
-        if self.kv_cache_dir is not None and not self.enable_prefix_caching:
-            raise ValueError("kv_cache_dir needs enable_prefix_caching=True: the tier is under it")
+        tiers = self.kv_cache_dir is not None or self.kv_host_cache_bytes is not None
+        if tiers and not self.enable_prefix_caching:
+            raise ValueError(
+                "kv_cache_dir and kv_host_cache_bytes need enable_prefix_caching=True: the tiers "
+                "are under it"
+            )
         target = self.tpot_target_s
         if target is not None and not (
             isinstance(target, (int, float)) and not isinstance(target, bool) and target > 0

@@ -308,9 +308,10 @@ class DiskKVStore:
         _check_key(key)
         return key in self._w.pending or os.path.exists(self._w.path(key))
 
-    def put(self, key: bytes, payload: torch.Tensor) -> None:
+    def put(self, key: bytes, payload: torch.Tensor, owned: bool = False) -> None:
         """Queue a copy of ``payload`` (any device, dtype, layout) for writing and return at
-        once. Already stored or queued: nothing to do. Dropped (counted) when the record alone
+        once; ``owned``: the caller hands over a contiguous CPU tensor nobody writes again, queued
+        as it is. Already stored or queued: nothing to do. Dropped (counted) when the record alone
         exceeds max_bytes, when the queue would exceed max_pending_bytes, or after close()."""
         _check_key(key)
         w = self._w
@@ -326,8 +327,12 @@ class DiskKVStore:
             if w.closed or w.pending_bytes + nbytes > w.max_pending or not w.thread.is_alive():
                 w.counts["dropped"] += 1
                 return
-            # the caller's tensor views a pool page that is about to be reused: copy it now
-            w.pending[key] = torch.empty(payload.shape, dtype=payload.dtype).copy_(payload.detach())
+            # else the caller's tensor may view a pool page that is about to be reused: copy it now
+            w.pending[key] = (
+                payload.detach()
+                if owned and payload.device.type == "cpu" and payload.is_contiguous()
+                else torch.empty(payload.shape, dtype=payload.dtype).copy_(payload.detach())
+            )
             w.pending_bytes += nbytes
             w.outstanding += 1
             w.queue.put(key)

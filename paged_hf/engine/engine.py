@@ -26,7 +26,7 @@ from . import latency_stats
 from .admission import AdmissionMixin, eos_ids, max_model_len_for, within_limits
 from .batch import BatchCallsMixin
 from .binding import patch_state
-from .disk_tier import make_disk_tier
+from .kv_tiers import make_kv_tiers
 from .outputs import OutputsMixin, RequestOutput
 from .priority_scheduler import PriorityScheduler
 from .scheduler import Scheduler
@@ -155,7 +155,7 @@ class Engine(AdmissionMixin, StepMixin, OutputsMixin, BatchCallsMixin):
             slots.total if slots is not None else 0,
             groups=self.groups,
         )
-        self.scheduler.tier = make_disk_tier(
+        self.scheduler.tier = make_kv_tiers(
             self.config,
             model,
             self.groups,
@@ -318,7 +318,7 @@ class Engine(AdmissionMixin, StepMixin, OutputsMixin, BatchCallsMixin):
     def _weights_changed(self, moved: bool) -> None:
         if self.scheduler.tier is not None:
             self.scheduler.tier.turn_off(
-                "the model's weights changed in this process (build a new engine to write and read "
+                "the model's weights changed in this process (build a new engine to keep and read "
                 "records of the new weights)"
             )
         self._cache_generation += 1
@@ -376,13 +376,11 @@ class Engine(AdmissionMixin, StepMixin, OutputsMixin, BatchCallsMixin):
         """Wait until the disk tier has written every record queued so far (the end of a run: the
         next process reads them; a normal exit waits for them too)."""
         if self.scheduler.tier is not None:
-            self.scheduler.tier.store.flush(timeout)
+            self.scheduler.tier.flush(timeout)
 
     def _tier_stats(self) -> dict[str, Any]:
         tier = self.scheduler.tier
-        if tier is None:
-            return {}
-        return {"disk": tier.stats(self.scheduler.step_time.prefill_token_s())}
+        return {} if tier is None else tier.stats(self.scheduler.step_time.prefill_token_s())
 
     def stats(
         self, ttft_target_s: float | None = None, tpot_target_s: float | None = None

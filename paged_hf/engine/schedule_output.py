@@ -4,6 +4,7 @@ backend does first (copies, swaps, disk-tier loads); and the step budget it plan
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..requests.request import Request
 
@@ -30,8 +31,8 @@ class SchedulerOutput:
     # swap preemption, done by the backend before the step (swap-outs first: their blocks are free now)
     swap_out: list[tuple[Request, list[int]]] = field(default_factory=list)
     swap_in: list[tuple[Request, list[int]]] = field(default_factory=list)
-    # (host copies, pool pages) of blocks read from the disk tier, loaded before the step
-    tier_loads: list[tuple[list, list[int]]] = field(default_factory=list)
+    # (blocks read from the disk tier, their pool pages), loaded before the step
+    tier_loads: list[tuple[Any, list[int]]] = field(default_factory=list)
     # (src, dst) state slots before the step
     state_copies: list[tuple[int, int]] = field(default_factory=list)
     finished: list[Request] = field(default_factory=list)  # filled in by ``update``

@@ -63,7 +63,7 @@ class Scheduler:
         self.shed: list[Request] = []  # waiting requests refused to make room, until the next step
         self.clock = time.perf_counter  # the engine's clock (a fake one in tests)
         self.step_time = StepTimeModel()  # fed by the engine after each step
-        self.tier: Any = None  # the disk tier under the prefix cache (paged_hf/engine/disk_tier.py)
+        self.tier: Any = None  # the disk tier under the prefix cache (paged_hf/engine/kv_tiers.py)
 
     # ---- submission ----------------------------------------------------------------------
     def check_fits(self, req: Request) -> None:
@@ -220,7 +220,7 @@ class Scheduler:
         """Admit waiting ``req`` with this step's first chunk: "admitted", "sibling" (the next block
         of its prompt is computed this step by another request: it waits a step and takes it from
         the prefix cache instead of computing it twice) or "no blocks". Leaves ``waiting`` as it is."""
-        swapped, loads = req.swapped_tokens, []
+        swapped, loads = req.swapped_tokens, None
         if swapped:  # its KV comes back from host memory into fresh blocks
             req.num_computed_tokens, cached = swapped, 0
         else:
@@ -244,7 +244,9 @@ class Scheduler:
             end = req.num_computed_tokens // self.kv_manager.block_size
             out.tier_loads.append((loads, req.block_tables[0][end - len(loads) : end]))
         if not req.admitted_once:
-            req.num_cached_tokens = cached + len(loads) * self.kv_manager.block_size
+            req.num_cached_tokens = (
+                cached + (len(loads) if loads else 0) * self.kv_manager.block_size
+            )
             req.admitted_once = True
             req.first_scheduled_time = self.clock()
         self.prefix_hit_tokens += cached
@@ -256,15 +258,18 @@ class Scheduler:
         pending |= blocks_in_flight(self.kv_manager, {req: n})
         return "admitted"
 
-    def _read_tier(self, req: Request) -> list:
-        """Where the prefix cache's hit ends, the disk tier's records may go on (prompt blocks)."""
+    def _read_tier(self, req: Request) -> Any:
+        """Where the prefix cache's hit ends, the disk tier's records may go on (prompt blocks):
+        the blocks read (paged_hf/engine/kv_tiers.py's TierHit), or None."""
         if self.tier is None:
-            return []
+            return None
         bs = self.kv_manager.block_size
-        first = req.num_computed_tokens // bs
-        loads = self.tier.read(req, first, self.kv_manager.hit_limit(req) // bs)
-        req.num_computed_tokens += len(loads) * bs
-        return loads
+        hit = self.tier.read(
+            req, req.num_computed_tokens // bs, self.kv_manager.hit_limit(req) // bs
+        )
+        if hit is not None:
+            req.num_computed_tokens += len(hit) * bs
+        return hit
 
     def _no_lone_token(self, req: Request, n: int) -> int:
         """A hybrid's prompt chunk leaves two tokens or none behind: a lone last token would go through

@@ -141,8 +141,8 @@ class StepMixin:
                 self.runner.states.restore(req.state_slot, req.swapped_state)
                 req.swapped_state = None
         tier = self.scheduler.tier
-        for handles, pages in out.tier_loads:
-            tier.load(handles, pages)
+        for hit, pages in out.tier_loads:
+            tier.load(hit, pages)
         self._decode_states_in_front(out.scheduled)
         logits, meta = self.runner.execute(out.scheduled, out.block_copies)
         self.scheduler.mark_computed(out)

@@ -99,7 +99,7 @@ class Request:
     error: str | None = None  # why it finished with FinishReason.ERROR
     # prefix-cache namespace it was admitted under (the weights' generation)
     cache_namespace: Any = None
-    # the disk tier (paged_hf/engine/disk_tier.py): its chain root for this request, the keys of
+    # the disk tier (paged_hf/engine/kv_tiers.py): its chain root for this request, the keys of
     # its prompt blocks so far, and how many leading blocks are known to be on disk
     tier_root: bytes | None = None
     tier_keys: list = field(default_factory=list)

@@ -323,7 +323,7 @@ def test_scheduling_policy_reaches_the_engine_options(tmp_path):
 
 def test_kv_cache_dir_keeps_prompt_kv_for_the_next_run(model_dir, tmp_path):
     """Two runs with --kv-cache-dir: the first writes records, the second gives the same output
-    (its prefill read from them, which tests/engine/test_disk_tier.py checks token by token)."""
+    (its prefill read from them, which tests/engine/test_kv_tiers.py checks token by token)."""
     data = tmp_path / "in.jsonl"
     rows = [{"q": "a longer question about the weather in the mountains " * 2}, {"q": "hi " * 20}]
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))

@@ -1,6 +1,8 @@
-"""The disk tier under the prefix cache (``kv_cache_dir``): prompt blocks computed by one engine are
-read back by the next one, in this process or another, with the same tokens as computing them;
-nothing is served across weights, adapters, salts or block sizes; a damaged record is recomputed."""
+"""The tiers under the prefix cache. Disk (``kv_cache_dir``): prompt blocks computed by one engine
+are read back by the next one, in this process or another, with the same tokens as computing them;
+nothing is served across weights, adapters, salts or block sizes; a damaged record is recomputed.
+Host memory (``kv_host_cache_bytes``, the torch backend standing in for a device): blocks the pool
+evicted come back from it."""
 
 from __future__ import annotations
 
@@ -17,14 +19,15 @@ from tiny_models import make_tiny_model, tiny_prompts
 
 import paged_hf
 from paged_hf import SamplingParams
+from paged_hf.engine.kv_tiers import record_blocks
 
 BS = 4
-LENGTHS = [21, 30, 17, 9]
+LENGTHS = [21, 30, 17, 9, 40]
 
 
 @pytest.fixture(scope="module")
 def prompts(model):
-    return tiny_prompts(model.config.vocab_size, 4, LENGTHS, seed=5)
+    return tiny_prompts(model.config.vocab_size, len(LENGTHS), LENGTHS, seed=5)
 
 
 def run(model, prompts, kv_dir, params=None, **options):
@@ -42,10 +45,18 @@ def run(model, prompts, kv_dir, params=None, **options):
     return [o.token_ids for o in outs], engine.stats(), engine
 
 
+P = record_blocks(BS)  # blocks per record
+
+
+def written_tokens(prompts) -> int:
+    """What the tier writes of each prompt: its whole records."""
+    return sum(len(p) // BS // P * P * BS for p in prompts)
+
+
 def servable_tokens(prompts) -> int:
-    """What a hit may serve of each prompt: its whole blocks before the last token (one is always
-    computed, for its logits)."""
-    return sum((len(p) - 1) // BS * BS for p in prompts)
+    """What a hit may serve of each prompt: its whole records' blocks before the last token (one
+    is always computed, for its logits)."""
+    return sum(min((len(p) - 1) // BS, len(p) // BS // P * P) * BS for p in prompts)
 
 
 def disk(stats) -> dict:
@@ -58,7 +69,7 @@ def test_a_second_engine_reads_what_the_first_wrote_with_the_same_tokens(model, 
     second, s2, _ = run(model, prompts, str(tmp_path))
     assert first == alone and second == alone
     assert disk(s1)["hit_tokens"] == 0
-    assert disk(s1)["stored_blocks"] == sum(len(p) // BS for p in prompts)
+    assert disk(s1)["stored_blocks"] * BS == written_tokens(prompts)
     assert disk(s2)["hit_tokens"] == servable_tokens(prompts)
     assert s2["prefill_tokens_computed"] == sum(map(len, prompts)) - servable_tokens(prompts)
     assert disk(s2)["stored_blocks"] == 0, "the second engine rewrites nothing"
@@ -70,7 +81,7 @@ def test_a_longer_prompt_reads_the_shared_part_and_computes_the_rest(model, prom
     alone, _, _ = run(model, longer, None)
     tokens, stats, _ = run(model, longer, str(tmp_path))
     assert tokens == alone
-    assert disk(stats)["hit_tokens"] == len(prompts[0]) // BS * BS
+    assert disk(stats)["hit_tokens"] == written_tokens(prompts[:1]) > 0
 
 
 def test_another_process_reads_the_records(model, prompts, tmp_path):
@@ -168,7 +179,7 @@ def test_a_weights_change_in_process_turns_the_tier_off_once(model, prompts, tmp
         with torch.no_grad():
             trained.model.layers[0].mlp.down_proj.weight.mul_(1.5)
         engine.generate(prompts, SamplingParams(max_new_tokens=2))
-    offs = [r for r in caplog.records if "disk KV tier is off" in r.getMessage()]
+    offs = [r for r in caplog.records if "KV cache tiers are off" in r.getMessage()]
     assert len(offs) == 1, "one message"
     fresh = make_tiny_model("llama").double()
     with torch.no_grad():
@@ -219,7 +230,7 @@ def test_smollm2_reads_its_records_with_the_same_tokens(smollm2_fp32, tmp_path):
     assert first == alone and second == alone
     served = stats["kv_tiers"]["disk"]["hit_tokens"] + stats["prefix_hit_tokens"]
     assert stats["kv_tiers"]["disk"]["hit_tokens"] > 0
-    assert served == sum((len(p) - 1) // 16 * 16 for p in prompts)
+    assert served == sum(min((len(p) - 1) // 16, len(p) // 16) * 16 for p in prompts)
 
 
 def test_a_load_that_fails_ends_its_steps_requests_alone(model, prompts, tmp_path):
@@ -241,3 +252,112 @@ def test_a_load_that_fails_ends_its_steps_requests_alone(model, prompts, tmp_pat
     outs = engine.generate(prompts, SamplingParams(max_new_tokens=6))
     assert [o.token_ids for o in outs] == alone
     assert_clean(engine)
+
+
+def test_a_read_may_start_inside_a_record_where_the_index_hit_ends(model, tmp_path):
+    """The in-memory index holds the first 5 blocks; the disk tier's record of blocks 4-7 serves
+    blocks 5-7 (its first row is skipped), and the tokens are those of computing everything."""
+    assert P == 4
+    x = tiny_prompts(model.config.vocab_size, 1, 40, seed=11)[0]
+    run(model, [x], str(tmp_path))  # records of blocks 0-3 and 4-7
+    alone, _, _ = run(model, [x], None)
+    engine = paged_hf.Engine(model, block_size=BS, num_blocks=256, kv_cache_dir=str(tmp_path))
+    engine.generate([x[:21]], SamplingParams(max_new_tokens=6))  # the index: blocks 0-4 of x
+    hit_before = disk(engine.stats())["hit_tokens"]
+    out = engine.generate([x], SamplingParams(max_new_tokens=6))[0]
+    assert out.token_ids == alone[0]
+    assert engine.stats()["prefix_hit_tokens"] >= 5 * BS
+    assert disk(engine.stats())["hit_tokens"] - hit_before == 3 * BS
+    assert_clean(engine)
+
+
+def test_blocks_the_pool_evicted_come_back_from_host_memory(model):
+    """A pool of 24 blocks, three 40-token prompts (10 blocks each): the third evicts the first's
+    blocks; asked again, the first prompt reads them from host memory, with its tokens."""
+    prompts = tiny_prompts(model.config.vocab_size, 3, 40, seed=13)
+    alone, _, _ = run(model, prompts[:1], None)
+    options = dict(block_size=BS, num_blocks=24, kv_host_cache_bytes=64 << 20, max_num_seqs=1)
+    engine = paged_hf.Engine(model, **options)
+    for p in prompts:
+        engine.generate([p], SamplingParams(max_new_tokens=6))
+    before = engine.stats()
+    again = engine.generate([prompts[0]], SamplingParams(max_new_tokens=6))[0]
+    after = engine.stats()
+    assert again.token_ids == alone[0]
+    host = after["kv_tiers"]["host"]["hit_tokens"] - before["kv_tiers"]["host"]["hit_tokens"]
+    from_pool = after["prefix_hit_tokens"] - before["prefix_hit_tokens"]
+    assert host > 0, "the pool evicted the first prompt's blocks: the host tier serves them"
+    assert host + from_pool == servable_tokens(prompts[:1])
+    without = paged_hf.Engine(model, **dict(options, kv_host_cache_bytes=None))
+    for p in prompts:
+        without.generate([p], SamplingParams(max_new_tokens=6))
+    hits = without.stats()["prefix_hit_tokens"]
+    without.generate([prompts[0]], SamplingParams(max_new_tokens=6))
+    assert without.stats()["prefix_hit_tokens"] - hits < host + from_pool, (
+        "the pool alone lost them"
+    )
+    assert_clean(engine)
+
+
+def test_a_disk_hit_is_kept_in_host_memory(model, prompts, tmp_path):
+    run(model, prompts, str(tmp_path))
+    tokens, stats, engine = run(model, prompts, str(tmp_path), kv_host_cache_bytes=64 << 20)
+    assert stats["kv_tiers"]["disk"]["hit_tokens"] == servable_tokens(prompts)
+    assert stats["kv_tiers"]["host"]["records"] == written_tokens(prompts) // (P * BS)
+    for path in tmp_path.rglob("*.kv"):  # the disk records gone: host memory still serves
+        path.unlink()
+    engine.kv_manager.reset_prefix_cache(engine._cache_key())  # the pool's copies gone too
+    outs = engine.generate(prompts, SamplingParams(max_new_tokens=6))
+    assert [o.token_ids for o in outs] == tokens
+    host = engine.stats()["kv_tiers"]["host"]["hit_tokens"]
+    assert host == servable_tokens(prompts)
+
+
+def test_the_host_store_keeps_the_most_recently_used_within_its_bound():
+    from paged_hf.cache.host_kv_store import HostKVStore
+
+    store = HostKVStore(max_bytes=4 * 400)
+    record = lambda i: torch.full((100,), float(i))  # noqa: E731 - 400 bytes
+    for i in range(4):
+        store.put(bytes([i]) * 32, record(i))
+    out = torch.empty(100)
+    assert store.get_into(bytes([0]) * 32, out) and torch.equal(out, record(0))
+    store.put(bytes([4]) * 32, record(4))  # evicts 1, the least recently used
+    assert not store.contains(bytes([1]) * 32) and store.contains(bytes([0]) * 32)
+    assert store.nbytes <= 4 * 400 and store.stats()["evicted_records"] == 1
+
+
+def test_an_engine_killed_while_writing_leaves_a_directory_the_next_one_uses(model, tmp_path):
+    """SIGKILL a process whose engine writes records (its writer thread mid-write, most likely);
+    the next engine on the directory serves what survived and gives the tokens of computing."""
+    import signal
+    import time
+
+    tests = Path(__file__).resolve().parents[1]
+    code = (
+        "import paged_hf, sys\n"
+        "from tiny_models import make_tiny_model, tiny_prompts\n"
+        "from paged_hf import SamplingParams\n"
+        "model = make_tiny_model('llama').double()\n"
+        f"e = paged_hf.Engine(model, block_size={BS}, num_blocks=256, kv_cache_dir=sys.argv[1])\n"
+        "for seed in range(10_000):\n"
+        "    prompts = tiny_prompts(model.config.vocab_size, 4, 64, seed=seed)\n"
+        "    e.generate(prompts, SamplingParams(max_new_tokens=1))\n"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tests), str(tests.parent)]))
+    child = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], env=env)
+    try:
+        deadline = time.monotonic() + 120
+        while len(list(tmp_path.rglob("*.kv"))) < 40 and time.monotonic() < deadline:
+            assert child.poll() is None, "the writer process ended early"
+            time.sleep(0.05)
+    finally:
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait()
+    assert len(list(tmp_path.rglob("*.kv"))) >= 40
+    prompts = tiny_prompts(model.config.vocab_size, 4, 64, seed=0)
+    alone, _, _ = run(model, prompts, None)
+    tokens, stats, _ = run(model, prompts, str(tmp_path))
+    assert tokens == alone
+    assert disk(stats)["hit_tokens"] == servable_tokens(prompts)
+    assert disk(stats)["corrupt"] == 0

@@ -1,0 +1,267 @@
+"""The tiers under the prefix cache: host memory (``kv_host_cache_bytes``), then a directory that
+outlives the process (``kv_cache_dir``). Where the in-memory prefix index misses, a prompt's next
+blocks are read from the first tier holding their record (a disk hit is copied up to host memory),
+and the prompt blocks this engine computes are written through to every tier. Keys:
+paged_hf/cache/stable_keys.py; records: paged_hf/cache/host_kv_store.py, disk_kv_store.py. Models
+with one full-attention cache group and no recurrent state only: a record holds pages of KV.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable
+
+import torch
+
+from ..cache.disk_kv_store import DiskKVStore
+from ..cache.host_kv_store import HostKVStore
+from ..cache.stable_keys import chain_keys, salted, tier_seed, weights_fingerprint
+from ..requests.request import Request
+
+logger = logging.getLogger("paged_hf")
+
+# a record holds at least this many tokens' KV: with small blocks (lm-eval's 4) a record per block
+# would mean many small files, each read costing its open and checks
+RECORD_TOKENS = 16
+
+
+def record_blocks(block_size: int) -> int:
+    return max(1, -(-RECORD_TOKENS // block_size))
+
+
+class TierHit:
+    """Blocks read from records: a row each, holding one page of every KV tensor in turn;
+    ``sources``: (tier, blocks) of the rows in order."""
+
+    def __init__(self, rows: torch.Tensor, sources: list[tuple[str, int]]) -> None:
+        self.rows = rows
+        self.sources = sources
+
+    def __len__(self) -> int:
+        return self.rows.shape[0]
+
+
+class KVTiers:
+    def __init__(
+        self,
+        stores: list[tuple[str, Any]],
+        seed: Callable[[object], bytes],
+        adapters: object,
+        block_size: int,
+        kv: Callable[[], list[torch.Tensor]],
+    ) -> None:
+        """``stores``: (name, store) fastest first; ``seed(adapters)``: the chain root of this
+        engine's weights, geometry and namespace under that adapter state; ``kv``: the backend's
+        distinct KV tensors, [num_pages, ...] each (looked up at each use: a sleeping engine
+        reallocates them)."""
+        self.stores = stores
+        self._seed_for = seed
+        self.seed = seed(adapters)
+        self.block_size = block_size
+        self.record_blocks = record_blocks(block_size)
+        self.kv = kv
+        self.off_reason: str | None = None
+        self.hit_blocks = dict.fromkeys((name for name, _ in stores), 0)
+        self.stored_blocks = dict.fromkeys((name for name, _ in stores), 0)
+        self.read_s = 0.0  # reading and checking records at admission
+        self.load_s = 0.0  # copying them into pool pages before the step
+        self.write_s = 0.0  # copying computed pages out to the tiers
+
+    @property
+    def on(self) -> bool:
+        return self.off_reason is None
+
+    def store(self, name: str) -> Any:
+        return dict(self.stores)[name]
+
+    def turn_off(self, why: str) -> None:
+        """Serve and write nothing more (the weights changed: records of the old ones must not be
+        served, and a fingerprint per training step would cost more than it saves)."""
+        if self.off_reason is None:
+            self.off_reason = why
+            logger.warning("paged_hf: the KV cache tiers are off for this engine: %s", why)
+
+    def follow_adapters(self, adapters: object) -> None:
+        """Requests admitted from now on key their blocks under this adapter state."""
+        self.seed = self._seed_for(adapters)
+
+    def flush(self, timeout: float | None = None) -> None:
+        for _, store in self.stores:
+            store.flush(timeout)
+
+    def _keys(self, req: Request, n_blocks: int) -> list[bytes]:
+        if req.tier_root is None:
+            req.tier_root = salted(self.seed, req.cache_salt)
+        if len(req.tier_keys) < n_blocks:
+            tokens = req.prompt_ids[: n_blocks * self.block_size]
+            req.tier_keys = chain_keys(req.tier_root, tokens, self.block_size, req.tier_keys)
+        return req.tier_keys[:n_blocks]
+
+    def read(self, req: Request, first: int, last: int) -> TierHit | None:
+        """Blocks ``first``, ``first + 1``, ... (before ``last``, within the prompt's whole records)
+        of ``req`` that some tier holds good records of, read into host memory, up to the first
+        miss."""
+        p = self.record_blocks
+        records_end = min(-(-last // p), req.num_prompt_tokens // self.block_size // p)
+        r0 = first // p
+        if not self.on or r0 >= records_end or req.parent is not None:
+            return None
+        t0 = time.perf_counter()
+        keys = self._keys(req, records_end * p)
+        kv = self.kv()
+        staged = torch.empty(
+            ((records_end - r0) * p, sum(c[0].numel() for c in kv)), dtype=kv[0].dtype
+        )
+        sources: list[tuple[str, int]] = []
+        for k in range(r0, records_end):
+            key = keys[(k + 1) * p - 1]  # a record is named by its last block's key
+            rows = staged[(k - r0) * p : (k - r0 + 1) * p]
+            tier = self._read_record(key, rows)
+            if tier is None:
+                break
+            used = min(last, (k + 1) * p) - max(first, k * p)
+            sources.append((tier, used))
+        self.read_s += time.perf_counter() - t0
+        end = first + sum(n for _, n in sources)
+        return TierHit(staged[first - r0 * p : end - r0 * p], sources) if end > first else None
+
+    def _read_record(self, key: bytes, rows: torch.Tensor) -> str | None:
+        """The first tier with a good record of ``key``, read into ``rows``; faster tiers get a
+        copy. None: no tier has one."""
+        for i, (name, store) in enumerate(self.stores):
+            if store.contains(key) and store.get_into(key, rows):
+                for _, upper in self.stores[:i]:
+                    upper.put(key, rows)
+                return name
+        return None
+
+    def load(self, hit: TierHit, pages: list[int]) -> None:
+        """Copy read blocks into their pool pages (before the step that reads them): one copy per
+        KV tensor for all of them."""
+        t0 = time.perf_counter()
+        kv = self.kv()
+        idx = torch.tensor(pages, dtype=torch.long, device=kv[0].device)
+        offset = 0
+        for c in kv:
+            n = c[0].numel()
+            part = hit.rows[:, offset : offset + n].view((len(hit),) + tuple(c.shape[1:]))
+            c.index_copy_(0, idx, part.to(c.device))
+            offset += n
+        for name, n in hit.sources:
+            self.hit_blocks[name] += n
+        self.load_s += time.perf_counter() - t0
+
+    def write(self, req: Request) -> None:
+        """Write the whole records of prompt blocks ``req`` holds computed through to every tier
+        that lacks them."""
+        p = self.record_blocks
+        n_full = min(req.num_computed_tokens, req.num_prompt_tokens) // self.block_size
+        records_end = n_full // p
+        if not self.on or req.parent is not None or records_end * p <= req.tier_done:
+            return
+        t0 = time.perf_counter()
+        keys = self._keys(req, records_end * p)
+        todo = []  # (record, the stores lacking it)
+        for k in range(req.tier_done // p, records_end):
+            lacking = [(n, s) for n, s in self.stores if not s.contains(keys[(k + 1) * p - 1])]
+            if lacking:
+                todo.append((k, lacking))
+        if todo:
+            kv = self.kv()
+            table = req.block_tables[0]
+            pages = [table[k * p + j] for k, _ in todo for j in range(p)]
+            idx = torch.tensor(pages, dtype=torch.long, device=kv[0].device)
+            rows = torch.cat([c.index_select(0, idx).reshape(len(pages), -1) for c in kv], 1)
+            rows = rows.to("cpu")
+            for i, (k, lacking) in enumerate(todo):
+                for name, store in lacking:  # each record a view of rows, which nobody writes
+                    store.put(keys[(k + 1) * p - 1], rows[i * p : (i + 1) * p], owned=True)
+                    self.stored_blocks[name] += p
+        req.tier_done = records_end * p
+        self.write_s += time.perf_counter() - t0
+
+    def stats(self, prefill_token_s: float | None) -> dict:
+        """Per tier: blocks read from it and written to it, its store's counters; "total": the
+        seconds spent against the prefill time the hits saved (``prefill_token_s``: the engine's
+        measured prefill cost per token)."""
+        bs = self.block_size
+        out: dict[str, Any] = {
+            name: {
+                "hit_blocks": self.hit_blocks[name],
+                "hit_tokens": self.hit_blocks[name] * bs,
+                "stored_blocks": self.stored_blocks[name],
+                **store.stats(),
+            }
+            for name, store in self.stores
+        }
+        tokens = sum(self.hit_blocks.values()) * bs
+        out["total"] = {
+            "on": self.on,
+            "off_reason": self.off_reason,
+            "hit_tokens": tokens,
+            "read_s": self.read_s,
+            "load_s": self.load_s,
+            "write_s": self.write_s,
+            "recompute_saved_s": None if prefill_token_s is None else tokens * prefill_token_s,
+        }
+        return out
+
+
+def make_kv_tiers(config, model, groups, state_layout, backend, cache_key) -> KVTiers | None:
+    """The engine's tiers when ``config.kv_host_cache_bytes`` or ``config.kv_cache_dir`` is set and
+    the model's KV can go there whole (else None, with a warning saying why). ``cache_key``:
+    (namespace, generation, adapters), the in-memory prefix cache's; the generation is replaced by
+    the weights' fingerprint."""
+    wanted = [
+        f"{name}={getattr(config, name)!r}"
+        for name in ("kv_host_cache_bytes", "kv_cache_dir")
+        if getattr(config, name) is not None
+    ]
+    if not wanted:
+        return None
+    kv = backend._distinct_kv
+    why = (
+        "this model keeps recurrent state"
+        if state_layout is not None
+        else f"this model keeps {len(groups)} cache groups"
+        if len(groups) > 1
+        else "its KV tensors differ in dtype"
+        if len({c.dtype for c in kv}) > 1
+        else None
+    )
+    if why is not None:
+        logger.warning(
+            "paged_hf: %s not used: %s, and a record holds pages of full-attention KV only",
+            ", ".join(wanted),
+            why,
+        )
+        return None
+    t0 = time.perf_counter()
+    fingerprint = weights_fingerprint(model)
+    geometry = {
+        "block_size": config.block_size,
+        "record_blocks": record_blocks(config.block_size),
+        "pages": [[list(c.shape[1:]), str(c.dtype)] for c in kv],
+        "groups": [repr(g) for g in groups],
+        "device": kv[0].device.type if kv else "none",
+    }
+    namespace, _, adapters = cache_key
+    stores: list[tuple[str, Any]] = []
+    if config.kv_host_cache_bytes is not None:
+        pin = bool(kv) and kv[0].device.type == "cuda"
+        stores.append(("host", HostKVStore(config.kv_host_cache_bytes, pin=pin)))
+    if config.kv_cache_dir is not None:
+        stores.append(("disk", DiskKVStore(config.kv_cache_dir, config.kv_cache_dir_bytes)))
+    logger.info(
+        "paged_hf: KV cache tiers %s (weights fingerprinted in %.2f s)",
+        ", ".join(wanted),
+        time.perf_counter() - t0,
+    )
+    return KVTiers(
+        stores,
+        lambda adapters: tier_seed(fingerprint, geometry, adapters, namespace),
+        adapters,
+        config.block_size,
+        lambda: backend._distinct_kv,
+    )
