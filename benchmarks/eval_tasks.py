@@ -93,6 +93,23 @@ def _choices(rng: random.Random, answer: int) -> tuple[list[str], int]:
     return [str(o) for o in options], options.index(answer)
 
 
+# the generation tasks' scoring: leading whitespace stripped, the first line, exact match
+_EXACT_MATCH_AFTER_STRIPPING = """filter_list:
+  - name: "strip"
+    filter:
+      - function: "remove_whitespace"
+      - function: "take_first"
+metric_list:
+  - metric: exact_match
+    aggregation: mean
+    higher_is_better: true
+    ignore_case: true
+    ignore_punctuation: true
+metadata:
+  version: 1.0
+"""
+
+
 def write_tasks(
     directory: str | Path, n_mc: int = 200, n_gen: int = 100, n_rolling: int = 20, seed: int = 0
 ) -> Path:
@@ -165,20 +182,7 @@ generation_kwargs:
     - "Q:"
   do_sample: false
   max_gen_toks: 16
-filter_list:
-  - name: "strip"
-    filter:
-      - function: "remove_whitespace"
-      - function: "take_first"
-metric_list:
-  - metric: exact_match
-    aggregation: mean
-    higher_is_better: true
-    ignore_case: true
-    ignore_punctuation: true
-metadata:
-  version: 1.0
-""")
+{_EXACT_MATCH_AFTER_STRIPPING}""")
 
     stories = []
     for _ in range(n_rolling):
@@ -236,20 +240,7 @@ generation_kwargs:
     - "\\n"
   do_sample: false
   max_gen_toks: 8
-filter_list:
-  - name: "strip"
-    filter:
-      - function: "remove_whitespace"
-      - function: "take_first"
-metric_list:
-  - metric: exact_match
-    aggregation: mean
-    higher_is_better: true
-    ignore_case: true
-    ignore_punctuation: true
-metadata:
-  version: 1.0
-""")
+{_EXACT_MATCH_AFTER_STRIPPING}""")
 
 
 def _jsonl(path: Path, rows: list[dict]) -> None:
