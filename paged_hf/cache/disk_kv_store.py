@@ -27,7 +27,8 @@ HEADER = struct.Struct("<8s32sQI")  # magic, key, payload length, crc32 of the p
 KEY_BYTES = 32
 TMP_MAX_AGE_S = 3600.0  # a temp file this old is abandoned even if its pid is alive (pid reuse)
 RESCAN_S = 60.0  # other processes write too: refresh the running total at least this often
-EXIT_FLUSH_S = 30.0  # at interpreter exit, wait this long at most for queued writes
+EXIT_FLUSH_S = 30.0
+WRITER_NICE = 10  # the step's threads first: records are written in the time they leave  # at interpreter exit, wait this long at most for queued writes
 STAT_NAMES = (
     "hits", "misses", "corrupt", "bytes_read", "bytes_written", "records_written",
     "dropped", "evicted_records", "evicted_bytes", "write_errors",
@@ -131,6 +132,8 @@ class _Writer:
                 warnings.warn(f"DiskKVStore {self.root}: {what}: {err}", RuntimeWarning, 2)
 
     def _run(self) -> None:
+        with suppress(OSError, AttributeError):  # Linux: a thread has its own nice value
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
         try:
             while (item := self.queue.get()) is not _STOP:
                 self._process(item)
