@@ -35,7 +35,7 @@ def run(model, prompts, kv_dir, params=None, **options):
     engine = paged_hf.Engine(
         model,
         block_size=options.pop("block_size", BS),
-        num_blocks=256,
+        num_blocks=options.pop("num_blocks", 256),
         kv_cache_dir=kv_dir,
         **options,
     )
@@ -356,8 +356,42 @@ def test_an_engine_killed_while_writing_leaves_a_directory_the_next_one_uses(mod
         child.wait()
     assert len(list(tmp_path.rglob("*.kv"))) >= 40
     prompts = tiny_prompts(model.config.vocab_size, 4, 64, seed=0)
-    alone, _, _ = run(model, prompts, None)
-    tokens, stats, _ = run(model, prompts, str(tmp_path))
+    alone, _, _ = run(model, prompts, None, num_blocks=512)
+    tokens, stats, _ = run(model, prompts, str(tmp_path), num_blocks=512)  # room: no preemption
     assert tokens == alone
+    assert stats["preemptions"] == 0
+    assert disk(stats)["hit_tokens"] == servable_tokens(prompts)
+    assert disk(stats)["corrupt"] == 0
+
+
+def test_two_engines_in_two_processes_write_one_directory_at_once(model, tmp_path):
+    """Two processes generate overlapping prompt sets on one directory at the same time (the same
+    records written twice, racing); a third engine then serves every prompt from it with the
+    tokens of computing, and finds no bad record."""
+    tests = Path(__file__).resolve().parents[1]
+    code = (
+        "import paged_hf, sys\n"
+        "from tiny_models import make_tiny_model, tiny_prompts\n"
+        "from paged_hf import SamplingParams\n"
+        "model = make_tiny_model('llama').double()\n"
+        f"e = paged_hf.Engine(model, block_size={BS}, num_blocks=256, kv_cache_dir=sys.argv[1])\n"
+        "for seed in map(int, sys.argv[2].split(',')):\n"
+        "    e.generate(tiny_prompts(model.config.vocab_size, 4, 48, seed=seed),\n"
+        "               SamplingParams(max_new_tokens=1))\n"
+        "e.flush_kv_tiers()\n"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tests), str(tests.parent)]))
+    children = [
+        subprocess.Popen([sys.executable, "-c", code, str(tmp_path), seeds], env=env)
+        for seeds in ("0,1,2,3", "2,3,4,5")
+    ]
+    assert [c.wait(timeout=300) for c in children] == [0, 0]
+    prompts = [
+        p for seed in range(6) for p in tiny_prompts(model.config.vocab_size, 4, 48, seed=seed)
+    ]
+    alone, _, _ = run(model, prompts, None, num_blocks=512)
+    tokens, stats, _ = run(model, prompts, str(tmp_path), num_blocks=512)  # room: no preemption
+    assert tokens == alone
+    assert stats["preemptions"] == 0
     assert disk(stats)["hit_tokens"] == servable_tokens(prompts)
     assert disk(stats)["corrupt"] == 0
