@@ -47,6 +47,17 @@ def run(model, prompts, kv_dir, params=None, **options):
 
 P = record_blocks(BS)  # blocks per record
 
+# another process: the tiny llama (the same weights: the same seed) and an engine on argv[1]
+_TESTS = Path(__file__).resolve().parents[1]
+CHILD_ENV = dict(os.environ, PYTHONPATH=os.pathsep.join([str(_TESTS), str(_TESTS.parent)]))
+CHILD_ENGINE = (
+    "import paged_hf, sys\n"
+    "from tiny_models import make_tiny_model, tiny_prompts\n"
+    "from paged_hf import SamplingParams\n"
+    "model = make_tiny_model('llama').double()\n"
+    f"e = paged_hf.Engine(model, block_size={BS}, num_blocks=256, kv_cache_dir=sys.argv[1])\n"
+)
+
 
 def written_tokens(prompts) -> int:
     """What the tier writes of each prompt: its whole records."""
@@ -86,22 +97,15 @@ def test_a_longer_prompt_reads_the_shared_part_and_computes_the_rest(model, prom
 
 def test_another_process_reads_the_records(model, prompts, tmp_path):
     """A child process with the same weights (the same seed) writes; this one reads."""
-    tests = Path(__file__).resolve().parents[1]
-    code = (
-        "import paged_hf, sys\n"
-        "from tiny_models import make_tiny_model\n"
-        "from paged_hf import SamplingParams\n"
-        "model = make_tiny_model('llama').double()\n"
+    code = CHILD_ENGINE + (
         f"prompts = {prompts!r}\n"
-        f"e = paged_hf.Engine(model, block_size={BS}, num_blocks=256, kv_cache_dir=sys.argv[1])\n"
         "outs = e.generate(prompts, SamplingParams(max_new_tokens=6))\n"
         "e.flush_kv_tiers()\n"
         "print([o.token_ids for o in outs])\n"
     )
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tests), str(tests.parent)]))
     child = subprocess.run(
         [sys.executable, "-c", code, str(tmp_path)],
-        env=env,
+        env=CHILD_ENV,
         capture_output=True,
         text=True,
         timeout=300,
@@ -333,19 +337,12 @@ def test_an_engine_killed_while_writing_leaves_a_directory_the_next_one_uses(mod
     import signal
     import time
 
-    tests = Path(__file__).resolve().parents[1]
-    code = (
-        "import paged_hf, sys\n"
-        "from tiny_models import make_tiny_model, tiny_prompts\n"
-        "from paged_hf import SamplingParams\n"
-        "model = make_tiny_model('llama').double()\n"
-        f"e = paged_hf.Engine(model, block_size={BS}, num_blocks=256, kv_cache_dir=sys.argv[1])\n"
+    code = CHILD_ENGINE + (
         "for seed in range(10_000):\n"
         "    prompts = tiny_prompts(model.config.vocab_size, 4, 64, seed=seed)\n"
         "    e.generate(prompts, SamplingParams(max_new_tokens=1))\n"
     )
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tests), str(tests.parent)]))
-    child = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], env=env)
+    child = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], env=CHILD_ENV)
     try:
         deadline = time.monotonic() + 120
         while len(list(tmp_path.rglob("*.kv"))) < 40 and time.monotonic() < deadline:
@@ -368,21 +365,14 @@ def test_two_engines_in_two_processes_write_one_directory_at_once(model, tmp_pat
     """Two processes generate overlapping prompt sets on one directory at the same time (the same
     records written twice, racing); a third engine then serves every prompt from it with the
     tokens of computing, and finds no bad record."""
-    tests = Path(__file__).resolve().parents[1]
-    code = (
-        "import paged_hf, sys\n"
-        "from tiny_models import make_tiny_model, tiny_prompts\n"
-        "from paged_hf import SamplingParams\n"
-        "model = make_tiny_model('llama').double()\n"
-        f"e = paged_hf.Engine(model, block_size={BS}, num_blocks=256, kv_cache_dir=sys.argv[1])\n"
+    code = CHILD_ENGINE + (
         "for seed in map(int, sys.argv[2].split(',')):\n"
         "    e.generate(tiny_prompts(model.config.vocab_size, 4, 48, seed=seed),\n"
         "               SamplingParams(max_new_tokens=1))\n"
         "e.flush_kv_tiers()\n"
     )
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tests), str(tests.parent)]))
     children = [
-        subprocess.Popen([sys.executable, "-c", code, str(tmp_path), seeds], env=env)
+        subprocess.Popen([sys.executable, "-c", code, str(tmp_path), seeds], env=CHILD_ENV)
         for seeds in ("0,1,2,3", "2,3,4,5")
     ]
     assert [c.wait(timeout=300) for c in children] == [0, 0]
