@@ -331,6 +331,17 @@ def test_the_host_store_keeps_the_most_recently_used_within_its_bound():
     assert store.nbytes <= 4 * 400 and store.stats()["evicted_records"] == 1
 
 
+def assert_served_in_full(model, prompts, kv_dir) -> None:
+    """An engine on ``kv_dir`` reads every servable block of ``prompts``, finds no bad record and
+    gives the tokens of computing them (its pool has room: no preemption, no block read twice)."""
+    alone, _, _ = run(model, prompts, None, num_blocks=512)
+    tokens, stats, _ = run(model, prompts, str(kv_dir), num_blocks=512)
+    assert tokens == alone
+    assert stats["preemptions"] == 0
+    assert disk(stats)["hit_tokens"] == servable_tokens(prompts)
+    assert disk(stats)["corrupt"] == 0
+
+
 def test_an_engine_killed_while_writing_leaves_a_directory_the_next_one_uses(model, tmp_path):
     """SIGKILL a process whose engine writes records (its writer thread mid-write, most likely);
     the next engine on the directory serves what survived and gives the tokens of computing."""
@@ -353,12 +364,7 @@ def test_an_engine_killed_while_writing_leaves_a_directory_the_next_one_uses(mod
         child.wait()
     assert len(list(tmp_path.rglob("*.kv"))) >= 40
     prompts = tiny_prompts(model.config.vocab_size, 4, 64, seed=0)
-    alone, _, _ = run(model, prompts, None, num_blocks=512)
-    tokens, stats, _ = run(model, prompts, str(tmp_path), num_blocks=512)  # room: no preemption
-    assert tokens == alone
-    assert stats["preemptions"] == 0
-    assert disk(stats)["hit_tokens"] == servable_tokens(prompts)
-    assert disk(stats)["corrupt"] == 0
+    assert_served_in_full(model, prompts, tmp_path)
 
 
 def test_two_engines_in_two_processes_write_one_directory_at_once(model, tmp_path):
@@ -379,9 +385,4 @@ def test_two_engines_in_two_processes_write_one_directory_at_once(model, tmp_pat
     prompts = [
         p for seed in range(6) for p in tiny_prompts(model.config.vocab_size, 4, 48, seed=seed)
     ]
-    alone, _, _ = run(model, prompts, None, num_blocks=512)
-    tokens, stats, _ = run(model, prompts, str(tmp_path), num_blocks=512)  # room: no preemption
-    assert tokens == alone
-    assert stats["preemptions"] == 0
-    assert disk(stats)["hit_tokens"] == servable_tokens(prompts)
-    assert disk(stats)["corrupt"] == 0
+    assert_served_in_full(model, prompts, tmp_path)
