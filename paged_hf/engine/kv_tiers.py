@@ -90,9 +90,14 @@ class KVTiers:
         for _, store in self.stores:
             store.flush(timeout)
 
+    def _bind(self, req: Request) -> None:
+        """At each admission: key ``req``'s blocks under the engine's state now (its adapters), as
+        the in-memory index files them under the namespace of the admission."""
+        root = salted(self.seed, req.cache_salt)
+        if root != req.tier_root:
+            req.tier_root, req.tier_keys, req.tier_done, req.tier_held = root, [], 0, None
+
     def _keys(self, req: Request, n_blocks: int) -> list[bytes]:
-        if req.tier_root is None:
-            req.tier_root = salted(self.seed, req.cache_salt)
         if len(req.tier_keys) < n_blocks:
             tokens = req.prompt_ids[: n_blocks * self.block_size]
             req.tier_keys = chain_keys(req.tier_root, tokens, self.block_size, req.tier_keys)
@@ -102,11 +107,14 @@ class KVTiers:
         """Blocks ``first``, ``first + 1``, ... (before ``last``, within the prompt's whole records)
         of ``req`` that some tier holds good records of, read into host memory, up to the first
         miss."""
+        self._bind(req)
         p = self.record_blocks
         records_end = min(-(-last // p), req.num_prompt_tokens // self.block_size // p)
         r0 = first // p
         if not self.on or r0 >= records_end or req.parent is not None:
             return None
+        if req.tier_held is not None and req.tier_held[0] == (first, last):
+            return req.tier_held[1]  # read for an admission that found no room: not read again
         t0 = time.perf_counter()
         keys = self._keys(req, records_end * p)
         kv = self.kv()
@@ -124,13 +132,17 @@ class KVTiers:
             sources.append((tier, used))
         self.read_s += time.perf_counter() - t0
         end = first + sum(n for _, n in sources)
-        return TierHit(staged[first - r0 * p : end - r0 * p], sources) if end > first else None
+        if end == first:
+            return None
+        hit = TierHit(staged[first - r0 * p : end - r0 * p], sources)
+        req.tier_held = ((first, last), hit)
+        return hit
 
     def _read_record(self, key: bytes, rows: torch.Tensor) -> str | None:
         """The first tier with a good record of ``key``, read into ``rows``; faster tiers get a
         copy. None: no tier has one."""
         for i, (name, store) in enumerate(self.stores):
-            if store.contains(key) and store.get_into(key, rows):
+            if store.get_into(key, rows):
                 for _, upper in self.stores[:i]:
                     upper.put(key, rows)
                 return name

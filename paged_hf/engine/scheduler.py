@@ -63,7 +63,7 @@ class Scheduler:
         self.shed: list[Request] = []  # waiting requests refused to make room, until the next step
         self.clock = time.perf_counter  # the engine's clock (a fake one in tests)
         self.step_time = StepTimeModel()  # fed by the engine after each step
-        self.tier: Any = None  # the disk tier under the prefix cache (paged_hf/engine/kv_tiers.py)
+        self.tier: Any = None  # the tiers under the prefix cache (paged_hf/engine/kv_tiers.py)
 
     # ---- submission ----------------------------------------------------------------------
     def check_fits(self, req: Request) -> None:
@@ -243,6 +243,7 @@ class Scheduler:
         if loads:
             end = req.num_computed_tokens // self.kv_manager.block_size
             out.tier_loads.append((loads, req.block_tables[0][end - len(loads) : end]))
+            req.tier_held = None
         if not req.admitted_once:
             req.num_cached_tokens = (
                 cached + (len(loads) if loads else 0) * self.kv_manager.block_size

@@ -386,3 +386,25 @@ def test_two_engines_in_two_processes_write_one_directory_at_once(model, tmp_pat
         p for seed in range(6) for p in tiny_prompts(model.config.vocab_size, 4, 48, seed=seed)
     ]
     assert_served_in_full(model, prompts, tmp_path)
+
+
+def test_a_read_is_kept_for_the_admission_and_rebound_after_an_adapter_switch(
+    model, prompts, tmp_path
+):
+    """Records read for an admission that found no room are not read again at the next try; an
+    adapter switch between two tries keys the request under the new state (KV computed with one
+    adapter never serves the other)."""
+    from paged_hf.requests.request import Request
+
+    run(model, prompts[:1], str(tmp_path))
+    engine = paged_hf.Engine(model, block_size=BS, num_blocks=256, kv_cache_dir=str(tmp_path))
+    tier = engine.scheduler.tier
+    req = Request("r", prompts[0], SamplingParams(max_new_tokens=2))
+    first = tier.read(req, 0, (len(prompts[0]) - 1) // BS)
+    disk_hits = tier.store("disk").stats()["hits"]
+    assert first is not None and tier.read(req, 0, (len(prompts[0]) - 1) // BS) is first
+    assert tier.store("disk").stats()["hits"] == disk_hits, "not read twice"
+    keys = list(req.tier_keys)
+    tier.follow_adapters(("another adapter state",))
+    assert tier.read(req, 0, (len(prompts[0]) - 1) // BS) is None, "no record under that state"
+    assert req.tier_keys != keys and req.tier_held is None

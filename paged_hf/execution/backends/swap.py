@@ -24,7 +24,7 @@ class SwapHandle:
         return self.data.numel() * self.data.element_size()
 
 
-def host_parts(
+def _host_parts(
     kv: list[torch.Tensor], n: int, pin: bool
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     sizes = [n * c[0].numel() for c in kv]
@@ -46,7 +46,7 @@ def swap_out(kv: list[torch.Tensor], block_ids: list[int]) -> SwapHandle:
     if n and not 0 <= min(block_ids) <= max(block_ids) < cache.shape[0]:
         raise ValueError(f"swap_out: block ids {block_ids} outside [0, {cache.shape[0]})")
     pin = device.type == "cuda"
-    data, parts = host_parts(kv, n, pin)
+    data, parts = _host_parts(kv, n, pin)
     if n:
         idx = torch.tensor(block_ids, dtype=torch.long, device=device)
         for part, c in zip(parts, kv):
