@@ -99,7 +99,9 @@ def run(device: str, stand_in: bool = False) -> list[dict]:
     import flashinfer
 
     dtype = torch.float32 if stand_in and device == "cpu" else torch.bfloat16
-    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    # fp32 (the stand-in on a CPU): 1e-3, since torch's CPU tanh, on its first call in a process,
+    # sometimes takes a less exact path (errors up to ~2.5e-4 after the soft cap's x30 were seen)
+    tol = 1e-3 if dtype == torch.float32 else 3e-2
     g = torch.Generator().manual_seed(0)
     results = []
     workspace = torch.zeros(
