@@ -4,7 +4,8 @@ the first; the host tier (``kv_host_cache_bytes``) against the pool alone.
 
     python benchmarks/bench_kv_tiers.py                 # every scenario
     python benchmarks/bench_kv_tiers.py --quick         # fewer prompts, shorter document
-    python benchmarks/bench_kv_tiers.py --scenarios eval --dtype float32   # outputs must be equal
+    python benchmarks/bench_kv_tiers.py --scenarios eval --batch-invariant  # outputs must be equal
+    python benchmarks/bench_kv_tiers.py --scenarios eval --dtype float32      # (equal here, not promised)
 
 Scenarios, each run as separate processes in turn (a fresh directory per scenario):
 - ``eval``: lm-evaluation-harness's ``phf_gen_shots`` (benchmarks/eval_tasks.py: generate_until,
@@ -39,6 +40,7 @@ sys.path.insert(0, str(HERE))
 
 
 def eval_worker(args) -> dict:
+    t0 = time.perf_counter()
     import lm_eval
     import torch
     from bench_eval import _metrics, _model_dir
@@ -47,9 +49,12 @@ def eval_worker(args) -> dict:
     from paged_hf.integrations.lm_eval import PagedHFLM
 
     torch.set_num_threads(args.threads)
+    t1 = time.perf_counter()
     extra = {"kv_cache_dir": args.kv_dir} if args.kv_dir else {}
+    extra |= {"batch_invariant": True} if args.batch_invariant else {}
     lm = PagedHFLM(pretrained=str(_model_dir("default")), dtype=args.dtype, device="cpu", **extra)
     torch.set_num_threads(args.threads)
+    t2 = time.perf_counter()
     tm = TaskManager(include_path=args.tasks_dir, include_defaults=False)
     start = time.perf_counter()
     res = lm_eval.simple_evaluate(
@@ -61,6 +66,8 @@ def eval_worker(args) -> dict:
     outputs = [x["filtered_resps"] for x in samples]
     return {
         "eval_s": wall,
+        "import_s": t1 - t0,
+        "load_s": t2 - t1,
         "metrics": _metrics(res, "phf_gen_shots"),
         "outputs": outputs,
         **_engine(lm.engine),
@@ -179,6 +186,7 @@ def run_worker(kind: str, kv_dir: str | None, args) -> dict:
     cmd += ["--tasks-dir", args.tasks_dir, "--questions", str(args.questions)]
     cmd += ["--doc-tokens", str(args.doc_tokens), "--dtype", args.dtype]
     cmd += ["--pool-prompts", str(args.pool_prompts)]
+    cmd += ["--batch-invariant"] if args.batch_invariant else []
     if kv_dir:
         cmd += ["--kv-dir", kv_dir]
     start = time.perf_counter()
@@ -199,6 +207,11 @@ def main(argv=None) -> int:
     p.add_argument("--doc-tokens", type=int, default=4000)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--dtype", default="bfloat16", help="bfloat16 or float32")
+    p.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="eval: EngineConfig(batch_invariant=True), outputs independent of batch shapes",
+    )
     p.add_argument("--timeout", type=float, default=1200.0, help="per process")
     p.add_argument(
         "--quick", action="store_true", help="20 prompts, 8 questions, 1k-token document"
@@ -260,7 +273,8 @@ def _line(row: dict) -> str:
     if row["scenario"] == "eval":
         return (
             head
-            + f"  eval {row['eval_s']:6.1f} s  process {row['process_s']:6.1f} s  {row['metrics']}"
+            + f"  eval {row['eval_s']:6.1f} s  process {row['process_s']:6.1f} s"
+            + f" (imports {row['import_s']:.1f} s, model {row['load_s']:.1f} s)  {row['metrics']}"
         )
     return head + (
         f"  first TTFT {row['first_ttft_s']:.3f} s  others' median {row['other_ttft_median_s']:.3f} s"

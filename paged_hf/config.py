@@ -76,6 +76,11 @@ class EngineConfig:
     # process with the same weights. None: $PAGED_HF_KV_CACHE_DIR, or no disk tier
     kv_cache_dir: str | None = None
     kv_cache_dir_bytes: int = DEFAULT_KV_CACHE_DIR_BYTES  # least recently used records go beyond it
+    # each sequence's tokens the same whatever else its steps hold and wherever its prompt's KV came
+    # from (computed, the prefix cache, a tier): a bf16 model's GEMMs run 32 rows at a time, where
+    # oneDNN sums each row in one order (at other row counts it sums otherwise). CPU, bf16, dense
+    # models only, refused elsewhere (paged_hf/execution/cpu/batch_invariance.py); prefill slower
+    batch_invariant: bool = False
     # on a CPU: linear layers run on weights packed once for oneDNN (paged_hf/execution/cpu/linear.py): bf16
     # for its bf16 matmul (same results), or as fp32 copies where the CPU has no bf16 matmul (within one bf16
     # rounding, ~5x faster there); fp32 models on its fp32 matmul (within fp32 rounding, up to 2.5x faster at
@@ -138,6 +143,7 @@ class EngineConfig:
                 f"cpu_packed_weights={self.cpu_packed_weights!r}, must be True, False, 'onednn' or 'fp32'"
             )
         for name in (
+            "batch_invariant",
             "enable_prefix_caching",
             "use_cuda_graphs",
             "keep_every_kv_block",
@@ -153,6 +159,12 @@ class EngineConfig:
         if not isinstance(self.compile_decode, (bool, str)) or self.compile_decode == "":
             raise ValueError(
                 f"compile_decode={self.compile_decode!r}, must be a bool or a torch.compile backend name"
+            )
+        if self.batch_invariant and (self.cpu_packed_weights is False or self.compile_decode):
+            raise ValueError(
+                "batch_invariant=True runs the linears on packed weights and decodes eagerly; "
+                f"cpu_packed_weights={self.cpu_packed_weights!r} and "
+                f"compile_decode={self.compile_decode!r} contradict it"
             )
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(

@@ -17,7 +17,7 @@ from ..config import EngineConfig
 from ..requests.request import Request
 from .attention import active_backend
 from .backends import select_backend
-from .cpu import compact_layers, fused_ops
+from .cpu import batch_invariance, compact_layers, fused_ops
 from .cpu import linear as cpu_linear
 from .cpu import malloc as cpu_malloc
 from .decode_accelerator import DecodeAccelerator, wants_decode_accelerator
@@ -139,18 +139,23 @@ class ModelRunner:
                 )
         # on a CPU the linear layers use weights packed once for oneDNN: bf16 for its bf16 matmul or, where this
         # CPU has none, as fp32 copies; fp32 for its fp32 matmul (paged_hf/execution/cpu/linear.py)
+        invariant = config.batch_invariant
         how = (
             cpu_linear.mode(self.dtype, self.device, config.cpu_packed_weights)
             if self.decode is None
             else None
         )
         self.packed = (
-            cpu_linear.PackedLinears(model, how, self.dtype, fuse=config.cpu_fused_projections)
+            cpu_linear.PackedLinears(
+                model, how, self.dtype, fuse=config.cpu_fused_projections, row_invariant=invariant
+            )
             if how
             else None
         )
         if self.packed is not None:
             ok, why = cpu_linear.affordable(self.packed.nbytes)
+            if not ok and invariant:
+                raise MemoryError(f"paged_hf: batch_invariant=True cannot pack the linears: {why}")
             if not ok:  # the same results either way (fp32: within a rounding); only speed is lost, so say so
                 logger.warning(
                     "paged_hf: linear weights are not packed (%s); steps run %s slower. "
@@ -161,6 +166,17 @@ class ModelRunner:
                     else "~10-50%",
                 )
                 self.packed = None
+        if invariant:
+            why = batch_invariance.refusal(
+                model,
+                self.dtype,
+                self.device,
+                state_layout is not None,
+                self.packed,
+                getattr(self.backend, "bf16_path_everywhere", False),
+            )
+            if why:
+                raise ValueError(f"paged_hf: batch_invariant=True cannot hold {why}")
         self.compact = None
         if config.cpu_compact_layers and self.fused_ops is not None and self.packed is not None:
             with eval_modes(model):

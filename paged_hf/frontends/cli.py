@@ -174,6 +174,11 @@ def _add_engine_options(g: argparse.ArgumentParser) -> None:
         "(default: $PAGED_HF_KV_CACHE_DIR)",
     )
     e.add_argument("--kv-cache-dir-bytes", type=int, help="the directory's bound (16 GiB)")
+    e.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="each row's tokens independent of batches and cache hits (CPU, bf16; slower prefill)",
+    )
 
 
 def generate(args: argparse.Namespace) -> int:
@@ -266,6 +271,8 @@ def _options(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     }
     if args.no_prefix_caching:
         engine_config["enable_prefix_caching"] = False
+    if args.batch_invariant:
+        engine_config["batch_invariant"] = True
     EngineConfig.from_kwargs(**engine_config)  # the engine checks them again; here it costs nothing
     return params, engine_config
 

@@ -343,3 +343,10 @@ def test_kv_cache_dir_keeps_prompt_kv_for_the_next_run(model_dir, tmp_path):
         ["generate", "--model", "m", "--input", "i.jsonl", "--output", str(tmp_path / "o.jsonl")]
     )
     assert "kv_cache_dir" not in cli._options(args)[1]
+
+
+def test_batch_invariant_flag_reaches_the_engine_config(tmp_path):
+    base = ["generate", "--model", "m", "--input", "i.jsonl", "--output", str(tmp_path / "o.jsonl")]
+    assert "batch_invariant" not in cli._options(cli._parser().parse_args(base))[1]
+    _, engine_config = cli._options(cli._parser().parse_args(base + ["--batch-invariant"]))
+    assert engine_config["batch_invariant"] is True

@@ -14,6 +14,7 @@ from oracle import assert_logprobs_close, assert_teacher_forced
 from tiny_models import FAMILIES, make_tiny_model, tiny_prompts
 
 import paged_hf
+from paged_hf.execution.cpu import batch_invariance
 from paged_hf.execution.cpu import linear as cpu_linear
 
 NATIVE = cpu_linear.mode(torch.bfloat16, torch.device("cpu")) == cpu_linear.ONEDNN
@@ -329,3 +330,28 @@ def test_a_fused_group_lets_go_of_its_output_once_every_sibling_took_its_slice()
         rest = [m(x) for m in packed.fused[0][1:]]
         assert state.out is None and torch.equal(q, again)
         assert torch.equal(torch.cat([q, *rest], dim=-1), state.packed(x))
+
+
+@pytest.mark.parametrize("how", HOWS)
+def test_row_invariant_packing_gives_a_row_the_same_bits_at_any_row_count(how):
+    """``row_invariant=True`` (batch_invariant): each row of SmolLM2's gate/up shape is the same bits
+    whether it came in 1, 5, 17, 40 or 90 rows and wherever among them, and one bf16 rounding from
+    ``F.linear``. Where the engine's own check finds this machine's oneDNN otherwise, the engine
+    refuses batch_invariant instead."""
+    g = torch.Generator().manual_seed(3)
+    w = (torch.randn(3072, 576, generator=g) * 0.05).bfloat16()
+    x = torch.randn(90, 576, generator=g).bfloat16()
+    spans = [(89, 90), (3, 8), (10, 27), (1, 41), (0, 90), (40, 90)]
+
+    def mismatches(weight):
+        whole = weight(x)
+        return sum(not torch.equal(weight(x[lo:hi].contiguous()), whole[lo:hi]) for lo, hi in spans)
+
+    invariant = cpu_linear.PackedWeight(how, [w], None, row_invariant=True)
+    assert cpu_linear.within_a_rounding(invariant(x), F.linear(x, w), x, w)
+    if batch_invariance.gemm_rows_invariant(how):
+        assert mismatches(invariant) == 0
+    else:
+        model = make_tiny_model("llama", dtype=torch.bfloat16)
+        with pytest.raises(ValueError, match="sums rows by row count|bf16 path"):
+            paged_hf.Engine(model, batch_invariant=True, cpu_packed_weights=how)

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 logger = logging.getLogger("paged_hf")
 
 ONEDNN, FP32 = "onednn", "fp32"
+TILE_ROWS = 16  # a row-invariant bf16 GEMM's granule (PackedWeight._by_tiles)
 MODES = (ONEDNN, FP32)
 _CHECKED: dict[str, bool] = {}
 
@@ -161,11 +162,14 @@ class PackedWeight:
         weights: list[torch.Tensor],
         biases: list[torch.Tensor] | None,
         batch_hint: int = 64,
+        row_invariant: bool = False,
     ) -> None:
         self.how, self.dtype = how, weights[0].dtype
         # a bf16 weight's fp32 copy reads twice the bytes: at one row (a lone sequence's decode) the
-        # weights' own bf16 F.linear is faster (SmolLM2's, Zen 3: 13-16 against 8-15 GFLOP/s)
-        self.one_row_in_bf16 = how == FP32 and self.dtype == torch.bfloat16
+        # weights' own bf16 F.linear is faster (SmolLM2's, Zen 3: 13-16 against 8-15 GFLOP/s), but
+        # sums in another order than at more rows (``row_invariant``: never)
+        self.one_row_in_bf16 = how == FP32 and self.dtype == torch.bfloat16 and not row_invariant
+        self.by_tiles = how == ONEDNN and row_invariant
         self.weights, self.biases = weights, biases
         with torch.no_grad():
             weight = (
@@ -195,13 +199,30 @@ class PackedWeight:
         # the rows as a matrix: the same GEMM, ~10 us a call less than a [1, T, K] input costs the op
         # (a lone decode's step makes 121 of them; the same bits: tests/kernels/test_cpu_linear.py)
         rows = x.view(-1, x.shape[-1]) if x.dim() != 2 else x
-        if self.how == ONEDNN:
+        if self.by_tiles and rows.shape[0]:
+            out = self._by_tiles(rows)
+        elif self.how == ONEDNN:
             out = torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
         else:
             out = torch.ops.mkldnn._linear_pointwise(
                 rows.float(), self.packed, self.bias, "none", [], ""
             ).to(self.dtype)
         return out if x.dim() == 2 else out.view(*x.shape[:-1], out.shape[-1])
+
+    def _by_tiles(self, rows: torch.Tensor) -> torch.Tensor:
+        """The rows in GEMMs of 32 rows (the last of 16), padded with zeros: oneDNN's bf16 GEMM sums a
+        row in one order at 16 and 32 rows and in others at other counts, so each row's bits then
+        do not depend on how many rows came with it (2.2x the time of one GEMM at 256 rows)."""
+        n = rows.shape[0]
+        if n % TILE_ROWS:
+            rows = torch.cat([rows, rows.new_zeros(TILE_ROWS - n % TILE_ROWS, rows.shape[1])])
+        parts = [
+            torch.ops.mkldnn._linear_pointwise(
+                rows[i : i + 2 * TILE_ROWS], self.packed, self.bias, "none", [], ""
+            )
+            for i in range(0, rows.shape[0], 2 * TILE_ROWS)
+        ]
+        return (parts[0] if len(parts) == 1 else torch.cat(parts))[:n]
 
 
 def find_siblings(
@@ -256,6 +277,7 @@ class PackedLinears:
         dtype: torch.dtype = torch.bfloat16,
         batch_hint: int = 64,
         fuse: bool = True,
+        row_invariant: bool = False,
     ) -> None:
         if how not in MODES or (how, dtype) not in (
             (ONEDNN, torch.bfloat16),
@@ -275,7 +297,7 @@ class PackedLinears:
             and m.weight.device.type == "cpu"
             and m.weight.dim() == 2
         ]
-        self.batch_hint = batch_hint
+        self.batch_hint, self.row_invariant = batch_hint, row_invariant
         # the packed copies' size: the weights again (twice over for bf16 weights in fp32)
         self.nbytes = sum(m.weight.numel() * (4 if how == FP32 else 2) for m in self.modules)
         self.siblings = find_siblings(model, self.modules) if fuse else []
@@ -294,7 +316,9 @@ class PackedLinears:
 
     def _packed(self, modules: list[torch.nn.Linear]) -> PackedWeight:
         biases = None if modules[0].bias is None else [m.bias for m in modules]
-        return PackedWeight(self.how, [m.weight for m in modules], biases, self.batch_hint)
+        return PackedWeight(
+            self.how, [m.weight for m in modules], biases, self.batch_hint, self.row_invariant
+        )
 
     def weight_for(self, modules: list[torch.nn.Linear]) -> "PackedWeight | None":
         """The packed weight a step computes ``modules`` with: a fused group's (in its order), or one

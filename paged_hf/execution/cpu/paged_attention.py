@@ -83,6 +83,11 @@ class CpuPagedBackend(TorchBackend):
         super().__init__(*args, **kwargs)
         self._bf16_path = bf16_path(self.layout, self.block_size, self.kv[0].dtype)
 
+    @property
+    def bf16_path_everywhere(self) -> bool:
+        """Whether every layer's attention runs the kernel's bf16 paths (row-invariant ones)."""
+        return self._bf16_path
+
     def plan(self, meta: StepMetadata) -> None:
         self._meta = meta
         self._groups = [self._plan_kernel(meta, g) for g in range(len(self.groups))]
