@@ -20,16 +20,18 @@ import torch
 
 from . import linear as cpu_linear
 
-_ROWS_CHECKED: dict[str, bool] = {}
+_ROWS_CHECKED: dict[tuple[str, int, int], bool] = {}
 
 
-def gemm_rows_invariant(how: str) -> bool:
+def gemm_rows_invariant(how: str, in_features: int = 256, out_features: int = 320) -> bool:
     """Whether a row-invariant ``PackedWeight`` packed ``how`` gives each row the same bits at any
-    row count on this machine (checked once per process, at shapes that take blocked kernels)."""
-    if how not in _ROWS_CHECKED:
+    row count on this machine, at this shape (oneDNN picks its kernels by shape; checked once per
+    process and shape, on random data)."""
+    key = (how, in_features, out_features)
+    if key not in _ROWS_CHECKED:
         g = torch.Generator().manual_seed(0)
-        w = (torch.randn(320, 256, generator=g) * 0.05).bfloat16()
-        x = torch.randn(90, 256, generator=g).bfloat16()
+        w = (torch.randn(out_features, in_features, generator=g) * 0.05).bfloat16()
+        x = torch.randn(90, in_features, generator=g).bfloat16()
         try:
             weight = cpu_linear.PackedWeight(how, [w], None, row_invariant=True)
             whole = weight(x)
@@ -39,8 +41,16 @@ def gemm_rows_invariant(how: str) -> bool:
             )
         except (RuntimeError, AttributeError):  # no mkldnn ops in this torch build
             ok = False
-        _ROWS_CHECKED[how] = ok
-    return _ROWS_CHECKED[how]
+        _ROWS_CHECKED[key] = ok
+    return _ROWS_CHECKED[key]
+
+
+def _gemm_shapes(packed: cpu_linear.PackedLinears) -> set[tuple[int, int]]:
+    """(in, out) of every GEMM the packed linears may run: each module's, each sibling group's."""
+    shapes = {(m.in_features, m.out_features) for m in packed.modules}
+    for group in packed.siblings:
+        shapes.add((group[0].in_features, sum(m.out_features for m in group)))
+    return shapes
 
 
 def refusal(
@@ -68,8 +78,11 @@ def refusal(
         )
     if packed is None:
         return "without packed linears (no oneDNN here, or cpu_packed_weights=False)"
-    if not gemm_rows_invariant(packed.how):
-        return f"here: this machine's oneDNN GEMM ({packed.how}) sums rows by row count"
+    for k, n in sorted(_gemm_shapes(packed)):
+        if not gemm_rows_invariant(packed.how, k, n):
+            return (
+                f"here: this machine's oneDNN GEMM ({packed.how}, {k} x {n}) sums rows by row count"
+            )
     linears = {id(p) for m in packed.modules for p in m.parameters(recurse=False)}
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Embedding):
