@@ -18,7 +18,7 @@ Scenarios, each run as separate processes in turn (a fresh directory per scenari
   first question's TTFT, the median of the others', prefill tokens computed.
 - ``host``: a working set 3x the pool (24 prompts of 1,024 tokens, the pool holding 8), asked in
   three shuffled rounds: prompts/s and hits with the pool alone and with a host tier holding them
-  all. On a CPU the host tier is the same memory as the pool: this measures the mechanism (and a
+  all, written on eviction (the default) and written through. On a CPU the host tier is the same memory as the pool: this measures the mechanism (and a
   pool capped below the machine's memory), not a device's copy costs.
 
 Prints a table, writes JSON to benchmarks/results/. No assertion on time anywhere.
@@ -123,8 +123,13 @@ def host_worker(args) -> dict:
     order = [i for _ in range(3) for i in rng.sample(range(len(prompts)), len(prompts))]
     blocks = args.pool_prompts * 1024 // 16 + 64  # the prompts of a third of the set, and room
     out = {}
-    for name, host in [("pool alone", None), ("host tier", 2 * len(prompts) * 1024 * 23 * 1024)]:
-        engine = paged_hf.Engine(model, tok, num_blocks=blocks, kv_host_cache_bytes=host)
+    room = 2 * len(prompts) * 1024 * 23 * 1024
+    configs = [("pool alone", None, "eviction"), ("host tier", room, "eviction")]
+    configs += [("host tier, written through", room, "through")]
+    for name, host, write in configs:
+        engine = paged_hf.Engine(
+            model, tok, num_blocks=blocks, kv_host_cache_bytes=host, kv_host_write=write
+        )
         start = time.perf_counter()
         for k in range(0, len(order), 4):
             batch = [prompts[i] for i in order[k : k + 4]]
@@ -138,6 +143,7 @@ def host_worker(args) -> dict:
             "prefill_tokens_computed": s["prefill_tokens_computed"],
             "prefix_hit_tokens": s["prefix_hit_tokens"],
             "host_hit_tokens": s["kv_tiers"].get("host", {}).get("hit_tokens", 0),
+            "host_stored_blocks": s["kv_tiers"].get("host", {}).get("stored_blocks", 0),
             "tiers": s["kv_tiers"].get("total"),
         }
     return {"configs": out, "num_blocks": blocks, "prompts": len(prompts)}
@@ -262,7 +268,8 @@ def _line(row: dict) -> str:
         return "host: " + "; ".join(
             f"{name} {c['prompts_per_s']:.2f} prompts/s, prefill computed "
             f"{c['prefill_tokens_computed']:,} of {c['prompt_tokens']:,}, pool hits "
-            f"{c['prefix_hit_tokens']:,}, host hits {c['host_hit_tokens']:,}"
+            f"{c['prefix_hit_tokens']:,}, host hits {c['host_hit_tokens']:,}, "
+            f"blocks to host {c['host_stored_blocks']:,}"
             for name, c in row["configs"].items()
         )
     d = row["disk"]

@@ -71,6 +71,10 @@ class EngineConfig:
     # bytes of host memory keeping KV records under the pool (paged_hf/engine/kv_tiers.py): prompt
     # blocks computed here are kept there, and read back where the prefix cache misses (None: none)
     kv_host_cache_bytes: int | None = None
+    # when prompt blocks go to host memory: "eviction", as the pool evicts them from the prefix
+    # cache (each block copied out once, and only if the pool lets it go); "through", as soon as
+    # they are computed, as the disk tier is always written
+    kv_host_write: str = "eviction"
     # a directory of KV records that outlives the process (paged_hf/engine/kv_tiers.py): prompt
     # blocks computed here are written there, and read back where the prefix cache misses, by any
     # process with the same weights. None: $PAGED_HF_KV_CACHE_DIR, or no disk tier
@@ -165,6 +169,10 @@ class EngineConfig:
                 "batch_invariant=True runs the linears on packed weights and decodes eagerly; "
                 f"cpu_packed_weights={self.cpu_packed_weights!r} and "
                 f"compile_decode={self.compile_decode!r} contradict it"
+            )
+        if self.kv_host_write not in ("eviction", "through"):
+            raise ValueError(
+                f"kv_host_write={self.kv_host_write!r}, must be 'eviction' or 'through'"
             )
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(

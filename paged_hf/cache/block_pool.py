@@ -28,6 +28,9 @@ class BlockPool:
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
         self._is_free = [True] * num_blocks
         self.evictions = 0
+        # told of blocks evicted (before anything overwrites them) and of every block freed:
+        # a write-on-eviction tier (paged_hf/engine/kv_tiers.py)
+        self.listener = None
         # references beyond each block's first: the blocks that sharing (parallel samples, beams, a
         # prefix two requests hold) saves, each of which would otherwise be a copy
         self.shared_refs = 0
@@ -57,6 +60,8 @@ class BlockPool:
         if n > len(self._free):
             evicted = self.index.evict(n - len(self._free))
             self.evictions += len(evicted)
+            if self.listener is not None:
+                self.listener.evicted(evicted)
             # onto the stack so that they come off least recently used first
             for b in reversed(evicted):
                 assert self.refcount[b] == 0, (
@@ -109,6 +114,8 @@ class BlockPool:
             raise RuntimeError(f"block {b} freed twice")
         self._is_free[b] = True
         self._free.append(b)
+        if self.listener is not None:
+            self.listener.released(b)
 
     def is_free(self, b: int) -> bool:
         return self._is_free[b]

@@ -163,6 +163,8 @@ class Engine(AdmissionMixin, StepMixin, OutputsMixin, BatchCallsMixin):
             self.runner.backend,
             self._cache_key(),
         )
+        if self.scheduler.tier is not None and self.scheduler.tier.host_on_eviction:
+            self.kv_manager.pool.listener = self.scheduler.tier
 
     # ---- sizing ------------------------------------------------------------------------------
     def _num_kv_blocks(self, explicit_max_num_seqs: bool) -> int:

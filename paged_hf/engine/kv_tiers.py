@@ -1,7 +1,8 @@
 """The tiers under the prefix cache: host memory (``kv_host_cache_bytes``), then a directory that
 outlives the process (``kv_cache_dir``). Where the in-memory prefix index misses, a prompt's next
-blocks are read from the first tier holding their record (a disk hit is copied up to host memory),
-and the prompt blocks this engine computes are written through to every tier. Keys:
+blocks are read from the first tier holding their record (a disk hit is copied up to host memory).
+The prompt blocks this engine computes are written to disk as they are computed, to host memory as
+the pool evicts them (or as computed: ``kv_host_write="through"``). Keys:
 paged_hf/cache/stable_keys.py; records: paged_hf/cache/host_kv_store.py, disk_kv_store.py. Models
 with one full-attention cache group and no recurrent state only: a record holds pages of KV.
 """
@@ -50,11 +51,13 @@ class KVTiers:
         adapters: object,
         block_size: int,
         kv: Callable[[], list[torch.Tensor]],
+        host_on_eviction: bool = False,
     ) -> None:
         """``stores``: (name, store) fastest first; ``seed(adapters)``: the chain root of this
         engine's weights, geometry and namespace under that adapter state; ``kv``: the backend's
         distinct KV tensors, [num_pages, ...] each (looked up at each use: a sleeping engine
-        reallocates them)."""
+        reallocates them); ``host_on_eviction``: the "host" store gets a record when the pool
+        evicts its pages (``evicted``, the pool's listener), not when they are computed."""
         self.stores = stores
         self._seed_for = seed
         self.seed = seed(adapters)
@@ -67,6 +70,12 @@ class KVTiers:
         self.read_s = 0.0  # reading and checking records at admission
         self.load_s = 0.0  # copying them into pool pages before the step
         self.write_s = 0.0  # copying computed pages out to the tiers
+        self.host_on_eviction = host_on_eviction and any(n == "host" for n, _ in stores)
+        # records host memory will get when the pool evicts them: by the page of each one's last
+        # block, (key, pages); and each watched page's record (a page freed any other way
+        # forgets its record: its KV is no longer that record's)
+        self._watched: dict[int, tuple[bytes, list[int]]] = {}
+        self._record_of: dict[int, int] = {}
 
     @property
     def on(self) -> bool:
@@ -80,6 +89,7 @@ class KVTiers:
         served, and a fingerprint per training step would cost more than it saves)."""
         if self.off_reason is None:
             self.off_reason = why
+            self._watched, self._record_of = {}, {}
             logger.warning("paged_hf: the KV cache tiers are off for this engine: %s", why)
 
     def follow_adapters(self, adapters: object) -> None:
@@ -174,24 +184,67 @@ class KVTiers:
             return
         t0 = time.perf_counter()
         keys = self._keys(req, records_end * p)
+        table = req.block_tables[0]
         todo = []  # (record, the stores lacking it)
         for k in range(req.tier_done // p, records_end):
-            lacking = [(n, s) for n, s in self.stores if not s.contains(keys[(k + 1) * p - 1])]
+            key = keys[(k + 1) * p - 1]
+            lacking = [(n, s) for n, s in self.stores if not s.contains(key)]
+            if self.host_on_eviction and any(n == "host" for n, _ in lacking):
+                lacking = [(n, s) for n, s in lacking if n != "host"]
+                self._watch(key, table[k * p : (k + 1) * p])
             if lacking:
                 todo.append((k, lacking))
         if todo:
-            kv = self.kv()
-            table = req.block_tables[0]
-            pages = [table[k * p + j] for k, _ in todo for j in range(p)]
-            idx = torch.tensor(pages, dtype=torch.long, device=kv[0].device)
-            rows = torch.cat([c.index_select(0, idx).reshape(len(pages), -1) for c in kv], 1)
-            rows = rows.to("cpu")
+            rows = self._gather([table[k * p + j] for k, _ in todo for j in range(p)])
             for i, (k, lacking) in enumerate(todo):
                 for name, store in lacking:  # each record a view of rows, which nobody writes
                     store.put(keys[(k + 1) * p - 1], rows[i * p : (i + 1) * p], owned=True)
                     self.stored_blocks[name] += p
         req.tier_done = records_end * p
         self.write_s += time.perf_counter() - t0
+
+    def _gather(self, pages: list[int]) -> torch.Tensor:
+        """The pages' KV in host memory, a row per page (every KV tensor's page in turn)."""
+        kv = self.kv()
+        idx = torch.tensor(pages, dtype=torch.long, device=kv[0].device)
+        rows = torch.cat([c.index_select(0, idx).reshape(len(pages), -1) for c in kv], 1)
+        return rows.to("cpu")
+
+    def _watch(self, key: bytes, pages: list[int]) -> None:
+        if pages[-1] not in self._watched:
+            self._watched[pages[-1]] = (key, list(pages))
+            for page in pages:
+                self._record_of[page] = pages[-1]
+
+    def _forget(self, last: int) -> tuple[bytes, list[int]]:
+        key, pages = self._watched.pop(last)
+        for page in pages:
+            self._record_of.pop(page, None)
+        return key, pages
+
+    def evicted(self, pages: list[int]) -> None:
+        """The pool evicted ``pages`` (their KV still there): the watched records they end go to
+        host memory. The index evicts leaves first, so a record's last block goes no later than
+        its others."""
+        records = [self._forget(page) for page in pages if page in self._watched]
+        if not records or not self.on:
+            return
+        t0 = time.perf_counter()
+        host = self.store("host")
+        records = [(key, held) for key, held in records if not host.contains(key)]
+        if records:
+            p = self.record_blocks
+            rows = self._gather([page for _, held in records for page in held])
+            for i, (key, _) in enumerate(records):
+                host.put(key, rows[i * p : (i + 1) * p], owned=True)
+                self.stored_blocks["host"] += p
+        self.write_s += time.perf_counter() - t0
+
+    def released(self, page: int) -> None:
+        """The pool freed ``page``: a record it was part of is no longer watched."""
+        last = self._record_of.get(page)
+        if last is not None:
+            self._forget(last)
 
     def stats(self, prefill_token_s: float | None) -> dict:
         """Per tier: blocks read from it and written to it, its store's counters; "total": the
@@ -276,4 +329,5 @@ def make_kv_tiers(config, model, groups, state_layout, backend, cache_key) -> KV
         adapters,
         config.block_size,
         lambda: backend._distinct_kv,
+        host_on_eviction=config.kv_host_write == "eviction",
     )

@@ -275,15 +275,25 @@ def test_a_read_may_start_inside_a_record_where_the_index_hit_ends(model, tmp_pa
     assert_clean(engine)
 
 
-def test_blocks_the_pool_evicted_come_back_from_host_memory(model):
+@pytest.mark.parametrize("write", ["eviction", "through"])
+def test_blocks_the_pool_evicted_come_back_from_host_memory(model, write):
     """A pool of 24 blocks, three 40-token prompts (10 blocks each): the third evicts the first's
-    blocks; asked again, the first prompt reads them from host memory, with its tokens."""
+    blocks; asked again, the first prompt reads them from host memory, with its tokens. Written on
+    eviction, host memory holds only what the pool let go; written through, every record."""
     prompts = tiny_prompts(model.config.vocab_size, 3, 40, seed=13)
     alone, _, _ = run(model, prompts[:1], None)
     options = dict(block_size=BS, num_blocks=24, kv_host_cache_bytes=64 << 20, max_num_seqs=1)
-    engine = paged_hf.Engine(model, **options)
-    for p in prompts:
+    engine = paged_hf.Engine(model, kv_host_write=write, **options)
+    engine.generate([prompts[0]], SamplingParams(max_new_tokens=6))
+    stored = engine.stats()["kv_tiers"]["host"]["stored_blocks"]
+    assert stored == (0 if write == "eviction" else written_tokens(prompts[:1]) // BS)
+    for p in prompts[1:]:
         engine.generate([p], SamplingParams(max_new_tokens=6))
+    stored = engine.stats()["kv_tiers"]["host"]["stored_blocks"]
+    if write == "eviction":  # some, not all: the pool still holds the third prompt's
+        assert 0 < stored < written_tokens(prompts) // BS
+    else:
+        assert stored == written_tokens(prompts) // BS
     before = engine.stats()
     again = engine.generate([prompts[0]], SamplingParams(max_new_tokens=6))[0]
     after = engine.stats()
@@ -315,6 +325,29 @@ def test_a_disk_hit_is_kept_in_host_memory(model, prompts, tmp_path):
     assert [o.token_ids for o in outs] == tokens
     host = engine.stats()["kv_tiers"]["host"]["hit_tokens"]
     assert host == servable_tokens(prompts)
+
+
+def test_a_page_freed_without_eviction_is_never_written_as_its_record(model, prompts):
+    """Write on eviction copies a record's pages when the pool evicts them; a page freed any other
+    way (a request's own copy of a block the index already held) may hold anything next, so the
+    record it was part of is forgotten, not copied later."""
+    engine = paged_hf.Engine(model, block_size=BS, num_blocks=256, kv_host_cache_bytes=64 << 20)
+    tier = engine.scheduler.tier
+    assert engine.kv_manager.pool.listener is tier
+    tier._watch(b"k" * 32, [7, 8, 9, 10])
+    tier.released(8)
+    tier.evicted([10])
+    assert not tier.store("host").contains(b"k" * 32) and not tier._watched
+    tier._watch(b"j" * 32, [7, 8, 9, 10])
+    tier.evicted([10, 9])  # the record's last page among the evicted: copied, once
+    assert tier.store("host").contains(b"j" * 32) and tier.stored_blocks["host"] == P
+    # and in use: the same tokens as without the tier, nothing left watched that the pool freed
+    outs = engine.generate(prompts + prompts[:2], SamplingParams(max_new_tokens=6))
+    alone, _, _ = run(model, prompts, None)
+    assert [o.token_ids for o in outs[: len(prompts)]] == alone
+    pool = engine.kv_manager.pool
+    assert all(not pool.is_free(page) for page in tier._record_of)
+    assert_clean(engine)
 
 
 def test_the_host_store_keeps_the_most_recently_used_within_its_bound():
