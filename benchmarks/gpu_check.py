@@ -17,7 +17,8 @@ Phases (``--phases``, each in a subprocess of its own, under ``--budget`` second
                Qwen3-0.6B's config with random weights
   decode       engine step time at batch 64, eager against graphs
   memory       an engine sized by profiling (no num_blocks): its KV, 64 requests through it, peak
-               memory; swap preemption on a quarter of the blocks against the same requests with room
+               memory; swap preemption on a quarter of the blocks against the same requests with room;
+               the host KV tier (pinned, written on eviction) under that pool, the workload twice
 ``--call 1`` / ``--call 2``: the two device calls of the plan in gpu_check.sh's header.
 
     bash benchmarks/gpu_check.sh --call 1          # on the GPU (installs what is carried, then this)
@@ -514,7 +515,9 @@ def memory_checks(setup: Setup) -> dict[str, Any]:
     profiled through the paged seam), its KV bytes, then 64 of the throughput workload's requests
     through it with graphs and the peak memory torch saw against the device's. Swap preemption:
     the agreement workload through a quarter of the blocks it needs with ``preemption_mode="swap"``,
-    against the same requests with room (greedy: the same tokens)."""
+    against the same requests with room (greedy: the same tokens). The host tier: that workload
+    twice through that pool with ``kv_host_cache_bytes``, the second round's tokens against the
+    roomy run's, and its host hits."""
     out: dict[str, Any] = {}
     model = build_model(qwen3_06b_config(setup.dry_run), setup, seed=1)
     t = time.perf_counter()
@@ -572,6 +575,26 @@ def memory_checks(setup: Setup) -> dict[str, Any]:
         "same_tokens": tight == roomy,
         "num_blocks": engine.runner.backend.num_blocks,
         "blocks_needed": need,
+    }
+    del engine
+    free_memory()
+    # the host tier (pinned, written as the pool evicts): the workload twice through a pool of a
+    # quarter of what it needs; the second round reads what the first one's evictions kept
+    engine = paged_hf.Engine(
+        model,
+        num_blocks=max(largest + 1, need // 4),
+        kv_host_cache_bytes=1 << 30,
+        **dict(kw, enable_prefix_caching=True),
+    )
+    rounds = [[o.token_ids for o in engine.generate(prompts, params)] for _ in range(2)]
+    host = engine.stats()["kv_tiers"]["host"]
+    out["host_tier"] = {
+        "same_tokens": rounds[0] == roomy and rounds[1] == roomy,
+        "requests_equal": sum(a == b for a, b in zip(rounds[1], roomy)),
+        "requests": len(roomy),
+        "blocks_to_host": host["stored_blocks"],
+        "host_hit_tokens": host["hit_tokens"],
+        "preemptions": engine.stats()["preemptions"],
     }
     log(f"memory {out}")
     del engine, model

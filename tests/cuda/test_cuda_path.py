@@ -759,6 +759,8 @@ def test_gpu_check_dry_run(tmp_path):
     memory = report["memory"]
     assert memory["num_blocks"] > 0 and memory["requests_ok"] == 6
     assert memory["swap"]["preemptions"] > 0 and memory["swap"]["same_tokens"], memory["swap"]
+    host = memory["host_tier"]
+    assert host["same_tokens"] and host["host_hit_tokens"] > 0 and host["blocks_to_host"] > 0, host
     assert all(check["ok"] for check in report["smoke"]) and len(report["smoke"]) == 6
     assert [r["family"] for r in report["agreement"]] == ["llama", "gemma2"]
     for row in report["agreement"]:
