@@ -78,11 +78,6 @@ def refusal(
         )
     if packed is None:
         return "without packed linears (no oneDNN here, or cpu_packed_weights=False)"
-    for k, n in sorted(_gemm_shapes(packed)):
-        if not gemm_rows_invariant(packed.how, k, n):
-            return (
-                f"here: this machine's oneDNN GEMM ({packed.how}, {k} x {n}) sums rows by row count"
-            )
     linears = {id(p) for m in packed.modules for p in m.parameters(recurse=False)}
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Embedding):
@@ -93,4 +88,10 @@ def refusal(
                     f"for this model: {name}.{pname} ({tuple(param.shape)}) is a matrix outside "
                     "nn.Linear (experts, a custom layer), computed by GEMMs that sum by shape"
                 )
+    # last: the only check that computes (each GEMM shape once per process)
+    for k, n in sorted(_gemm_shapes(packed)):
+        if not gemm_rows_invariant(packed.how, k, n):
+            return (
+                f"here: this machine's oneDNN GEMM ({packed.how}, {k} x {n}) sums rows by row count"
+            )
     return None
