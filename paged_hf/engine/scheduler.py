@@ -260,8 +260,8 @@ class Scheduler:
         return "admitted"
 
     def _read_tier(self, req: Request) -> Any:
-        """Where the prefix cache's hit ends, the disk tier's records may go on (prompt blocks):
-        the blocks read (paged_hf/engine/kv_tiers.py's TierHit), or None."""
+        """Where the prefix cache's hit ends, the tiers' records may go on (prompt blocks): the
+        blocks read (paged_hf/engine/kv_tiers.py's TierHit), or None."""
         if self.tier is None:
             return None
         bs = self.kv_manager.block_size

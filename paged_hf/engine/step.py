@@ -146,7 +146,7 @@ class StepMixin:
         self._decode_states_in_front(out.scheduled)
         logits, meta = self.runner.execute(out.scheduled, out.block_copies)
         self.scheduler.mark_computed(out)
-        if tier is not None:  # the prompt blocks this step completed, to the disk tier's writer
+        if tier is not None:  # the prompt blocks this step completed, to the tiers (or watched)
             for req, _ in out.scheduled:
                 tier.write(req)
         return logits, meta
