@@ -6,7 +6,7 @@ Design notes: docs/internals.md, paged_hf/execution/sampler.py.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -209,8 +209,7 @@ def _draw_rows(
 
     def probs_of(idx: list[int]) -> torch.Tensor:
         sel = torch.tensor(idx, device=logits.device)
-        temps = torch.tensor([requests[i].params.temperature for i in idx], device=logits.device)
-        return _filtered_probs(logits[sel] / temps[:, None], [requests[i] for i in idx])
+        return drawn_probs(logits[sel], [requests[i] for i in idx])
 
     try:
         probs = probs_of(rows)
@@ -226,6 +225,13 @@ def _draw_rows(
             return None
         rows, probs = kept, torch.cat(parts)
     return rows, _inverse_cdf_draw(probs, [requests[i].generator for i in rows]), probs
+
+
+def drawn_probs(logits: torch.Tensor, requests: list[Any]) -> torch.Tensor:
+    """The distribution each row is drawn from: its processed logits (``[B, V]``, float) through
+    temperature, top-k, top-p and min-p, as transformers' warpers apply them."""
+    temps = torch.tensor([r.params.temperature for r in requests], device=logits.device)
+    return _filtered_probs(logits / temps[:, None], requests)
 
 
 def _inverse_cdf_draw(

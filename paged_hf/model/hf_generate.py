@@ -139,6 +139,14 @@ def _read_call(
         raise ValueError("paged_hf generate needs input_ids")
     if input_ids.dim() == 1:
         input_ids = input_ids[None]
+    # whether a length was set anywhere, read before the defaults fill it in (transformers: an unset
+    # max_length means 20 *new* tokens, capped by max_position_embeddings)
+    unset = {
+        name: kwargs.get(name) is None
+        and getattr(generation_config, name, None) is None
+        and getattr(model.generation_config, name, None) is None
+        for name in ("max_length", "min_length")
+    }
     gc, model_kwargs = model._prepare_generation_config(generation_config, **kwargs)
     attention_mask = model_kwargs.pop("attention_mask", None)
     model_kwargs.pop("use_cache", None)
@@ -161,6 +169,7 @@ def _read_call(
         if gc.pad_token_id is not None and gc.pad_token_id not in eos_list:
             # transformers infers it the same way
             attention_mask = (input_ids != gc.pad_token_id).long()
+    _resolve_lengths(model, gc, input_ids, unset)
     params = _sampling_params(gc, input_ids.shape[1])
     # transformers favours every id of the rows as they are, pad included, and ignores the penalty
     # (with a warning) where an id is negative
@@ -289,18 +298,33 @@ def _result(call: _Call, plan: Any, outputs: list) -> torch.Tensor | GenerateDec
     return sequences
 
 
+def _resolve_lengths(
+    model: torch.nn.Module, gc: GenerationConfig, input_ids: torch.Tensor, unset: dict[str, bool]
+) -> None:
+    """max_length / min_length as transformers' own generate sets them, by its own code: with
+    max_new_tokens / min_new_tokens taking precedence, and an unset max_length as 20 new tokens;
+    its warnings and its error for an input that leaves no room."""
+    length = input_ids.shape[1]
+    model._prepare_generated_length(
+        generation_config=gc,
+        has_default_max_length=unset["max_length"],
+        has_default_min_length=unset["min_length"],
+        model_input_name="input_ids",
+        input_ids_length=length,
+        inputs_tensor=input_ids,
+    )
+    model._validate_generated_length(gc, length, unset["max_length"])
+
+
 def _sampling_params(gc: GenerationConfig, padded_len: int) -> SamplingParams:
-    max_new = gc.max_new_tokens if gc.max_new_tokens is not None else gc.max_length - padded_len
+    """``gc`` with its lengths resolved (_resolve_lengths): max_length and min_length are totals."""
+    max_new = gc.max_length - padded_len
     if max_new < 1:
         raise ValueError(
             f"paged_hf generate: max_length={gc.max_length} leaves no room after the "
             f"{padded_len}-token input; set max_new_tokens"
         )
-    min_new = (
-        gc.min_new_tokens
-        if gc.min_new_tokens is not None
-        else max(0, (gc.min_length or 0) - padded_len)
-    )
+    min_new = max(0, (gc.min_length or 0) - padded_len)
     return SamplingParams.from_generation_config(
         gc,
         max_new_tokens=max_new,

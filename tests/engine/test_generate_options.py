@@ -1,31 +1,45 @@
 """Every option of transformers' ``generate``, walked: each field of its ``GenerationConfig`` and each
 keyword of ``generate`` has a row in paged_hf/model/generate_options.py, docs/generate.md's table is
-rendered from it, and each field set to a value that changes transformers' result gives a patched
-model transformers' result, or a NotImplementedError naming it. Never a silent difference.
+rendered from it, and each field, set to a value that changes transformers' result, gives a patched
+model transformers' result or a NotImplementedError naming it; never a silent difference. Each
+field is set in each place a value comes from (a keyword, a passed ``GenerationConfig``, the
+model's ``generation_config`` edited in place) and left unset (transformers' defaults: an unset
+``max_length`` is 20 *new* tokens).
 
 Greedy options are compared token for token (the tiny model's greedy paths here have clear winners:
 checked). Sampling options run by transformers' processors on the call's rows draw from torch's
 default generator as transformers does: seeded alike, the same tokens. Sampling options the engine's
-own sampler runs are checked to reach it (SamplingParams); its draws are checked against
-transformers' distributions in tests/unit/test_sampler.py.
+own sampler runs are compared as distributions: the one the engine draws from for the call's
+resolved settings against the one transformers' own processors for the same call give (its draws
+against those distributions: tests/unit/test_sampler.py).
 """
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import inspect
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from tiny_models import EOS_ID, left_pad, make_tiny_model, tiny_prompts
-from transformers import GenerationConfig, GenerationMixin, WatermarkingConfig
+from tiny_tokenizer import make_tiny_tokenizer
+from transformers import (
+    ContinuousBatchingConfig,
+    GenerationConfig,
+    GenerationMixin,
+    WatermarkingConfig,
+)
 from transformers.generation import CompileConfig
 
 import paged_hf
+from paged_hf.execution.sampler import drawn_probs
 from paged_hf.model import generate_options as options
-from paged_hf.model.hf_generate import _sampling_params
 
 MAX_NEW = 8
+DEFAULT_NEW = 20  # transformers' new tokens where no length is set anywhere
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "generate.md"
 
 
@@ -55,10 +69,10 @@ def setup(one_thread):
     model = paged_hf.patch(make_tiny_model("llama"))
     ids, mask = left_pad(tiny_prompts(reference.config.vocab_size, 3, [4, 7, 11], seed=11))
     width = ids.shape[1]
-    base = reference.generate(
+    base = reference.generate(  # 20 new tokens: the unset max_length's, longer than the walk's
         ids,
         attention_mask=mask,
-        max_new_tokens=MAX_NEW,
+        max_new_tokens=DEFAULT_NEW,
         do_sample=False,
         output_scores=True,
         return_dict_in_generate=True,
@@ -69,9 +83,18 @@ def setup(one_thread):
     return reference, model, ids, mask, base.sequences[:, width:]
 
 
-def _values(gen: torch.Tensor) -> dict:
+def _stop_string(gen: torch.Tensor, tok) -> str:
+    """Text of one of row 0's greedy tokens past its first, clean (whole characters) on its own."""
+    for j in range(1, MAX_NEW - 1):
+        text = tok.decode([int(gen[0, j])])
+        if text.strip() and "\ufffd" not in text:
+            return text
+    raise AssertionError("no clean token text to stop on")
+
+
+def _values(gen: torch.Tensor, tok) -> dict:
     """A value for each field that changes transformers' result on these prompts (``gen``: its greedy
-    tokens), with what else it needs, and whether it samples."""
+    tokens), with what else it needs. ``_ids``: other prompts; ``_keywords``: generate keywords."""
     first, third = int(gen[0, 0]), int(gen[0, 2])
     return {
         "max_length": dict(max_length=14, max_new_tokens=None),
@@ -87,6 +110,7 @@ def _values(gen: torch.Tensor) -> dict:
         "eos_token_id": dict(eos_token_id=third),
         "pad_token_id": dict(pad_token_id=9, eos_token_id=third),
         "return_dict_in_generate": dict(return_dict_in_generate=True),
+        "stop_strings": dict(stop_strings=[_stop_string(gen, tok)], _keywords={"tokenizer": tok}),
         "no_repeat_ngram_size": dict(no_repeat_ngram_size=1),
         "encoder_no_repeat_ngram_size": dict(
             encoder_no_repeat_ngram_size=1, encoder_repetition_penalty=30.0
@@ -127,6 +151,10 @@ def _values(gen: torch.Tensor) -> dict:
         "assistant_lookbehind": dict(assistant_lookbehind=5),
         "target_lookbehind": dict(target_lookbehind=5),
         "speculation_type": dict(speculation_type="dflash"),
+        "is_assistant": dict(is_assistant=True),
+        "assistant_ensemble_weight": dict(assistant_ensemble_weight=0.5),
+        "continuous_batching_config": dict(continuous_batching_config=ContinuousBatchingConfig()),
+        "cache_config": dict(cache_config={"max_cache_len": 64}),
         # beam search
         "num_beams": dict(num_beams=3),
         "early_stopping": dict(
@@ -151,7 +179,7 @@ def _values(gen: torch.Tensor) -> dict:
     }
 
 
-# where the walk checks something else than the result of one greedy call
+# the engine's own sampler: compared as distributions (their draws are the sampler's own)
 ENGINE_SAMPLING = {
     "do_sample": dict(do_sample=True),
     "temperature": dict(do_sample=True, temperature=0.5),
@@ -160,82 +188,129 @@ ENGINE_SAMPLING = {
     "min_p": dict(do_sample=True, min_p=0.2),
     "num_return_sequences": dict(do_sample=True, num_return_sequences=2),
 }
-ELSEWHERE = {  # field: the test that checks it
-    "stop_strings": "tests/unit/test_stop_strings.py (with the tokenizer it needs)",
-    "cache_config": "no value changes transformers' result without a cache implementation that reads it",
-    "continuous_batching_config": "transformers' own continuous batching only (generate_batch)",
-    "is_assistant": "set by transformers on an assistant model's config",
-    "assistant_ensemble_weight": "needs an assistant model",
+TRANSFORMERS_FAILS = {  # set on a plain call, transformers' generate raises; a patched one runs
+    "is_assistant": "transformers' assisted decoding sets it on the assistant model's config",
 }
-UNCHANGED_HERE = {
-    "remove_invalid_values": "the tiny model's logits are finite (tests/engine/test_generate_processors.py)"
+UNCHANGED_HERE = {  # a value that changes transformers' result needs logits these models never give
+    "remove_invalid_values": "tests/engine/test_generate_processors.py feeds it inf and NaN",
 }
+SOURCES = ("keyword", "passed config", "model config")
+FIELDS = sorted(name for name in options.option_rows() if not name.endswith("="))
 
 
-def _both(reference, model, ids, mask, kwargs):
-    kwargs = dict(kwargs)
-    if "_ids" in kwargs:
-        ids = torch.tensor(kwargs.pop("_ids"))
-        mask = torch.ones_like(ids)
-    out = {}
-    for who, m in (("ours", model), ("theirs", reference)):
-        kw = dict(max_new_tokens=MAX_NEW, do_sample=False) | kwargs
-        torch.manual_seed(0)
-        try:
-            out[who] = m.generate(ids, attention_mask=mask, **kw)
-        except Exception as e:  # noqa: BLE001
-            out[who] = e
-    return out["ours"], out["theirs"]
+@pytest.fixture(scope="module")
+def tok():
+    return make_tiny_tokenizer()
 
 
-@pytest.mark.parametrize(
-    "field",
-    sorted(set(options.option_rows()) - {n for n in options.option_rows() if n.endswith("=")}),
-)
-def test_each_field_is_transformers_or_refused(setup, field):
-    reference, model, ids, mask, gen = setup
-    how, _ = options.option_rows()[field]
-    if field in ELSEWHERE:
-        return
-    if field in ENGINE_SAMPLING:  # reaches the engine's sampler
-        gc = GenerationConfig(max_new_tokens=MAX_NEW, **ENGINE_SAMPLING[field])
-        assert (
-            _sampling_params(gc, 4)
-            != _sampling_params(
-                GenerationConfig(
-                    max_new_tokens=MAX_NEW, do_sample=True, top_k=0, top_p=1.0, temperature=1.0
-                ),
-                4,
-            )
-            or field == "do_sample"
-        )
-        out = model.generate(
-            ids, attention_mask=mask, max_new_tokens=MAX_NEW, **ENGINE_SAMPLING[field]
-        )
-        assert out.shape[0] == ids.shape[0] * ENGINE_SAMPLING[field].get("num_return_sequences", 1)
-        return
-    kwargs = _values(gen)[field]
-    ours, theirs = _both(reference, model, ids, mask, kwargs)
-    if how == options.REFUSED:
-        assert isinstance(ours, NotImplementedError) and field in str(ours), ours
-        return
+def _settings(field: str, gen: torch.Tensor, tok, unset: bool = False) -> tuple[dict, dict, dict]:
+    """(config fields, generate keywords, prompt override) of the walk's call for ``field``; ``unset``:
+    the same call without the field (nor, for a length, any length at all)."""
+    values = dict(ENGINE_SAMPLING.get(field) or _values(gen, tok)[field])
+    keywords, ids = values.pop("_keywords", {}), values.pop("_ids", None)
+    settings = dict(max_new_tokens=MAX_NEW, do_sample=False) | values
+    if unset:
+        lengths = {"max_length", "max_new_tokens"}
+        drop = lengths if field in lengths else {field}
+        if field in options.REFUSED_SETTINGS:  # and the refused companions it needs
+            drop |= set(options.REFUSED_SETTINGS)
+        for name in drop:
+            settings.pop(name, None)
+    return settings, keywords, ({} if ids is None else {"ids": ids})
+
+
+@contextlib.contextmanager
+def _on_model_config(m: torch.nn.Module, settings: dict):
+    """``settings`` written into the model's own generation_config in place, as users edit it."""
+    saved = copy.deepcopy(m.generation_config.__dict__)
+    for name, value in settings.items():
+        setattr(m.generation_config, name, value)
+    try:
+        yield
+    finally:
+        m.generation_config.__dict__.clear()
+        m.generation_config.__dict__.update(saved)
+
+
+def _call(m, ids, mask, settings: dict, keywords: dict, source: str):
+    """``m.generate`` with ``settings`` coming from ``source``; the output, or what it raised."""
+    torch.manual_seed(0)
+    try:
+        if source == "keyword":
+            return m.generate(ids, attention_mask=mask, **settings, **keywords)
+        if source == "passed config":
+            config = GenerationConfig(**settings)
+            return m.generate(ids, attention_mask=mask, generation_config=config, **keywords)
+        with _on_model_config(m, settings):
+            return m.generate(ids, attention_mask=mask, **keywords)
+    except Exception as e:  # noqa: BLE001
+        return e
+
+
+@contextlib.contextmanager
+def _capturing(reference, model=None):
+    """What each side samples from: the processor lists transformers builds, and the SamplingParams
+    of each row the patched generate submits."""
+    seen: dict[str, list] = {"theirs": [], "ours": []}
+    build = reference._get_logits_processor
+
+    def recorded_build(*args, **kwargs):
+        seen["theirs"].append(build(*args, **kwargs))
+        return seen["theirs"][-1]
+
+    reference._get_logits_processor = recorded_build
+    engine = None if model is None else paged_hf.engine_for(model)
+    if engine is not None:
+        add = engine.add_request
+
+        def recorded_add(prompt, params=None, *args, **kwargs):
+            seen["ours"].append(params)
+            return add(prompt, params, *args, **kwargs)
+
+        engine.add_request = recorded_add
+    try:
+        yield seen
+    finally:
+        del reference._get_logits_processor
+        if engine is not None:
+            del engine.add_request
+
+
+def _both(reference, model, ids, mask, settings, keywords, source):
+    with _capturing(reference, model) as seen:
+        ours = _call(model, ids, mask, settings, keywords, source)
+        theirs = _call(reference, ids, mask, settings, keywords, source)
+    return ours, theirs, seen
+
+
+def _sequences(out):
+    return out.sequences if hasattr(out, "sequences") else out
+
+
+def _logits(vocab: int) -> torch.Tensor:
+    return 4 * torch.randn(3, vocab, generator=torch.Generator().manual_seed(5))
+
+
+def _their_distribution(processors, vocab: int) -> torch.Tensor:
+    return processors(torch.zeros(3, 1, dtype=torch.long), _logits(vocab)).softmax(-1)
+
+
+def _assert_same_result(field, ids, ours, theirs, seen, vocab):
     assert not isinstance(theirs, Exception), f"pick a value transformers runs: {theirs!r}"
     assert not isinstance(ours, Exception), f"{field}: {ours!r}"
-    ours_seq = ours.sequences if hasattr(ours, "sequences") else ours
-    theirs_seq = theirs.sequences if hasattr(theirs, "sequences") else theirs
+    ours_seq, theirs_seq = _sequences(ours), _sequences(theirs)
+    if seen["ours"] and not seen["ours"][0].is_greedy:  # the engine's own draws
+        assert ours_seq.shape == theirs_seq.shape
+        assert torch.equal(ours_seq[:, : ids.shape[1]], theirs_seq[:, : ids.shape[1]])
+        (processors,) = seen["theirs"]
+        mine = drawn_probs(_logits(vocab), [SimpleNamespace(params=p) for p in seen["ours"][:3]])
+        expected = _their_distribution(processors, vocab)
+        assert torch.equal(mine == 0, expected == 0), f"{field}: other tokens filtered"
+        assert float((mine - expected).abs().max()) < 1e-6, field
+        return
     assert torch.equal(ours_seq, theirs_seq), (
         f"{field}: {ours_seq[:, ids.shape[1] :]} vs {theirs_seq[:, ids.shape[1] :]}"
     )
-    # against the same call without the field
-    if how != options.NO_EFFECT and field not in UNCHANGED_HERE:
-        plain, _ = _both(
-            reference, reference, ids, mask, {k: v for k, v in kwargs.items() if k != field}
-        )
-        plain = plain.sequences if hasattr(plain, "sequences") else plain
-        changed = not torch.equal(theirs_seq, plain) or any(
-            hasattr(theirs, k) and getattr(theirs, k) is not None for k in ("scores", "logits")
-        )
-        assert changed or field == "return_dict_in_generate", f"{field}: the value tests nothing"
     for name in ("scores", "logits"):
         if getattr(theirs, name, None) is not None:
             for a, b in zip(getattr(ours, name), getattr(theirs, name), strict=True):
@@ -244,3 +319,80 @@ def test_each_field_is_transformers_or_refused(setup, field):
                     torch.equal(torch.isfinite(a), finite)
                     and float((a[finite] - b[finite]).abs().max()) < 1e-4
                 )
+
+
+@pytest.mark.parametrize("source", SOURCES)
+@pytest.mark.parametrize("field", FIELDS)
+def test_each_field_from_each_place_is_transformers_or_refused(setup, tok, field, source):
+    reference, model, ids, mask, gen = setup
+    how, _ = options.option_rows()[field]
+    settings, keywords, prompts = _settings(field, gen, tok)
+    if prompts:
+        ids = torch.tensor(prompts["ids"])
+        mask = torch.ones_like(ids)
+    ours, theirs, seen = _both(reference, model, ids, mask, settings, keywords, source)
+    if how == options.REFUSED:
+        assert isinstance(ours, NotImplementedError) and field in str(ours), ours
+        return
+    if field in TRANSFORMERS_FAILS:  # no effect: ours is the call without it
+        assert isinstance(theirs, Exception)
+        settings.pop(field)
+        theirs = _call(reference, ids, mask, settings, keywords, source)
+    _assert_same_result(field, ids, ours, theirs, seen, reference.config.vocab_size)
+
+
+@pytest.mark.parametrize("field", FIELDS)
+def test_each_field_unset_is_transformers_and_setting_it_changes_transformers(setup, tok, field):
+    """The same call without the field is transformers' too; and the walk's value of the field
+    changes transformers' result (else the walk above tests nothing)."""
+    reference, model, ids, mask, gen = setup
+    settings, keywords, prompts = _settings(field, gen, tok, unset=True)
+    if prompts:
+        ids = torch.tensor(prompts["ids"])
+        mask = torch.ones_like(ids)
+    ours, theirs, seen = _both(reference, model, ids, mask, settings, keywords, "keyword")
+    _assert_same_result(field, ids, ours, theirs, seen, reference.config.vocab_size)
+    how, _ = options.option_rows()[field]
+    if how in (options.NO_EFFECT, options.REFUSED) or field in UNCHANGED_HERE:
+        return
+    with_field, keywords, _ = _settings(field, gen, tok)
+    with _capturing(reference) as seen_set:
+        changed = _call(reference, ids, mask, with_field, keywords, "keyword")
+    differs = (
+        _sequences(changed).shape != _sequences(theirs).shape
+        or not torch.equal(_sequences(changed), _sequences(theirs))
+        or any(getattr(changed, k, None) is not None for k in ("scores", "logits"))
+    )
+    if with_field.get("do_sample"):  # the distribution transformers draws from, not the draw
+        vocab = reference.config.vocab_size
+        (set_processors,), (unset_processors,) = seen_set["theirs"], seen["theirs"]
+        differs = _sequences(changed).shape != _sequences(theirs).shape or not torch.allclose(
+            _their_distribution(set_processors, vocab), _their_distribution(unset_processors, vocab)
+        )
+    assert differs or field == "return_dict_in_generate", f"{field}: the value tests nothing"
+
+
+@pytest.mark.parametrize("lengths", [[8], [31], [4, 7, 11]])
+def test_no_length_anywhere_is_twenty_new_tokens_as_in_transformers(setup, lengths):
+    """transformers' tutorial call, ``generate(**tok(prompt, return_tensors="pt"))``: 20 new tokens
+    whatever the prompt's length (a patched model once read 20 as the total)."""
+    reference, model, *_ = setup
+    ids, mask = left_pad(tiny_prompts(reference.config.vocab_size, len(lengths), lengths, seed=5))
+    with pytest.warns(UserWarning, match="model-agnostic default `max_length`"):
+        ours = model.generate(input_ids=ids, attention_mask=mask)
+    theirs = reference.generate(input_ids=ids, attention_mask=mask)
+    assert ours.shape[1] - ids.shape[1] == DEFAULT_NEW and torch.equal(ours, theirs)
+
+
+def test_the_default_length_is_capped_by_max_position_embeddings(setup):
+    reference, model, *_ = setup
+    ids = torch.tensor(tiny_prompts(reference.config.vocab_size, 1, [31], seed=4))
+    saved = reference.config.max_position_embeddings
+    try:
+        for m in (reference, model):
+            m.config.max_position_embeddings = 40
+        ours, theirs = model.generate(ids), reference.generate(ids)
+    finally:
+        for m in (reference, model):
+            m.config.max_position_embeddings = saved
+    assert ours.shape[1] == 40 and torch.equal(ours, theirs)
