@@ -10,7 +10,7 @@ import pytest
 import torch
 from engine_state import assert_clean
 from oracle import assert_teacher_forced
-from tiny_models import make_arch_config, make_tiny_model
+from tiny_models import make_arch_config, make_config, make_tiny_model, tiny_prompts
 from transformers import AutoModelForCausalLM
 
 import paged_hf
@@ -42,6 +42,20 @@ def prompts():
     return [[rng.randrange(1000, 40000) for _ in range(n)] for n in (280, 290, 300)]
 
 
+WHY_NOT = (
+    "batch_invariant=True cannot hold on this CPU (no attention kernel bf16 path, no bf16 oneDNN "
+    "GEMM, or a GEMM that is not row-invariant at 16 and 32 rows)"
+)
+
+
+@pytest.mark.slow
+def test_it_is_refused_on_a_machine_where_it_cannot_hold(smollm2):
+    if holds_here():
+        pytest.skip("it holds on this CPU: the tokens are checked instead")
+    with pytest.raises(ValueError, match="batch_invariant=True cannot hold"):
+        paged_hf.Engine(*smollm2, batch_invariant=True)
+
+
 def alone(model, tok, prompt, split=None, **options):
     """One prompt's tokens from a fresh engine, its first ``split`` tokens computed by an earlier call."""
     engine = paged_hf.Engine(model, tok, batch_invariant=True, **options)
@@ -56,9 +70,7 @@ def alone(model, tok, prompt, split=None, **options):
 def test_tokens_do_not_depend_on_prefix_hits_batches_or_the_disk_tier(smollm2, prompts, tmp_path):
     model, tok = smollm2
     if not holds_here():
-        with pytest.raises(ValueError, match="batch_invariant=True cannot hold"):
-            paged_hf.Engine(model, tok, batch_invariant=True)
-        return
+        pytest.skip(f"{WHY_NOT}: the refusal is checked instead")
     whole = [alone(model, tok, p) for p in prompts]
     for p, want in zip(prompts, whole):
         assert_teacher_forced(model, p, want, tol=BF16_TOL, what="batch_invariant, whole")
@@ -74,6 +86,60 @@ def test_tokens_do_not_depend_on_prefix_hits_batches_or_the_disk_tier(smollm2, p
         assert [o.token_ids for o in engine.generate(prompts, PARAMS)] == whole
         engine.flush_kv_tiers()
     assert engine.stats()["kv_tiers"]["disk"]["hit_tokens"] > 3 * 250
+
+
+def row_count_gemm(real):
+    """oneDNN's GEMM as it sums on some CPUs (an Intel Xeon with AMX: a row of an 18-row prompt tail
+    and the same row in a 450-row prompt differ by a rounding), exaggerated so that it forks greedy
+    tokens on any machine: alike at 16 and 32 rows (as there), scaled by the row count otherwise."""
+
+    def gemm(rows, packed, bias):
+        out = real(rows, packed, bias)
+        n = rows.shape[0]
+        return out if n in (16, 32) else out * (1 + 0.02 * (1 + n % 7))
+
+    return gemm
+
+
+def tokens_by_layout(model, prompts, **options) -> list[list[list[int]]]:
+    """Each prompt's tokens computed whole, behind a 16- and a 32-token prefix hit, and all
+    prompts in one call sharing steps under a small token budget."""
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    layouts = []
+    for split in (None, 16, 32):
+        outs = []
+        for p in prompts:
+            engine = paged_hf.Engine(model, **options)
+            if split:
+                engine.generate([p[:split]], SamplingParams(max_new_tokens=1))
+            outs.append(engine.generate([p], params)[0].token_ids)
+        layouts.append(outs)
+    engine = paged_hf.Engine(model, max_num_batched_tokens=24, **options)
+    layouts.append([o.token_ids for o in engine.generate(prompts, params)])
+    assert_clean(engine)
+    return layouts
+
+
+def test_a_gemm_that_sums_by_row_count_forks_the_default_mode_and_not_the_invariant_one(
+    monkeypatch,
+):
+    """The machine's own GEMM may sum alike at every row count (AMD Zen 4 does, on SmolLM2's
+    prompts), so the test above may pass with the row-invariant GEMM turned off; one that does not
+    stands in for it here: the default mode's tokens fork between layouts, the invariant mode's do not."""
+    if (
+        not holds_here()
+        or cpu_linear.mode(torch.bfloat16, torch.device("cpu")) != cpu_linear.ONEDNN
+    ):
+        pytest.skip("needs oneDNN's bf16 GEMM and the attention kernel's bf16 path on this CPU")
+    config = make_config("llama")
+    config.head_dim = 32  # the attention kernel's bf16 path
+    model = build_model(config, AutoModelForCausalLM, dtype=torch.bfloat16)
+    prompts = tiny_prompts(config.vocab_size, 3, [40, 45, 50], seed=7)
+    monkeypatch.setattr(cpu_linear, "onednn_gemm", row_count_gemm(cpu_linear.onednn_gemm))
+    default = tokens_by_layout(model, prompts)
+    assert any(layout != default[0] for layout in default[1:]), "the stand-in forks nothing"
+    invariant = tokens_by_layout(model, prompts, batch_invariant=True)
+    assert all(layout == invariant[0] for layout in invariant[1:])
 
 
 def refusal(model, **options) -> str:

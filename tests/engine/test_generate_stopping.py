@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from engine_state import assert_clean
 from tiny_models import EOS_ID, PAD_ID, left_pad, make_tiny_model, tiny_prompts
 from transformers import StoppingCriteria, StoppingCriteriaList, StopStringCriteria
 
@@ -111,17 +112,20 @@ def llama_pair(one_thread):
     return reference, model, ids, mask
 
 
+@pytest.mark.parametrize("eos", ["model's", None])
 @pytest.mark.parametrize("mode", ["row", "any", "tracker"])
-def test_criteria_see_and_stop_as_under_transformers(llama_pair, mode):
+def test_criteria_see_and_stop_as_under_transformers(llama_pair, mode, eos):
     """Per-row (rows it stops show pad, the others go on), any-row and all-rows batch-level
     criteria (rows that met their own stop run on until every row has): same sequences, and every
-    call of the criterion saw the same input_ids."""
+    call of the criterion saw the same input_ids. Without an EOS (lm-eval's calls), transformers
+    shows no pad after a row's stop: every row runs on until the call ends, and ends with it."""
     reference, model, ids, mask = llama_pair
     tokens = {
         t for t in range(0, 512, 3)
     }  # about a third of the vocabulary: rows stop at different steps
+    kwargs = {} if eos else {"eos_token_id": None}
     out, expected, ours, theirs = _run_both(
-        reference, model, ids, mask, lambda: [LastTokenIn(tokens, mode)]
+        reference, model, ids, mask, lambda: [LastTokenIn(tokens, mode)], **kwargs
     )
     assert torch.equal(out, expected)
     _same_calls(ours, theirs)
@@ -197,6 +201,23 @@ def test_max_time_is_honoured():
     out = model.generate(ids, max_new_tokens=8, do_sample=False, max_time=0.0)
     expected = reference.generate(ids, max_new_tokens=8, do_sample=False, max_time=0.0)
     assert out.shape == expected.shape == (2, 4) and torch.equal(out, expected)
+
+
+def test_rows_whose_prefill_ends_first_wait_for_their_call(llama_pair):
+    """A small token budget chunks the long prompts' prefill over several steps while the short
+    ones decode (a roomy pool: nothing is preempted): the rows that could run ahead wait for their
+    call's others, so the criteria stop each row where transformers stops it."""
+    reference, _, ids, mask = llama_pair
+    model = paged_hf.patch(make_tiny_model("llama"), block_size=4, max_num_batched_tokens=8)
+    tokens = {t for t in range(0, 512, 4)}
+    out, expected, ours, theirs = _run_both(
+        reference, model, ids, mask, lambda: [LastTokenIn(tokens, "row")]
+    )
+    assert torch.equal(out, expected)
+    _same_calls(ours, theirs)
+    engine = paged_hf.engine_for(model)
+    assert engine.stats()["preemptions"] == 0
+    assert_clean(engine)
 
 
 def test_a_small_pool_preempts_rows_held_in_lock_step(llama_pair):

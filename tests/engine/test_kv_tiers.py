@@ -6,6 +6,7 @@ evicted come back from it."""
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import subprocess
@@ -116,12 +117,26 @@ def test_another_process_reads_the_records(model, prompts, tmp_path):
     assert disk(stats)["hit_tokens"] == servable_tokens(prompts)
 
 
-@pytest.mark.parametrize("change", ["weights", "salt", "block size", "namespace"])
+def one_key_row_changed(model):
+    """A copy of ``model`` whose weights differ in one row of one layer's k_proj only, past its
+    first elements (a fingerprint that samples a tensor's start would miss it)."""
+    other = copy.deepcopy(model)
+    weight = other.model.layers[1].self_attn.k_proj.weight
+    with torch.no_grad():
+        weight[-1] += 0.5
+    return other
+
+
+@pytest.mark.parametrize(
+    "change", ["weights", "one row of one k_proj", "salt", "block size", "namespace"]
+)
 def test_nothing_is_served_across_what_the_kv_depends_on(model, prompts, tmp_path, change):
     run(model, prompts, str(tmp_path))
     other_model, params, options = model, None, {}
     if change == "weights":
         other_model = make_tiny_model("llama", seed=1).double()
+    elif change == "one row of one k_proj":
+        other_model = one_key_row_changed(model)
     elif change == "salt":
         params = SamplingParams(max_new_tokens=6, cache_salt="tenant-b")
     elif change == "block size":
@@ -238,19 +253,25 @@ def test_smollm2_reads_its_records_with_the_same_tokens(smollm2_fp32, tmp_path):
 
 
 def test_a_load_that_fails_ends_its_steps_requests_alone(model, prompts, tmp_path):
-    """Copying read records into the pool fails: the requests of that step end with the error, no
-    block leaks, and the engine goes on to give the next requests their tokens."""
+    """Copying read records into the pool fails: the requests of that step end with the error; a
+    request waiting beside them (two seats) gets its own tokens; no block leaks, and the engine
+    goes on to give the next requests their tokens."""
     alone, _, _ = run(model, prompts, None)
     run(model, prompts[:2], str(tmp_path))
-    engine = paged_hf.Engine(model, block_size=BS, num_blocks=256, kv_cache_dir=str(tmp_path))
+    engine = paged_hf.Engine(
+        model, block_size=BS, num_blocks=256, kv_cache_dir=str(tmp_path), max_num_seqs=2
+    )
     tier = engine.scheduler.tier
 
     def broken(handles, pages):
         raise OSError("injected: the copy into the pool failed")
 
     tier.load = broken
-    outs = engine.generate(prompts[:2], SamplingParams(max_new_tokens=6))
-    assert all(o.finish_reason == "error" and "injected" in o.error for o in outs)
+    params = SamplingParams(max_new_tokens=6)
+    rids = [engine.add_request(p, params) for p in (prompts[0], prompts[1], prompts[4])]
+    *failed, bystander = engine.run_until_done(rids)
+    assert all(o.finish_reason == "error" and "injected" in o.error for o in failed)
+    assert bystander.error is None and bystander.token_ids == alone[4]
     assert_clean(engine)
     del tier.load  # the class's own again
     outs = engine.generate(prompts, SamplingParams(max_new_tokens=6))

@@ -152,6 +152,14 @@ def within_a_rounding(
     return bool(close.all())
 
 
+def onednn_gemm(
+    rows: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """oneDNN's GEMM of ``rows`` ``[M, K]`` with a packed weight (one name for every call: the
+    batch-invariance tests stand a GEMM that sums by row count in for it)."""
+    return torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
+
+
 class PackedWeight:
     """One GEMM's weight (a module's, or a sibling group's concatenated) packed for oneDNN as ``how``
     computes it: bf16, or fp32 (a bf16 weight's fp32 copy, its output rounded to bf16)."""
@@ -202,11 +210,9 @@ class PackedWeight:
         if self.by_tiles and rows.shape[0]:
             out = self._by_tiles(rows)
         elif self.how == ONEDNN:
-            out = torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
+            out = onednn_gemm(rows, self.packed, self.bias)
         else:
-            out = torch.ops.mkldnn._linear_pointwise(
-                rows.float(), self.packed, self.bias, "none", [], ""
-            ).to(self.dtype)
+            out = onednn_gemm(rows.float(), self.packed, self.bias).to(self.dtype)
         return out if x.dim() == 2 else out.view(*x.shape[:-1], out.shape[-1])
 
     def _by_tiles(self, rows: torch.Tensor) -> torch.Tensor:
@@ -217,9 +223,7 @@ class PackedWeight:
         if n % TILE_ROWS:
             rows = torch.cat([rows, rows.new_zeros(TILE_ROWS - n % TILE_ROWS, rows.shape[1])])
         parts = [
-            torch.ops.mkldnn._linear_pointwise(
-                rows[i : i + 2 * TILE_ROWS], self.packed, self.bias, "none", [], ""
-            )
+            onednn_gemm(rows[i : i + 2 * TILE_ROWS], self.packed, self.bias)
             for i in range(0, rows.shape[0], 2 * TILE_ROWS)
         ]
         return (parts[0] if len(parts) == 1 else torch.cat(parts))[:n]
