@@ -28,8 +28,8 @@ from .batch import BatchCallsMixin
 from .binding import patch_state
 from .kv_tiers import make_kv_tiers
 from .outputs import OutputsMixin, RequestOutput
-from .priority_scheduler import PriorityScheduler
 from .scheduler import Scheduler
+from .scheduling_policy import make_policy
 from .step import StepMixin
 
 logger = logging.getLogger("paged_hf")
@@ -129,12 +129,7 @@ class Engine(AdmissionMixin, StepMixin, OutputsMixin, BatchCallsMixin):
             groups=self.groups,
             step_tokens=max(self.config.max_num_batched_tokens, batch_budget or 0),
         )
-        policy = (
-            dict(lookahead=self.config.priority_lookahead, aging_s=self.config.priority_aging_s)
-            if self.config.scheduling_policy == "priority"
-            else {}
-        )
-        self.scheduler = (PriorityScheduler if policy else Scheduler)(
+        self.scheduler = Scheduler(
             self.kv_manager,
             self.config.max_num_batched_tokens,
             self.config.max_num_seqs,
@@ -142,10 +137,14 @@ class Engine(AdmissionMixin, StepMixin, OutputsMixin, BatchCallsMixin):
             self.config.max_prefill_tokens_while_decoding,
             continues_chunks=self.state_layout is None or self.state_layout.continues_chunks,
             max_waiting=self.config.max_waiting,
-            **policy,
+            policy=make_policy(
+                self.config.scheduling_policy,
+                self.config.priority_lookahead,
+                self.config.priority_aging_s,
+            ),
+            batch_call_budget=batch_budget,
+            lift_cap_in_batch_calls=auto_prefill_cap,
         )
-        self.scheduler.lift_cap_in_batch_calls = auto_prefill_cap
-        self.scheduler.batch_call_budget = batch_budget
         self.runner = ModelRunner(
             model,
             self.config,

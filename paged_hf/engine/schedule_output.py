@@ -1,5 +1,5 @@
 """What the scheduler hands the step: who runs and how many tokens, and the data movement the
-backend does first (copies, swaps, disk-tier loads); and the step budget it plans within."""
+backend does first (copies, swaps, tier loads); and the step budget it plans within."""
 
 from __future__ import annotations
 
@@ -35,7 +35,6 @@ class SchedulerOutput:
     tier_loads: list[tuple[Any, list[int]]] = field(default_factory=list)
     # (src, dst) state slots before the step
     state_copies: list[tuple[int, int]] = field(default_factory=list)
-    finished: list[Request] = field(default_factory=list)  # filled in by ``update``
 
     @property
     def num_tokens(self) -> int:

@@ -8,6 +8,7 @@ decode has one such token; a prompt has many and may take several steps (chunked
 
 from __future__ import annotations
 
+import enum
 import time
 from collections import deque
 from typing import Any
@@ -15,8 +16,18 @@ from typing import Any
 from ..cache.block_manager import BlockManager
 from ..requests.request import FinishReason, Request, RequestStatus
 from .schedule_output import Budget, QueueFull, SchedulerOutput
+from .scheduling_policy import Fcfs
 from .sibling_prefill import blocks_in_flight, waits_for_sibling_prefill
 from .step_time import StepTimeModel
+
+
+class Admission(enum.Enum):
+    """What became of a waiting request the loop tried to admit."""
+
+    ADMITTED = "admitted"
+    SIBLING = "sibling"  # the next block of its prompt is computed this step by another request
+    NO_BLOCKS = "no blocks"
+    NO_SEATS = "no seats"  # max_num_seqs
 
 
 class Scheduler:
@@ -29,10 +40,16 @@ class Scheduler:
         max_prefill_tokens_while_decoding: int | None = None,
         continues_chunks: bool = True,
         max_waiting: int | None = None,
+        policy: Fcfs | None = None,
+        batch_call_budget: int | None = None,
+        lift_cap_in_batch_calls: bool = False,
     ) -> None:
         """``continues_chunks=False``: the model's stateful layers cannot carry their state into a
         chunk of several tokens (Mamba1-style mixers), so after a request's first chunk its prompt
-        goes on one token at a time."""
+        goes on one token at a time. ``policy``: who goes first (paged_hf/engine/scheduling_policy.py;
+        fcfs by default). ``batch_call_budget``: the step budget inside a blocking batch call
+        (``Engine.batch_call``), where set; ``lift_cap_in_batch_calls``: no prefill cap meanwhile
+        (the cap was "auto")."""
         if max_num_batched_tokens < 1 or max_num_seqs < 1:
             raise ValueError(
                 f"max_num_batched_tokens={max_num_batched_tokens} and max_num_seqs={max_num_seqs} "
@@ -50,10 +67,10 @@ class Scheduler:
         # prefill tokens a step may carry next to running decodes (None: whatever budget they leave);
         # a long prompt's chunks then cost each decode a little latency per step, not a long stall
         self.max_prefill_tokens_while_decoding = max_prefill_tokens_while_decoding
-        # a blocking batch call runs (``Engine.batch_call``) and the cap was "auto": no cap meanwhile
-        self.batch_call = False
-        self.lift_cap_in_batch_calls = False
-        self.batch_call_budget: int | None = None  # the step budget inside a batch call, where set
+        self.policy = policy or Fcfs()
+        self.batch_call = False  # a blocking batch call runs (``Engine.batch_call``)
+        self.lift_cap_in_batch_calls = lift_cap_in_batch_calls
+        self.batch_call_budget = batch_call_budget
         self.continues_chunks = continues_chunks
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order; the tail is preempted first
@@ -97,11 +114,22 @@ class Scheduler:
         self.waiting.append(req)
 
     def _make_room(self, req: Request) -> None:
-        """The queue is full: refuse ``req`` (a policy with priorities may shed another)."""
-        raise QueueFull(
-            f"request {req.request_id}: refused, {len(self.waiting)} requests are waiting "
-            f"(max_waiting={self.max_waiting})"
+        """The queue is full: the policy may shed a less urgent waiting request, else ``req`` is
+        refused."""
+        now = self.clock()
+        last = self.policy.to_shed(req, self.waiting, now)
+        if last is None:
+            raise QueueFull(
+                f"request {req.request_id}: refused, {len(self.waiting)} requests are waiting "
+                f"(max_waiting={self.max_waiting})"
+            )
+        self.waiting.remove(last)
+        last.error = (
+            f"request {last.request_id}: refused, the waiting queue is full "
+            f"(max_waiting={self.max_waiting}) and request {req.request_id} is more urgent"
         )
+        self.finish(last, FinishReason.ERROR, now)
+        self.shed.append(last)
 
     def take_shed(self) -> list[Request]:
         """Waiting requests refused since the last call (finished with their error)."""
@@ -117,8 +145,10 @@ class Scheduler:
 
     # ---- one step ------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        """This step's requests and token counts: running ones first (decodes, then unfinished
-        prefills, preempting when blocks run out), then waiting ones in order while they fit."""
+        """This step's requests and token counts: running ones first (decodes, then the
+        unfinished prefills the policy does not hold back, preempting when blocks run out), then
+        waiting ones in the policy's order while they fit, then the held-back prefills in what
+        is left."""
         out = SchedulerOutput(scheduled=[])
         chosen: dict[Request, int] = {}
         budget = Budget(
@@ -126,8 +156,11 @@ class Scheduler:
             if self.batch_call and self.batch_call_budget
             else self.max_num_batched_tokens
         )
-        self._schedule_running(out, chosen, budget)
-        self._schedule_waiting(out, chosen, budget)
+        now = self.clock()
+        deferred = self._schedule_running(out, chosen, budget, now)
+        self._schedule_waiting(out, chosen, budget, now)
+        # deferred prefills take what is left; they preempt nobody (the step's plan is set)
+        self._run_rows(deferred, out, chosen, budget, now, may_preempt=False)
         out.scheduled = list(chosen.items())
         if self.kv_manager.checkpoints:
             for req, n in out.scheduled:
@@ -138,12 +171,22 @@ class Scheduler:
         return out
 
     def _schedule_running(
-        self, out: SchedulerOutput, chosen: dict[Request, int], budget: Budget
-    ) -> None:
-        # 1. running requests: decodes first (one token each), then unfinished prefills
+        self, out: SchedulerOutput, chosen: dict[Request, int], budget: Budget, now: float
+    ) -> list[Request]:
+        """Decodes, then the running prefills at least as urgent as the most urgent waiting
+        request, most urgent first; the others (returned) wait for what the waiting requests
+        leave, so a long batch prompt does not take an urgent one's prefill room."""
+        urgency = self.policy.urgency
+        best = self.policy.most_urgent_waiting((r for r in self.waiting if not _held(r)), now)
         decodes = [r for r in self.running if r.num_pending_tokens == 1]
-        prefills = [r for r in self.running if r.num_pending_tokens > 1]
-        self._run_rows(decodes + prefills, out, chosen, budget)
+        prefills = sorted(
+            (r for r in self.running if r.num_pending_tokens > 1), key=lambda r: urgency(r, now)
+        )
+        first = len(prefills)
+        if best is not None:  # prefills sorted by urgency: the deferred ones are a tail
+            first = next((i for i, r in enumerate(prefills) if urgency(r, now) > best), first)
+        self._run_rows(decodes + prefills[:first], out, chosen, budget, now)
+        return prefills[first:]
 
     def _run_rows(
         self,
@@ -151,6 +194,7 @@ class Scheduler:
         out: SchedulerOutput,
         chosen: dict[Request, int],
         budget: Budget,
+        now: float,
         may_preempt: bool = True,
     ) -> None:
         """Schedule running ``rows`` in order; where blocks run out, preempt (``may_preempt``) or
@@ -172,7 +216,7 @@ class Scheduler:
                 if not may_preempt:
                     n = 0
                     break
-                victim = self._victim()
+                victim = self._victim(now)
                 self._preempt_scheduled(victim, out, chosen, budget)
                 if victim is req:
                     break
@@ -183,31 +227,94 @@ class Scheduler:
                     budget.prefill_room -= n
 
     def _schedule_waiting(
-        self, out: SchedulerOutput, chosen: dict[Request, int], budget: Budget
+        self, out: SchedulerOutput, chosen: dict[Request, int], budget: Budget, now: float
     ) -> None:
-        # 2. waiting requests, in order, while nothing had to be preempted
+        """Waiting requests in the policy's order while the budget lasts. One that does not fit is
+        passed over (at most ``lookahead`` a step; then the queue stops). Requests preempted this
+        step wait; only more urgent ones may take their room (under fcfs: none)."""
         pending = blocks_in_flight(self.kv_manager, chosen)
-        skipped: list[Request] = []
         if budget.prefill_room is None:
             budget.prefill_room = self._prefill_room(budget.tokens, chosen)
-        while self.waiting and min(budget.tokens, budget.prefill_room) > 0 and not out.preempted:
-            req = self.waiting[0]
-            if _held(req):  # its call's other rows first: it does not block the queue meanwhile
-                skipped.append(self.waiting.popleft())
-                continue
-            if self.num_running_seqs() + req.seqs_when_running > self.max_num_seqs:
+        urgency = self.policy.urgency
+        preempted = set(out.preempted)
+        floor = min((urgency(r, now) for r in preempted), default=None)
+        front = [r for r in self.waiting if r in preempted] if preempted else []
+        rest = deque(r for r in self.waiting if r not in preempted) if preempted else self.waiting
+        queue = self.policy.admission_order(rest, now)
+        # victims displaced below queue here, first, and are not reconsidered this step
+        self.waiting = deque()
+        kept: list[Request] = []
+        admitted: set[Request] = set()
+        passed_over = 0
+        while queue and min(budget.tokens, budget.prefill_room) > 0:
+            req = queue[0]
+            if passed_over > self.policy.lookahead:
                 break
-            verdict = self._try_admit(req, out, chosen, budget, pending)
-            if verdict == "sibling":
-                skipped.append(self.waiting.popleft())
+            if floor is not None and urgency(req, now) >= floor:  # so is everyone after it
+                break
+            queue.popleft()
+            if _held(req):  # its call's other rows first: it does not block the queue meanwhile
+                kept.append(req)
                 continue
-            if verdict == "no blocks":
+            verdict = self._admit(req, out, chosen, budget, pending, admitted, now)
+            if verdict is Admission.ADMITTED:
+                admitted.add(req)
+                continue
+            kept.append(req)
+            if verdict is not Admission.SIBLING:
+                passed_over += 1
+        victims, self.waiting = self.waiting, queue
+        self.waiting.extendleft(reversed(kept))
+        self.waiting.extendleft(reversed(front))
+        self.waiting.extendleft(reversed(victims))
+
+    def _admit(
+        self,
+        req: Request,
+        out: SchedulerOutput,
+        chosen: dict[Request, int],
+        budget: Budget,
+        pending: set,
+        admitted: set[Request],
+        now: float,
+    ) -> Admission:
+        """Admit ``req``, displacing less urgent running requests (where the policy displaces)
+        while the sequence cap or the blocks stand in its way."""
+        while self.num_running_seqs() + req.seqs_when_running > self.max_num_seqs:
+            if not self._displace(req, out, chosen, budget, admitted, now):
+                return Admission.NO_SEATS
+        while True:
+            verdict = self._try_admit(req, out, chosen, budget, pending)
+            if verdict is not Admission.NO_BLOCKS:
+                return verdict
+            if not self._displace(req, out, chosen, budget, admitted, now):
                 # rows that wait on it hold the blocks it needs
                 if not chosen and self._preempt_held(out):
                     continue
-                break
-            self.waiting.popleft()
-        self.waiting.extendleft(reversed(skipped))
+                return verdict
+
+    def _displace(
+        self,
+        req: Request,
+        out: SchedulerOutput,
+        chosen: dict[Request, int],
+        budget: Budget,
+        admitted: set[Request],
+        now: float,
+    ) -> bool:
+        """Preempt the running request the policy gives up first among those strictly less urgent
+        than ``req`` (never one admitted this step: its swap-in or first chunk is already
+        planned). False where the policy does not displace, or none is less urgent."""
+        if not self.policy.displaces:
+            return False
+        urgency = self.policy.urgency(req, now)
+        victims = [
+            r for r in self.running if self.policy.urgency(r, now) > urgency and r not in admitted
+        ]
+        if not victims:
+            return False
+        self._preempt_scheduled(self.policy.first_to_give_up(victims, now), out, chosen, budget)
+        return True
 
     def _try_admit(
         self,
@@ -216,10 +323,10 @@ class Scheduler:
         chosen: dict[Request, int],
         budget: Budget,
         pending: set,
-    ) -> str:
-        """Admit waiting ``req`` with this step's first chunk: "admitted", "sibling" (the next block
+    ) -> Admission:
+        """Admit waiting ``req`` with this step's first chunk: ADMITTED, SIBLING (the next block
         of its prompt is computed this step by another request: it waits a step and takes it from
-        the prefix cache instead of computing it twice) or "no blocks". Leaves ``waiting`` as it is."""
+        the prefix cache instead of computing it twice) or NO_BLOCKS. Leaves ``waiting`` as it is."""
         swapped, loads = req.swapped_tokens, None
         if swapped:  # its KV comes back from host memory into fresh blocks
             req.num_computed_tokens, cached = swapped, 0
@@ -228,7 +335,7 @@ class Scheduler:
             loads = self._read_tier(req)
         if not swapped and waits_for_sibling_prefill(self.kv_manager, req, pending):
             self.kv_manager.free(req)
-            return "sibling"
+            return Admission.SIBLING
         n = min(req.num_pending_tokens, budget.tokens, budget.prefill_room)
         if not self.continues_chunks and req.num_computed_tokens:  # swapped in: it has a state
             n = min(n, 1)
@@ -236,7 +343,7 @@ class Scheduler:
             n = self._no_lone_token(req, n)
         if not self.kv_manager.allocate_slots(req, n, out.block_copies):
             self.kv_manager.free(req)
-            return "no blocks"
+            return Admission.NO_BLOCKS
         if swapped:
             out.swap_in.append((req, self.kv_manager.held_pages(req, swapped)))
             req.swapped_tokens = 0
@@ -257,7 +364,7 @@ class Scheduler:
         budget.tokens -= n
         budget.prefill_room -= n
         pending |= blocks_in_flight(self.kv_manager, {req: n})
-        return "admitted"
+        return Admission.ADMITTED
 
     def _read_tier(self, req: Request) -> Any:
         """Where the prefix cache's hit ends, the tiers' records may go on (prompt blocks): the
@@ -300,7 +407,7 @@ class Scheduler:
                 room = min(room, within)
         return room
 
-    def _victim(self) -> Request:
+    def _victim(self, now: float) -> Request:
         """Who is preempted for blocks: a row held for its generate call's others (it is idle), else
         the one the policy gives up first."""
         held = (
@@ -308,18 +415,14 @@ class Scheduler:
             if any(r.group is not None for r in self.running)
             else ()
         )
-        return held[-1] if held else self._first_to_give_up(self.running)
-
-    def _first_to_give_up(self, reqs: list[Request]) -> Request:
-        """fcfs: the latest admitted (``running`` is in admission order)."""
-        return reqs[-1]
+        return held[-1] if held else self.policy.first_to_give_up(self.running, now)
 
     def _preempt_scheduled(
         self, victim: Request, out: SchedulerOutput, chosen: dict[Request, int], budget: Budget
     ) -> None:
         """Preempt ``victim`` while this step is planned: its tokens go back to the budget."""
         budget.tokens += chosen.pop(victim, 0)
-        self._preempt(victim, out)
+        self._preempt(victim, out, self.preemption_mode)
         out.preempted.append(victim)
 
     def _preempt_held(self, out: SchedulerOutput) -> bool:
@@ -328,18 +431,14 @@ class Scheduler:
         held = [r for r in self.running if _held(r)]
         if not held:
             return False
-        self.preemption_mode, mode = "recompute", self.preemption_mode
-        try:
-            self._preempt(held[-1], out)
-        finally:
-            self.preemption_mode = mode
+        self._preempt(held[-1], out, "recompute")
         return True
 
-    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+    def _preempt(self, req: Request, out: SchedulerOutput, mode: str) -> None:
         """Free the request's blocks, keep its tokens, requeue it first. Its KV is recomputed on
-        readmission, or with ``preemption_mode="swap"`` copied to host memory and back."""
+        readmission, or with ``mode="swap"`` copied to host memory and back."""
         self.running.remove(req)
-        if self.preemption_mode == "swap" and req.num_computed_tokens:
+        if mode == "swap" and req.num_computed_tokens:
             out.swap_out.append((req, self.kv_manager.held_pages(req, req.num_computed_tokens)))
             req.swapped_tokens = req.num_computed_tokens
             req.swap_state_slot = req.state_slot  # its state goes to host memory with its KV
@@ -392,7 +491,6 @@ class Scheduler:
             self.kv_manager.cache_full_blocks(req)
         for req in finished:
             self.finish(req, req.finish_reason, now)
-        out.finished = finished
         return finished
 
     def finish(self, req: Request, reason: FinishReason, now: float) -> None:

@@ -158,8 +158,9 @@ def _read_call(
     ]
     if refused:
         raise NotImplementedError(
-            f"paged_hf generate: {', '.join(refused)}: not supported (beam search, assisted "
-            "decoding, contrastive search, guidance and watermarking are not)"
+            f"paged_hf generate: {', '.join(refused)}: not supported on a patched model (its "
+            "generate runs greedy search, sampling and beam search; docs/generate.md lists what "
+            "runs); paged_hf.unpatch(model) gives transformers' own generate"
         )
     eos = gc.eos_token_id
     eos_list = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
