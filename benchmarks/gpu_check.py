@@ -289,6 +289,7 @@ def check_agreement(setup: Setup, family: str) -> dict[str, Any]:
                 "backend": stats["backend"],
                 "teacher_forced": round(tf, 4),
                 "worst_logit_gap": round(gap, 4),
+                "tokens": sum(map(len, outs[name])),  # how many were teacher-forced
                 "steps": stats["steps"],
                 "prefix_hit_tokens": stats["prefix_hit_tokens"],
                 "graph_steps_by_bucket": dict(sorted(accel.steps_by_bucket.items()))

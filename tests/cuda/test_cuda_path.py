@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import subprocess
 import sys
 import tarfile
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from oracle import assert_teacher_forced
+from oracle import FP32_TOL, assert_teacher_forced
 from stand_in_engines import (
     flashinfer_matches_torch,
     forget_flashinfer_backend,
@@ -763,8 +764,18 @@ def test_gpu_check_dry_run(tmp_path):
     assert host["same_tokens"] and host["host_hit_tokens"] > 0 and host["blocks_to_host"] > 0, host
     assert all(check["ok"] for check in report["smoke"]) and len(report["smoke"]) == 6
     assert [r["family"] for r in report["agreement"]] == ["llama", "gemma2"]
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import gpu_check
+
+    # the dry run's output lengths, the same for every family
+    _, out_lens = gpu_check.agreement_workload(512, random.Random(0), dry=True)
     for row in report["agreement"]:
         graphs, eager, torch_row = row["flashinfer graphs"], row["flashinfer eager"], row["torch"]
+        for variant in (graphs, eager, torch_row):
+            # every token of the whole workload is transformers' pick, teacher-forced: its argmax or,
+            # in fp32, within the oracle's tolerance of it
+            assert variant["tokens"] == sum(out_lens), row
+            assert variant["worst_logit_gap"] <= FP32_TOL, row
         assert (
             graphs["backend"] == eager["backend"] == "flashinfer"
             and torch_row["backend"] == "torch"

@@ -21,6 +21,15 @@ from paged_hf.requests.request import root_request_id
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 GREEDY = SamplingParams(max_new_tokens=6, ignore_eos=True)
+BYSTANDER = [5, 6, 7, 8]  # a request of nobody's call, running while a call fails
+
+
+def assert_ran_through_the_fault(engine, rid, alone):
+    """The bystander was mid-run when the fault hit, and then made its tokens alone."""
+    running = engine.requests[rid]
+    assert running.num_output_tokens > 0 and not running.is_finished
+    out = engine.run_until_done([rid])[0]
+    assert out.error is None and out.token_ids == alone
 
 
 @pytest.fixture(scope="module")
@@ -231,6 +240,8 @@ def test_keyboard_interrupt_from_a_callback_aborts_the_call_and_leaves_the_engin
     model, prompts, reference
 ):
     engine = paged_hf.Engine(model, block_size=4, num_blocks=64)
+    alone = paged_hf.Engine(model, block_size=4, num_blocks=64).generate([BYSTANDER], GREEDY)[0]
+    rid = engine.add_request(BYSTANDER, GREEDY)
     seen = []
 
     def ctrl_c(rid, tok):
@@ -240,6 +251,7 @@ def test_keyboard_interrupt_from_a_callback_aborts_the_call_and_leaves_the_engin
 
     with pytest.raises(KeyboardInterrupt):
         engine.generate(prompts, GREEDY, on_token=ctrl_c)
+    assert_ran_through_the_fault(engine, rid, alone.token_ids)
     assert_clean(engine)
     assert [o.token_ids for o in engine.generate(prompts, GREEDY)] == reference
 
@@ -268,7 +280,7 @@ def test_keyboard_interrupt_inside_a_step_is_undone(model, prompts, reference):
 
 
 def test_streamer_interrupt_aborts_model_generate(model, prompts):
-    patched = paged_hf.patch(make_tiny_model("llama"), block_size=4, num_blocks=64)
+    patched = paged_hf.patch(make_tiny_model("llama").double(), block_size=4, num_blocks=64)
 
     class Streamer:
         def __init__(self):
@@ -283,9 +295,12 @@ def test_streamer_interrupt_aborts_model_generate(model, prompts):
             pass
 
     ids = torch.tensor([prompts[0]])
+    engine = paged_hf.engine_for(patched)
+    alone = engine.generate([BYSTANDER], GREEDY)[0].token_ids
+    rid = engine.add_request(BYSTANDER, GREEDY)
     with pytest.raises(KeyboardInterrupt):
         patched.generate(ids, max_new_tokens=8, streamer=Streamer())
-    engine = paged_hf.engine_for(patched)
+    assert_ran_through_the_fault(engine, rid, alone)
     assert_clean(engine)
     out = patched.generate(ids, max_new_tokens=4, do_sample=False)
     assert out.shape == (1, len(prompts[0]) + 4)
@@ -447,6 +462,7 @@ def test_background_engine_keeps_serving_after_a_failed_step(model, prompts, ref
         assert bg.is_running
     finally:
         bg.shutdown()
+    assert_clean(engine)
 
 
 # ---- coherence: the prefix cache never serves KV other weights computed ----

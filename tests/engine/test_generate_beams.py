@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from engine_state import assert_clean
 from tiny_models import PAD_ID, left_pad, make_tiny_model, tiny_prompts
 from transformers import LogitsProcessor, LogitsProcessorList
 
@@ -155,9 +156,12 @@ def test_a_processor_that_raises_ends_its_beam_call_alone(pair):
             num_beams=4,
             logits_processor=LogitsProcessorList([Raises()]),
         )
+    # the bystander stepped beside the beams and was still running when their call failed
+    bystander = engine.requests[rid]
+    assert bystander.num_output_tokens > 0 and not bystander.is_finished
     other = engine.run_until_done([rid])[0]
     assert other.error is None and other.token_ids == alone
-    assert engine.kv_manager.pool.num_used == 0
+    assert_clean(engine)
 
 
 def test_beam_search_on_a_stateful_model_is_refused_naming_it():

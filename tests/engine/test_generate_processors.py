@@ -10,8 +10,11 @@ are made where the reference's processed scores have a clear winner at every ste
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
+from engine_state import assert_clean
 from tiny_models import EOS_ID, left_pad, make_tiny_model, tiny_prompts
 from transformers import InfNanRemoveLogitsProcessor, LogitsProcessor, LogitsProcessorList
 
@@ -98,7 +101,8 @@ def assert_same(out, expected, sampled=False):
         assert torch.equal(torch.isfinite(ours), torch.isfinite(theirs))
         finite = torch.isfinite(theirs)
         assert float((ours[finite] - theirs[finite]).abs().max()) < 1e-4
-        assert torch.equal(ours[~finite], theirs[~finite])
+        # NaN where it has NaN too: the raw logits of a model that overflows
+        assert torch.allclose(ours[~finite], theirs[~finite], rtol=0, atol=0, equal_nan=True)
 
 
 def test_a_stateful_processor_sees_transformers_calls(pair):
@@ -179,8 +183,63 @@ def test_prefix_allowed_tokens_fn(pair):
 )
 def test_options_only_transformers_processors_implement(pair, options):
     reference, model, ids, mask = pair
-    out, expected, *_ = both(reference, model, ids, mask, dict, do_sample=False, **options)
+    if "forced_bos_token_id" in options:
+        # ForcedBOSTokenLogitsProcessor acts only at cur_len == 1: one-token prompts
+        ids, mask = ids[:, -1:], mask[:, -1:]
+    # InfNanRemoveLogitsProcessor has work only where the logits are not finite
+    logits = (
+        invalid_logits(reference, model)
+        if options.get("remove_invalid_values")
+        else contextlib.nullcontext()
+    )
+    with logits:
+        out, expected, *_ = both(reference, model, ids, mask, dict, do_sample=False, **options)
+        # without scores or logits asked for, the option alone sends the call to transformers'
+        # processors
+        plain = model.generate(
+            ids, attention_mask=mask, max_new_tokens=MAX_NEW, do_sample=False, **options
+        )
+        without = reference.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=MAX_NEW,
+            do_sample=False,
+            return_dict_in_generate=True,
+            output_scores=True,
+        )
+    assert not same_result(expected, without), f"{options} do nothing to transformers here"
     assert_same(out, expected)
+    assert torch.equal(plain, expected.sequences)
+
+
+def same_result(a, b) -> bool:
+    return (
+        torch.equal(a.sequences, b.sequences)
+        and len(a.scores) == len(b.scores)
+        and all(
+            torch.allclose(x, y, rtol=0, atol=0, equal_nan=True) for x, y in zip(a.scores, b.scores)
+        )
+    )
+
+
+@contextlib.contextmanager
+def invalid_logits(*models):
+    """Logits with NaN and -inf in them (an fp16 overflow's), on every model given. A logits
+    processor cannot put them there for the option: transformers runs callers' processors after
+    its InfNanRemoveLogitsProcessor."""
+
+    def overflow(_module, _args, logits):
+        logits = logits.clone()
+        logits[..., 271] = float("nan")
+        logits[..., 300] = -float("inf")
+        return logits
+
+    hooks = [m.lm_head.register_forward_hook(overflow) for m in models]
+    try:
+        yield
+    finally:
+        for hook in hooks:
+            hook.remove()
 
 
 @pytest.mark.parametrize(
@@ -249,6 +308,9 @@ def test_a_processor_that_raises_ends_its_call_alone(pair):
             do_sample=False,
             logits_processor=LogitsProcessorList([Raises(at_call=3)]),
         )
+    # the bystander stepped beside the call and was still running when the call failed
+    bystander = engine.requests[rid]
+    assert bystander.num_output_tokens > 0 and not bystander.is_finished
     other = engine.run_until_done([rid])[0]
     assert other.error is None and other.token_ids == alone
-    assert engine.kv_manager.pool.num_used == 0
+    assert_clean(engine)
