@@ -131,36 +131,6 @@ class BatchCallsMixin:
 
         return score_rolling(self, texts, window, prefix_token, cache_salt, progress)
 
-    def beam_search(
-        self,
-        prompts: Sequence[Any],
-        num_beams: int = 4,
-        max_new_tokens: int = 16,
-        *,
-        num_return_sequences: int = 1,
-        length_penalty: float = 1.0,
-        early_stopping: bool | str = False,
-        eos_token_ids: Sequence[int] | None = None,
-        logits_processors: Sequence[Any] = (),
-    ) -> list[list[tuple[list[int], float]]]:
-        """Beam search, transformers' own (``generate(num_beams=...)``'s hypotheses and scores), each
-        prompt's beams sharing its blocks and batching with everything else. Per prompt, the
-        ``num_return_sequences`` best (generated token ids, score), best first. ``logits_processors``:
-        transformers ``LogitsProcessor`` s, on the beams' log-probabilities as its beam search runs them."""
-        from .beam_group import beam_search
-
-        return beam_search(
-            self,
-            list(prompts),
-            num_beams,
-            max_new_tokens,
-            num_return_sequences,
-            length_penalty,
-            early_stopping,
-            eos_token_ids,
-            logits_processors,
-        )
-
     def run_until_done(
         self,
         request_ids: Sequence[str],

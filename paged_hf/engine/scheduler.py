@@ -412,7 +412,7 @@ class Scheduler:
         the one the policy gives up first."""
         held = (
             [r for r in self.running if _held(r)]
-            if any(r.group is not None for r in self.running)
+            if any(r.call is not None for r in self.running)
             else ()
         )
         return held[-1] if held else self.policy.first_to_give_up(self.running, now)
@@ -530,4 +530,4 @@ class Scheduler:
 
 def _held(req: Request) -> bool:
     """A row of a lock-step generate call that has its token for the call's next step."""
-    return req.group is not None and req.group.holds(req)
+    return req.call is not None and req.call.waits(req)

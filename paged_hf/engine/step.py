@@ -24,31 +24,38 @@ from .scoring import score_step_rows
 if TYPE_CHECKING:
     from ..cache.block_manager import BlockManager
     from ..execution.runner import ModelRunner
+    from ..requests.lock_step_call import CallStep, LockStepCall
     from .scheduler import Scheduler
     from .structured import StructuredOutputs
 
 logger = logging.getLogger("paged_hf")
 
 
-def _hand_joint_rows_to_their_groups(
+def _hand_rows_to_their_calls(
     rows: list[Request], logits: torch.Tensor
-) -> tuple[list[Request], torch.Tensor, list[Any]]:
-    """Rows whose generate call picks its rows' tokens together (paged_hf/engine/call_group.py)
-    hand their logits to it; the rest are sampled here."""
-    keep, groups = [], {}
+) -> tuple[list[Request], torch.Tensor, list[LockStepCall[Request]]]:
+    """Rows whose generate call picks its rows' tokens (paged_hf/requests/lock_step_call.py) hand
+    it their logits; the rest are sampled here."""
+    keep, calls = [], {}
     for i, r in enumerate(rows):
-        if r.group is not None and r.group.chooses_tokens:
-            r.group.offer(r, logits[i])
-            groups[id(r.group)] = r.group
+        if r.call is not None and r.call.offer(r, logits[i]):
+            calls[id(r.call)] = r.call
         else:
             keep.append(i)
-    if not groups:
+    if not calls:
         return rows, logits, []
     return (
         [rows[i] for i in keep],
         logits[torch.tensor(keep, dtype=torch.long, device=logits.device)],
-        list(groups.values()),
+        list(calls.values()),
     )
+
+
+def _failing(decided: CallStep[Request]) -> list[Request]:
+    """The rows a generate call fails, each with its error set."""
+    for req, why in decided.failed:
+        req.error = f"request {req.request_id}: {why}"
+    return [req for req, _ in decided.failed]
 
 
 @dataclass
@@ -59,7 +66,7 @@ class _StepRows:
     logits: torch.Tensor
     scores: dict
     score_errors: dict
-    joint: list[Any]  # generate calls that pick their rows' tokens themselves
+    calls: list[LockStepCall[Request]]  # generate calls that pick their rows' tokens themselves
 
 
 def _decode_tokens(out: SchedulerOutput) -> int:
@@ -171,8 +178,8 @@ class StepMixin:
                 row_of += [i] * len(children)
         if len(rows) != n_sampled:
             logits = logits[torch.tensor(row_of, device=logits.device)]
-        rows, logits, joint = _hand_joint_rows_to_their_groups(rows, logits)
-        return _StepRows(rows, logits, scores, score_errors, joint)
+        rows, logits, calls = _hand_rows_to_their_calls(rows, logits)
+        return _StepRows(rows, logits, scores, score_errors, calls)
 
     def _sample(self, batch: _StepRows) -> Any:
         matchers = {i: r.grammar for i, r in enumerate(batch.rows) if r.grammar is not None}
@@ -207,14 +214,14 @@ class StepMixin:
             sampled[req] = tok
             if lp is not None:
                 req.logprobs.append(lp)
-        failed += self._let_calls_choose(batch.joint, sampled)
+        failed += self._let_calls_choose(batch.calls, sampled)
         now = self.scheduler.clock()
         sched = self.scheduler
         finished = sched.update(out, sampled, now)
         finished += self._finish_prefill_only(out, failed, now)
         failed += self._check_stop_strings(sampled, finished, now)
         failed += self._advance_grammars(sampled, finished, now)
-        failed += self._advance_call_groups([*sampled, *finished, *failed], finished, now)
+        failed += self._advance_calls([*sampled, *finished, *failed], finished, now)
         for req in failed:
             if not req.is_finished:
                 sched.finish(req, FinishReason.ERROR, now)
@@ -224,21 +231,18 @@ class StepMixin:
         self._record_step(out, sampled, decode_tokens)
         return sampled, finished + [req for req in failed if req not in finished]
 
-    def _let_calls_choose(self, joint: list[Any], sampled: dict[Request, int]) -> list[Request]:
+    def _let_calls_choose(
+        self, calls: list[LockStepCall[Request]], sampled: dict[Request, int]
+    ) -> list[Request]:
         """Calls whose every row has its logits for the step pick their tokens now (into
         ``sampled``); returns the rows that failed."""
         failed = []
-        for group in joint:
-            chosen = group.choose()
-            if isinstance(chosen, dict):
-                if getattr(group, "reassignments", None):  # beam search: a beam continues another's
-                    self.scheduler.reassign(group.reassignments)
-                    group.reassignments = []
-                sampled.update(chosen)
-                continue
-            for req, _, why in chosen:
-                req.error = f"request {req.request_id}: {why}"
-                failed.append(req)
+        for call in calls:
+            chosen = call.choose()
+            if chosen.continues:  # beam search: a beam continues another's
+                self.scheduler.reassign(chosen.continues)
+            sampled.update(chosen.tokens)
+            failed += _failing(chosen)
         return failed
 
     def _decode_states_in_front(self, scheduled: list[tuple[Request, int]]) -> None:
@@ -319,21 +323,19 @@ class StepMixin:
                 finished.append(req)
         return failed
 
-    def _advance_call_groups(
+    def _advance_calls(
         self, touched: list[Request], finished: list[Request], now: float
     ) -> list[Request]:
         """Run the stopping criteria of the generate calls whose rows all have this step's token;
-        end the rows they stop. Returns the rows of calls whose criteria raised (they fail together)."""
+        end the rows they stop. Returns the rows of calls whose callbacks raised (they fail together)."""
         failed = []
-        for group in {id(r.group): r.group for r in touched if r.group is not None}.values():
-            for req, reason, text in group.advance():
-                if reason is FinishReason.ERROR:
-                    req.error = f"request {req.request_id}: {text}"
-                    failed.append(req)
-                else:
-                    req.stop_reason = text
-                    self.scheduler.finish(req, reason, now)
-                    finished.append(req)
+        for call in {id(r.call): r.call for r in touched if r.call is not None}.values():
+            ended = call.advance()
+            failed += _failing(ended)
+            for req, reason in ended.stopped:
+                req.stop_reason = reason
+                self.scheduler.finish(req, FinishReason.STOP, now)
+                finished.append(req)
         return failed
 
     def _swap_out(self, out: SchedulerOutput) -> None:
@@ -393,8 +395,8 @@ class StepMixin:
         )
         child.encoder_token_ids = parent.encoder_token_ids
         child.tpot_target_s = parent.tpot_target_s
-        if parent.group is not None:
-            parent.group.join_sample(parent, k, child)
+        if parent.call is not None:
+            parent.call.join_sample(parent, k, child)
         return child
 
     def _record_step(self, out: Any, sampled: dict[Request, int], decode_tokens: int) -> None:

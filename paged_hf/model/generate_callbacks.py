@@ -18,22 +18,26 @@ from transformers import (
     StoppingCriteriaList,
 )
 
-from ..engine.beam_group import BeamCallGroup
-from ..engine.call_group import CallGroup, JointCallGroup
 from ..requests.sampling_params import SamplingParams
+from .beam_call import BeamCall
+from .call_rows import CallRows
 from .generate_options import JOINT_OUTPUTS, JOINT_SAMPLING_SETTINGS, JOINT_SETTINGS
+from .lock_step_calls import CriteriaCall, JointCall
+
+GenerateCall = CriteriaCall | JointCall | BeamCall  # a generate call whose rows move in lock-step
 
 
 @dataclass
 class CallPlan:
-    group: CallGroup | None
+    call: GenerateCall | None  # its rows' lock-step call, where its callbacks need one
     params: SamplingParams  # what each row runs with
     eos: list[int]  # EOS ids the engine ends a row on itself
     native_stops: bool  # whether the engine matches stop strings itself
 
     @property
     def joint(self) -> bool:
-        return isinstance(self.group, JointCallGroup)
+        """Whether the call picks its rows' tokens itself (and so gives the call's output)."""
+        return isinstance(self.call, (JointCall, BeamCall))
 
 
 def joint_reasons(
@@ -96,8 +100,10 @@ def plan_call(
         ):
             eos = c.eos_token_id.flatten().tolist()
     if not joint:
-        group = CallGroup(input_ids, params.n, criteria, pad, pads, max_new, input_ids.device)
-        return CallPlan(group, params.with_(max_new_tokens=max_new), eos, native_stops=True)
+        call = CriteriaCall(
+            CallRows(input_ids, params.n, max_new, pad, pads, input_ids.device), criteria
+        )
+        return CallPlan(call, params.with_(max_new_tokens=max_new), eos, native_stops=True)
     if params.constraint is not None:
         raise NotImplementedError(
             f"paged_hf generate: structured outputs together with {joint[0]} are not supported"
@@ -113,22 +119,17 @@ def plan_call(
     )
     if (gc.num_beams or 1) > 1:
         return _beam_plan(model, gc, input_ids, criteria, processors, max_new)
-    group = JointCallGroup(
-        input_ids,
-        params.n,
+    call = JointCall(
+        CallRows(input_ids, params.n, max_new, pad, pads, input_ids.device),
         criteria,
-        pad,
-        pads,
-        max_new,
-        input_ids.device,
         processors,
         bool(gc.do_sample),
         scores=bool(gc.return_dict_in_generate and gc.output_scores),
         logits=bool(gc.return_dict_in_generate and gc.output_logits),
     )
-    # the group does everything transformers' loop does; each row only computes its logits
-    rows = SamplingParams(max_new_tokens=max_new, n=params.n, ignore_eos=True)
-    return CallPlan(group, rows, [], native_stops=False)
+    # the call does everything transformers' loop does; each row only computes its logits
+    each_row = SamplingParams(max_new_tokens=max_new, n=params.n, ignore_eos=True)
+    return CallPlan(call, each_row, [], native_stops=False)
 
 
 def _beam_plan(
@@ -140,7 +141,7 @@ def _beam_plan(
     max_new: int,
 ) -> CallPlan:
     """Beam search: each prompt's beams are the samples of one request (forked from its prompt's
-    blocks), and the group runs transformers' beam search over their logits (paged_hf/engine/beam_group.py)."""
+    blocks), and the call runs transformers' beam search over their logits (paged_hf/model/beam_call.py)."""
     from ..engine.binding import patch_state
 
     state = patch_state(model)
@@ -150,7 +151,7 @@ def _beam_plan(
             "layers is not supported (a beam would have to copy its parent's state each step)"
         )
     gc.max_length = input_ids.shape[1] + max_new
-    group = BeamCallGroup(
+    call = BeamCall(
         input_ids,
         criteria,
         processors,
@@ -161,7 +162,7 @@ def _beam_plan(
         device=input_ids.device,
     )
     return CallPlan(
-        group,
+        call,
         SamplingParams(max_new_tokens=max_new, n=gc.num_beams, ignore_eos=True),
         [],
         native_stops=False,

@@ -10,17 +10,17 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from transformers import GenerationConfig
-from transformers.generation.utils import GenerateBeamDecoderOnlyOutput, GenerateDecoderOnlyOutput
+from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from ..engine.beam_group import BeamCallGroup
 from ..engine.binding import patch_state
+from ..engine.outputs import RequestOutput
 from ..requests.detokenizer import StopStrings
 from ..requests.sampling_params import SamplingParams
-from .generate_callbacks import plan_call
+from .generate_callbacks import CallPlan, GenerateCall, plan_call
 from .generate_options import REFUSED_SETTINGS
 
 # model.generate(..., paged_hf_json_schema=... | paged_hf_regex=... | paged_hf_choice=[...] | paged_hf_grammar=...)
@@ -110,15 +110,20 @@ def paged_generate(
         raise ValueError(
             "paged_hf generate: this model is not patched (call paged_hf.patch(model))"
         )
-    outputs = _run_rows(state.get_engine(), call, plan, streamer)
-    if plan.group is not None and plan.group.error is not None:
-        raise plan.group.error  # the caller's criterion raised: so does its call
-    failed = [(i, out.error) for i, out in enumerate(outputs) if out.error is not None]
-    if failed:  # a tensor has no per-row errors: the call fails, naming the rows
-        raise RuntimeError(
-            f"paged_hf generate: {len(failed)} row(s) failed: "
-            + "; ".join(f"row {i}: {err}" for i, err in failed[:3])
-        )
+    engine = state.get_engine()
+    prompts = [
+        row[mask.bool()].tolist()
+        for row, mask in zip(call.input_ids.cpu(), call.attention_mask.cpu())
+    ]
+    outputs = run_rows(
+        engine,
+        lambda i, prompt: _add_row(engine, call, plan, i, prompt),
+        prompts,
+        plan.call,
+        "paged_hf generate",
+        streamer,
+        call.input_ids,
+    )
     return _result(call, plan, outputs)
 
 
@@ -209,19 +214,25 @@ def _refuse_model_kwargs(model_kwargs: dict[str, Any]) -> None:
         raise NotImplementedError(f"paged_hf generate: argument(s) {bad} are not supported")
 
 
-def _run_rows(engine: Any, call: _Call, plan: Any, streamer: Any) -> list:
-    """Each row a request of the engine, run to the end; on any exception (a refused row, Ctrl-C
-    in a notebook) what was submitted is aborted."""
-    prompts = [
-        row[mask.bool()].tolist()
-        for row, mask in zip(call.input_ids.cpu(), call.attention_mask.cpu())
-    ]
+def run_rows(
+    engine: Any,
+    add_row: Callable[[int, list[int]], str],
+    prompts: list[list[int]],
+    call: GenerateCall | None,
+    what: str,
+    streamer: Any = None,
+    shown: torch.Tensor | None = None,
+) -> list[RequestOutput]:
+    """Each prompt a request (``add_row(i, prompt)`` submits row ``i`` and returns its id), run to
+    the end; on any exception (a refused row, Ctrl-C in a notebook) what was submitted is aborted.
+    A callback of ``call`` that raised raises here; a row that failed fails the call, naming it (a
+    tensor has no per-row errors). ``streamer`` is shown ``shown``, then each token."""
     rids: list[str] = []
     try:
         for i, prompt in enumerate(prompts):
-            rids.append(_add_row(engine, call, plan, i, prompt))
+            rids.append(add_row(i, prompt))
         if streamer is not None:
-            streamer.put(call.input_ids.cpu())
+            streamer.put(shown.cpu())
         outputs = engine.run_until_done(
             rids,
             on_token=(lambda _rid, tok: streamer.put(torch.tensor([tok])))
@@ -233,10 +244,18 @@ def _run_rows(engine: Any, call: _Call, plan: Any, streamer: Any) -> list:
     except BaseException:
         engine.abort_all(rids)
         raise
+    if call is not None and call.rows.error is not None:
+        raise call.rows.error  # the caller's callback raised: so does its call
+    failed = [(i, out.error) for i, out in enumerate(outputs) if out.error is not None]
+    if failed:
+        raise RuntimeError(
+            f"{what}: {len(failed)} row(s) failed: "
+            + "; ".join(f"row {i}: {err}" for i, err in failed[:3])
+        )
     return outputs
 
 
-def _add_row(engine: Any, call: _Call, plan: Any, i: int, prompt: list[int]) -> str:
+def _add_row(engine: Any, call: _Call, plan: CallPlan, i: int, prompt: list[int]) -> str:
     """Row ``i`` as a request; a refused row refuses the whole call before anything runs (a
     tensor API has no per-row errors)."""
     try:
@@ -258,35 +277,19 @@ def _add_row(engine: Any, call: _Call, plan: Any, i: int, prompt: list[int]) -> 
             stop_strings=stops,
             encoder_token_ids=tuple(call.input_ids[i].tolist()) if call.encoder_rows else None,
         )
-        if plan.group is not None:
-            plan.group.join(engine.requests[rid], i * call.params.n)
+        if plan.call is not None:
+            plan.call.join(engine.requests[rid], i * call.params.n)
         return rid
     except (ValueError, TypeError) as e:
         raise ValueError(f"paged_hf generate: row {i}: {e}") from e
 
 
-def _result(call: _Call, plan: Any, outputs: list) -> torch.Tensor | GenerateDecoderOnlyOutput:
+def _result(call: _Call, plan: CallPlan, outputs: list) -> torch.Tensor | GenerateDecoderOnlyOutput:
     """The call's sequences (prompt rows as given, then the new tokens, pad after each row's
     end), as a tensor or transformers' output dict."""
-    gc, group, input_ids = call.gc, plan.group, call.input_ids
-    if isinstance(group, BeamCallGroup):  # transformers' best hypotheses
-        sequences, scores, indices = group.result(gc.num_return_sequences or 1)
-        if gc.return_dict_in_generate:
-            return GenerateBeamDecoderOnlyOutput(
-                sequences=sequences,
-                sequences_scores=scores if gc.output_scores else None,
-                scores=group.scores,
-                logits=group.logits,
-                beam_indices=indices,
-            )
-        return sequences
-    if plan.joint:  # its rows as transformers' loop left them, pad after each finished row
-        sequences = group.sequences().to(input_ids.device)
-        if gc.return_dict_in_generate:
-            return GenerateDecoderOnlyOutput(
-                sequences=sequences, scores=group.scores, logits=group.logits
-            )
-        return sequences
+    gc, input_ids = call.gc, call.input_ids
+    if plan.joint:  # the call picked its rows' tokens: its result is its own, as transformers'
+        return plan.call.output(gc)
     rows = [c.token_ids for out in outputs for c in out.completions]
     width = max(len(r) for r in rows)
     new = torch.full((len(rows), width), call.pad, dtype=input_ids.dtype)

@@ -7,7 +7,7 @@ Design notes: docs/internals.md, paged_hf/model/patching.py.
 from __future__ import annotations
 
 import types
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -15,8 +15,10 @@ from ..config import EngineConfig
 from ..engine.binding import STATE_ATTR, PatchState, patch_state
 from ..engine.engine import Engine as _EngineCore
 from ..execution import attention
+from ..requests.sampling_params import SamplingParams
 from . import capability
-from .hf_generate import paged_generate
+from .beam_call import search_call
+from .hf_generate import paged_generate, run_rows
 
 UnsupportedModelError = capability.UnsupportedModelError
 
@@ -123,6 +125,58 @@ class Engine(_EngineCore):
         EngineConfig.from_kwargs(**config)  # a bad option fails before the model is touched
         ensure_attention_patched(model)
         super().__init__(model, tokenizer, **config)
+
+    def beam_search(
+        self,
+        prompts: Sequence[Any],
+        num_beams: int = 4,
+        max_new_tokens: int = 16,
+        *,
+        num_return_sequences: int = 1,
+        length_penalty: float = 1.0,
+        early_stopping: bool | str = False,
+        eos_token_ids: Sequence[int] | None = None,
+        logits_processors: Sequence[Any] = (),
+    ) -> list[list[tuple[list[int], float]]]:
+        """Beam search, transformers' own (``generate(num_beams=...)``'s hypotheses and scores), each
+        prompt's beams sharing its blocks and batching with everything else. Per prompt, the
+        ``num_return_sequences`` best (generated token ids, score), best first. ``logits_processors``:
+        transformers ``LogitsProcessor`` s, on the beams' log-probabilities as its beam search runs them.
+
+        >>> engine.beam_search([[1, 2, 3]], num_beams=4, max_new_tokens=8)[0][0]  # (token ids, score)
+        """
+        if self.kv_manager.state is not None:
+            raise NotImplementedError(
+                "beam search on a model with recurrent / convolution state layers is not supported"
+            )
+        if not 1 <= num_return_sequences <= num_beams or num_beams < 2:
+            raise ValueError(
+                f"num_beams={num_beams} must be >= 2 and num_return_sequences="
+                f"{num_return_sequences} in [1, num_beams]"
+            )
+        ids = [self._prompt_ids("beam search", p) for p in prompts]
+        eos = sorted(self.eos_token_ids if eos_token_ids is None else set(eos_token_ids))
+        call = search_call(
+            self.model,
+            ids,
+            num_beams,
+            max_new_tokens,
+            num_return_sequences,
+            length_penalty,
+            early_stopping,
+            eos,
+            logits_processors,
+        )
+        # each prompt one request whose samples are its beams; the call picks every token
+        params = SamplingParams(max_new_tokens=max_new_tokens, n=num_beams, ignore_eos=True)
+
+        def add_row(i: int, prompt: list[int]) -> str:
+            rid = self.add_request(prompt, params, eos_token_ids=frozenset())
+            call.join(self.requests[rid], i * num_beams)
+            return rid
+
+        run_rows(self, add_row, ids, call, "paged_hf beam search")
+        return call.best(num_return_sequences)
 
 
 def engine_for(model: torch.nn.Module) -> Engine:

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     import torch
 
     from .detokenizer import StopStrings
+    from .lock_step_call import LockStepCall
 
 
 # Ids the engine makes start with this; a caller's id may not, so the two never collide: the
@@ -112,8 +113,8 @@ class Request:
     # as the caller padded it, pad included (transformers penalises its input_ids as they are)
     encoder_token_ids: tuple[int, ...] | None = None
     # the generate call it is a row of, where that call's callbacks need its rows in lock-step
-    # (paged_hf/engine/call_group.py); the scheduler holds a row its group is not ready to move on
-    group: Any = None
+    # (paged_hf/requests/lock_step_call.py): a row waits while its call is not ready to move on
+    call: "LockStepCall[Request] | None" = None
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     # Scoring: the logprob of token score_targets[i] comes from the logits of position
     # score_start + i (prompt_logprobs: the prompt's own tokens 1.. from positions 0..; a scoring

@@ -392,13 +392,14 @@ def test_different_salts_do_not_wait_for_each_other():
 
 
 def test_rows_held_for_their_call_give_way_to_the_rows_they_wait_for():
-    """A generate call's rows move in lock-step (paged_hf/engine/call_group.py): a row with its token
-    for the call's next step is held. A pool too small for both rows: the held row is preempted
-    first (it is idle), and when the row it waits for is queued and nothing else can run, the held
-    row gives up its blocks to it. Both finish, the criteria having run once per step."""
+    """A generate call's rows move in lock-step (paged_hf/model/lock_step_calls.py): a row with its
+    token for the call's next step is held. A pool too small for both rows: the held row is
+    preempted first (it is idle), and when the row it waits for is queued and nothing else can run,
+    the held row gives up its blocks to it. Both finish, the criteria having run once per step."""
     import torch
 
-    from paged_hf.engine.call_group import CallGroup
+    from paged_hf.model.call_rows import CallRows
+    from paged_hf.model.lock_step_calls import CriteriaCall
 
     kv, s = make(num_blocks=4, block_size=4, budget=32)
     calls = []
@@ -408,9 +409,10 @@ def test_rows_held_for_their_call_give_way_to_the_rows_they_wait_for():
         return torch.zeros(ids.shape[0], dtype=torch.bool)
 
     a, b = req("a", range(1, 9), max_new=6), req("b", range(11, 19), max_new=6)
-    group = CallGroup(torch.tensor([a.prompt_ids, b.prompt_ids]), 1, criteria, 0, True, 6)
-    group.join(a, 0)
-    group.join(b, 1)
+    rows = CallRows(torch.tensor([a.prompt_ids, b.prompt_ids]), 1, 6, pad=0, pads_finished=True)
+    call = CriteriaCall(rows, criteria)
+    call.join(a, 0)
+    call.join(b, 1)
     s.add(a)
     s.add(b)
     for _ in range(100):
@@ -419,8 +421,8 @@ def test_rows_held_for_their_call_give_way_to_the_rows_they_wait_for():
         out = step(s)
         assert not out.is_empty, "nothing ran with rows pending"
         assert abs(a.num_output_tokens - b.num_output_tokens) <= 1, "a row ran ahead of its call"
-        for r, reason, why in group.advance():
-            s.finish(r, reason, 0.0)
+        for r, _ in call.advance().stopped:
+            s.finish(r, FinishReason.STOP, 0.0)
     assert a.num_output_tokens == b.num_output_tokens == 6 and calls == list(range(9, 15))
     assert s.num_preemptions >= 2
     assert_all_released(kv)
