@@ -27,8 +27,8 @@ from .call_rows import CallRows
 class BeamCall:
     """``prompts``: ``[batch, width]`` as the caller padded them; ``criteria`` / ``processors``:
     transformers' lists for the call; ``search``: the model (its beam-search helpers); ``gc``: the
-    call's generation config, its special tokens prepared. Its rows follow from ``gc``: ``num_beams``
-    per prompt, room for ``max_length``, pad for finished beams."""
+    call's generation config, its special tokens prepared. Its rows follow from ``gc``:
+    ``num_beams`` per prompt, room for ``max_length``, pad for finished beams."""
 
     def __init__(
         self,

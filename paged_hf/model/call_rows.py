@@ -1,6 +1,6 @@
-"""The rows of one lock-step ``generate`` call: who they are, transformers' view of their tokens, the
-logits they offered for the next step, and how they end. Each call (paged_hf/model/lock_step_calls.py,
-paged_hf/model/beam_call.py) holds one.
+"""The rows of one lock-step ``generate`` call: who they are, transformers' view of their tokens,
+the logits they offered for the next step, and how they end. Each call holds one
+(paged_hf/model/lock_step_calls.py, paged_hf/model/beam_call.py).
 
 Design notes: docs/internals.md, paged_hf/model/call_rows.py.
 """
@@ -110,7 +110,8 @@ class CallRows:
         ]
         if not lost:
             return None
-        why = f"row {self.row_of[id(lost[0])]} of its generate call ended: {lost[0].error or 'aborted'}"
+        first = lost[0]
+        why = f"row {self.row_of[id(first)]} of its generate call ended: {first.error or 'aborted'}"
         return CallStep(failed=[(req, why) for req in self.live()])
 
     def end_when_over(self) -> CallStep[Request]:

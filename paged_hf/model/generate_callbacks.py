@@ -141,7 +141,8 @@ def _beam_plan(
     max_new: int,
 ) -> CallPlan:
     """Beam search: each prompt's beams are the samples of one request (forked from its prompt's
-    blocks), and the call runs transformers' beam search over their logits (paged_hf/model/beam_call.py)."""
+    blocks), and the call runs transformers' beam search over their logits
+    (paged_hf/model/beam_call.py)."""
     from ..engine.binding import patch_state
 
     state = patch_state(model)

@@ -1,6 +1,7 @@
-"""A ``generate`` call's rows in lock-step, for callbacks written for transformers' loop: its stopping
-criteria (``CriteriaCall``), or its logits processors picking the rows' tokens (``JointCall``). Both
-are what the engine knows as a ``LockStepCall`` (paged_hf/requests/lock_step_call.py).
+"""A ``generate`` call's rows in lock-step, for callbacks written for transformers' loop: its
+stopping criteria (``CriteriaCall``), or its logits processors picking the rows' tokens
+(``JointCall``). The engine knows either as a ``LockStepCall``
+(paged_hf/requests/lock_step_call.py).
 
 Design notes: docs/internals.md, paged_hf/model/lock_step_calls.py.
 """
@@ -18,8 +19,9 @@ from .call_rows import STOP_REASON, CallRows
 
 
 class CriteriaCall:
-    """Rows that sample on their own, stopped by ``criteria`` (transformers' ``StoppingCriteriaList``
-    for the call: its own criteria and the caller's), run once per step on transformers' view."""
+    """Rows that sample on their own, stopped by ``criteria`` (transformers'
+    ``StoppingCriteriaList`` for the call: its own criteria and the caller's), run once per step on
+    transformers' view."""
 
     def __init__(self, rows: CallRows, criteria: Any) -> None:
         self.rows, self.criteria = rows, criteria
@@ -56,10 +58,11 @@ class CriteriaCall:
             rows.steps += 1
             try:
                 is_done = rows.is_done(self.criteria(rows.input_ids(), None))
-            except Exception as e:  # noqa: BLE001 - the caller's criterion: its call ends, no one else's
-                return rows.fail(e, "stopping criteria")
+            except Exception as e:  # noqa: BLE001 - the caller's criterion
+                return rows.fail(e, "stopping criteria")  # its call ends, no one else's
             for i, req in enumerate(rows.members):
-                # a row that ended on its own EOS, length or stop string: transformers' criteria say so too
+                # a row that ended on its own EOS, length or stop string: transformers' criteria
+                # say so too
                 if req.is_finished or (is_done[i] and not rows.done[i]):
                     rows.done[i] = True
                     if rows.pads_finished and not req.is_finished:
@@ -145,7 +148,8 @@ class JointCall:
         return self.rows.end_when_over()
 
     def output(self, gc: Any) -> torch.Tensor | GenerateDecoderOnlyOutput:
-        """The call's result: its rows as transformers' loop left them, pad after each finished row."""
+        """The call's result: its rows as transformers' loop left them, pad after each finished
+        row."""
         sequences = self.rows.input_ids()
         if gc.return_dict_in_generate:
             return GenerateDecoderOnlyOutput(

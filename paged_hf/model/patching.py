@@ -138,12 +138,14 @@ class Engine(_EngineCore):
         eos_token_ids: Sequence[int] | None = None,
         logits_processors: Sequence[Any] = (),
     ) -> list[list[tuple[list[int], float]]]:
-        """Beam search, transformers' own (``generate(num_beams=...)``'s hypotheses and scores), each
-        prompt's beams sharing its blocks and batching with everything else. Per prompt, the
-        ``num_return_sequences`` best (generated token ids, score), best first. ``logits_processors``:
-        transformers ``LogitsProcessor`` s, on the beams' log-probabilities as its beam search runs them.
+        """Beam search, transformers' own (``generate(num_beams=...)``'s hypotheses and scores),
+        each prompt's beams sharing its blocks and batching with everything else. Per prompt, the
+        ``num_return_sequences`` best (generated token ids, score), best first.
+        ``logits_processors``: transformers ``LogitsProcessor`` s, on the beams' log-probabilities
+        as its beam search runs them.
 
-        >>> engine.beam_search([[1, 2, 3]], num_beams=4, max_new_tokens=8)[0][0]  # (token ids, score)
+        >>> best = engine.beam_search([[1, 2, 3]], num_beams=4, max_new_tokens=8)
+        >>> tokens, score = best[0][0]  # the first prompt's best hypothesis
         """
         if self.kv_manager.state is not None:
             raise NotImplementedError(

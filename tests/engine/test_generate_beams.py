@@ -1,4 +1,4 @@
-"""Beam search on a patched ``generate`` against transformers' own (paged_hf/engine/beam_group.py).
+"""Beam search on a patched ``generate`` against transformers' own (paged_hf/model/beam_call.py).
 
 2 to 8 beams, with and without EOS, with num_return_sequences, in the three early_stopping modes,
 with length penalties: the same sequences, beam indices and sequence scores (1e-4) as transformers.

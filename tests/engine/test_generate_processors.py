@@ -2,7 +2,7 @@
 processor classes implement, on a patched ``generate``, against transformers' own generate.
 
 Such a call's rows pick their tokens together with transformers' own processor list
-(paged_hf/engine/call_group.py ``JointCallGroup``): each processor sees the calls transformers makes
+(paged_hf/model/lock_step_calls.py ``JointCall``): each processor sees the calls transformers makes
 (the same input_ids, batch positions and scores, step by step), the sequences are transformers',
 and scores and logits are within 1e-4 of its own, -inf where it has -inf. Exact token comparisons
 are made where the reference's processed scores have a clear winner at every step (checked).
