@@ -2,7 +2,7 @@
 padding, backend selection, the no-import guarantee, the FlashInfer backend's own logic (through
 a pure-torch stand-in for flashinfer), the CUDA-graph plumbing (replayed eagerly), torch.compile
 of the decode step without recompiles, swap round trips, KV budget arithmetic and the GPU check
-script's dry run. What needs a GPU is in benchmarks/gpu_check.sh."""
+script's dry run. What needs a GPU is in benchmarks/gpu/gpu_check.sh."""
 
 from __future__ import annotations
 
@@ -728,7 +728,7 @@ def test_gpu_check_dry_run(tmp_path):
     result = subprocess.run(
         [
             "bash",
-            str(REPO / "benchmarks" / "gpu_check.sh"),
+            str(REPO / "benchmarks" / "gpu" / "gpu_check.sh"),
             "--dry-run",
             "--out",
             str(out),
@@ -764,7 +764,7 @@ def test_gpu_check_dry_run(tmp_path):
     assert host["same_tokens"] and host["host_hit_tokens"] > 0 and host["blocks_to_host"] > 0, host
     assert all(check["ok"] for check in report["smoke"]) and len(report["smoke"]) == 6
     assert [r["family"] for r in report["agreement"]] == ["llama", "gemma2"]
-    sys.path.insert(0, str(REPO / "benchmarks"))
+    sys.path.insert(0, str(REPO / "benchmarks" / "gpu"))
     import gpu_check
 
     # the dry run's output lengths, the same for every family
@@ -828,7 +828,7 @@ def test_gpu_check_stops_at_once_without_flashinfer(tmp_path):
         FLASHINFER_WORKSPACE_BASE=str(tmp_path / "home"),
     )
     result = subprocess.run(
-        ["bash", str(REPO / "benchmarks" / "gpu_check.sh"), "--call", "1"],
+        ["bash", str(REPO / "benchmarks" / "gpu" / "gpu_check.sh"), "--call", "1"],
         capture_output=True,
         text=True,
         timeout=600,
@@ -878,7 +878,7 @@ def test_captured_decode_graphs_follow_replaced_weights(fake_flashinfer, monkeyp
 
 def test_gpu_check_calls_expand_to_their_plan():
     """``--call N`` stands for its plan's options (either spelling); options after it still win."""
-    sys.path.insert(0, str(REPO / "benchmarks"))
+    sys.path.insert(0, str(REPO / "benchmarks" / "gpu"))
     import gpu_check
 
     for spelled in (["--call", "1"], ["--call=1"]):

@@ -1,20 +1,20 @@
 #!/usr/bin/env bash
 # The CUDA check on a machine with an NVIDIA GPU and no network:
-#   bash benchmarks/gpu_check.sh [gpu_check.py options, e.g. --call 1]
+#   bash benchmarks/gpu/gpu_check.sh [gpu_check.py options, e.g. --call 1]
 #
 # The plan for a lent GPU (15 minutes of device time in all, at most 10 a command; a fresh machine
 # starts in a minute or two). Fetch and size the carried set here first:
-#   bash benchmarks/fetch_gpu_wheels.sh            # benchmarks/wheels/, ~32 MiB of the 64 a call carries
+#   bash benchmarks/gpu/fetch_gpu_wheels.sh            # benchmarks/gpu/wheels/, ~32 MiB of the 64 a call carries
 # Call 1 (timeout_s 360; expect ~2-3 min of FlashInfer JIT, FA2 prefill, on 16 cores):
-#   run(command="bash benchmarks/gpu_check.sh --call 1", carry=["benchmarks/wheels"], timeout_s=360)
+#   run(command="bash benchmarks/gpu/gpu_check.sh --call 1", carry=["benchmarks/gpu/wheels"], timeout_s=360)
 #   -> env and versions; the FlashInfer-only smoke test (prefill over shuffled pages, decode on both
 #      kernels, a captured graph re-planned and replayed, against fp32); agreement on llama (graphs
 #      on and off, torch); paged_hf eager and graphs at 128 requests. No transformers baselines.
 # Between the calls: call 1 leaves its compiled kernels in $OUT/flashinfer_jit.tar.xz when they pack
 # under 28 MiB (gpu_check.json's "jit_cache" gives the sizes); copy it from files_at into
-# benchmarks/wheels/ and call 2 unpacks it and compiles only what call 1 did not.
+# benchmarks/gpu/wheels/ and call 2 unpacks it and compiles only what call 1 did not.
 # Call 2 (timeout_s 300, the kernels of call 1 compiled again unless carried):
-#   run(command="bash benchmarks/gpu_check.sh --call 2", carry=["benchmarks/wheels"], timeout_s=300)
+#   run(command="bash benchmarks/gpu/gpu_check.sh --call 2", carry=["benchmarks/gpu/wheels"], timeout_s=300)
 #   -> agreement on gemma2 (window + soft-cap) and qwen3; an engine sized by profiling and swap
 #      preemption (memory); transformers' generate and generate_batch capped at 45 s; decode step
 #      time at batch 64, eager against graphs.
@@ -22,11 +22,11 @@
 # are rewritten after each, so a call stopped at its limit keeps what it finished. Without
 # flashinfer and tvm_ffi importable the script stops at once (ALLOW_TORCH_ONLY=1 runs anyway).
 #
-# It installs what is carried next to it in benchmarks/wheels/ (override with WHEELS=dir) into a
+# It installs what is carried next to it in benchmarks/gpu/wheels/ (override with WHEELS=dir) into a
 # private target dir (SITE, default /tmp/paged_hf_site), installs this repository there too, then
-# runs benchmarks/gpu_check.py (see its docstring: agreement, then throughput; table + JSON).
+# runs benchmarks/gpu/gpu_check.py (see its docstring: agreement, then throughput; table + JSON).
 #
-# What to carry in benchmarks/wheels/: `bash benchmarks/fetch_gpu_wheels.sh` fetches and packs it
+# What to carry in benchmarks/gpu/wheels/: `bash benchmarks/gpu/fetch_gpu_wheels.sh` fetches and packs it
 # where there is network (about 32 MiB, pins from constraints/):
 #   flashinfer-python 0.7.2.post1   as flashinfer-*.tar.xz, its installed tree (the 62 MB wheel is
 #                                   mostly CUDA sources; kernels are JIT-compiled with the machine's
@@ -40,7 +40,7 @@
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-REPO="$(dirname "$HERE")"
+REPO="$(dirname "$(dirname "$HERE")")"
 WHEELS="${WHEELS:-$HERE/wheels}"
 SITE="${SITE:-/tmp/paged_hf_site}"
 PY="${PYTHON:-python3}"
@@ -60,7 +60,7 @@ done
 if ! compgen -G "$WHEELS/paged_hf-*.whl" >/dev/null; then
   echo "gpu_check: installing paged_hf from $REPO (offline build, from a copy: the tree stays clean)"
   src="$(mktemp -d)"
-  tar -C "$REPO" --exclude=.git --exclude='.venv*' --exclude=benchmarks/wheels --exclude=build -cf - . | tar -C "$src" -xf -
+  tar -C "$REPO" --exclude=.git --exclude='.venv*' --exclude=benchmarks/gpu/wheels --exclude=build -cf - . | tar -C "$src" -xf -
   "$PY" -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --upgrade --target "$SITE" "$src"
   rm -rf "$src"
 fi

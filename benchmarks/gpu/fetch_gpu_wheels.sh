@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Fetch, where there is network, what benchmarks/gpu_check.sh installs on a GPU machine without it:
-#   bash benchmarks/fetch_gpu_wheels.sh            # -> benchmarks/wheels/ (gitignored)
-#   PYVER=3.11 OUT=/tmp/w bash benchmarks/fetch_gpu_wheels.sh   # for another Python
+# Fetch, where there is network, what benchmarks/gpu/gpu_check.sh installs on a GPU machine without it:
+#   bash benchmarks/gpu/fetch_gpu_wheels.sh            # -> benchmarks/gpu/wheels/ (gitignored)
+#   PYVER=3.11 OUT=/tmp/w bash benchmarks/gpu/fetch_gpu_wheels.sh   # for another Python
 #
 # Pins come from constraints/flashinfer.txt (flashinfer-python, apache-tvm-ffi) and
 # constraints/cpu.txt (transformers, the version paged_hf is tested against). flashinfer's wheel
@@ -12,7 +12,7 @@
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-REPO="$(dirname "$HERE")"
+REPO="$(dirname "$(dirname "$HERE")")"
 OUT="${OUT:-$HERE/wheels}"
 PYVER="${PYVER:-3.12}"           # the GPU image's Python
 PY="${PYTHON:-python3}"

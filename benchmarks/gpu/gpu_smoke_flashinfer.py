@@ -9,8 +9,8 @@ an fp32 reference computed here from the same pages.
   padding-like data (every row reading one page), then planned for two real batches in turn and
   replayed (on a CPU, with the stand-in, the replay is the run itself).
 
-    python benchmarks/gpu_smoke_flashinfer.py            # on the GPU (the real flashinfer)
-    python benchmarks/gpu_smoke_flashinfer.py --dry-run  # CPU, FlashInfer's stand-in (tests/fake_flashinfer.py)
+    python benchmarks/gpu/gpu_smoke_flashinfer.py            # on the GPU (the real flashinfer)
+    python benchmarks/gpu/gpu_smoke_flashinfer.py --dry-run  # CPU, FlashInfer's stand-in (tests/fake_flashinfer.py)
 
 Prints one line per check (max abs error against the reference, and the tolerance) and exits 1 if
 any check is off. gpu_check.py runs it as its ``smoke`` phase.

@@ -3,7 +3,7 @@
 Phases (``--phases``, each in a subprocess of its own, under ``--budget`` seconds in all; the report
 ``OUT/gpu_check.json``, the log and ``summary.md`` rewritten after every phase, ``OUT`` = ``$OUT``):
   env          versions, the device
-  smoke        benchmarks/gpu_smoke_flashinfer.py: FlashInfer's wrappers against fp32, before paged_hf
+  smoke        benchmarks/gpu/gpu_smoke_flashinfer.py: FlashInfer's wrappers against fp32, before paged_hf
   agreement    per family (``--families`` of llama, qwen3, gemma2: plain, q/k norms, window + soft-cap;
                bf16, head_dim 128): greedy generations on the risky workload (shared prefixes, chunked
                prefill and mixed steps at a 64-token budget, twelve output lengths so decode batches
@@ -21,8 +21,8 @@ Phases (``--phases``, each in a subprocess of its own, under ``--budget`` second
                the host KV tier (pinned, written on eviction) under that pool, the workload twice
 ``--call 1`` / ``--call 2``: the two device calls of the plan in gpu_check.sh's header.
 
-    bash benchmarks/gpu_check.sh --call 1          # on the GPU (installs what is carried, then this)
-    python benchmarks/gpu_check.py --dry-run       # tiny, on CPU, FlashInfer's stand-in: every phase
+    bash benchmarks/gpu/gpu_check.sh --call 1          # on the GPU (installs what is carried, then this)
+    python benchmarks/gpu/gpu_check.py --dry-run       # tiny, on CPU, FlashInfer's stand-in: every phase
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ class Setup:
     decode_batch: int
     decode_steps: int
     seed: int = 0
-    stand_in: bool = False  # dry run: FlashInfer's pure-torch stand-in (benchmarks/gpu_stand_in.py)
+    stand_in: bool = False  # dry run: FlashInfer's pure-torch stand-in (benchmarks/gpu/gpu_stand_in.py)
 
 
 @dataclass
@@ -842,7 +842,7 @@ JIT_CARRY_BYTES = 28 << 20  # beside the ~32 MiB of wheels, under the 64 MiB a d
 
 def keep_compiled_kernels(out: Path, report: dict[str, Any]) -> None:
     """FlashInfer's JIT cache (sources, objects, ninja's logs, the .so), packed under ``out`` when it
-    grew, so the next call carries it in benchmarks/wheels/ and ninja finds nothing to rebuild."""
+    grew, so the next call carries it in benchmarks/gpu/wheels/ and ninja finds nothing to rebuild."""
     import subprocess
 
     cache = (
