@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 
     from ..execution.runner import ModelRunner
     from .scheduler import Scheduler
+    from .turns import TurnLock
 
 logger = logging.getLogger("paged_hf")
 
@@ -47,6 +48,7 @@ class AdmissionMixin:
     _ids: itertools.count
     _stats: Any  # EngineStats
     _patch_state: Any
+    lock: TurnLock
 
     def add_request(
         self,
@@ -68,10 +70,11 @@ class AdmissionMixin:
         ``encoder_token_ids``: the tokens ``encoder_repetition_penalty`` favours instead of the
         prompt's. ``arrival_time``: when the caller asked (``scheduler.clock()``'s time; default
         now), where its TTFT and queue time start. A full queue raises ``QueueFull``."""
-        rid = self._new_id(request_id)
-        return self._add(
-            rid, prompt, params, eos_token_ids, stop_strings, encoder_token_ids, arrival_time
-        )
+        with self.lock:
+            rid = self._new_id(request_id)
+            return self._add(
+                rid, prompt, params, eos_token_ids, stop_strings, encoder_token_ids, arrival_time
+            )
 
     def _add(
         self,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 import torch
@@ -21,8 +22,19 @@ from .scoring import ScoreOutput
 
 if TYPE_CHECKING:
     from .scheduler import Scheduler
+    from .turns import TurnLock
 
 logger = logging.getLogger("paged_hf")
+
+
+@dataclass
+class BlockingCall:
+    """One blocking call's requests, between ``follow`` and ``wait``."""
+
+    roots: list[Request]
+    watch: Any  # paged_hf/engine/callers.py's Watch
+    batch: bool  # nobody watches its tokens: the batch-call policy (``batch_call``)
+    bar: Any = None
 
 
 class BatchCallsMixin:
@@ -30,7 +42,9 @@ class BatchCallsMixin:
 
     scheduler: Scheduler
     requests: dict[str, Request]
-    _aborts: int
+    lock: TurnLock
+    watch: Callable[..., Any]
+    unwatch: Callable[[Any], None]
     _add: Callable[..., str]
     _new_id: Callable[[Any], str]
     _collect_root: Callable[[Request], RequestOutput]
@@ -63,25 +77,27 @@ class BatchCallsMixin:
         ids: list[str | None] = []
         errors: dict[int, RequestOutput] = {}
         try:
-            for i, (prompt, p) in enumerate(zip(prompts, params)):
-                rid = self._new_id(None)
-                try:
-                    ids.append(self._add(rid, prompt, p))
-                except Exception as e:  # noqa: BLE001 - this prompt's problem alone (a tokenizer may raise anything)
-                    message = (
-                        str(e)
-                        if isinstance(e, (ValueError, TypeError))
-                        else f"request {rid}: {type(e).__name__}: {e}"
-                    )
-                    logger.warning("paged_hf: %s", message)
-                    ids.append(None)
-                    errors[i] = RequestOutput(rid, [], error=message)
+            with self.lock:  # the rows join the batch together, not one by one
+                for i, (prompt, p) in enumerate(zip(prompts, params)):
+                    rid = self._new_id(None)
+                    try:
+                        ids.append(self._add(rid, prompt, p))
+                    except Exception as e:  # noqa: BLE001 - this prompt's problem alone (a tokenizer may raise anything)
+                        message = (
+                            str(e)
+                            if isinstance(e, (ValueError, TypeError))
+                            else f"request {rid}: {type(e).__name__}: {e}"
+                        )
+                        logger.warning("paged_hf: %s", message)
+                        ids.append(None)
+                        errors[i] = RequestOutput(rid, [], error=message)
+                call = self.follow(
+                    [rid for rid in ids if rid is not None], on_token=on_token, progress=progress
+                )
         except BaseException:
             self.abort_all(rid for rid in ids if rid is not None)
             raise
-        outputs = self.run_until_done(
-            [rid for rid in ids if rid is not None], on_token=on_token, progress=progress
-        )
+        outputs = self.wait(call)
         it = iter(outputs)
         return [errors[i] if rid is None else next(it) for i, rid in enumerate(ids)]
 
@@ -140,15 +156,38 @@ class BatchCallsMixin:
     ) -> list[RequestOutput]:
         """Step until the given (already added) requests finish; their outputs in the given order.
 
-        ``on_token(request_id, token)`` runs after each step for every token sampled; if it raises,
-        that request ends with ``finish_reason`` "error" and the others go on. It may abort
-        requests. On any exception from here (KeyboardInterrupt included) the given requests are
-        aborted, their blocks freed, and the exception raised.
+        ``on_token(request_id, token)`` runs for every token sampled, in whichever thread runs
+        that step (under the engine's lock); if it raises, that request ends with
+        ``finish_reason`` "error" and the others go on. It may abort requests. On any exception
+        from here (KeyboardInterrupt included) the given requests are aborted, their blocks
+        freed, and the exception raised. Other threads may run their own calls meanwhile: all
+        rows share the steps, and each call returns when its own rows are over.
         """
-        roots = [self._root(rid) for rid in request_ids]
-        self.check_weights(rescan=True)
-        with contextlib.nullcontext() if on_token is not None else self.batch_call():
-            return self._run(roots, on_token, progress)
+        return self.wait(self.follow(request_ids, on_token=on_token, progress=progress))
+
+    def follow(
+        self,
+        request_ids: Sequence[str],
+        *,
+        on_token: Callable[[str, int], None] | None = None,
+        progress: bool = False,
+    ) -> BlockingCall:
+        """``run_until_done``'s first half: from now on the requests' tokens go to ``on_token``
+        and their ends are noted, whichever thread steps. Call it in the same hold of the engine's
+        lock as the submission when ``on_token`` must see every token; then ``wait``."""
+        with self.lock:
+            roots = [self._root(rid) for rid in request_ids]
+            self.check_weights(rescan=True)
+            bar = _progress(len(roots)) if progress else None
+            watch = self.watch(roots, on_token, None if bar is None else lambda _r: bar.update(1))
+            if bar is not None:
+                bar.update(len(roots) - len(watch.open))
+            return BlockingCall(roots, watch, on_token is None, bar)
+
+    def wait(self, call: BlockingCall) -> list[RequestOutput]:
+        """``run_until_done``'s second half: step until the call's requests are over."""
+        with self.batch_call() if call.batch else contextlib.nullcontext():
+            return self._run(call)
 
     @contextlib.contextmanager
     def batch_call(self) -> Iterator[None]:
@@ -158,65 +197,40 @@ class BatchCallsMixin:
         step budget of prefill), and on a CPU, where ``max_num_batched_tokens`` was not set, a step
         takes up to ``DEFAULT_CPU_BATCH_CALL_TOKENS`` (2048) tokens. ``generate``, ``score`` and ``score_rolling`` (and so
         ``generate_dataset``, the lm-eval backend, a patched ``generate`` without a streamer) run in
-        it; a background engine, ``on_token`` callbacks and stepping by hand keep the cap."""
-        before = self.scheduler.batch_call
-        self.scheduler.batch_call = True
+        it; a background engine, ``on_token`` callbacks and stepping by hand keep the cap. With
+        calls in several threads, it holds while any batch call runs."""
+        with self.lock:
+            self.scheduler.batch_calls += 1
         try:
             yield
         finally:
-            self.scheduler.batch_call = before
+            with self.lock:
+                self.scheduler.batch_calls -= 1
 
-    def _run(
-        self, roots: list[Request], on_token: Callable[[str, int], None] | None, progress: bool
-    ) -> list[RequestOutput]:
-        open_roots = {root for root in roots if not root.group_finished}
-        bar = _progress(len(roots)) if progress else None
-        if bar is not None:
-            bar.update(len(roots) - len(open_roots))
+    def _run(self, call: BlockingCall) -> list[RequestOutput]:
+        roots, watch = call.roots, call.watch
         try:
-            while open_roots:
-                if not self.scheduler.has_unfinished:
-                    raise RuntimeError("engine went idle with requests unfinished (this is a bug)")
-                aborts = self._aborts
-                sampled, finished = self.step()
-                failed = self._run_callbacks(on_token, sampled)
-                # an abort from a callback can end any request: then look at all of them
-                touched = (
-                    open_roots
-                    if self._aborts != aborts
-                    else {(r.parent or r) for r in finished + failed} & open_roots
-                )
-                done = [root for root in touched if root.group_finished]
-                open_roots.difference_update(done)
-                if bar is not None and done:
-                    bar.update(len(done))
+            while True:
+                # one step a turn: between two, the lock passes to a thread waiting to submit or
+                # to step for its own call (the engine's lock is first come, first served)
+                with self.lock:
+                    if not watch.open:
+                        return [self._collect_root(root) for root in roots]
+                    if not self.scheduler.has_unfinished:
+                        raise RuntimeError(
+                            "engine went idle with requests unfinished (this is a bug)"
+                        )
+                    self.step()
         except BaseException:
-            self.abort_all(
-                root.request_id for root in roots if self.requests.get(root.request_id) is root
-            )
+            with self.lock:
+                self.unwatch(watch)
+                self.abort_all(
+                    root.request_id for root in roots if self.requests.get(root.request_id) is root
+                )
             raise
         finally:
-            if bar is not None:
-                bar.close()
-        return [self._collect_root(root) for root in roots]
-
-    def _run_callbacks(
-        self, on_token: Callable[[str, int], None] | None, sampled: dict[Request, int]
-    ) -> list[Request]:
-        """Call ``on_token`` for each sampled token; a request whose callback raises ends with an error."""
-        failed: list[Request] = []
-        if on_token is None:
-            return failed
-        for req, tok in sampled.items():
-            try:
-                on_token(req.request_id, tok)
-            except Exception as e:  # noqa: BLE001 - the callback's failure is its request's alone
-                self.fail(
-                    req,
-                    f"request {req.request_id}: on_token callback raised {type(e).__name__}: {e}",
-                )
-                failed.append(req)
-        return failed
+            if call.bar is not None:
+                call.bar.close()
 
     def _root(self, request_id: str) -> Request:
         root = self.requests.get(request_id)
@@ -226,9 +240,10 @@ class BatchCallsMixin:
 
     def abort_all(self, request_ids: Any) -> None:
         """Abort those of ``request_ids`` still live (unknown or finished ones are skipped)."""
-        for rid in list(request_ids):
-            if rid in self.requests:
-                self.abort(rid)
+        with self.lock:
+            for rid in list(request_ids):
+                if rid in self.requests:
+                    self.abort(rid)
 
 
 def _progress(total: int):

@@ -26,11 +26,13 @@ from . import latency_stats
 from .admission import AdmissionMixin, eos_ids, max_model_len_for, within_limits
 from .batch import BatchCallsMixin
 from .binding import patch_state
+from .callers import CallersMixin
 from .kv_tiers import make_kv_tiers
 from .outputs import OutputsMixin, RequestOutput
 from .scheduler import Scheduler
 from .scheduling_policy import make_policy
 from .step import StepMixin
+from .turns import TurnLock
 
 logger = logging.getLogger("paged_hf")
 
@@ -53,7 +55,7 @@ class EngineStats:
     finished_log: deque = field(default_factory=lambda: deque(maxlen=100_000))
 
 
-class Engine(AdmissionMixin, StepMixin, OutputsMixin, BatchCallsMixin):
+class Engine(AdmissionMixin, StepMixin, OutputsMixin, BatchCallsMixin, CallersMixin):
     """The engine over a model whose attention is paged. ``paged_hf.Engine`` (paged_hf/model/patching.py)
     checks and patches the model first when needed; this class reads what patching left on the
     model (paged_hf/engine/binding.py) and never imports the model side."""
@@ -92,7 +94,9 @@ class Engine(AdmissionMixin, StepMixin, OutputsMixin, BatchCallsMixin):
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._stats = EngineStats()
-        self._aborts = 0  # counts aborts, so run_until_done notices ones made from its callbacks
+        # one thread at a time steps or changes the engine; callers are told by whoever steps
+        self.lock = TurnLock()
+        self._watches: dict[Request, Any] = {}  # root -> the Watch of the caller waiting on it
         # structured outputs' compiler, made for the first constrained request
         self.structured = None
         self.serving = False  # a BackgroundEngine steps this engine
@@ -266,26 +270,29 @@ class Engine(AdmissionMixin, StepMixin, OutputsMixin, BatchCallsMixin):
     def abort(self, request_id: str) -> RequestOutput:
         """Stop a request (all its samples) now and free its blocks; returns its output so far
         (``finish_reason`` "abort"). Safe to call from an ``on_token`` callback."""
-        root = self.requests.pop(str(request_id), None)
-        if root is None:
-            raise ValueError(f"request {request_id}: unknown or already finished")
-        now = self.scheduler.clock()
-        for r in root.samples:
-            if not r.is_finished:
-                self.scheduler.finish(r, FinishReason.ABORT, now)
-        self._aborts += 1
-        return self.make_output(root)
+        with self.lock:
+            root = self.requests.pop(str(request_id), None)
+            if root is None:
+                raise ValueError(f"request {request_id}: unknown or already finished")
+            now = self.scheduler.clock()
+            for r in root.samples:
+                if not r.is_finished:
+                    self.scheduler.finish(r, FinishReason.ABORT, now)
+            self._settle(root)
+            return self.make_output(root)
 
     def fail(self, req: Request, message: str) -> None:
         """End one request (one sample) with ``finish_reason`` "error" and ``message``; the
         others are not touched. A request already aborted stays aborted."""
         if req.finish_reason is FinishReason.ABORT:
             return
-        req.error = message
-        if req.is_finished:  # e.g. its last token's callback failed: the output says so
-            req.finish_reason = FinishReason.ERROR
-        else:
-            self.scheduler.finish(req, FinishReason.ERROR, self.scheduler.clock())
+        with self.lock:
+            req.error = message
+            if req.is_finished:  # e.g. its last token's callback failed: the output says so
+                req.finish_reason = FinishReason.ERROR
+            else:
+                self.scheduler.finish(req, FinishReason.ERROR, self.scheduler.clock())
+            self._settle(req.parent or req)
 
     def sleep(self) -> None:
         """Let go of the KV cache's memory (and a hybrid's state slots, captured CUDA graphs, packed
@@ -390,6 +397,12 @@ class Engine(AdmissionMixin, StepMixin, OutputsMixin, BatchCallsMixin):
         requests' TTFT / TPOT / queue-time percentiles and goodput: good requests finished
         without error within ``ttft_target_s`` / ``tpot_target_s`` (else each request's own
         targets; none: every request without error is good)."""
+        with self.lock:  # not while another thread steps
+            return self._stats_now(ttft_target_s, tpot_target_s)
+
+    def _stats_now(
+        self, ttft_target_s: float | None, tpot_target_s: float | None
+    ) -> dict[str, Any]:
         s, pool = self._stats, self.kv_manager.pool
         state = (
             {}

@@ -68,7 +68,7 @@ class Scheduler:
         # a long prompt's chunks then cost each decode a little latency per step, not a long stall
         self.max_prefill_tokens_while_decoding = max_prefill_tokens_while_decoding
         self.policy = policy or Fcfs()
-        self.batch_call = False  # a blocking batch call runs (``Engine.batch_call``)
+        self.batch_calls = 0  # blocking batch calls running (``Engine.batch_call``)
         self.lift_cap_in_batch_calls = lift_cap_in_batch_calls
         self.batch_call_budget = batch_call_budget
         self.continues_chunks = continues_chunks
@@ -153,7 +153,7 @@ class Scheduler:
         chosen: dict[Request, int] = {}
         budget = Budget(
             self.batch_call_budget
-            if self.batch_call and self.batch_call_budget
+            if self.batch_calls and self.batch_call_budget
             else self.max_num_batched_tokens
         )
         now = self.clock()
@@ -393,7 +393,7 @@ class Scheduler:
             return budget
         cap = (
             None
-            if self.batch_call and self.lift_cap_in_batch_calls
+            if self.batch_calls and self.lift_cap_in_batch_calls
             else self.max_prefill_tokens_while_decoding
         )
         room = budget if cap is None else min(budget, cap)

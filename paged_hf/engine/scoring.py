@@ -287,24 +287,25 @@ def score(
     ids: list[str | None] = []
     errors: dict[int, ScoreOutput] = {}
     try:
-        for i, pair in enumerate(pairs):
-            rid = engine._new_id(None)
-            try:
-                if not isinstance(pair, (tuple, list)) or len(pair) != 2:
-                    raise ValueError(
-                        f"request {rid}: expected a (context, continuation) pair, got {pair!r:.80}"
+        with engine.lock:  # the pairs join the batch together
+            for i, pair in enumerate(pairs):
+                rid = engine._new_id(None)
+                try:
+                    if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+                        raise ValueError(
+                            f"request {rid}: expected a (context, continuation) pair, got {pair!r:.80}"
+                        )
+                    ids.append(
+                        add_score_request(engine, rid, pair[0], pair[1], top_logprobs, cache_salt)
                     )
-                ids.append(
-                    add_score_request(engine, rid, pair[0], pair[1], top_logprobs, cache_salt)
-                )
-            except Exception as e:  # noqa: BLE001 - this pair's problem alone (a tokenizer may raise anything)
-                message = (
-                    str(e)
-                    if isinstance(e, (ValueError, TypeError))
-                    else f"request {rid}: {type(e).__name__}: {e}"
-                )
-                ids.append(None)
-                errors[i] = ScoreOutput(rid, float("nan"), False, [], [], None, 0, message)
+                except Exception as e:  # noqa: BLE001 - this pair's problem alone (a tokenizer may raise anything)
+                    message = (
+                        str(e)
+                        if isinstance(e, (ValueError, TypeError))
+                        else f"request {rid}: {type(e).__name__}: {e}"
+                    )
+                    ids.append(None)
+                    errors[i] = ScoreOutput(rid, float("nan"), False, [], [], None, 0, message)
     except BaseException:
         engine.abort_all(rid for rid in ids if rid is not None)
         raise

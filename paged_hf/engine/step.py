@@ -93,15 +93,24 @@ class StepMixin:
     _generator: Callable[[Any, int], torch.Generator | None]
     check_weights: Callable[[], None]
     wake_up: Callable[[], None]
+    lock: Any  # TurnLock
+    _deliver: Callable[[dict[Request, int], list[Request]], list[Request]]
 
     def step(self) -> tuple[dict[Request, int], list[Request]]:
         """One engine step; returns ({request: new token}, finished requests).
 
-        A request that fails on its own (its sampling, its logits) ends with ``finish_reason``
-        "error"; if the step fails as a whole (the forward raised), every request in it ends so,
-        and the engine goes on serving. Interrupted (KeyboardInterrupt), the step is undone: its
-        requests keep their tokens and recompute their KV when next scheduled.
+        A request that fails on its own (its sampling, its logits, its watch's ``on_token``) ends
+        with ``finish_reason`` "error"; if the step fails as a whole (the forward raised), every
+        request in it ends so, and the engine goes on serving. Interrupted (KeyboardInterrupt),
+        the step is undone: its requests keep their tokens and recompute their KV when next
+        scheduled. Any thread may step; one at a time (the engine's lock), and each caller's
+        watch hears of its requests whoever stepped (paged_hf/engine/callers.py).
         """
+        with self.lock:
+            sampled, finished = self._step()
+            return sampled, finished + self._deliver(sampled, finished)
+
+    def _step(self) -> tuple[dict[Request, int], list[Request]]:
         self._before_step()
         start = self.scheduler.clock()
         out = self.scheduler.schedule()

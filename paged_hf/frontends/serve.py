@@ -152,7 +152,9 @@ class BackgroundEngine:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self._commands: queue.Queue = queue.Queue()
-        self._handles: dict[str, RequestHandle] = {}  # root request id -> handle (loop thread only)
+        # root request id -> handle; changed under the engine's lock (a watch may end one in any
+        # thread that steps)
+        self._handles: dict[str, RequestHandle] = {}
         self._error: BaseException | None = None
         engine.serving = True  # unpatch refuses while it is set
         self._stopped = threading.Event()
@@ -333,11 +335,8 @@ class BackgroundEngine:
         """Handle one command; True when the loop must stop."""
         try:
             if op == "add":
-                handle, prompt, params, arrival = args
-                handle.request_id = self.engine.add_request(
-                    prompt, params, request_id=handle.request_id, arrival_time=arrival
-                )
-                self._handles[handle.request_id] = handle
+                with self.engine.lock:  # watched before any thread can step it
+                    self._add(*args)
             elif op == "cancel":
                 self._cancel(args[0])
             elif op == "stats":
@@ -354,6 +353,25 @@ class BackgroundEngine:
             done.set()
         return False
 
+    def _add(self, handle: RequestHandle, prompt: Any, params: Any, arrival: float) -> None:
+        """Submit, and follow the request whichever thread steps the engine (a patched model's
+        ``generate`` may be called beside the background engine): its first sample's tokens to
+        its handle as they come, its output when it is over."""
+        engine = self.engine
+        rid = engine.add_request(prompt, params, request_id=handle.request_id, arrival_time=arrival)
+        handle.request_id = rid
+        self._handles[rid] = handle
+
+        def on_token(request_id: str, token: int) -> None:
+            if request_id == rid:  # streams follow the first sample
+                handle._push(token)
+
+        def on_done(root: Any) -> None:
+            if self._handles.pop(rid, None) is not None:
+                handle._finish(engine.collect([root]))
+
+        engine.watch([engine.requests[rid]], on_token, on_done)
+
     def _fail_queued(self, error: BaseException) -> None:
         while True:
             try:
@@ -365,26 +383,14 @@ class BackgroundEngine:
             done.set()
 
     def _cancel(self, rid: str) -> None:
-        handle = self._handles.pop(rid, None)
-        if handle is None or rid not in self.engine.requests:
-            return  # finished already
-        handle._finish(self.engine.abort(rid))  # frees the blocks now
+        with self.engine.lock:
+            handle = self._handles.pop(rid, None)
+            if handle is None or rid not in self.engine.requests:
+                return  # finished already
+            handle._finish(self.engine.abort(rid))  # frees the blocks now
 
     def _step(self) -> None:
-        engine = self.engine
-        sampled, finished = engine.step()
-        for req, tok in sampled.items():
-            if req.parent is None:  # streams follow the first sample
-                handle = self._handles.get(req.request_id)
-                if handle is not None:
-                    handle._push(tok)
-        for req in finished:
-            root = req.parent or req
-            handle = self._handles.get(root.request_id)
-            if handle is None or not root.group_finished:
-                continue
-            del self._handles[root.request_id]
-            handle._finish(engine.collect([root]))
+        self.engine.step()  # tokens and outputs reach the handles through their watches
 
 
 def serve(
@@ -393,8 +399,8 @@ def serve(
     """Start an engine for ``model`` on a background thread; returns the ``BackgroundEngine``.
 
     ``config`` takes the ``EngineConfig`` fields. A model patched with ``paged_hf.patch`` and
-    no ``config`` runs its own engine (``engine_for``); don't call its ``generate`` while the
-    background engine runs. ``warmup``: run ``Engine.warmup()`` first, here, so the first
+    no ``config`` runs its own engine (``engine_for``); its ``generate``, called meanwhile from any
+    thread, shares the background engine's steps. ``warmup``: run ``Engine.warmup()`` first, here, so the first
     request does not wait for kernel compilation or CUDA-graph capture (on a GPU machine's first
     use FlashInfer compiles its kernels: a minute or more; on CPU it takes a moment).
 

@@ -229,16 +229,19 @@ def run_rows(
     tensor has no per-row errors). ``streamer`` is shown ``shown``, then each token."""
     rids: list[str] = []
     try:
-        for i, prompt in enumerate(prompts):
-            rids.append(add_row(i, prompt))
-        if streamer is not None:
-            streamer.put(shown.cpu())
-        outputs = engine.run_until_done(
-            rids,
-            on_token=(lambda _rid, tok: streamer.put(torch.tensor([tok])))
-            if streamer is not None
-            else None,
-        )
+        # the rows, their call and their watch at once: no other thread steps in between
+        with engine.lock:
+            for i, prompt in enumerate(prompts):
+                rids.append(add_row(i, prompt))
+            if streamer is not None:
+                streamer.put(shown.cpu())
+            running = engine.follow(
+                rids,
+                on_token=(lambda _rid, tok: streamer.put(torch.tensor([tok])))
+                if streamer is not None
+                else None,
+            )
+        outputs = engine.wait(running)
         if streamer is not None:
             streamer.end()
     except BaseException:
