@@ -8,6 +8,7 @@ NotImplementedError naming the option: never a silently different result.
 
 from __future__ import annotations
 
+import logging
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -22,6 +23,8 @@ from ..requests.detokenizer import StopStrings
 from ..requests.sampling_params import SamplingParams
 from .generate_callbacks import CallPlan, GenerateCall, plan_call
 from .generate_options import REFUSED_SETTINGS
+
+logger = logging.getLogger("paged_hf")
 
 # model.generate(..., paged_hf_json_schema=... | paged_hf_regex=... | paged_hf_choice=[...] | paged_hf_grammar=...)
 STRUCTURED_KEYWORDS = ("json_schema", "regex", "choice", "grammar")
@@ -175,6 +178,7 @@ def _read_call(
         if gc.pad_token_id is not None and gc.pad_token_id not in eos_list:
             # transformers infers it the same way
             attention_mask = (input_ids != gc.pad_token_id).long()
+    _warn_right_padding(attention_mask)
     _resolve_lengths(model, gc, input_ids, unset)
     params = _sampling_params(gc, input_ids.shape[1])
     # transformers favours every id of the rows as they are, pad included, and ignores the penalty
@@ -303,6 +307,21 @@ def _result(call: _Call, plan: CallPlan, outputs: list) -> torch.Tensor | Genera
     if gc.return_dict_in_generate:
         return GenerateDecoderOnlyOutput(sequences=sequences)
     return sequences
+
+
+def _warn_right_padding(attention_mask: torch.Tensor) -> None:
+    """Pads after a row's tokens (a tokenizer left at padding_side="right"): each row continues
+    after its own last token here, where transformers continues after the pads (and warns). The
+    caller is told, every call."""
+    mask = attention_mask.detach().cpu().long()
+    rows = ((mask.cummax(dim=1).values - mask) > 0).any(dim=1).nonzero().flatten().tolist()
+    if rows:
+        logger.warning(
+            "paged_hf generate: right padding in row(s) %s: each row continues after its own last "
+            "token, where transformers' generate continues after the pads (a different result); "
+            "set tokenizer.padding_side = 'left' to match it",
+            rows[:8],
+        )
 
 
 def _resolve_lengths(

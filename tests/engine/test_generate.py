@@ -432,3 +432,31 @@ def test_warmup_leaves_the_engine_as_it_was():
     warm.add_request(prompts[0], params)
     with pytest.raises(RuntimeError, match="before requests"):
         warm.warmup()
+
+
+def test_right_padding_is_told_and_each_row_continues_its_own_tokens(caplog):
+    """A tokenizer left at padding_side="right": transformers continues after the pads; a patched
+    model continues each row after its own last token (the left-padded call's result) and says so,
+    naming the rows, every call."""
+    reference = make_tiny_model("llama")
+    model = paged_hf.patch(make_tiny_model("llama"))
+    prompts = tiny_prompts(reference.config.vocab_size, 3, [4, 9, 6], seed=8)
+    width = max(map(len, prompts))
+    right = torch.full((3, width), PAD_ID)
+    mask = torch.zeros_like(right)
+    for i, p in enumerate(prompts):
+        right[i, : len(p)], mask[i, : len(p)] = torch.tensor(p), 1
+    left_ids, left_mask = left_pad(prompts)
+    kw = dict(max_new_tokens=6, do_sample=False)
+    want = generated_rows(model.generate(left_ids, attention_mask=left_mask, **kw), width)
+    theirs = generated_rows(reference.generate(right, attention_mask=mask, **kw), width)
+    for _ in range(2):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="paged_hf"):
+            ours = generated_rows(model.generate(right, attention_mask=mask, **kw), width)
+        assert "right padding in row(s) [0, 2]" in caplog.text
+    assert ours == want and theirs != want
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="paged_hf"):
+        model.generate(left_ids, attention_mask=left_mask, **kw)
+    assert "right padding" not in caplog.text
