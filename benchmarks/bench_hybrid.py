@@ -17,17 +17,13 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
-import statistics
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import omp_env  # noqa: E402  (before torch: OpenMP reads its wait policy when libgomp loads)
+import common
+import omp_env
 
-OMP_WAIT_POLICY = omp_env.setup()
+OMP_WAIT_POLICY = omp_env.setup()  # before torch: OpenMP reads its wait policy when libgomp loads
 
 import bench_systems as S  # noqa: E402
 import bench_workloads as W  # noqa: E402
@@ -66,9 +62,9 @@ def qwen3_5_like(layers: int, hidden: int, dtype: torch.dtype) -> torch.nn.Modul
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = common.parser(__doc__)
     p.add_argument("--quick", action="store_true")
-    p.add_argument("--threads", type=int, default=2)
+    common.add_threads(p, default=2)
     p.add_argument("--layers", type=int, default=12)
     p.add_argument("--hidden", type=int, default=768)
     p.add_argument("--batch-sizes", default="8,32")
@@ -81,11 +77,8 @@ def main() -> int:
         help="also run the engine with transformers' DeltaNet decode code (no paged_hf kernel)",
     )
     p.add_argument("--json", default="benchmarks/results/bench_hybrid.json")
-    p.add_argument(
-        "--omp-wait-policy", choices=omp_env.CHOICES, default="auto", help="see omp_env.py"
-    )
-    args = p.parse_args()
-    torch.set_num_threads(args.threads)
+    common.add_omp(p)
+    args = common.parse(p)
     n = args.n or (16 if args.quick else 64)
     base = qwen3_5_like(args.layers, args.hidden, torch.bfloat16)
     eng_model = copy.deepcopy(base)
@@ -100,7 +93,7 @@ def main() -> int:
             pool, n=n, prefix_len=256 if args.quick else 512, n_out=16 if args.quick else 32
         ),
     ]
-    warm = W.w_mixed(pool, n=2, seed=12345, prompt_len=(16, 24), out_len=(3, 3), name="warm-up")
+    warm = W.warm(pool)
     from paged_hf import Engine
     from paged_hf.execution.cpu import mixer_kernels
 
@@ -135,7 +128,7 @@ def main() -> int:
                 )
                 if name == "paged_hf":
                     hits.append(engine.stats()["prefix_hit_tokens"] - before["prefix_hit_tokens"])
-        med = {k: statistics.median(v) for k, v in rates.items()}
+        med = common.medians(rates)
         best = max(v for k, v in med.items() if k.startswith("static"))
         rows.append(
             {
@@ -145,25 +138,16 @@ def main() -> int:
                 "prefix hit tokens": hits[-1],
             }
         )
-        print(f"[{w.name}] done", file=sys.stderr, flush=True)
-    keys = list(rows[0])
+        common.log(f"[{w.name}] done")
     print(
         f"Qwen3.5-style hybrid, {args.layers} layers ({args.layers * 3 // 4} gated DeltaNet, {args.layers // 4} "
         f"attention), hidden {args.hidden}, {params / 1e6:.0f}M parameters, bf16, {args.threads} threads, "
         f"{time.strftime('%Y-%m-%d')}, OpenMP wait policy {OMP_WAIT_POLICY}; output tokens per second, median of "
         f"{args.repeat}"
     )
-    print("| " + " | ".join(keys) + " |")
-    print("| " + " | ".join("---" for _ in keys) + " |")
-    for row in rows:
-        print("| " + " | ".join(str(v) for v in row.values()) + " |")
-    out = Path(args.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(
-        json.dumps(
-            {"params": params, "layers": args.layers, "hidden": args.hidden, "rows": rows}, indent=1
-        )
-    )
+    print(common.md_table(list(rows[0]), [list(row.values()) for row in rows]))
+    out = {"params": params, "layers": args.layers, "hidden": args.hidden, "rows": rows}
+    common.write_json(args.json, out)
     return 0
 
 

@@ -18,6 +18,8 @@ from collections import defaultdict
 from typing import Any, Callable
 
 import bench_systems as S
+import bench_workloads as W
+import common
 import torch
 
 PARTS = (
@@ -212,14 +214,8 @@ def decode_steps(
 def main_decode(args: Any, B: Any) -> int:
     """``bench.py --profile-decode NxL``: the decode step at N running sequences of ~L tokens, the
     torch path and the CPU kernel alternating (--repeat rounds), attention's share of step time."""
-    import json
-    from pathlib import Path
-
     n, ctx = (int(x) for x in args.profile_decode.lower().split("x"))
-    dtype_name = args.dtypes[-1]
-    _, model, special, _ = B.load_models(args.smoke, B.DTYPES[dtype_name])
-    vocab = model.config.get_text_config().vocab_size
-    pool = [t for t in range(vocab) if t not in special]
+    dtype_name, model, pool = engine_model(args, B)
     rows = []
     for rep in range(args.repeat):
         for backend in ("torch", "auto"):
@@ -249,32 +245,26 @@ def main_decode(args: Any, B: Any) -> int:
             f"  attention share: {med['cpu']['share']['attention'] / med['torch']['share']['attention']:.2f} of the "
             f"torch path's; step time {med['torch']['mean_step_ms'] / med['cpu']['mean_step_ms']:.2f}x faster"
         )
-    out = (
-        Path(args.out)
-        if args.out
-        else B.HERE / "results" / f"decode-step-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    )
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1, default=str))
-    print(f"JSON: {out}")
+    common.write_json(args.out or common.stamped("decode-step"), report)
     return 0
 
 
-def main(args: Any, B: Any, engine_cfg: dict) -> int:
-    """B: the bench module (its model loading, workloads and paths)."""
-    import json
-    from pathlib import Path
+def engine_model(args: Any, B: Any) -> tuple[str, Any, list[int]]:
+    """(dtype name, the model paged_hf patches, the ids prompts draw from); the dtype is the last
+    of --dtypes (bf16 unless told otherwise)."""
+    dtype_name = args.dtypes[-1]
+    _, model, special, _ = B.load_models(args.smoke, B.DTYPES[dtype_name])
+    return dtype_name, model, W.allowed_ids(model.config.get_text_config().vocab_size, special)
 
+
+def main(args: Any, B: Any, engine_cfg: dict) -> int:
+    """B: the bench module (its model loading and workloads)."""
     from paged_hf import Engine
 
-    dtype_name = args.dtypes[-1]  # bf16 unless told otherwise
-    dtype = B.DTYPES[dtype_name]
-    _, model, special, _ = B.load_models(args.smoke, dtype)
-    vocab = model.config.get_text_config().vocab_size
-    pool = [t for t in range(vocab) if t not in special]
+    dtype_name, model, pool = engine_model(args, B)
     args.workloads = [args.profile_workload]
     w = B.build_workloads(args, pool)[0]
-    warm = B.warm_workload(pool)
+    warm = W.warm(pool)
     print(
         f"profiling paged_hf on {w.name}, {dtype_name}, {args.threads} threads, engine {engine_cfg or 'defaults'}"
     )
@@ -282,27 +272,20 @@ def main(args: Any, B: Any, engine_cfg: dict) -> int:
     engine = Engine(model, **engine_cfg)
     S.run_paged(engine, warm, tag="warm")
     timer = timed_run(engine, w)
-    all_steps = summarise(timer.steps)
-    many = [
-        s for s in timer.steps if s["running"] >= min(64, max(x["running"] for x in timer.steps))
-    ]
-    decode = [s for s in timer.steps if s["decode_only"]]
-    report = {
-        "workload": w.name,
-        "dtype": dtype_name,
-        "all_steps": all_steps,
-        "steps_with_max_running": summarise(many),
-        "decode_only_steps": summarise(decode),
-        "per_step": timer.steps,
+    most = min(64, max(x["running"] for x in timer.steps))
+    parts = {
+        "all_steps": ("all steps", timer.steps),
+        "steps_with_max_running": (
+            f"steps with >= {most} running",
+            [s for s in timer.steps if s["running"] >= most],
+        ),
+        "decode_only_steps": ("pure decode steps", [s for s in timer.steps if s["decode_only"]]),
     }
-    print(format_summary("all steps", all_steps))
-    print(
-        format_summary(
-            f"steps with >= {min(64, max(x['running'] for x in timer.steps))} running",
-            report["steps_with_max_running"],
-        )
-    )
-    print(format_summary("pure decode steps", report["decode_only_steps"]))
+    report = {"workload": w.name, "dtype": dtype_name}
+    for key, (title, steps) in parts.items():
+        report[key] = summarise(steps)
+        print(format_summary(title, report[key]))
+    report["per_step"] = timer.steps
     del engine
 
     engine = Engine(model, **engine_cfg)
@@ -326,12 +309,5 @@ def main(args: Any, B: Any, engine_cfg: dict) -> int:
         print("\nthe same, by input shapes:")
         print(by_shape)
         report["profiler_table_by_shape"] = by_shape
-    out = (
-        Path(args.out)
-        if args.out
-        else B.HERE / "results" / f"profile-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    )
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1, default=str))
-    print(f"JSON: {out}")
+    common.write_json(args.out or common.stamped("profile"), report)
     return 0

@@ -20,11 +20,18 @@ A token's time is when the step that produced it returned.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import json
+import os
+import subprocess
+import tempfile
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+import common
 import torch
 from bench_workloads import Workload
 
@@ -114,17 +121,11 @@ def _hf_generate(
     return new, clock.times, width
 
 
-def _arrival_order(w: Workload) -> list[int]:
-    return [i for i, r in enumerate(w.requests) if not r.late] + [
-        i for i, r in enumerate(w.requests) if r.late
-    ]
-
-
 def run_hf_static(model: torch.nn.Module, w: Workload, batch_size: int, pad_id: int) -> RunResult:
     n = len(w.requests)
     tokens: list[list[int]] = [[] for _ in range(n)]
     times: list[list[float]] = [[] for _ in range(n)]
-    order = _arrival_order(w)
+    order = w.arrival_order
     counter = ForwardCounter(model)
     slots = used = 0
     t0 = time.perf_counter()
@@ -142,19 +143,13 @@ def run_hf_static(model: torch.nn.Module, w: Workload, batch_size: int, pad_id: 
         t1 = time.perf_counter()
     finally:
         counter.close()
+    extra = {
+        "kv_waste": 1 - used / slots,
+        "prefix_hit_rate": 0.0,
+        "kv_waste_note": "unused share of KV slots at batch end (padding, finished rows)",
+    }
     return RunResult(
-        tokens,
-        [t0] * n,
-        times,
-        t0,
-        t1,
-        counter.tokens,
-        forward_sizes=counter.sizes,
-        extra={
-            "kv_waste": 1 - used / slots,
-            "prefix_hit_rate": 0.0,
-            "kv_waste_note": "unused share of KV slots at batch end (padding, finished rows)",
-        },
+        tokens, [t0] * n, times, t0, t1, counter.tokens, forward_sizes=counter.sizes, extra=extra
     )
 
 
@@ -256,21 +251,15 @@ def run_hf_cb(model: torch.nn.Module, w: Workload) -> RunResult:
         counter.close()
     tokens = [list(results[i].generated_tokens) for i in range(n)]
     times = [list(results[i].timestamps) for i in range(n)]
+    extra = {
+        "kv_waste": None,
+        "prefix_hit_rate": None,
+        "setup_s": setup_s,
+        "cb_num_blocks": cb_config.num_blocks,
+        "cb_page_size": page,
+    }
     return RunResult(
-        tokens,
-        arrival,
-        times,
-        t0,
-        t1,
-        counter.tokens,
-        forward_sizes=counter.sizes,
-        extra={
-            "kv_waste": None,
-            "prefix_hit_rate": None,
-            "setup_s": setup_s,
-            "cb_num_blocks": cb_config.num_blocks,
-            "cb_page_size": page,
-        },
+        tokens, arrival, times, t0, t1, counter.tokens, forward_sizes=counter.sizes, extra=extra
     )
 
 
@@ -340,38 +329,25 @@ def run_paged(engine: Any, w: Workload, tag: str = "b") -> RunResult:
     # released, as a caller of the engine does: a kept engine runs again (bench.kept_engine)
     for req in reqs.values():
         engine.collect([req])
+    extra = {
+        "kv_waste": sum(s["kv_waste"] for s in steps) / len(steps) if steps else 0.0,
+        "kv_waste_note": "mean over steps of unfilled slots in allocated blocks",
+        "prefix_hit_rate": hits / prompt if prompt else 0.0,
+        "prefix_hit_tokens": hits,
+        "prefill_tokens_computed": after["prefill_tokens_computed"]
+        - before["prefill_tokens_computed"],
+        "preemptions": after["preemptions"] - before["preemptions"],
+        "steps": len(steps),
+        "peak_blocks_used": after["peak_blocks_used"],
+        "num_blocks": after["num_blocks"],
+        "block_size": after["block_size"],
+        "backend": after["backend"],
+        "step_tokens_p50": common.pct([s["tokens"] for s in steps], 50),
+        "step_running_max": max((s["running"] for s in steps), default=0),
+    }
     return RunResult(
-        tokens,
-        arrival,
-        times,
-        t0,
-        t1,
-        counter.tokens,
-        forward_sizes=counter.sizes,
-        extra={
-            "kv_waste": sum(s["kv_waste"] for s in steps) / len(steps) if steps else 0.0,
-            "kv_waste_note": "mean over steps of unfilled slots in allocated blocks",
-            "prefix_hit_rate": hits / prompt if prompt else 0.0,
-            "prefix_hit_tokens": hits,
-            "prefill_tokens_computed": after["prefill_tokens_computed"]
-            - before["prefill_tokens_computed"],
-            "preemptions": after["preemptions"] - before["preemptions"],
-            "steps": len(steps),
-            "peak_blocks_used": after["peak_blocks_used"],
-            "num_blocks": after["num_blocks"],
-            "block_size": after["block_size"],
-            "backend": after["backend"],
-            "step_tokens_p50": _median([s["tokens"] for s in steps]),
-            "step_running_max": max((s["running"] for s in steps), default=0),
-        },
+        tokens, arrival, times, t0, t1, counter.tokens, forward_sizes=counter.sizes, extra=extra
     )
-
-
-def _median(xs: list[float]) -> float | None:
-    if not xs:
-        return None
-    s = sorted(xs)
-    return s[len(s) // 2]
 
 
 def set_malloc(tuned: bool) -> str:
@@ -414,13 +390,7 @@ class VllmCpu:
     ) -> None:
         """``worker``: the script under peers/ (bench_goodput.py's replays a trace);
         ``load_options``: more fields of its load command."""
-        import os
-        import subprocess
-        import tempfile
-        from pathlib import Path
-
         self.model_dir = save_plain_hf(model, dtype)
-        here = Path(__file__).resolve().parent
         env = {
             **os.environ,
             "OMP_NUM_THREADS": str(threads),
@@ -439,15 +409,13 @@ class VllmCpu:
             "w+", prefix="vllm_cpu-", suffix=".log", delete=False
         )
         self.proc = subprocess.Popen(
-            [str(python), str(here / "peers" / worker)],
+            [str(python), str(common.HERE / "peers" / worker)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self.log,
             text=True,
             env=env,
         )
-        import atexit
-
         # a failed run still ends the worker (it also ends on stdin EOF)
         atexit.register(self.close)
         self.info = {
@@ -465,8 +433,6 @@ class VllmCpu:
         }
 
     def _ask(self, cmd: dict) -> dict:
-        import json
-
         self.proc.stdin.write(json.dumps(cmd) + "\n")
         self.proc.stdin.flush()
         line = self.proc.stdout.readline()
@@ -517,12 +483,12 @@ class VllmCpu:
 
 def save_plain_hf(model: torch.nn.Module, dtype: torch.dtype) -> Any:
     """The model's weights as a plain HF directory in ``dtype`` (cached beside paged_hf's model cache)."""
-    import os
-    from pathlib import Path
-
-    root = Path(os.environ.get("PAGED_HF_CACHE") or Path("~/.cache/paged_hf")).expanduser()
     name = getattr(model.config, "_name_or_path", "") or "model"
-    out = root / "peers" / f"{Path(str(name)).name or 'model'}-{str(dtype).split('.')[-1]}"
+    out = (
+        common.cache_dir()
+        / "peers"
+        / f"{Path(str(name)).name or 'model'}-{str(dtype).split('.')[-1]}"
+    )
     if not (out / "config.json").exists() or not any(out.glob("*.safetensors")):
         out.mkdir(parents=True, exist_ok=True)
         assert next(model.parameters()).dtype == dtype, "save the copy that runs in this dtype"

@@ -19,19 +19,14 @@ SmolLM2-135M-Instruct real weights, bf16 (``--dtype fp32``: fp32). Prints a tabl
 
 from __future__ import annotations
 
-import argparse
 import datetime
-import json
 import statistics
 import sys
-from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+import common
+import omp_env
 
-import omp_env  # noqa: E402  (before torch: OpenMP reads its wait policy when libgomp loads)
-
-OMP_WAIT_POLICY = omp_env.setup()
+OMP_WAIT_POLICY = omp_env.setup()  # before torch: OpenMP reads its wait policy when libgomp loads
 
 import bench  # noqa: E402
 import bench_systems as S  # noqa: E402
@@ -40,7 +35,6 @@ import torch  # noqa: E402
 
 import paged_hf  # noqa: E402
 import paged_hf.execution.backends.torch_backend as torch_backend  # noqa: E402
-from paged_hf.model.default_model import load_default_model  # noqa: E402
 
 VARIANTS = {
     "one decode group": dict(group_padding=1 << 60, config={}),
@@ -52,30 +46,15 @@ VARIANTS = {
 }
 DEFAULT_VARIANTS = tuple(VARIANTS)
 # more, by name (--variants): the default engine but for one option
-for _name, _cfg in {
-    "packed weights off": {"cpu_packed_weights": False},
-    "fused projections off": {"cpu_fused_projections": False},
-    "fused ops off": {"cpu_fused_ops": False},
-    "compact layers off": {"cpu_compact_layers": False},
-    "prefill cap 64": {"max_prefill_tokens_while_decoding": 64},
-    "prefill cap 128": {"max_prefill_tokens_while_decoding": 128},
-    "prefill cap 256": {"max_prefill_tokens_while_decoding": 256},
-    "budget 256": {"max_num_batched_tokens": 256},
-    "budget 1024": {"max_num_batched_tokens": 1024},
-    "budget 2048": {"max_num_batched_tokens": 2048},
-    "budget 2048 no cap": {
-        "max_num_batched_tokens": 2048,
-        "max_prefill_tokens_while_decoding": None,
-    },
-    "budget 4096 no cap": {
-        "max_num_batched_tokens": 4096,
-        "max_prefill_tokens_while_decoding": None,
-    },
-    "budget 1024 no cap": {
-        "max_num_batched_tokens": 1024,
-        "max_prefill_tokens_while_decoding": None,
-    },
-}.items():
+MORE = {
+    f"{k} off": {f"cpu_{k.replace(' ', '_')}": False}
+    for k in ("packed weights", "fused projections", "fused ops", "compact layers")
+}
+MORE |= {f"prefill cap {n}": {"max_prefill_tokens_while_decoding": n} for n in (64, 128, 256)}
+MORE |= {f"budget {n}": {"max_num_batched_tokens": n} for n in (256, 1024, 2048)}
+NO_CAP = {"max_prefill_tokens_while_decoding": None}
+MORE |= {f"budget {n} no cap": {"max_num_batched_tokens": n, **NO_CAP} for n in (2048, 4096, 1024)}
+for _name, _cfg in MORE.items():
     VARIANTS[_name] = dict(group_padding=torch_backend.GROUP_PADDING_TOKENS, config=_cfg)
 
 
@@ -97,9 +76,7 @@ def run_once(model, workload: W.Workload, warm: W.Workload, variant: dict) -> di
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    ap = common.parser(__doc__)
     ap.add_argument(
         "--workloads",
         default="mixed,prefix,long",
@@ -115,29 +92,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--scale", type=float, default=1.0, help="shrink W-prefix and W-long, as bench.py --scale"
     )
-    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    common.add_threads(ap, help="torch threads (default: all cores)")
     ap.add_argument(
         "--dtype", choices=("bf16", "fp32"), default="bf16", help="the model's dtype (default bf16)"
     )
-    ap.add_argument(
-        "--omp-wait-policy", choices=omp_env.CHOICES, default="auto", help="see omp_env.py"
-    )
-    ap.add_argument(
-        "--out", default=None, help="JSON path (default benchmarks/results/variants-<date>.json)"
-    )
-    args = ap.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    common.add_omp(ap)
+    ap.add_argument("--out", help="JSON path (default benchmarks/results/variants-<date>.json)")
+    args = common.parse(ap, argv)
 
-    model, tokenizer = load_default_model(torch.bfloat16 if args.dtype == "bf16" else torch.float32)
-    special = set(tokenizer.all_special_ids) | set(
-        getattr(tokenizer, "added_tokens_decoder", {}) or {}
-    )
-    pool = W.allowed_ids(model.config.vocab_size, special)
+    model, tokenizer = common.default_model(args.dtype)
+    pool = W.allowed_ids(model.config.vocab_size, common.special_ids(tokenizer))
     workloads = W.build(
         args.workloads.split(","), pool, mixed_n=max(4, round(64 * args.scale)), scale=args.scale
     )
-    warm = bench.warm_workload(pool)
+    warm = W.warm(pool)
     chosen = [v.strip() for v in args.variants.split(";" if ";" in args.variants else ",")]
     unknown = [v for v in chosen if v not in VARIANTS]
     if unknown:
@@ -148,10 +116,8 @@ def main(argv: list[str] | None = None) -> int:
             for name in chosen:
                 m = run_once(model, w, warm, VARIANTS[name])
                 runs[(w.name, name)].append(m)
-                print(
-                    f"[round {r + 1}/{args.rounds}] {w.name} {name}: {m['out_tok_s']:.1f} out tok/s",
-                    file=sys.stderr,
-                    flush=True,
+                common.log(
+                    f"[round {r + 1}/{args.rounds}] {w.name} {name}: {m['out_tok_s']:.1f} out tok/s"
                 )
 
     rows = []
@@ -161,49 +127,29 @@ def main(argv: list[str] | None = None) -> int:
             ms = runs[(w.name, name)]
             tok_s = statistics.median(m["out_tok_s"] for m in ms)
             base = base or tok_s
-            p50 = statistics.median(m["itl_p50"] for m in ms)
-            p99 = statistics.median(m["itl_p99"] for m in ms)
-            rows.append(
-                {
-                    "workload": w.name,
-                    "variant": name,
-                    "out_tok_s": tok_s,
-                    "ratio": tok_s / base,
-                    "itl_p50_ms": p50 * 1e3,
-                    "itl_p99_ms": p99 * 1e3,
-                    "runs": ms,
-                }
-            )
+            itl = {
+                f"itl_{q}_ms": 1e3 * statistics.median(m[f"itl_{q}"] for m in ms)
+                for q in ("p50", "p99")
+            }
+            row = {"workload": w.name, "variant": name, "out_tok_s": tok_s, "ratio": tok_s / base}
+            rows.append({**row, **itl, "runs": ms})
     print(
         f"\n## paged_hf variants, SmolLM2-135M {args.dtype}, {torch.get_num_threads()} threads, "
         f"median of {args.rounds} interleaved rounds, OpenMP wait policy {OMP_WAIT_POLICY}\n"
     )
-    print("| workload | variant | out tok/s | vs first | ITL p50 ms | ITL p99 ms | p99/p50 |")
-    print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
-    for row in rows:
-        print(
-            f"| {row['workload']} | {row['variant']} | {row['out_tok_s']:.0f} | {row['ratio']:.2f}x | "
-            f"{row['itl_p50_ms']:.0f} | {row['itl_p99_ms']:.0f} | {row['itl_p99_ms'] / row['itl_p50_ms']:.1f} |"
-        )
-    out = (
-        Path(args.out)
-        if args.out
-        else HERE / "results" / f"variants-{datetime.date.today().isoformat()}.json"
-    )
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(
-        json.dumps(
-            {
-                "date": datetime.date.today().isoformat(),
-                "threads": torch.get_num_threads(),
-                "dtype": args.dtype,
-                "rounds": args.rounds,
-                "rows": rows,
-            },
-            indent=2,
-        )
-    )
-    print(f"\nJSON: {out}")
+    cells = [
+        [r["workload"], r["variant"], f"{r['out_tok_s']:.0f}", f"{r['ratio']:.2f}x"]
+        + [f"{r['itl_p50_ms']:.0f}", f"{r['itl_p99_ms']:.0f}"]
+        + [f"{r['itl_p99_ms'] / r['itl_p50_ms']:.1f}"]
+        for r in rows
+    ]
+    head = ["workload", "variant", "out tok/s", "vs first", "ITL p50 ms", "ITL p99 ms", "p99/p50"]
+    print(common.md_table(head, cells, ["---"] * 2 + ["---:"] * 5))
+    print()
+    today = datetime.date.today().isoformat()
+    out = {"date": today, "threads": torch.get_num_threads(), "dtype": args.dtype}
+    out.update(rounds=args.rounds, rows=rows)
+    common.write_json(args.out or common.stamped("variants"), out)
     return 0
 
 
