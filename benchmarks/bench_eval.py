@@ -24,68 +24,39 @@ the choices. Writes everything to ``--out`` as JSON. No assertion on time anywhe
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import platform
-import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+import common
 import torch
-
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument(
-        "--model",
-        default="default",
-        help="checkpoint directory, or 'default' (SmolLM2-135M-Instruct)",
-    )
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument(
-        "--n-mc", type=int, default=200, help="multiple-choice questions (4 choices each)"
-    )
-    parser.add_argument("--n-gen", type=int, default=100, help="generate_until prompts")
-    parser.add_argument(
-        "--rounds", type=int, default=3, help="interleaved rounds per system; medians are reported"
-    )
-    parser.add_argument(
-        "--batch-size", type=int, default=16, help="lm-eval's --batch_size for --model hf"
-    )
-    parser.add_argument(
+    p = common.parser(__doc__)
+    p.add_argument("--model", default="default", help="checkpoint, or 'default' (SmolLM2-135M)")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--n-mc", type=int, default=200, help="multiple-choice questions (4 choices)")
+    p.add_argument("--n-gen", type=int, default=100, help="generate_until prompts")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds; medians reported")
+    p.add_argument("--batch-size", type=int, default=16, help="lm-eval's --batch_size, --model hf")
+    p.add_argument(
         "--paged-batch-size",
         default="auto",
         help="lm-eval's --batch_size for --model paged_hf "
         "(auto: the engine's max_num_seqs; an integer caps the sequences running at once)",
     )
-    parser.add_argument(
-        "--threads", type=int, default=None, help="torch threads (default: torch's)"
-    )
-    parser.add_argument(
-        "--paged-args",
-        default="",
-        help="extra model_args for paged_hf, e.g. max_num_batched_tokens=1024",
-    )
-    parser.add_argument(
-        "--tasks-dir", default=None, help="where to write the tasks (default: a temp dir)"
-    )
-    parser.add_argument(
-        "--out",
-        default=None,
-        help="JSON path (default benchmarks/results/eval-<date-time>.json, as bench.py)",
-    )
-    parser.add_argument("--quick", action="store_true", help="20 questions, 10 prompts, one round")
-    args = parser.parse_args(argv)
+    common.add_threads(p, help="torch threads (default: torch's)")
+    p.add_argument("--paged-args", default="", help="more model_args for paged_hf: k=v,k=v")
+    p.add_argument("--tasks-dir", help="where to write the tasks (default: a temp dir)")
+    p.add_argument("--out", help="JSON path (default benchmarks/results/eval-<date-time>.json)")
+    p.add_argument("--quick", action="store_true", help="20 questions, 10 prompts, one round")
+    args = common.parse(p, argv)
     if args.quick:
         args.n_mc, args.n_gen, args.rounds = 20, 10, 1
-    if args.threads:
-        torch.set_num_threads(args.threads)
 
     import lm_eval
     from eval_tasks import write_tasks
@@ -153,10 +124,10 @@ def main(argv: list[str] | None = None) -> int:
         row = {
             "task": task,
             "times_s": times,
-            "median_s": {s: statistics.median(t) for s, t in times.items()},
+            "median_s": common.medians(times),
             "cpu_s": cpu,
-            "median_cpu_s": {s: statistics.median(t) for s, t in cpu.items()},
-            "metrics": {s: _metrics(results[s], task) for s in systems},
+            "median_cpu_s": common.medians(cpu),
+            "metrics": {s: common.eval_metrics(results[s], task) for s in systems},
             "prefill_tokens": prefill,
         }
         row["speedup"] = row["median_s"]["hf"] / row["median_s"]["paged_hf"]
@@ -186,14 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         "rows": rows,
     }
-    path = (
-        Path(args.out)
-        if args.out
-        else HERE / "results" / f"eval-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    )
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=2, default=str))
-    print(f"wrote {path}")
+    common.write_json(args.out or common.stamped("eval"), out)
     return 0
 
 
@@ -230,14 +194,6 @@ def _count_hf_tokens(hf) -> list[int]:
     return counter
 
 
-def _metrics(result: dict, task: str) -> dict:
-    return {
-        k.split(",")[0]: float(v)
-        for k, v in result["results"][task].items()
-        if "," in k and "stderr" not in k
-    }
-
-
 def _mc_reference(result: dict, paged) -> dict:
     """Token counts of the multiple-choice requests, as lm-eval tokenized them."""
     per_choice = per_question = 0
@@ -259,24 +215,24 @@ def _mc_reference(result: dict, paged) -> dict:
 
 
 def _print_table(rows: list[dict], args) -> None:
-    print()
-    print(
-        f"| task | lm-eval --model hf (batch {args.batch_size}) | --model paged_hf (batch {args.paged_batch_size}) "
-        f"| speedup | CPU time hf / paged_hf | metrics hf / paged_hf |"
-    )
-    print("| --- | --- | --- | --- | --- | --- |")
+    head = ["task", f"lm-eval --model hf (batch {args.batch_size})"]
+    head += [f"--model paged_hf (batch {args.paged_batch_size})", "speedup"]
+    head += ["CPU time hf / paged_hf", "metrics hf / paged_hf"]
     names = {
         "phf_mc": f"multiple choice, {args.n_mc} x 4 (loglikelihood)",
         "phf_gen": f"generate_until, {args.n_gen} 5-shot prompts",
     }
+    cells = []
     for row in rows:
-        m = row["metrics"]
+        m, wall, cpu = row["metrics"], row["median_s"], row["median_cpu_s"]
+        cpu_s = f"{cpu['hf']:.0f} s / {cpu['paged_hf']:.0f} s ({row['cpu_ratio']:.1f}x)"
         metrics = ", ".join(f"{k} {m['hf'][k]:.3f} / {m['paged_hf'][k]:.3f}" for k in m["hf"])
-        print(
-            f"| {names[row['task']]} | {row['median_s']['hf']:.1f} s | {row['median_s']['paged_hf']:.1f} s | "
-            f"{row['speedup']:.1f}x | {row['median_cpu_s']['hf']:.0f} s / {row['median_cpu_s']['paged_hf']:.0f} s "
-            f"({row['cpu_ratio']:.1f}x) | {metrics} |"
+        cells.append(
+            [names[row["task"]], f"{wall['hf']:.1f} s", f"{wall['paged_hf']:.1f} s"]
+            + [f"{row['speedup']:.1f}x", cpu_s, metrics]
         )
+    print()
+    print(common.md_table(head, cells))
     mc = next(r for r in rows if r["task"] == "phf_mc")
     ref = mc["reference_tokens"]
     print()

@@ -23,20 +23,16 @@ A table to stdout, everything to ``--out`` as JSON. No assertion on time anywher
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import platform
-import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+import common
 import torch
-
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
 
 
 def _prompts(n: int) -> list[str]:
@@ -97,7 +93,7 @@ def bench_calls(model, patched, tok, n_calls: int, rounds: int) -> dict:
                 f"  {name}: {times[name][-1]:.1f} s, {new} new tokens, {steps[name]} engine steps",
                 flush=True,
             )
-    median = {s: statistics.median(t) for s, t in times.items()}
+    median = common.medians(times)
     plain_step = median["paged_hf"] / steps["paged_hf"]
     rows = []
     for name in systems:
@@ -146,7 +142,7 @@ def bench_beams(model, patched, tok, n_prompts: int, rounds: int) -> dict:
     longest = outs["paged_hf"].shape[1] - batch.input_ids.shape[1]
     bs = stats["block_size"]
     one_copy_per_beam = sum(4 * -(-(n + longest) // bs) for n in lengths)
-    median = {s: statistics.median(t) for s, t in times.items()}
+    median = common.medians(times)
     same = sum(torch.equal(a, b) for a, b in zip(outs["paged_hf"], outs["transformers"]))
     return {
         "prompts": n_prompts,
@@ -186,13 +182,9 @@ def bench_lm_eval(model, patched, tok, n_gen: int, rounds: int) -> dict:
             )
             times[name].append(time.perf_counter() - start)
             torch.set_num_threads(threads)
-            metrics[name] = {
-                k.split(",")[0]: float(v)
-                for k, v in res["results"]["phf_gen"].items()
-                if "," in k and "stderr" not in k
-            }
+            metrics[name] = common.eval_metrics(res, "phf_gen")
             print(f"  {name}: {times[name][-1]:.1f} s {metrics[name]}", flush=True)
-    median = {s: statistics.median(t) for s, t in times.items()}
+    median = common.medians(times)
     return {
         "prompts": n_gen,
         "median_s": median,
@@ -203,81 +195,54 @@ def bench_lm_eval(model, patched, tok, n_gen: int, rounds: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--calls", type=int, default=64)
-    parser.add_argument("--n-gen", type=int, default=100)
-    parser.add_argument("--beam-prompts", type=int, default=32)
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--quick", action="store_true", help="16 calls, 20 prompts, one round")
-    parser.add_argument(
-        "--out", default=None, help="JSON path (default benchmarks/results/calls-<date-time>.json)"
-    )
-    args = parser.parse_args(argv)
+    p = common.parser(__doc__)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--calls", type=int, default=64)
+    p.add_argument("--n-gen", type=int, default=100)
+    p.add_argument("--beam-prompts", type=int, default=32)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--quick", action="store_true", help="16 calls, 20 prompts, one round")
+    p.add_argument("--out", help="JSON path (default benchmarks/results/calls-<date-time>.json)")
+    args = p.parse_args(argv)
     if args.quick:
         args.calls, args.n_gen, args.beam_prompts, args.rounds = 16, 20, 8, 1
 
     import paged_hf
-    from paged_hf.model.default_model import load_default_model
 
-    model, tok = load_default_model(dtype=getattr(torch, args.dtype))
+    model, tok = common.default_model(args.dtype)
     patched = paged_hf.patch(copy.deepcopy(model))
     print(f"SmolLM2-135M ({args.dtype}), {torch.get_num_threads()} threads", flush=True)
     calls = bench_calls(model, patched, tok, args.calls, args.rounds)
     beams = bench_beams(model, patched, tok, args.beam_prompts, args.rounds)
     evaluation = bench_lm_eval(model, patched, tok, args.n_gen, args.rounds)
 
-    print(
-        f"\n| {calls['calls']} generate calls x {calls['batch']} prompts | median s | new tokens | out tok/s "
-        "| engine steps | ms per step (over plain) | vs transformers + criteria |"
-    )
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    head = [f"{calls['calls']} generate calls x {calls['batch']} prompts", "median s"]
+    head += ["new tokens", "out tok/s", "engine steps", "ms per step (over plain)"]
+    cells = []
     for r in calls["rows"]:
-        step = (
-            ""
-            if r["ms_per_step"] is None
-            else f"{r['ms_per_step']:.1f} ({r['extra_ms_per_step']:+.1f})"
+        extra = r["extra_ms_per_step"]
+        step = "" if extra is None else f"{r['ms_per_step']:.1f} ({extra:+.1f})"
+        cells.append(
+            [r["system"], f"{r['median_s']:.1f}", r["new_tokens"], f"{r['out_tok_s']:.0f}"]
         )
-        print(
-            f"| {r['system']} | {r['median_s']:.1f} | {r['new_tokens']} | {r['out_tok_s']:.0f} | {r['engine_steps']} "
-            f"| {step} | {r['speedup_vs_transformers']:.2f}x |"
-        )
-    print(
-        f"\n| beam search, {beams['prompts']} prompts x 4 beams | transformers | paged_hf | speedup | same sequences "
-        "| KV blocks at peak (one copy per beam would take) |"
-    )
-    print("| --- | --- | --- | --- | --- | --- |")
-    print(
-        f"| one generate call | {beams['median_s']['transformers']:.1f} s | {beams['median_s']['paged_hf']:.1f} s "
-        f"| {beams['speedup']:.2f}x | {beams['same_sequences']} | {beams['peak_blocks_used']} "
-        f"({beams['blocks_one_copy_per_beam']}; {beams['peak_blocks_shared']} references shared) |"
-    )
-    print(
-        f"\n| lm-eval HFLM on a model object, generate_until, {evaluation['prompts']} prompts | median s | metrics |"
-    )
-    print("| --- | --- | --- |")
-    for name, s in evaluation["median_s"].items():
-        print(f"| {name} | {s:.1f} | {evaluation['metrics'][name]} |")
+        cells[-1] += [r["engine_steps"], step, f"{r['speedup_vs_transformers']:.2f}x"]
+    print("\n" + common.md_table(head + ["vs transformers + criteria"], cells))
+    b, wall = beams, beams["median_s"]
+    head = [f"beam search, {b['prompts']} prompts x 4 beams", "transformers", "paged_hf"]
+    head += ["speedup", "same sequences", "KV blocks at peak (one copy per beam would take)"]
+    blocks = f"{b['peak_blocks_used']} ({b['blocks_one_copy_per_beam']}; "
+    blocks += f"{b['peak_blocks_shared']} references shared)"
+    cells = [["one generate call", f"{wall['transformers']:.1f} s", f"{wall['paged_hf']:.1f} s"]]
+    cells[0] += [f"{b['speedup']:.2f}x", b["same_sequences"], blocks]
+    print("\n" + common.md_table(head, cells))
+    head = [f"lm-eval HFLM on a model object, generate_until, {evaluation['prompts']} prompts"]
+    cells = [[n, f"{s:.1f}", evaluation["metrics"][n]] for n, s in evaluation["median_s"].items()]
+    print("\n" + common.md_table(head + ["median s", "metrics"], cells))
     print(f"speedup: {evaluation['speedup']:.2f}x")
-    out = {
-        "config": {
-            "dtype": args.dtype,
-            "threads": torch.get_num_threads(),
-            "machine": platform.processor(),
-            "date": time.strftime("%Y-%m-%d %H:%M"),
-        },
-        "calls": calls,
-        "beams": beams,
-        "lm_eval": evaluation,
-    }
-    path = (
-        Path(args.out)
-        if args.out
-        else HERE / "results" / f"calls-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    )
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=2, default=str))
-    print(f"wrote {path}")
+    config = {"dtype": args.dtype, "threads": torch.get_num_threads()}
+    config.update(machine=platform.processor(), date=time.strftime("%Y-%m-%d %H:%M"))
+    out = {"config": config, "calls": calls, "beams": beams, "lm_eval": evaluation}
+    common.write_json(args.out or common.stamped("calls"), out)
     return 0
 
 

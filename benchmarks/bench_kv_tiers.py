@@ -35,15 +35,14 @@ import tempfile
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+import common
 
 
 def eval_worker(args) -> dict:
     t0 = time.perf_counter()
     import lm_eval
     import torch
-    from bench_eval import _metrics, _model_dir
+    from bench_eval import _model_dir
     from lm_eval.tasks import TaskManager
 
     from paged_hf.integrations.lm_eval import PagedHFLM
@@ -68,21 +67,18 @@ def eval_worker(args) -> dict:
         "eval_s": wall,
         "import_s": t1 - t0,
         "load_s": t2 - t1,
-        "metrics": _metrics(res, "phf_gen_shots"),
+        "metrics": common.eval_metrics(res, "phf_gen_shots"),
         "outputs": outputs,
         **_engine(lm.engine),
     }
 
 
 def document_worker(args) -> dict:
-    import torch
-
     import paged_hf
     from paged_hf import SamplingParams
-    from paged_hf.model.default_model import load_default_model
 
-    torch.set_num_threads(args.threads)
-    model, tok = load_default_model(dtype=getattr(torch, args.dtype))
+    common.set_threads(args.threads)
+    model, tok = common.default_model(args.dtype)
     engine = paged_hf.Engine(model, tok, kv_cache_dir=args.kv_dir, max_model_len=8192)
     document = _document(tok, args.doc_tokens)
     ttfts, answers = [], []
@@ -109,14 +105,11 @@ def host_worker(args) -> dict:
     them all; one process, the two engines in turn."""
     import random
 
-    import torch
-
     import paged_hf
     from paged_hf import SamplingParams
-    from paged_hf.model.default_model import load_default_model
 
-    torch.set_num_threads(args.threads)
-    model, tok = load_default_model(dtype=getattr(torch, args.dtype))
+    common.set_threads(args.threads)
+    model, tok = common.default_model(args.dtype)
     rng = random.Random(0)
     vocab = [t for t in range(1000, 30000) if t not in set(tok.all_special_ids)]
     prompts = [[rng.choice(vocab) for _ in range(1024)] for _ in range(3 * args.pool_prompts)]
@@ -205,13 +198,13 @@ def run_worker(kind: str, kv_dir: str | None, args) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = common.parser(__doc__)
     p.add_argument("--scenarios", default="eval,document,host")
     p.add_argument("--pool-prompts", type=int, default=8, help="host: prompts the pool holds")
     p.add_argument("--n-gen", type=int, default=100, help="eval: prompts")
     p.add_argument("--questions", type=int, default=32, help="document: questions")
     p.add_argument("--doc-tokens", type=int, default=4000)
-    p.add_argument("--threads", type=int, default=2)
+    common.add_threads(p, default=2)
     p.add_argument("--dtype", default="bfloat16", help="bfloat16 or float32")
     p.add_argument(
         "--batch-invariant",
@@ -225,8 +218,8 @@ def main(argv=None) -> int:
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--kv-dir", help=argparse.SUPPRESS)
     p.add_argument("--tasks-dir", help=argparse.SUPPRESS)
-    p.add_argument("--out", default=str(HERE / "results"))
-    args = p.parse_args(argv)
+    p.add_argument("--out", default=str(common.RESULTS), help="the JSON's folder")
+    args = p.parse_args(argv)  # the eval worker times its imports, torch's among them
     if args.worker:
         workers = {"eval": eval_worker, "document": document_worker, "host": host_worker}
         row = workers[args.worker](args)
@@ -255,11 +248,7 @@ def main(argv=None) -> int:
     for row in rows:
         print(_line(row))
     _summary(rows)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"kv_tiers-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    path.write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
-    print(f"JSON: {path}")
+    common.write_json(common.stamped("kv_tiers", args.out), {"args": vars(args), "rows": rows})
     return 0
 
 

@@ -22,42 +22,10 @@ import json
 import random
 from pathlib import Path
 
-_NAMES = [
-    "Tom",
-    "Anna",
-    "Ravi",
-    "Mei",
-    "Lucas",
-    "Sofia",
-    "Omar",
-    "Ines",
-    "Kenji",
-    "Zara",
-    "Noah",
-    "Lena",
-]
-_THINGS = [
-    "apples",
-    "marbles",
-    "books",
-    "stamps",
-    "pencils",
-    "shells",
-    "coins",
-    "cards",
-    "plums",
-    "buttons",
-]
-_PLACES = [
-    "the market",
-    "school",
-    "the library",
-    "the beach",
-    "a garden",
-    "the station",
-    "a museum",
-    "the park",
-]
+_NAMES = "Tom Anna Ravi Mei Lucas Sofia Omar Ines Kenji Zara Noah Lena".split()
+_THINGS = "apples marbles books stamps pencils shells coins cards plums buttons".split()
+_PLACES = "the market|school|the library|the beach|a garden|the station|a museum|the park"
+_PLACES = _PLACES.split("|")
 _FILLER = [
     "The weather was mild and a light wind came from the sea.",
     "Nobody was in a hurry, and the streets were quiet for a Tuesday.",
@@ -93,27 +61,40 @@ def _choices(rng: random.Random, answer: int) -> tuple[list[str], int]:
     return [str(o) for o in options], options.index(answer)
 
 
+def _metrics(*metrics: str) -> str:
+    """YAML's metric list: "name aggregation higher_is_better" each."""
+    items = (m.split() for m in metrics)
+    listed = "".join(
+        f"  - metric: {m}\n    aggregation: {a}\n    higher_is_better: {h}\n" for m, a, h in items
+    )
+    return f"metric_list:\n{listed}"
+
+
 # the generation tasks' scoring: leading whitespace stripped, the first line, exact match
-_EXACT_MATCH_AFTER_STRIPPING = """filter_list:
+_EXACT_MATCH_AFTER_STRIPPING = f"""filter_list:
   - name: "strip"
     filter:
       - function: "remove_whitespace"
       - function: "take_first"
-metric_list:
-  - metric: exact_match
-    aggregation: mean
-    higher_is_better: true
-    ignore_case: true
+{_metrics("exact_match mean true")}    ignore_case: true
     ignore_punctuation: true
-metadata:
-  version: 1.0
 """
+
+
+def _task(out: Path, name: str, splits: dict[str, tuple[str, list[dict]]], body: str) -> None:
+    """Each split's rows as JSON lines in ``out``, and the task's YAML: its data files, ``body``."""
+    files = ""
+    for split, (file, rows) in splits.items():
+        _jsonl(out / file, rows)
+        files += f"\n    {split}: {(out / file).resolve()}"
+    head = f"task: {name}\ndataset_path: json\ndataset_kwargs:\n  data_files:{files}\n"
+    (out / f"{name}.yaml").write_text(f"{head}{body}metadata:\n  version: 1.0\n")
 
 
 def write_tasks(
     directory: str | Path, n_mc: int = 200, n_gen: int = 100, n_rolling: int = 20, seed: int = 0
 ) -> Path:
-    """Write the three tasks' data and YAML configs into ``directory``; returns it."""
+    """Write the tasks' data and YAML configs into ``directory``; returns it."""
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     rng = random.Random(seed)
@@ -122,34 +103,19 @@ def write_tasks(
     for _ in range(n_mc):
         passage, question, answer = _story(rng)
         choices, label = _choices(rng, answer)
-        mc.append(
-            {
-                "context": f"{passage}\nQuestion: {question}\nAnswer:",
-                "choices": choices,
-                "label": label,
-            }
-        )
-    _jsonl(out / "mc.jsonl", mc)
-    (out / "phf_mc.yaml").write_text(f"""task: phf_mc
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {(out / "mc.jsonl").resolve()}
-output_type: multiple_choice
+        context = f"{passage}\nQuestion: {question}\nAnswer:"
+        mc.append({"context": context, "choices": choices, "label": label})
+    _task(
+        out,
+        "phf_mc",
+        {"test": ("mc.jsonl", mc)},
+        f"""output_type: multiple_choice
 test_split: test
 doc_to_text: "{{{{context}}}}"
 doc_to_choice: "{{{{choices}}}}"
 doc_to_target: label
-metric_list:
-  - metric: acc
-    aggregation: mean
-    higher_is_better: true
-  - metric: acc_norm
-    aggregation: mean
-    higher_is_better: true
-metadata:
-  version: 1.0
-""")
+{_metrics("acc mean true", "acc_norm mean true")}""",
+    )
 
     def arithmetic() -> dict:
         a, b = rng.randint(1, 9), rng.randint(1, 9)
@@ -159,15 +125,13 @@ metadata:
             "answer": str(a + b if op == "plus" else a * b),
         }
 
-    _jsonl(out / "gen_train.jsonl", [arithmetic() for _ in range(20)])
-    _jsonl(out / "gen_test.jsonl", [arithmetic() for _ in range(n_gen)])
-    (out / "phf_gen.yaml").write_text(f"""task: phf_gen
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    train: {(out / "gen_train.jsonl").resolve()}
-    test: {(out / "gen_test.jsonl").resolve()}
-output_type: generate_until
+    gen = [arithmetic() for _ in range(20 + n_gen)]  # 20 to draw shots from, then the questions
+    splits = {"train": ("gen_train.jsonl", gen[:20]), "test": ("gen_test.jsonl", gen[20:])}
+    _task(
+        out,
+        "phf_gen",
+        splits,
+        f"""output_type: generate_until
 training_split: train
 fewshot_split: train
 test_split: test
@@ -182,35 +146,27 @@ generation_kwargs:
     - "Q:"
   do_sample: false
   max_gen_toks: 16
-{_EXACT_MATCH_AFTER_STRIPPING}""")
+{_EXACT_MATCH_AFTER_STRIPPING}""",
+    )
 
     stories = []
     for _ in range(n_rolling):
         parts = [_story(rng) for _ in range(rng.randint(1, 3))]
         stories.append({"text": " ".join(f"{p} {q} The answer is {a}." for p, q, a in parts)})
-    _jsonl(out / "rolling.jsonl", stories)
-    (out / "phf_rolling.yaml").write_text(f"""task: phf_rolling
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {(out / "rolling.jsonl").resolve()}
-output_type: loglikelihood_rolling
+    perplexity = ("word_perplexity", "byte_perplexity")
+    metrics = [f"{m} weighted_perplexity false" for m in perplexity] + [
+        "bits_per_byte " * 2 + "false"
+    ]
+    _task(
+        out,
+        "phf_rolling",
+        {"test": ("rolling.jsonl", stories)},
+        f"""output_type: loglikelihood_rolling
 test_split: test
 doc_to_text: ""
 doc_to_target: "{{{{text}}}}"
-metric_list:
-  - metric: word_perplexity
-    aggregation: weighted_perplexity
-    higher_is_better: false
-  - metric: byte_perplexity
-    aggregation: weighted_perplexity
-    higher_is_better: false
-  - metric: bits_per_byte
-    aggregation: bits_per_byte
-    higher_is_better: false
-metadata:
-  version: 1.0
-""")
+{_metrics(*metrics)}""",
+    )
     _write_gen_shots(out, rng, n_gen)  # last: the other tasks' data stay as they were
     return out
 
@@ -220,15 +176,16 @@ def _write_gen_shots(out: Path, rng: random.Random, n: int) -> None:
         passage, question, answer = _story(rng)
         return {"context": f"{passage}\nQuestion: {question}", "answer": str(answer)}
 
-    _jsonl(out / "shots_train.jsonl", [solved() for _ in range(50)])
-    _jsonl(out / "shots_test.jsonl", [solved() for _ in range(n)])
-    (out / "phf_gen_shots.yaml").write_text(f"""task: phf_gen_shots
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    train: {(out / "shots_train.jsonl").resolve()}
-    test: {(out / "shots_test.jsonl").resolve()}
-output_type: generate_until
+    stories = [solved() for _ in range(50 + n)]  # 50 to draw shots from, then the questions
+    splits = {
+        "train": ("shots_train.jsonl", stories[:50]),
+        "test": ("shots_test.jsonl", stories[50:]),
+    }
+    _task(
+        out,
+        "phf_gen_shots",
+        splits,
+        f"""output_type: generate_until
 training_split: train
 fewshot_split: train
 test_split: test
@@ -240,7 +197,8 @@ generation_kwargs:
     - "\\n"
   do_sample: false
   max_gen_toks: 8
-{_EXACT_MATCH_AFTER_STRIPPING}""")
+{_EXACT_MATCH_AFTER_STRIPPING}""",
+    )
 
 
 def _jsonl(path: Path, rows: list[dict]) -> None:
