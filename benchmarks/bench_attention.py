@@ -28,21 +28,20 @@ Each cell is the median of --reps calls after one warm-up, in ms per layer; K/V 
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 import time
-from pathlib import Path
 
+import common
 import torch
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
+from paged_hf.execution.backends.torch_backend import TorchBackend
+from paged_hf.execution.cpu import ops as cpu_ops
+from paged_hf.execution.cpu import paged_attention as cpa
+from paged_hf.execution.metadata import StepMetadata
 
-from paged_hf.execution.backends.torch_backend import TorchBackend  # noqa: E402
-from paged_hf.execution.cpu import ops as cpu_ops  # noqa: E402
-from paged_hf.execution.cpu import paged_attention as cpa  # noqa: E402
-from paged_hf.execution.metadata import StepMetadata  # noqa: E402
+
+def i32(x) -> torch.Tensor:
+    return torch.tensor(x, dtype=torch.int32)
 
 
 def step_metadata(
@@ -63,7 +62,6 @@ def step_metadata(
         kvi += b
         last.append(kv - (nb - 1) * bs)
         blocks.append(b)
-    i32 = lambda x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
     return StepMetadata(
         torch.zeros(len(pos), dtype=torch.long),
         torch.tensor(pos),
@@ -106,28 +104,20 @@ def cases(seed: int) -> dict[str, list[tuple[int, int]]]:
     }
 
 
-def timed(fn, reps: int) -> float:
-    fn()
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return sorted(ts)[len(ts) // 2]
+def op_args(meta: StepMetadata) -> tuple:
+    """The C++ op's arguments that describe the step (its sequences' queries and pages)."""
+    qo = meta.qo_indptr[:-1].contiguous()
+    return qo, i32(meta.q_lens), i32(meta.kv_lens), meta.kv_indptr, meta.kv_indices
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        epilog=__doc__.split("\n", 1)[1],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    ap = common.parser(__doc__)
     ap.add_argument(
         "--routes",
         default="torch,kernel,op",
         help="comma list of torch, kernel, op, inductor, flex; or all",
     )
-    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    common.add_threads(ap, help="torch threads (default: all cores)")
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
     ap.add_argument("--heads", default="9,3,64", help="q heads, kv heads, head_dim")
@@ -141,15 +131,13 @@ def main(argv: list[str] | None = None) -> int:
         default=2900,
         help="cold: blocks in each layer's pool (SmolLM2's default 1 GiB KV budget holds ~2,900)",
     )
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args(argv)
+    ap.add_argument("--out", help="JSON path (default benchmarks/results/attention-<date>.json)")
+    args = common.parse(ap, argv)
     routes = (
         ["torch", "kernel", "op", "cold", "inductor", "flex"]
         if args.routes == "all"
         else args.routes.split(",")
     )
-    if args.threads:
-        torch.set_num_threads(args.threads)
     assert cpu_ops.load(), cpu_ops.status()["error"]
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
     hq, hkv, d = (int(x) for x in args.heads.split(","))
@@ -184,20 +172,12 @@ def main(argv: list[str] | None = None) -> int:
                     b.plan(meta)
                     return b.attend(0, q, k, v, d**-0.5)
 
-                row[route] = timed(run, args.reps)
+                row[route] = common.seconds(run, args.reps)
             elif route == "op":
-                i32 = lambda x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
-                op_args = (
-                    meta.qo_indptr[:-1].contiguous(),
-                    i32(meta.q_lens),
-                    i32(meta.kv_lens),
-                    meta.kv_indptr,
-                    meta.kv_indices,
-                )
-                out = torch.empty(t, hq, d, dtype=dtype)
-                row[route] = timed(
+                step, out = op_args(meta), torch.empty(t, hq, d, dtype=dtype)
+                row[route] = common.seconds(
                     lambda: torch.ops.paged_hf.paged_attention(
-                        q[0].transpose(0, 1), cache[0], cache[1], *op_args, d**-0.5, 0, 0.0, out
+                        q[0].transpose(0, 1), cache[0], cache[1], *step, d**-0.5, 0, 0.0, out
                     ),
                     args.reps,
                 )
@@ -205,36 +185,23 @@ def main(argv: list[str] | None = None) -> int:
                 pool_perm = torch.randperm(
                     args.pool_blocks, generator=torch.Generator().manual_seed(4)
                 ).tolist()
-                cm = step_metadata(specs, bs, pool_perm, shared)
-                i32 = lambda x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
-                op_args = (
-                    cm.qo_indptr[:-1].contiguous(),
-                    i32(cm.q_lens),
-                    i32(cm.kv_lens),
-                    cm.kv_indptr,
-                    cm.kv_indices,
-                )
-                out = torch.empty(t, hq, d, dtype=dtype)
-                qt = q[0].transpose(0, 1)
+                step = op_args(step_metadata(specs, bs, pool_perm, shared))
+                out, qt = torch.empty(t, hq, d, dtype=dtype), q[0].transpose(0, 1)
 
                 def layers_in_turn():
                     for kc, vc in pools:
-                        torch.ops.paged_hf.paged_attention(
-                            qt, kc, vc, *op_args, d**-0.5, 0, 0.0, out
-                        )
+                        torch.ops.paged_hf.paged_attention(qt, kc, vc, *step, d**-0.5, 0, 0.0, out)
 
-                row[route] = timed(layers_in_turn, args.reps) / len(pools)
+                row[route] = common.seconds(layers_in_turn, args.reps) / len(pools)
             elif route in ("inductor", "flex") and all(ql == 1 for ql, _ in specs):
                 fn, secs = (inductor_decode if route == "inductor" else flex_decode)(
                     specs, bs, hq, hkv, d, dtype
                 )
                 compile_s.setdefault(route, []).append(secs)
-                row[route] = timed(fn, args.reps)
+                row[route] = common.seconds(fn, args.reps)
         rows.append(row)
-        print(
-            f"{name}: " + ", ".join(f"{r} {row[r] * 1e3:.2f} ms" for r in routes if r in row),
-            file=sys.stderr,
-            flush=True,
+        common.log(
+            f"{name}: " + ", ".join(f"{r} {row[r] * 1e3:.2f} ms" for r in routes if r in row)
         )
 
     head = ["case"] + [f"{r} ms" for r in routes] + ["torch / kernel"]
@@ -246,42 +213,18 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(
             [row["case"]] + [f"{row[r] * 1e3:.2f}" if r in row else "-" for r in routes] + [ratio]
         )
-    widths = [max(len(x[i]) for x in lines) for i in range(len(head))]
     print(
         f"\nattention per layer, {args.dtype}, heads {hq}/{hkv}x{d}, {bs}-token blocks, "
         f"{torch.get_num_threads()} threads (median of {args.reps})"
     )
-    for i, line in enumerate(lines):
-        print(
-            "  ".join(
-                c.ljust(w) if j == 0 else c.rjust(w) for j, (c, w) in enumerate(zip(line, widths))
-            )
-        )
-        if i == 0:
-            print("  ".join("-" * w for w in widths))
+    print(common.text_table(lines))
     for route, secs in compile_s.items():
         print(
             f"{route}: compile {secs[0]:.1f}s first shape, then {', '.join(f'{s:.1f}s' for s in secs[1:])}"
         )
-    out = (
-        Path(args.out)
-        if args.out
-        else HERE / "results" / f"attention-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    )
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(
-        json.dumps(
-            {
-                "rows": rows,
-                "compile_s": compile_s,
-                "args": vars(args),
-                "threads": torch.get_num_threads(),
-                "torch": torch.__version__,
-            },
-            indent=1,
-        )
-    )
-    print(f"JSON: {out}")
+    report = {"rows": rows, "compile_s": compile_s, "args": vars(args)}
+    report.update(threads=torch.get_num_threads(), torch=torch.__version__)
+    common.write_json(args.out or common.stamped("attention"), report)
     return 0
 
 

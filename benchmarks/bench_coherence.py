@@ -13,18 +13,12 @@ microseconds) and writes JSON.
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
-from pathlib import Path
 
+import common
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_attention  # noqa: E402
-
-from paged_hf.cache.coherence import WeightsWatch  # noqa: E402
+from paged_hf.cache.coherence import WeightsWatch
 
 
 class _Params(torch.nn.Module):
@@ -48,16 +42,9 @@ def llama7b_like(total: float, dtype: torch.dtype) -> torch.nn.Module:
     return _Params([tuple(max(1, int(d * scale)) for d in s) for s in shapes], dtype)
 
 
-def smollm2() -> torch.nn.Module:
-    from paged_hf.model.default_model import load_default_model
-
-    model, _ = load_default_model(dtype=torch.bfloat16)
-    return model
-
-
 def timed(fn, repeat: int) -> float:
-    """Median microseconds of ``fn`` (bench_attention's timer, in seconds there)."""
-    return bench_attention.timed(fn, repeat) * 1e6
+    """Median microseconds of ``fn``."""
+    return common.seconds(fn, repeat) * 1e6
 
 
 def measure(name: str, model: torch.nn.Module, repeat: int) -> dict:
@@ -78,16 +65,15 @@ def measure(name: str, model: torch.nn.Module, repeat: int) -> dict:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--threads", type=int, default=2)
+    parser = common.parser(__doc__)
+    common.add_threads(parser, default=2)
     parser.add_argument("--repeat", type=int, default=50)
     parser.add_argument(
         "--big-params", type=float, default=2e9, help="parameters of the 7B-like layout"
     )
     parser.add_argument("--json", default="benchmarks/results/coherence.json")
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    rows = [measure("SmolLM2-135M (bf16)", smollm2(), args.repeat)]
+    args = common.parse(parser)
+    rows = [measure("SmolLM2-135M (bf16)", common.default_model()[0], args.repeat)]
     rows.append(
         measure(
             f"Llama-7B layout, {args.big_params / 1e9:.1f} B params (bf16)",
@@ -95,20 +81,9 @@ def main() -> int:
             args.repeat,
         )
     )
-    keys = list(rows[0])
-    print("| " + " | ".join(keys) + " |")
-    print("| " + " | ".join("---" for _ in keys) + " |")
-    for row in rows:
-        print(
-            "| "
-            + " | ".join(
-                f"{v:,.0f}" if isinstance(v, (int, float)) else str(v) for v in row.values()
-            )
-            + " |"
-        )
-    out = Path(args.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"threads": args.threads, "rows": rows}, indent=1))
+    cells = [[f"{v:,.0f}" if isinstance(v, (int, float)) else v for v in r.values()] for r in rows]
+    print(common.md_table(list(rows[0]), cells))
+    common.write_json(args.json, {"threads": args.threads, "rows": rows})
     return 0
 
 

@@ -19,20 +19,13 @@ Each is the median of 5 timed runs of at least 20 ms. Prints a table and writes 
 
 from __future__ import annotations
 
-import argparse
 import datetime
-import json
-import statistics
 import sys
-import time
-from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+import common
+import omp_env
 
-import omp_env  # noqa: E402  (before torch: OpenMP reads its wait policy when libgomp loads)
-
-OMP_WAIT_POLICY = omp_env.setup()
+OMP_WAIT_POLICY = omp_env.setup()  # before torch: OpenMP reads its wait policy when libgomp loads
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -49,21 +42,6 @@ SHAPES = {
 }
 
 
-def _seconds(fn, min_time: float = 0.02, repeats: int = 5) -> float:
-    fn()
-    t0, n = time.perf_counter(), 0
-    while time.perf_counter() - t0 < min_time:
-        fn()
-        n += 1
-    samples = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        samples.append((time.perf_counter() - t0) / n)
-    return statistics.median(samples)
-
-
 def ways(w16: torch.Tensor) -> dict:
     w32 = w16.float()
     out = {"F.linear bf16": lambda x: F.linear(x, w16)}
@@ -75,17 +53,12 @@ def ways(w16: torch.Tensor) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    ap = common.parser(__doc__)
     ap.add_argument("--rows", default="1,8,32,128,512", help="comma list of row counts")
-    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
-    ap.add_argument(
-        "--out", default=None, help="JSON path (default benchmarks/results/cpu-linear-<date>.json)"
-    )
-    args = ap.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    common.add_threads(ap, help="torch threads (default: all cores)")
+    common.add_omp(ap)
+    ap.add_argument("--out", help="JSON path (default benchmarks/results/cpu-linear-<date>.json)")
+    args = common.parse(ap, argv)
     rows = [int(r) for r in args.rows.split(",")]
     g = torch.Generator().manual_seed(0)
     results = []
@@ -96,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
             for m in rows:
                 x = torch.randn(1, m, k, generator=g).bfloat16()
                 for way, fn in fns.items():
-                    s = _seconds(lambda: fn(x))
+                    s = common.seconds(lambda: fn(x), repeats=5, min_time=0.02)
                     results.append(
                         {
                             "weight": name,
@@ -107,46 +80,32 @@ def main(argv: list[str] | None = None) -> int:
                             "gflops": 2 * m * n * k / s / 1e9,
                         }
                     )
-                print(
+                common.log(
                     f"{name} rows {m}: "
-                    + ", ".join(f"{r['way']} {r['gflops']:.0f}" for r in results[-len(fns) :]),
-                    file=sys.stderr,
-                    flush=True,
+                    + ", ".join(f"{r['way']} {r['gflops']:.0f}" for r in results[-len(fns) :])
                 )
     names = list(dict.fromkeys(r["way"] for r in results))
     print(
         f"\n## Linear layers on this CPU, GFLOP/s ({torch.get_num_threads()} threads, "
         f"default way here: {cpu_linear.mode(torch.bfloat16, torch.device('cpu'))}, OpenMP {OMP_WAIT_POLICY})\n"
     )
-    print("| weight | rows | " + " | ".join(names) + " |")
-    print("| --- | ---: | " + " | ".join("---:" for _ in names) + " |")
-    for name in SHAPES:
+    cells = []
+    for name, (n, k) in SHAPES.items():
         for m in rows:
             got = {r["way"]: r["gflops"] for r in results if r["weight"] == name and r["rows"] == m}
-            print(
-                f"| {name} {SHAPES[name][0]}x{SHAPES[name][1]} | {m} | "
-                + " | ".join(f"{got[w]:.0f}" for w in names)
-                + " |"
-            )
-    out = (
-        Path(args.out)
-        if args.out
-        else HERE / "results" / f"cpu-linear-{datetime.date.today().isoformat()}.json"
+            cells.append([f"{name} {n}x{k}", m] + [f"{got[w]:.0f}" for w in names])
+    print(common.md_table(["weight", "rows", *names], cells, ["---", *["---:"] * (len(names) + 1)]))
+    print()
+    common.write_json(
+        args.out or common.stamped("cpu-linear"),
+        {
+            "date": datetime.date.today().isoformat(),
+            "threads": torch.get_num_threads(),
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "default_way": cpu_linear.mode(torch.bfloat16, torch.device("cpu")),
+            "results": results,
+        },
     )
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(
-        json.dumps(
-            {
-                "date": datetime.date.today().isoformat(),
-                "threads": torch.get_num_threads(),
-                "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-                "default_way": cpu_linear.mode(torch.bfloat16, torch.device("cpu")),
-                "results": results,
-            },
-            indent=2,
-        )
-    )
-    print(f"\nJSON: {out}")
     return 0
 
 

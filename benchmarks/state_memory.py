@@ -13,22 +13,18 @@ sequences' states half of 24 and of 80 GiB hold.
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 import warnings
-from pathlib import Path
 
+import common
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from paged_hf.model.state_probe import probe_state_layout  # noqa: E402
+from paged_hf.model.state_probe import probe_state_layout
 
 TYPES = ["qwen3_5_text", "qwen3_next", "kimi_linear", "falcon_h1", "lfm2"]
 # where transformers' default config is not a released model's layer pattern
-OVERRIDES = {
-    "lfm2": dict(full_attn_idxs=[2, 5, 8, 10, 12, 14])
-}  # six attention layers, as released LFM2 has; the default none
+# six attention layers in LFM2, as released (its default config has none)
+OVERRIDES = {"lfm2": dict(full_attn_idxs=[2, 5, 8, 10, 12, 14])}
 GIB = 1 << 30
 
 
@@ -67,23 +63,17 @@ def measure(model_type: str, dtype: torch.dtype) -> dict:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = common.parser(__doc__)
     parser.add_argument("--types", nargs="*", default=TYPES)
     parser.add_argument("--json", default="benchmarks/results/state_memory.json")
     args = parser.parse_args()
     rows = [measure(t, torch.bfloat16) for t in args.types]
-    keys = list(rows[0])
-    print("| " + " | ".join(keys) + " |")
-    print("| " + " | ".join("---" for _ in keys) + " |")
-    for row in rows:
-        cells = [
-            f"{v:,.1f}" if isinstance(v, float) else (f"{v:,}" if isinstance(v, int) else str(v))
-            for v in row.values()
-        ]
-        print("| " + " | ".join(cells) + " |")
-    out = Path(args.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"dtype": "bfloat16", "rows": rows}, indent=1))
+    cells = [
+        [f"{v:,.1f}" if isinstance(v, float) else f"{v:,}" if isinstance(v, int) else v for v in r]
+        for r in (row.values() for row in rows)
+    ]
+    print(common.md_table(list(rows[0]), cells))
+    common.write_json(args.json, {"dtype": "bfloat16", "rows": rows})
     return 0
 
 
