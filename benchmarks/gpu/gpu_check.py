@@ -48,22 +48,26 @@ from paged_hf import SamplingParams
 
 
 @dataclass
-class Setup:
-    device: str
-    dtype: torch.dtype
-    dry_run: bool
+class Setup:  # a GPU run's sizes, unless given
     num_requests: int
-    min_len: int
-    max_len: int
-    token_range: int
-    temperature: float
     max_num_seqs: int
     max_num_batched_tokens: int
     hf_max_time: float
-    decode_batch: int
-    decode_steps: int
+    device: str = "cuda"
+    dtype: torch.dtype = torch.bfloat16
+    dry_run: bool = False
+    min_len: int = 100
+    max_len: int = 1024
+    token_range: int = 10000
+    temperature: float = 0.6
+    decode_batch: int = 64
+    decode_steps: int = 50
     seed: int = 0
-    stand_in: bool = False  # dry run: FlashInfer's pure-torch stand-in (benchmarks/gpu/gpu_stand_in.py)
+    stand_in: bool = False  # dry run: FlashInfer's pure-torch stand-in (gpu_stand_in.py)
+
+    @property
+    def backend(self) -> str:
+        return "flashinfer" if self.stand_in else "auto"
 
 
 @dataclass
@@ -148,23 +152,14 @@ def qwen3_06b_config(dry: bool):
             head_dim=16,
             max_position_embeddings=2048,
         )
-    return Qwen3Config(
-        vocab_size=151936,
-        hidden_size=1024,
-        intermediate_size=3072,
-        num_hidden_layers=28,
-        num_attention_heads=16,
-        num_key_value_heads=8,
-        head_dim=128,
-        max_position_embeddings=40960,
-        rope_theta=1000000.0,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=True,
-        hidden_act="silu",
-        attention_bias=False,
-        bos_token_id=151643,
-        eos_token_id=151645,
-    )
+    return Qwen3Config(**json.loads(QWEN3_06B))
+
+
+QWEN3_06B = """{"vocab_size": 151936, "hidden_size": 1024, "intermediate_size": 3072,
+"num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
+"max_position_embeddings": 40960, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
+"tie_word_embeddings": true, "hidden_act": "silu", "attention_bias": false,
+"bos_token_id": 151643, "eos_token_id": 151645}"""
 
 
 def build_model(config, setup: Setup, seed: int, attn: str = "sdpa") -> torch.nn.Module:
@@ -192,11 +187,8 @@ def teacher_forced_agreement(
         if not out:
             continue
         ids = torch.tensor([prompt + out], device=device)
-        logits = (
-            model(ids, use_cache=False)
-            .logits[0, len(prompt) - 1 : len(prompt) - 1 + len(out)]
-            .float()
-        )
+        start = len(prompt) - 1
+        logits = model(ids, use_cache=False).logits[0, start : start + len(out)].float()
         target = torch.tensor(out, device=device)
         best = logits.argmax(-1)
         hits += int((best == target).sum())
@@ -233,19 +225,12 @@ def agreement_workload(
     decode batch shrinks through the graph buckets 8 -> 4 -> 2 -> 1 with padding rows."""
     shared = [rng.randrange(4, vocab) for _ in range(40)]
     longest = 60 if dry else 150
-    prompts = [
-        shared + [rng.randrange(4, vocab) for _ in range(rng.randint(5, longest // 2))]
-        for _ in range(6)
+    ids = lambda lo, hi: [rng.randrange(4, vocab) for _ in range(rng.randint(lo, hi))]  # noqa: E731
+    prompts = [shared + ids(5, longest // 2) for _ in range(6)] + [
+        ids(20, longest) for _ in range(6)
     ]
-    prompts += [
-        [rng.randrange(4, vocab) for _ in range(rng.randint(20, longest))] for _ in range(6)
-    ]
-    lengths = (
-        [2, 3, 4, 5, 6, 7, 8, 10, 12, 13, 14, 16]
-        if dry
-        else [3, 5, 7, 9, 12, 16, 20, 24, 30, 36, 42, 48]
-    )
-    return prompts, lengths
+    dry_lengths = [2, 3, 4, 5, 6, 7, 8, 10, 12, 13, 14, 16]
+    return prompts, dry_lengths if dry else [3, 5, 7, 9, 12, 16, 20, 24, 30, 36, 42, 48]
 
 
 def check_agreement(setup: Setup, family: str) -> dict[str, Any]:
@@ -260,11 +245,8 @@ def check_agreement(setup: Setup, family: str) -> dict[str, Any]:
         model.config.vocab_size, random.Random(setup.seed + FAMILIES.index(family)), setup.dry_run
     )
     params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in out_lens]
-    row: dict[str, Any] = {
-        "family": family,
-        "dtype": str(setup.dtype).replace("torch.", ""),
-        "prompts": len(prompts),
-    }
+    dtype = str(setup.dtype).replace("torch.", "")
+    row: dict[str, Any] = {"family": family, "dtype": dtype, "prompts": len(prompts)}
     outs = {}
     flashinfer = setup.device == "cuda" or setup.stand_in
     for name, backend, graphs in AGREEMENT_VARIANTS:
@@ -272,15 +254,8 @@ def check_agreement(setup: Setup, family: str) -> dict[str, Any]:
             row[f"{name} skipped"] = "no CUDA device and no stand-in"
             continue
         try:
-            engine = paged_hf.Engine(
-                model,
-                backend=backend,
-                block_size=16,
-                num_blocks=1024,
-                max_num_seqs=16,
-                max_num_batched_tokens=64,
-                use_cuda_graphs=graphs,
-            )
+            sizes = dict(block_size=16, num_blocks=1024, max_num_seqs=16, max_num_batched_tokens=64)
+            engine = paged_hf.Engine(model, backend=backend, use_cuda_graphs=graphs, **sizes)
             outs[name] = [o.token_ids for o in engine.generate(prompts, params)]
             stats = engine.stats()
             accel = engine.runner.decode
@@ -292,9 +267,9 @@ def check_agreement(setup: Setup, family: str) -> dict[str, Any]:
                 "tokens": sum(map(len, outs[name])),  # how many were teacher-forced
                 "steps": stats["steps"],
                 "prefix_hit_tokens": stats["prefix_hit_tokens"],
-                "graph_steps_by_bucket": dict(sorted(accel.steps_by_bucket.items()))
-                if accel
-                else {},
+                "graph_steps_by_bucket": dict(
+                    sorted(accel.steps_by_bucket.items() if accel else [])
+                ),
             }
             del engine
         except Exception as e:  # noqa: BLE001 - reported, the other variants still run
@@ -303,9 +278,8 @@ def check_agreement(setup: Setup, family: str) -> dict[str, Any]:
         free_memory()
     for name in outs:
         if name != "torch" and "torch" in outs:
-            row[name]["agrees_with_torch"] = round(
-                common_prefix_share(outs[name], outs["torch"]), 4
-            )
+            share = common_prefix_share(outs[name], outs["torch"])
+            row[name]["agrees_with_torch"] = round(share, 4)
     log(f"agreement {row}")
     del model
     free_memory()
@@ -315,16 +289,12 @@ def check_agreement(setup: Setup, family: str) -> dict[str, Any]:
 # ---- (b) throughput ----------------------------------------------------------------------------------
 def workload(setup: Setup) -> tuple[list[list[int]], list[int]]:
     """nano-vllm's bench.py: random ids in [0, 10000), prompt and output lengths U[100, 1024]."""
-    rng = random.Random(setup.seed)
+    rng, lo, hi = random.Random(setup.seed), setup.min_len, setup.max_len
     prompts = [
-        [
-            rng.randint(0, setup.token_range)
-            for _ in range(rng.randint(setup.min_len, setup.max_len))
-        ]
+        [rng.randint(0, setup.token_range) for _ in range(rng.randint(lo, hi))]
         for _ in range(setup.num_requests)
     ]
-    outputs = [rng.randint(setup.min_len, setup.max_len) for _ in range(setup.num_requests)]
-    return prompts, outputs
+    return prompts, [rng.randint(lo, hi) for _ in range(setup.num_requests)]
 
 
 @torch.inference_mode()
@@ -335,32 +305,16 @@ def run_hf_generate(setup: Setup, prompts, out_lens) -> Row:
     pad = 0
     width = max(len(p) for p in prompts)
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=setup.device)
-    mask = torch.tensor(
-        [[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=setup.device
-    )
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    mask = mask.to(setup.device)
     steps = max(out_lens)
-    kwargs = dict(
-        do_sample=setup.temperature > 0,
-        temperature=setup.temperature or None,
-        top_k=None,
-        top_p=None,
-        eos_token_id=None,
-        pad_token_id=pad,
-    )
-    # warm
-    model.generate(
-        ids[:2, -8:], attention_mask=mask[:2, -8:], max_new_tokens=2, min_new_tokens=2, **kwargs
-    )
+    kwargs = dict(sampling(setup), eos_token_id=None, pad_token_id=pad)
+    warm = dict(attention_mask=mask[:2, -8:], max_new_tokens=2, min_new_tokens=2)
+    model.generate(ids[:2, -8:], **warm, **kwargs)
     sync(setup)
     t = time.perf_counter()
-    out = model.generate(
-        ids,
-        attention_mask=mask,
-        max_new_tokens=steps,
-        min_new_tokens=steps,
-        max_time=setup.hf_max_time,
-        **kwargs,
-    )
+    run = dict(max_new_tokens=steps, min_new_tokens=steps, max_time=setup.hf_max_time)
+    out = model.generate(ids, attention_mask=mask, **run, **kwargs)
     sync(setup)
     seconds = time.perf_counter() - t
     done_steps = out.shape[1] - width
@@ -382,14 +336,9 @@ def run_hf_continuous(setup: Setup, prompts, out_lens) -> Row:
     from transformers import ContinuousBatchingConfig, GenerationConfig
 
     model = build_model(qwen3_06b_config(setup.dry_run), setup, seed=1)
+    longest = max(out_lens)
     gen = GenerationConfig(
-        do_sample=setup.temperature > 0,
-        temperature=setup.temperature or None,
-        top_k=None,
-        top_p=None,
-        eos_token_id=-1,
-        pad_token_id=0,
-        max_new_tokens=max(out_lens),
+        **sampling(setup), eos_token_id=-1, pad_token_id=0, max_new_tokens=longest
     )
     # without num_blocks its cache takes a share of free memory: ~14 GB of RAM in the CPU dry run
     page = ContinuousBatchingConfig().page_size
@@ -432,6 +381,12 @@ def run_hf_continuous(setup: Setup, prompts, out_lens) -> Row:
     return Row("transformers generate_batch", tokens, seconds, done, note)
 
 
+def sampling(setup: Setup) -> dict[str, Any]:
+    """transformers' sampling as the workload's (temperature only, no top-k or top-p)."""
+    t = setup.temperature
+    return dict(do_sample=t > 0, temperature=t or None, top_k=None, top_p=None)
+
+
 def paged_engine(
     model, setup: Setup, prompts, out_lens, graphs: bool, max_num_seqs: int | None = None
 ):
@@ -440,7 +395,7 @@ def paged_engine(
         model,
         num_blocks=int(need * 1.1) + 64,
         block_size=16,
-        backend="flashinfer" if setup.stand_in else "auto",
+        backend=setup.backend,
         max_num_seqs=max_num_seqs or setup.max_num_seqs,
         max_num_batched_tokens=setup.max_num_batched_tokens,
         max_model_len=setup.max_len * 2 + 16,
@@ -455,10 +410,8 @@ def run_paged(setup: Setup, prompts, out_lens, graphs: bool) -> Row:
     engine = paged_engine(model, setup, prompts, out_lens, graphs)
     # unseeded, as nano-vllm's workload: one draw per step for the batch (a seed per request costs a
     # draw per row and shrinks what the graphs save)
-    params = [
-        SamplingParams(max_new_tokens=n, temperature=setup.temperature, ignore_eos=True)
-        for n in out_lens
-    ]
+    sample = dict(temperature=setup.temperature, ignore_eos=True)
+    params = [SamplingParams(max_new_tokens=n, **sample) for n in out_lens]
     warm_s = engine.warmup()  # kernels (FlashInfer JIT on a fresh machine), CUDA-graph capture
     sync(setup)
     t = time.perf_counter()
@@ -485,17 +438,14 @@ def decode_step_time(setup: Setup, graphs: bool) -> float:
     b = setup.decode_batch
     model = build_model(qwen3_06b_config(setup.dry_run), setup, seed=1)
     rng = random.Random(7)
-    prompts = [
-        [rng.randint(0, setup.token_range) for _ in range(min(256, setup.max_len))]
-        for _ in range(b)
-    ]
+    n = min(256, setup.max_len)
+    prompts = [[rng.randint(0, setup.token_range) for _ in range(n)] for _ in range(b)]
     out_lens = [setup.decode_steps + 8] * b
     engine = paged_engine(model, setup, prompts, out_lens, graphs, max_num_seqs=b)
     for p, n in zip(prompts, out_lens):
         engine.add_request(p, SamplingParams(max_new_tokens=n, ignore_eos=True))
-    while (
-        any(r.num_pending_tokens > 1 for r in engine.scheduler.running) or engine.scheduler.waiting
-    ):
+    scheduler = engine.scheduler
+    while any(r.num_pending_tokens > 1 for r in scheduler.running) or scheduler.waiting:
         engine.step()  # prefill
     for _ in range(3):
         engine.step()  # warm (and capture)
@@ -522,22 +472,18 @@ def memory_checks(setup: Setup) -> dict[str, Any]:
     out: dict[str, Any] = {}
     model = build_model(qwen3_06b_config(setup.dry_run), setup, seed=1)
     t = time.perf_counter()
-    engine = paged_hf.Engine(
-        model,
-        block_size=16,
-        max_num_seqs=setup.max_num_seqs,
-        max_num_batched_tokens=setup.max_num_batched_tokens,
-        backend="flashinfer" if setup.stand_in else "auto",
+    sizes = dict(
+        max_num_seqs=setup.max_num_seqs, max_num_batched_tokens=setup.max_num_batched_tokens
     )
+    engine = paged_hf.Engine(model, block_size=16, backend=setup.backend, **sizes)
     out["sizing_s"] = round(time.perf_counter() - t, 2)
     out["num_blocks"] = engine.runner.backend.num_blocks
     out["kv_gib"] = round(engine.runner.backend.num_blocks * engine.page_bytes / (1 << 30), 3)
     prompts, out_lens = workload(setup)
     if setup.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    done = engine.generate(
-        prompts[:64], [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in out_lens[:64]]
-    )
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in out_lens[:64]]
+    done = engine.generate(prompts[:64], params)
     out["requests_ok"] = sum(o.error is None for o in done)
     if setup.device == "cuda":
         free, total = torch.cuda.mem_get_info()
@@ -556,20 +502,12 @@ def memory_checks(setup: Setup) -> dict[str, Any]:
     params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in out_lens]
     need = sum(-(-(len(p) + n) // 16) for p, n in zip(prompts, out_lens))
     largest = max(-(-(len(p) + n) // 16) for p, n in zip(prompts, out_lens))
-    kw = dict(
-        block_size=16,
-        max_num_seqs=16,
-        max_num_batched_tokens=64,
-        enable_prefix_caching=False,
-        backend="flashinfer" if setup.stand_in else "auto",
-    )
-    roomy = [
-        o.token_ids
-        for o in paged_hf.Engine(model, num_blocks=need + 16, **kw).generate(prompts, params)
-    ]
-    engine = paged_hf.Engine(
-        model, num_blocks=max(largest + 1, need // 4), preemption_mode="swap", **kw
-    )
+    kw = dict(block_size=16, max_num_seqs=16, max_num_batched_tokens=64, backend=setup.backend)
+    kw.update(enable_prefix_caching=False)
+    roomy = paged_hf.Engine(model, num_blocks=need + 16, **kw).generate(prompts, params)
+    roomy = [o.token_ids for o in roomy]
+    kw.update(num_blocks=max(largest + 1, need // 4))  # a quarter of what the workload needs
+    engine = paged_hf.Engine(model, preemption_mode="swap", **kw)
     tight = [o.token_ids for o in engine.generate(prompts, params)]
     out["swap"] = {
         "preemptions": engine.stats()["preemptions"],
@@ -582,10 +520,7 @@ def memory_checks(setup: Setup) -> dict[str, Any]:
     # the host tier (pinned, written as the pool evicts): the workload twice through a pool of a
     # quarter of what it needs; the second round reads what the first one's evictions kept
     engine = paged_hf.Engine(
-        model,
-        num_blocks=max(largest + 1, need // 4),
-        kv_host_cache_bytes=1 << 30,
-        **dict(kw, enable_prefix_caching=True),
+        model, kv_host_cache_bytes=1 << 30, **dict(kw, enable_prefix_caching=True)
     )
     rounds = [[o.token_ids for o in engine.generate(prompts, params)] for _ in range(2)]
     host = engine.stats()["kv_tiers"]["host"]
@@ -611,9 +546,8 @@ def guarded(name: str, fn, *args) -> Row:
         traceback.print_exc()
         row = Row(name, error=f"{type(e).__name__}: {e}"[:500])
         free_memory()
-    log(
-        f"done  {name}: {row.output_tokens} tokens in {row.seconds:.1f} s = {row.tok_s:.0f} tok/s {row.note}"
-    )
+    speed = f"{row.output_tokens} tokens in {row.seconds:.1f} s = {row.tok_s:.0f} tok/s"
+    log(f"done  {name}: {speed} {row.note}")
     return row
 
 
@@ -658,33 +592,16 @@ def table(rows: list[Row], base: str = "transformers generate") -> str:
     return "\n".join(lines)
 
 
-PHASES = (
-    "env",
-    "smoke",
-    "agreement",
-    "hf_generate",
-    "hf_batch",
-    "eager",
-    "graphs",
-    "decode",
-    "memory",
-)
-# The plan for a GPU lent for 15 minutes of device time, 10 at most a command (see the header).
+PHASES = tuple("env smoke agreement hf_generate hf_batch eager graphs decode memory".split())
+# The plan for a GPU lent for 15 minutes of device time, 10 at most a command (see the header):
+# FA2 prefill (FA3's JIT is the slowest), the default decode kernel choice
+_CALL = dict(requests=128, prefill="fa2", decode_tc="auto")
 CALLS = {
-    # FA2 prefill (FA3's JIT is the slowest), the default decode kernel choice
-    "1": dict(
-        phases=("env", "smoke", "agreement", "eager", "graphs"),
-        families=("llama",),
-        requests=128,
-        prefill="fa2",
-        decode_tc="auto",
-    ),
+    "1": dict(_CALL, phases=("env", "smoke", "agreement", "eager", "graphs"), families=("llama",)),
     "2": dict(
+        _CALL,
         phases=("env", "agreement", "memory", "hf_generate", "hf_batch", "decode"),
         families=("gemma2", "qwen3"),
-        requests=128,
-        prefill="fa2",
-        decode_tc="auto",
         hf_max_time=45.0,
     ),
 }
@@ -700,18 +617,9 @@ def call_argv(argv: list[str]) -> list[str]:
             name = arg.split("=", 1)[1] if "=" in arg else argv[i + 1]
             i += 1 if "=" in arg else 2
             plan = CALLS[name]
-            out += [
-                "--phases",
-                ",".join(plan["phases"]),
-                "--families",
-                ",".join(plan["families"]),
-                "--requests",
-                str(plan["requests"]),
-                "--prefill-backend",
-                plan["prefill"],
-                "--decode-tensor-cores",
-                plan["decode_tc"],
-            ]
+            out += ["--phases", ",".join(plan["phases"]), "--families", ",".join(plan["families"])]
+            out += ["--requests", str(plan["requests"]), "--prefill-backend", plan["prefill"]]
+            out += ["--decode-tensor-cores", plan["decode_tc"]]
             out += ["--hf-max-time", str(plan["hf_max_time"])] if "hf_max_time" in plan else []
             continue
         out.append(arg)
@@ -720,38 +628,11 @@ def call_argv(argv: list[str]) -> list[str]:
 
 
 def make_setup(args: argparse.Namespace) -> Setup:
-    if args.dry_run:
-        return Setup(
-            device="cpu",
-            dtype=torch.float32,
-            dry_run=True,
-            num_requests=6,
-            min_len=4,
-            max_len=16,
-            token_range=500,
-            temperature=0.6,
-            max_num_seqs=8,
-            max_num_batched_tokens=64,
-            hf_max_time=60.0,
-            decode_batch=4,
-            decode_steps=3,
-            stand_in=not args.no_stand_in,
-        )
-    return Setup(
-        device="cuda",
-        dtype=torch.bfloat16,
-        dry_run=False,
-        num_requests=args.requests,
-        min_len=100,
-        max_len=1024,
-        token_range=10000,
-        temperature=0.6,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        hf_max_time=args.hf_max_time,
-        decode_batch=64,
-        decode_steps=50,
-    )
+    if args.dry_run:  # tiny, on a CPU, in float32
+        tiny = dict(device="cpu", dtype=torch.float32, dry_run=True, stand_in=not args.no_stand_in)
+        tiny.update(min_len=4, max_len=16, token_range=500, decode_batch=4, decode_steps=3)
+        return Setup(6, 8, 64, 60.0, **tiny)
+    return Setup(args.requests, args.max_num_seqs, args.max_num_batched_tokens, args.hf_max_time)
 
 
 def run_phase(name: str, setup: Setup, args: argparse.Namespace) -> dict[str, Any]:
@@ -767,9 +648,8 @@ def run_phase(name: str, setup: Setup, args: argparse.Namespace) -> dict[str, An
         from paged_hf.execution.backends import flashinfer_backend
 
         flashinfer_backend.PREFILL_BACKEND = args.prefill_backend
-        flashinfer_backend.DECODE_TENSOR_CORES = {"auto": None, "on": True, "off": False}[
-            args.decode_tensor_cores
-        ]
+        tensor_cores = {"auto": None, "on": True, "off": False}[args.decode_tensor_cores]
+        flashinfer_backend.DECODE_TENSOR_CORES = tensor_cores
     if name == "env":
         return {
             "environment": environment(setup),
@@ -798,15 +678,9 @@ def run_phase(name: str, setup: Setup, args: argparse.Namespace) -> dict[str, An
     }
     title, fn, extra = runs[name]
     row = guarded(title, fn, setup, prompts, out_lens, *extra)
-    return {
-        "throughput": [dict(asdict(row), tok_s=round(row.tok_s, 1))],
-        "workload": {
-            "requests": len(prompts),
-            "prompt_tokens": sum(map(len, prompts)),
-            "output_tokens": sum(out_lens),
-            "seeded": False,
-        },
-    }
+    sizes = dict(requests=len(prompts), prompt_tokens=sum(map(len, prompts)))
+    sizes.update(output_tokens=sum(out_lens), seeded=False)
+    return {"throughput": [dict(asdict(row), tok_s=round(row.tok_s, 1))], "workload": sizes}
 
 
 def merge(report: dict[str, Any], part: dict[str, Any]) -> None:
@@ -822,12 +696,8 @@ def summary(report: dict[str, Any]) -> str:
     rows = [
         Row(**{k: v for k, v in r.items() if k != "tok_s"}) for r in report.get("throughput", [])
     ]
-    lines = [
-        f"## gpu_check {env.get('date', '')} on {env.get('gpu', 'CPU (dry run)')}",
-        "",
-        table(rows),
-        "",
-    ]
+    title = f"## gpu_check {env.get('date', '')} on {env.get('gpu', 'CPU (dry run)')}"
+    lines = [title, "", table(rows), ""]
     lines += [f"smoke {report['smoke']}"] if "smoke" in report else []
     lines += [f"agreement {r}" for r in report.get("agreement", [])]
     lines += [f"decode step {report['decode_step']}"] if "decode_step" in report else []
@@ -845,9 +715,7 @@ def keep_compiled_kernels(out: Path, report: dict[str, Any]) -> None:
     grew, so the next call carries it in benchmarks/gpu/wheels/ and ninja finds nothing to rebuild."""
     import subprocess
 
-    cache = (
-        Path(os.environ.get("FLASHINFER_WORKSPACE_BASE") or Path.home()) / ".cache" / "flashinfer"
-    )
+    cache = Path(os.environ.get("FLASHINFER_WORKSPACE_BASE") or Path.home()) / ".cache/flashinfer"
     if not cache.is_dir():
         return
     size = sum(f.stat().st_size for f in cache.rglob("*") if f.is_file())
@@ -856,20 +724,13 @@ def keep_compiled_kernels(out: Path, report: dict[str, Any]) -> None:
         return
     t = time.perf_counter()
     archive = out / JIT_ARCHIVE
-    subprocess.run(
-        ["tar", "-cJf", str(archive), "-C", str(cache), "."],
-        check=True,
-        env=dict(os.environ, XZ_OPT="-T0 -1"),
-    )
+    xz = dict(os.environ, XZ_OPT="-T0 -1")
+    subprocess.run(["tar", "-cJf", str(archive), "-C", str(cache), "."], check=True, env=xz)
     packed = archive.stat().st_size
     if packed > JIT_CARRY_BYTES:
         archive.unlink()
-    kept.update(
-        bytes=size,
-        packed_bytes=packed,
-        carried=packed <= JIT_CARRY_BYTES,
-        pack_seconds=round(time.perf_counter() - t, 1),
-    )
+    kept.update(bytes=size, packed_bytes=packed, carried=packed <= JIT_CARRY_BYTES)
+    kept["pack_seconds"] = round(time.perf_counter() - t, 1)
 
 
 def drive(args: argparse.Namespace, argv: list[str]) -> int:
@@ -883,12 +744,8 @@ def drive(args: argparse.Namespace, argv: list[str]) -> int:
     json_path = Path(args.json) if args.json else out / "gpu_check.json"
     started = time.perf_counter()
     passthrough = [a for a in argv if a != "--dry-run"] + (["--dry-run"] if args.dry_run else [])
-    env = dict(
-        os.environ,
-        PYTHONPATH=os.pathsep.join(
-            filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")])
-        ),
-    )
+    path = os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))
+    env = dict(os.environ, PYTHONPATH=path)
     status = 0
     with open(out / "gpu_check.log", "a") as logfile:
         for name in args.phases.split(","):
@@ -900,30 +757,22 @@ def drive(args: argparse.Namespace, argv: list[str]) -> int:
             part_file = out / f"phase-{name}.json"
             part_file.unlink(missing_ok=True)
             t = time.perf_counter()
+            cmd = [
+                sys.executable,
+                __file__,
+                *passthrough,
+                "--phase",
+                name,
+                "--part",
+                str(part_file),
+            ]
             try:
-                proc = subprocess.run(
-                    [
-                        sys.executable,
-                        __file__,
-                        *passthrough,
-                        "--phase",
-                        name,
-                        "--part",
-                        str(part_file),
-                    ],
-                    capture_output=True,
-                    text=True,
-                    timeout=left,
-                    env=env,
-                )
+                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=left, env=env)
                 logfile.write(proc.stdout + proc.stderr)
                 sys.stdout.write(proc.stdout[-4000:])
                 ok = proc.returncode == 0 and part_file.exists()
-                how = (
-                    "ok"
-                    if ok
-                    else f"failed (exit {proc.returncode}): {(proc.stderr or proc.stdout)[-300:]}"
-                )
+                failed = f"failed (exit {proc.returncode}): {(proc.stderr or proc.stdout)[-300:]}"
+                how = "ok" if ok else failed
             except subprocess.TimeoutExpired as e:
                 ok, how = False, f"timed out after {left:.0f} s"
                 logfile.write(str(e.stdout or "") + str(e.stderr or ""))
@@ -947,66 +796,32 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument(
-        "--dry-run",
-        action="store_true",
-        help="tiny models and workload on CPU (float32), FlashInfer's stand-in",
-    )
-    ap.add_argument(
-        "--no-stand-in",
-        action="store_true",
-        help="dry run without FlashInfer's stand-in (torch only)",
-    )
-    ap.add_argument(
-        "--call",
-        choices=sorted(CALLS),
-        help="one call of the plan in the header (phases, families, sizes)",
-    )
-    ap.add_argument(
-        "--phases",
-        default=",".join(PHASES),
-        help=f"comma-separated, in order, of {','.join(PHASES)}",
-    )
-    ap.add_argument(
-        "--families",
-        default=",".join(FAMILIES),
-        help=f"agreement families, of {','.join(FAMILIES)}",
-    )
-    ap.add_argument(
-        "--out",
-        default=os.environ.get("OUT") or "gpu_check_out",
-        help="report, log, summary (default $OUT)",
-    )
-    ap.add_argument("--json", default=None, help="the report's path (default OUT/gpu_check.json)")
-    ap.add_argument(
-        "--budget",
-        type=float,
-        default=540.0,
-        help="seconds for all phases (each stops when it runs out)",
-    )
-    ap.add_argument("--requests", type=int, default=256)
-    ap.add_argument(
-        "--hf-max-time", type=float, default=90.0, help="cap on each transformers run, seconds"
-    )
-    ap.add_argument("--max-num-seqs", type=int, default=256)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
-    ap.add_argument(
-        "--fa2",
-        action="store_true",
-        help="FlashInfer: FA2 prefill and tensor-core decode (--prefill-backend fa2 --decode-tensor-cores on)",
-    )
-    ap.add_argument(
-        "--prefill-backend",
-        choices=("auto", "fa2", "fa3"),
-        default="auto",
-        help="FlashInfer's prefill kernels (auto: FA3 on Hopper, the slowest to JIT-compile)",
-    )
-    ap.add_argument(
-        "--decode-tensor-cores",
-        choices=("auto", "on", "off"),
-        default="auto",
-        help="FlashInfer's decode kernel (auto: tensor cores where the GQA group exceeds 4)",
-    )
+    opt = ap.add_argument
+    h = "tiny models and workload on CPU (float32), FlashInfer's stand-in"
+    opt("--dry-run", action="store_true", help=h)
+    opt("--no-stand-in", action="store_true", help="dry run without FlashInfer's stand-in (torch)")
+    h = "one call of the plan in the header (phases, families, sizes)"
+    opt("--call", choices=sorted(CALLS), help=h)
+    h = f"comma-separated, in order, of {','.join(PHASES)}"
+    opt("--phases", default=",".join(PHASES), help=h)
+    h = f"agreement families, of {','.join(FAMILIES)}"
+    opt("--families", default=",".join(FAMILIES), help=h)
+    h = "report, log, summary (default $OUT)"
+    opt("--out", default=os.environ.get("OUT") or "gpu_check_out", help=h)
+    opt("--json", help="the report's path (default OUT/gpu_check.json)")
+    h = "seconds for all phases (each stops when it runs out)"
+    opt("--budget", type=float, default=540.0, help=h)
+    opt("--requests", type=int, default=256)
+    h = "cap on each transformers run, seconds"
+    opt("--hf-max-time", type=float, default=90.0, help=h)
+    opt("--max-num-seqs", type=int, default=256)
+    opt("--max-num-batched-tokens", type=int, default=16384)
+    h = "FlashInfer: FA2 prefill and tensor-core decode (--prefill-backend fa2 "
+    opt("--fa2", action="store_true", help=h + "--decode-tensor-cores on)")
+    h = "FlashInfer's prefill kernels (auto: FA3 on Hopper, the slowest to JIT-compile)"
+    opt("--prefill-backend", choices=("auto", "fa2", "fa3"), default="auto", help=h)
+    h = "FlashInfer's decode kernel (auto: tensor cores where the GQA group exceeds 4)"
+    opt("--decode-tensor-cores", choices=("auto", "on", "off"), default="auto", help=h)
     ap.add_argument("--phase", help=argparse.SUPPRESS)
     ap.add_argument("--part", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)

@@ -25,6 +25,7 @@ import sys
 import torch
 
 PAGE, Q_HEADS, KV_HEADS, HEAD_DIM = 16, 8, 2, 128
+SHAPE = (Q_HEADS, KV_HEADS, HEAD_DIM, PAGE)  # plan()'s arguments after the page table
 
 
 def _pages(seq_lens: list[int], num_pages: int, g: torch.Generator) -> list[list[int]]:
@@ -39,14 +40,9 @@ def _pages(seq_lens: list[int], num_pages: int, g: torch.Generator) -> list[list
 
 
 def _csr(pages: list[list[int]], seq_lens: list[int], device: str) -> tuple[torch.Tensor, ...]:
-    indptr = torch.tensor(
-        [0] + [sum(map(len, pages[: i + 1])) for i in range(len(pages))],
-        dtype=torch.int32,
-        device=device,
-    )
-    indices = torch.tensor([p for ps in pages for p in ps], dtype=torch.int32, device=device)
-    last = torch.tensor([(n - 1) % PAGE + 1 for n in seq_lens], dtype=torch.int32, device=device)
-    return indptr, indices, last
+    indptr = [0] + [sum(map(len, pages[: i + 1])) for i in range(len(pages))]
+    indices, last = [p for ps in pages for p in ps], [(n - 1) % PAGE + 1 for n in seq_lens]
+    return tuple(torch.tensor(x, dtype=torch.int32, device=device) for x in (indptr, indices, last))
 
 
 def _reference(
@@ -62,15 +58,9 @@ def _reference(
     outs, start = [], 0
     for ps, n, m in zip(pages, seq_lens, q_lens):
         kv = cache[torch.tensor(ps, device=cache.device)].float()  # [pages, 2, PAGE, H, D]
-        k = (
-            kv[:, 0]
-            .reshape(-1, KV_HEADS, HEAD_DIM)[:n]
-            .repeat_interleave(Q_HEADS // KV_HEADS, dim=1)
-        )
-        v = (
-            kv[:, 1]
-            .reshape(-1, KV_HEADS, HEAD_DIM)[:n]
-            .repeat_interleave(Q_HEADS // KV_HEADS, dim=1)
+        k, v = (
+            kv[:, i].reshape(-1, KV_HEADS, HEAD_DIM)[:n].repeat_interleave(Q_HEADS // KV_HEADS, 1)
+            for i in (0, 1)
         )
         qs = q[start : start + m].float()
         logits = torch.einsum("qhd,khd->hqk", qs, k) * HEAD_DIM**-0.5
@@ -103,6 +93,7 @@ def run(device: str, stand_in: bool = False) -> list[dict]:
     # sometimes takes a less exact path (errors up to ~2.5e-4 after the soft cap's x30 were seen)
     tol = 1e-3 if dtype == torch.float32 else 3e-2
     g = torch.Generator().manual_seed(0)
+    types = dict(q_data_type=dtype, kv_data_type=dtype)
     results = []
     workspace = torch.zeros(
         128 << 20 if device == "cuda" else 1 << 10, dtype=torch.uint8, device=device
@@ -118,29 +109,11 @@ def run(device: str, stand_in: bool = False) -> list[dict]:
     q = torch.randn(sum(q_lens), Q_HEADS, HEAD_DIM, generator=g).to(device, dtype)
     for window_left, softcap in ((-1, None), (31, 30.0)):
         w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
-        w.plan(
-            qo,
-            indptr,
-            indices,
-            last,
-            Q_HEADS,
-            KV_HEADS,
-            HEAD_DIM,
-            PAGE,
-            causal=True,
-            window_left=window_left,
-            logits_soft_cap=softcap,
-            q_data_type=dtype,
-            kv_data_type=dtype,
-        )
-        results.append(
-            _check(
-                f"prefill window {window_left} softcap {softcap}",
-                w.run(q, cache),
-                _reference(q, cache, pages, seq_lens, q_lens, window_left, softcap),
-                tol,
-            )
-        )
+        mask = dict(causal=True, window_left=window_left, logits_soft_cap=softcap)
+        w.plan(qo, indptr, indices, last, *SHAPE, **mask, **types)
+        expected = _reference(q, cache, pages, seq_lens, q_lens, window_left, softcap)
+        name = f"prefill window {window_left} softcap {softcap}"
+        results.append(_check(name, w.run(q, cache), expected, tol))
 
     # decode, with and without tensor cores
     seq_lens = [5, 70, 129, 16]
@@ -150,17 +123,7 @@ def run(device: str, stand_in: bool = False) -> list[dict]:
     expected = _reference(q, cache, pages, seq_lens, [1] * len(seq_lens), -1, None)
     for tc in (False, True):
         w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=tc)
-        w.plan(
-            indptr,
-            indices,
-            last,
-            Q_HEADS,
-            KV_HEADS,
-            HEAD_DIM,
-            PAGE,
-            q_data_type=dtype,
-            kv_data_type=dtype,
-        )
+        w.plan(indptr, indices, last, *SHAPE, **types)
         results.append(_check(f"decode tensor cores {tc}", w.run(q, cache), expected, tol))
 
     # CUDA-graph decode: fixed buffers, captured on padding-like data, re-planned twice and replayed
@@ -184,7 +147,7 @@ def run(device: str, stand_in: bool = False) -> list[dict]:
         torch.zeros(b, dtype=torch.int32, device=device),
         torch.ones(b, dtype=torch.int32, device=device),
     )
-    w.plan(*pad, Q_HEADS, KV_HEADS, HEAD_DIM, PAGE, q_data_type=dtype, kv_data_type=dtype)
+    w.plan(*pad, *SHAPE, **types)
     graph = None
     if device == "cuda":
         out_buf.copy_(w.run(q_buf, cache))  # warm up outside the capture
@@ -197,31 +160,15 @@ def run(device: str, stand_in: bool = False) -> list[dict]:
         pages = _pages(lens, num_pages, g)
         indptr, indices, last = _csr(pages, lens, device)
         q = torch.randn(b, Q_HEADS, HEAD_DIM, generator=g).to(device, dtype)
-        w.plan(
-            indptr,
-            indices,
-            last,
-            Q_HEADS,
-            KV_HEADS,
-            HEAD_DIM,
-            PAGE,
-            q_data_type=dtype,
-            kv_data_type=dtype,
-        )
+        w.plan(indptr, indices, last, *SHAPE, **types)
         q_buf.copy_(q)
         if graph is not None:
             graph.replay()
             torch.cuda.synchronize()
         else:
             out_buf.copy_(w.run(q_buf, cache))
-        results.append(
-            _check(
-                f"graph decode replay {round_ + 1}",
-                out_buf,
-                _reference(q, cache, pages, lens, [1] * b, -1, None),
-                tol,
-            )
-        )
+        expected = _reference(q, cache, pages, lens, [1] * b, -1, None)
+        results.append(_check(f"graph decode replay {round_ + 1}", out_buf, expected, tol))
     return results
 
 
