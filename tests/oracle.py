@@ -117,3 +117,25 @@ def processed_violations(
         if gap > tol:
             bad.append((i, tok, int(scores.argmax()), gap))
     return bad
+
+
+def assert_hidden_states_close(
+    ours, theirs, mask: torch.Tensor, eos: int, tol: float = 1e-4
+) -> None:
+    """``output_hidden_states`` of two generate outputs agree (``tol``, absolute) at every position
+    both compute: the prompt's real tokens in the first entry, then each row's generated tokens
+    until it ends (after that transformers runs pad tokens, a patched model nothing: zeros)."""
+    width = mask.shape[1]
+    generated = theirs.sequences[:, width:]
+    assert len(ours.hidden_states) == len(theirs.hidden_states) == generated.shape[1]
+    for step, (a, b) in enumerate(zip(ours.hidden_states, theirs.hidden_states)):
+        assert len(a) == len(b)
+        if step == 0:
+            keep = mask.bool()
+        else:  # the token fed at step j is the row's j-1th; a row that made EOS before is over
+            keep = ~(generated[:, :step] == eos).any(dim=1, keepdim=True)
+        for x, y in zip(a, b):
+            assert x.shape == y.shape, (step, x.shape, y.shape)
+            gap = float((x[keep] - y[keep]).abs().max()) if keep.any() else 0.0
+            assert gap < tol, f"step {step}: hidden states {gap:.2e} apart"
+            assert not x[~keep].any(), f"step {step}: states where nothing was computed"

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from ..requests.request import FinishReason, Request
 from . import latency_stats
 from .scoring import ScoreOutput, prompt_logprobs_output, score_output
@@ -46,6 +48,9 @@ class RequestOutput:
     # with SamplingParams(prompt_logprobs=k): None for the first prompt token, then per token
     # (its logprob, {token: logprob} of the k most likely)
     prompt_logprobs: list | None = None
+    # SamplingParams.output_hidden_states: [layers + 1, positions, hidden], the prompt's positions
+    # and each generated token's but the last
+    hidden_states: torch.Tensor | None = None
 
     @property
     def token_ids(self) -> list[int]:
@@ -108,6 +113,7 @@ class OutputsMixin:
             preemptions=row["preemptions"],
             error=error,
             prompt_logprobs=prompt_logprobs_output(root),
+            hidden_states=torch.cat(root.hidden_states, dim=1) if root.hidden_states else None,
         )
 
     def _completion(self, r: Request) -> Completion:

@@ -45,6 +45,8 @@ class StepMetadata:
     # after the sampled rows, in row order: (request, first target, count) of its scored rows
     score_rows: list[tuple[Request, int, int]] = field(default_factory=list)
     groups: list[GroupTables] = field(default_factory=list)
+    # requests that asked for hidden states: (first position computed, [layers + 1, n, hidden])
+    hidden_states: dict[Request, tuple[int, torch.Tensor]] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:

@@ -258,7 +258,8 @@ class ModelRunner:
     def _forward(
         self, meta: StepMetadata, scheduled: list[tuple[Request, int]]
     ) -> tuple[torch.Tensor, StepMetadata]:
-        if self.decode is not None and self.decode.can_run(meta):
+        asking = [i for i, (req, _) in enumerate(scheduled) if req.params.output_hidden_states]
+        if not asking and self.decode is not None and self.decode.can_run(meta):
             return self.decode.run(meta), meta
         self.backend.plan(meta)
         mixers = contextlib.nullcontext()
@@ -283,9 +284,31 @@ class ModelRunner:
                 position_ids=meta.positions[None],
                 use_cache=False,
                 logits_to_keep=meta.logits_indices,
+                **({"output_hidden_states": True} if asking else {}),
             )
+        if asking:
+            meta.hidden_states = _rows_hidden_states(out.hidden_states, scheduled, asking, meta)
         logits = out.logits[0]
         # a forward without logits_to_keep (Whisper's): every row
         if logits.shape[0] != meta.logits_indices.numel():
             logits = logits.index_select(0, meta.logits_indices)
         return logits, meta
+
+
+def _rows_hidden_states(
+    layers: tuple[torch.Tensor, ...],
+    scheduled: list[tuple[Request, int]],
+    asking: list[int],
+    meta: StepMetadata,
+) -> dict[Request, tuple[int, torch.Tensor]]:
+    """The asking requests' rows of each layer's packed ``[1, T, hidden]`` states."""
+    starts = [0]
+    for n in meta.q_lens:
+        starts.append(starts[-1] + n)
+    return {
+        scheduled[i][0]: (
+            scheduled[i][0].num_computed_tokens,
+            torch.stack([h[0, starts[i] : starts[i + 1]] for h in layers]),
+        )
+        for i in asking
+    }

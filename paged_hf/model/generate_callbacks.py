@@ -128,7 +128,12 @@ def plan_call(
         logits=bool(gc.return_dict_in_generate and gc.output_logits),
     )
     # the call does everything transformers' loop does; each row only computes its logits
-    each_row = SamplingParams(max_new_tokens=max_new, n=params.n, ignore_eos=True)
+    each_row = SamplingParams(
+        max_new_tokens=max_new,
+        n=params.n,
+        ignore_eos=True,
+        output_hidden_states=params.output_hidden_states,
+    )
     return CallPlan(call, each_row, [], native_stops=False)
 
 

@@ -51,6 +51,8 @@ JOINT_SAMPLING_SETTINGS = {
     "top_h": None,
 }  # with do_sample
 JOINT_OUTPUTS = ("output_scores", "output_logits")  # with return_dict_in_generate
+# recorded by the engine for the rows that ask (with return_dict_in_generate; one sequence a prompt)
+ENGINE_OUTPUTS = ("output_hidden_states",)
 # beam search: transformers' own, on shared blocks
 BEAM_SETTINGS = (
     "num_beams",
@@ -73,7 +75,6 @@ REFUSED_SETTINGS = {
     "watermarking_config": (None,),
     "token_healing": (None, False),
     "output_attentions": (False,),
-    "output_hidden_states": (False,),
 }
 # what transformers itself does with them for a decoder-only model given input_ids: nothing to the result
 NO_EFFECT_SETTINGS = {
@@ -121,6 +122,10 @@ def option_rows() -> dict[str, tuple[str, str]]:
     rows.update((name, (CALLBACKS, "")) for name in JOINT_SETTINGS)
     rows.update((name, (CALLBACKS, "with do_sample")) for name in JOINT_SAMPLING_SETTINGS)
     rows.update((name, (CALLBACKS, "with return_dict_in_generate")) for name in JOINT_OUTPUTS)
+    rows.update(
+        (name, (ENGINE, "with return_dict_in_generate; not with beams or n > 1"))
+        for name in ENGINE_OUTPUTS
+    )
     rows.update(
         (name, (CALLBACKS, "beam search" if name == "num_beams" else "with num_beams > 1"))
         for name in BEAM_SETTINGS

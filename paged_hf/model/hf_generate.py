@@ -22,6 +22,7 @@ from ..engine.outputs import RequestOutput
 from ..requests.detokenizer import StopStrings
 from ..requests.sampling_params import SamplingParams
 from .generate_callbacks import CallPlan, GenerateCall, plan_call
+from .generate_hidden_states import as_transformers_returns
 from .generate_options import REFUSED_SETTINGS
 
 logger = logging.getLogger("paged_hf")
@@ -127,7 +128,12 @@ def paged_generate(
         streamer,
         call.input_ids,
     )
-    return _result(call, plan, outputs)
+    result = _result(call, plan, outputs)
+    if call.params.output_hidden_states:
+        result.hidden_states = as_transformers_returns(
+            outputs, call.attention_mask, result.sequences.shape[1] - call.input_ids.shape[1]
+        )
+    return result
 
 
 def _read_call(
@@ -158,6 +164,7 @@ def _read_call(
     gc, model_kwargs = model._prepare_generation_config(generation_config, **kwargs)
     attention_mask = model_kwargs.pop("attention_mask", None)
     model_kwargs.pop("use_cache", None)
+    model_kwargs.pop("output_hidden_states", None)  # the config's, read below
     _refuse_model_kwargs(model_kwargs)
     refused = [
         f"{name}={getattr(gc, name, None)!r}"
@@ -170,6 +177,14 @@ def _read_call(
             "generate runs greedy search, sampling and beam search; docs/generate.md lists what "
             "runs); paged_hf.unpatch(model) gives transformers' own generate"
         )
+    # transformers returns hidden states only in its output dict
+    hidden = bool(gc.output_hidden_states and gc.return_dict_in_generate)
+    if hidden and ((gc.num_beams or 1) > 1 or (gc.num_return_sequences or 1) > 1):
+        raise NotImplementedError(
+            "paged_hf generate: output_hidden_states=True with num_beams > 1 or "
+            "num_return_sequences > 1: not supported on a patched model (one sequence a prompt); "
+            "paged_hf.unpatch(model) gives transformers' own generate"
+        )
     eos = gc.eos_token_id
     eos_list = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
     pad = gc.pad_token_id if gc.pad_token_id is not None else (eos_list[0] if eos_list else 0)
@@ -180,7 +195,7 @@ def _read_call(
             attention_mask = (input_ids != gc.pad_token_id).long()
     _warn_right_padding(attention_mask)
     _resolve_lengths(model, gc, input_ids, unset)
-    params = _sampling_params(gc, input_ids.shape[1])
+    params = _sampling_params(gc, input_ids.shape[1]).with_(output_hidden_states=hidden)
     # transformers favours every id of the rows as they are, pad included, and ignores the penalty
     # (with a warning) where an id is negative
     encoder_rows = params.encoder_repetition_penalty != 1.0 and bool((input_ids >= 0).all())

@@ -126,6 +126,10 @@ class Request:
     scored: list = field(default_factory=list)
     # a scoring request: computes its prompt's logits and finishes, samples nothing
     prefill_only: bool = False
+    # params.output_hidden_states: per step that computed positions of it not recorded yet,
+    # [layers + 1, positions, hidden] (positions 0.. in order; a recompute adds none twice)
+    hidden_states: list = field(default_factory=list)
+    hidden_positions: int = 0  # positions recorded so far
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_ids)
@@ -177,6 +181,8 @@ class Request:
         limit = self.num_tokens - 1
         if self.score_targets is not None and len(self.scored) < len(self.score_targets):
             limit = min(limit, self.score_start + len(self.scored))
+        if self.params.output_hidden_states:  # the cache keeps KV, not hidden states
+            limit = min(limit, self.hidden_positions)
         return limit
 
     def score_rows(self, start: int, end: int) -> tuple[int, int]:

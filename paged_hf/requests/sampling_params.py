@@ -94,6 +94,10 @@ class SamplingParams:
     priority: int = 0
     ttft_target_s: float | None = None
     tpot_target_s: float | None = None
+    # every layer's hidden states (and the embeddings') at each position it computes: the prompt's
+    # and each generated token's but the last (transformers' output_hidden_states); only requests
+    # that ask pay, and they compute their whole prompt (the prefix cache keeps no hidden states)
+    output_hidden_states: bool = False
 
     def __post_init__(self) -> None:
         # its text is the key compiled grammars are cached by
@@ -272,6 +276,13 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and not (_finite(value) and value > 0):
                 raise _bad(who, name, value, "None or a number of seconds > 0")
+        if self.output_hidden_states not in (True, False):
+            raise _bad(who, "output_hidden_states", self.output_hidden_states, "True or False")
+        if self.output_hidden_states and self.n > 1:
+            raise ValueError(
+                f"{who}: output_hidden_states with n={self.n} parallel samples is not supported "
+                "(one sample a request)"
+            )
 
     @property
     def is_greedy(self) -> bool:

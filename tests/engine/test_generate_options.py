@@ -25,6 +25,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from tiny_models import EOS_ID, left_pad, make_tiny_model, tiny_prompts
+from oracle import assert_hidden_states_close
 from tiny_tokenizer import make_tiny_tokenizer
 from transformers import (
     ContinuousBatchingConfig,
@@ -295,7 +296,7 @@ def _their_distribution(processors, vocab: int) -> torch.Tensor:
     return processors(torch.zeros(3, 1, dtype=torch.long), _logits(vocab)).softmax(-1)
 
 
-def _assert_same_result(field, ids, ours, theirs, seen, vocab):
+def _assert_same_result(field, ids, mask, ours, theirs, seen, vocab):
     assert not isinstance(theirs, Exception), f"pick a value transformers runs: {theirs!r}"
     assert not isinstance(ours, Exception), f"{field}: {ours!r}"
     ours_seq, theirs_seq = _sequences(ours), _sequences(theirs)
@@ -311,6 +312,8 @@ def _assert_same_result(field, ids, ours, theirs, seen, vocab):
     assert torch.equal(ours_seq, theirs_seq), (
         f"{field}: {ours_seq[:, ids.shape[1] :]} vs {theirs_seq[:, ids.shape[1] :]}"
     )
+    if getattr(theirs, "hidden_states", None) is not None:
+        assert_hidden_states_close(ours, theirs, mask, EOS_ID)
     for name in ("scores", "logits"):
         if getattr(theirs, name, None) is not None:
             for a, b in zip(getattr(ours, name), getattr(theirs, name), strict=True):
@@ -338,7 +341,7 @@ def test_each_field_from_each_place_is_transformers_or_refused(setup, tok, field
         assert isinstance(theirs, Exception)
         settings.pop(field)
         theirs = _call(reference, ids, mask, settings, keywords, source)
-    _assert_same_result(field, ids, ours, theirs, seen, reference.config.vocab_size)
+    _assert_same_result(field, ids, mask, ours, theirs, seen, reference.config.vocab_size)
 
 
 @pytest.mark.parametrize("field", FIELDS)
@@ -351,7 +354,7 @@ def test_each_field_unset_is_transformers_and_setting_it_changes_transformers(se
         ids = torch.tensor(prompts["ids"])
         mask = torch.ones_like(ids)
     ours, theirs, seen = _both(reference, model, ids, mask, settings, keywords, "keyword")
-    _assert_same_result(field, ids, ours, theirs, seen, reference.config.vocab_size)
+    _assert_same_result(field, ids, mask, ours, theirs, seen, reference.config.vocab_size)
     how, _ = options.option_rows()[field]
     if how in (options.NO_EFFECT, options.REFUSED) or field in UNCHANGED_HERE:
         return
@@ -361,7 +364,7 @@ def test_each_field_unset_is_transformers_and_setting_it_changes_transformers(se
     differs = (
         _sequences(changed).shape != _sequences(theirs).shape
         or not torch.equal(_sequences(changed), _sequences(theirs))
-        or any(getattr(changed, k, None) is not None for k in ("scores", "logits"))
+        or any(getattr(changed, k, None) is not None for k in ("scores", "logits", "hidden_states"))
     )
     if with_field.get("do_sample"):  # the distribution transformers draws from, not the draw
         vocab = reference.config.vocab_size
