@@ -24,8 +24,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from tiny_models import EOS_ID, left_pad, make_tiny_model, tiny_prompts
 from oracle import assert_hidden_states_close
+from tiny_models import EOS_ID, left_pad, make_tiny_model, tiny_prompts
 from tiny_tokenizer import make_tiny_tokenizer
 from transformers import (
     ContinuousBatchingConfig,
