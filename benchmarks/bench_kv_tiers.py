@@ -63,14 +63,9 @@ def eval_worker(args) -> dict:
     wall = time.perf_counter() - start
     samples = sorted(res["samples"]["phf_gen_shots"], key=lambda x: x["doc_id"])
     outputs = [x["filtered_resps"] for x in samples]
-    return {
-        "eval_s": wall,
-        "import_s": t1 - t0,
-        "load_s": t2 - t1,
-        "metrics": common.eval_metrics(res, "phf_gen_shots"),
-        "outputs": outputs,
-        **_engine(lm.engine),
-    }
+    row = {"eval_s": wall, "import_s": t1 - t0, "load_s": t2 - t1}
+    row |= {"metrics": common.eval_metrics(res, "phf_gen_shots"), "outputs": outputs}
+    return row | _engine(lm.engine)
 
 
 def document_worker(args) -> dict:
@@ -83,20 +78,17 @@ def document_worker(args) -> dict:
     document = _document(tok, args.doc_tokens)
     ttfts, answers = [], []
     for i in range(args.questions):
-        messages = [
-            {"role": "user", "content": f"{document}\n\nQuestion {i + 1}: {QUESTIONS[i % 8]}"}
-        ]
-        prompt = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        question = {
+            "role": "user",
+            "content": f"{document}\n\nQuestion {i + 1}: {QUESTIONS[i % 8]}",
+        }
+        prompt = tok.apply_chat_template([question], tokenize=False, add_generation_prompt=True)
         out = engine.generate([prompt], SamplingParams(max_new_tokens=8))[0]
         ttfts.append(out.ttft)
         answers.append(out.token_ids)
     engine.flush_kv_tiers()
-    return {
-        "first_ttft_s": ttfts[0],
-        "other_ttft_median_s": statistics.median(ttfts[1:]),
-        "answers": answers,
-        **_engine(engine),
-    }
+    row = {"first_ttft_s": ttfts[0], "other_ttft_median_s": statistics.median(ttfts[1:])}
+    return row | {"answers": answers} | _engine(engine)
 
 
 def host_worker(args) -> dict:
@@ -120,38 +112,26 @@ def host_worker(args) -> dict:
     configs = [("pool alone", None, "eviction"), ("host tier", room, "eviction")]
     configs += [("host tier, written through", room, "through")]
     for name, host, write in configs:
-        engine = paged_hf.Engine(
-            model, tok, num_blocks=blocks, kv_host_cache_bytes=host, kv_host_write=write
-        )
+        tier = dict(kv_host_cache_bytes=host, kv_host_write=write)
+        engine = paged_hf.Engine(model, tok, num_blocks=blocks, **tier)
         start = time.perf_counter()
         for k in range(0, len(order), 4):
             batch = [prompts[i] for i in order[k : k + 4]]
             engine.generate(batch, SamplingParams(max_new_tokens=4, ignore_eos=True))
         wall = time.perf_counter() - start
         s = engine.stats()
-        out[name] = {
-            "wall_s": wall,
-            "prompts_per_s": len(order) / wall,
-            "prompt_tokens": s["prompt_tokens"],
-            "prefill_tokens_computed": s["prefill_tokens_computed"],
-            "prefix_hit_tokens": s["prefix_hit_tokens"],
-            "host_hit_tokens": s["kv_tiers"].get("host", {}).get("hit_tokens", 0),
-            "host_stored_blocks": s["kv_tiers"].get("host", {}).get("stored_blocks", 0),
-            "tiers": s["kv_tiers"].get("total"),
-        }
+        host = s["kv_tiers"].get("host", {})
+        out[name] = {"wall_s": wall, "prompts_per_s": len(order) / wall}
+        out[name] |= {k: s[k] for k in ("prompt_tokens", "prefill_tokens_computed")}
+        out[name] |= {"prefix_hit_tokens": s["prefix_hit_tokens"]}
+        out[name] |= {f"host_{k}": host.get(k, 0) for k in ("hit_tokens", "stored_blocks")}
+        out[name]["tiers"] = s["kv_tiers"].get("total")
     return {"configs": out, "num_blocks": blocks, "prompts": len(prompts)}
 
 
-QUESTIONS = [
-    "Who went to the market?",
-    "How many apples were there at the end?",
-    "What was the weather like?",
-    "Who had the most stamps?",
-    "Where did they go after school?",
-    "How many coins were given away?",
-    "What did the dog do?",
-    "Summarise the first paragraph in five words.",
-]
+QUESTIONS = """Who went to the market?|How many apples were there at the end?|What was the weather
+like?|Who had the most stamps?|Where did they go after school?|How many coins were given away?|What
+did the dog do?|Summarise the first paragraph in five words.""".replace("\n", " ").split("|")
 
 
 def _document(tok, n_tokens: int) -> str:
@@ -169,15 +149,12 @@ def _document(tok, n_tokens: int) -> str:
 def _engine(engine) -> dict:
     s = engine.stats()
     disk, total = s["kv_tiers"].get("disk", {}), s["kv_tiers"].get("total", {})
-    return {
-        "prompt_tokens": s["prompt_tokens"],
-        "prefill_tokens_computed": s["prefill_tokens_computed"],
-        "prefix_hit_tokens": s["prefix_hit_tokens"],
-        "disk": {
-            k: disk.get(k) for k in ("hit_tokens", "stored_blocks", "bytes_read", "bytes_written")
-        }
-        | {k: total.get(k) for k in ("read_s", "load_s", "write_s", "recompute_saved_s")},
+    row = {k: s[k] for k in ("prompt_tokens", "prefill_tokens_computed", "prefix_hit_tokens")}
+    row["disk"] = {
+        k: disk.get(k) for k in "hit_tokens stored_blocks bytes_read bytes_written".split()
     }
+    row["disk"] |= {k: total.get(k) for k in ("read_s", "load_s", "write_s", "recompute_saved_s")}
+    return row
 
 
 def run_worker(kind: str, kv_dir: str | None, args) -> dict:
@@ -206,11 +183,8 @@ def main(argv=None) -> int:
     p.add_argument("--doc-tokens", type=int, default=4000)
     common.add_threads(p, default=2)
     p.add_argument("--dtype", default="bfloat16", help="bfloat16 or float32")
-    p.add_argument(
-        "--batch-invariant",
-        action="store_true",
-        help="eval: EngineConfig(batch_invariant=True), outputs independent of batch shapes",
-    )
+    h = "eval: EngineConfig(batch_invariant=True), outputs independent of batch shapes"
+    p.add_argument("--batch-invariant", action="store_true", help=h)
     p.add_argument("--timeout", type=float, default=1200.0, help="per process")
     p.add_argument(
         "--quick", action="store_true", help="20 prompts, 8 questions, 1k-token document"

@@ -100,22 +100,14 @@ def _hf_generate(
     from transformers import GenerationConfig, StoppingCriteriaList
 
     width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(prompts), width), dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p) :] = torch.tensor(p)
-        mask[i, width - len(p) :] = 1
-    gc = GenerationConfig(
-        do_sample=False, max_new_tokens=n_new, min_new_tokens=n_new, pad_token_id=pad_id
-    )
+    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], dtype=torch.long)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    length = dict(max_new_tokens=n_new, min_new_tokens=n_new)
+    gc = GenerationConfig(do_sample=False, pad_token_id=pad_id, **length)
     clock = _StepClock()
     with torch.inference_mode():
-        out = model.generate(
-            input_ids=ids,
-            attention_mask=mask,
-            generation_config=gc,
-            stopping_criteria=StoppingCriteriaList([clock]),
-        )
+        stop = StoppingCriteriaList([clock])
+        out = model.generate(ids, attention_mask=mask, generation_config=gc, stopping_criteria=stop)
     new = out[:, width:]
     assert new.shape[1] == n_new and len(clock.times) == n_new, (new.shape, len(clock.times), n_new)
     return new, clock.times, width
@@ -178,11 +170,8 @@ def run_hf_cb(model: torch.nn.Module, w: Workload) -> RunResult:
     n = len(w.requests)
     max_out = max(r.n_out for r in w.requests)
     gc = GenerationConfig(do_sample=False, max_new_tokens=max_out, eos_token_id=-1)
-    hints = WorkloadHints(
-        max_prompt_length=max(len(r.prompt) for r in w.requests),
-        max_generated_length=max_out,
-        num_requests=n,
-    )
+    longest = max(len(r.prompt) for r in w.requests)
+    hints = WorkloadHints(max_prompt_length=longest, max_generated_length=max_out, num_requests=n)
     # On CPU its default sizes the cache from a share of the machine's RAM (8-12 GiB here, on a
     # 24 GiB machine shared with others); give it exactly room for every request at once instead.
     page = ContinuousBatchingConfig().page_size
@@ -196,16 +185,13 @@ def run_hf_cb(model: torch.nn.Module, w: Workload) -> RunResult:
     late = [i for i, r in enumerate(w.requests) if r.late]
     streaming = bool(late)  # to see when the early requests are decoding
     counter = ForwardCounter(model)
+    manager_options = dict(block=True, timeout=10, workload_hints=hints)
     t_setup = time.perf_counter()
     try:
         with (
             torch.inference_mode(),
             model.continuous_batching_context_manager(
-                generation_config=gc,
-                continuous_batching_config=cb_config,
-                block=True,
-                timeout=10,
-                workload_hints=hints,
+                generation_config=gc, continuous_batching_config=cb_config, **manager_options
             ) as manager,
         ):
             setup_s = time.perf_counter() - t_setup
@@ -215,14 +201,8 @@ def run_hf_cb(model: torch.nn.Module, w: Workload) -> RunResult:
             def add(i: int) -> None:
                 r = w.requests[i]
                 arrival[i] = time.perf_counter()
-                manager.add_request(
-                    r.prompt,
-                    request_id=f"r{i}",
-                    max_new_tokens=r.n_out,
-                    streaming=streaming,
-                    record_timestamps=True,
-                    eos_token_id=-1,
-                )
+                options = dict(streaming=streaming, record_timestamps=True, eos_token_id=-1)
+                manager.add_request(r.prompt, request_id=f"r{i}", max_new_tokens=r.n_out, **options)
 
             t0 = time.perf_counter()
             for i in early:
@@ -251,13 +231,8 @@ def run_hf_cb(model: torch.nn.Module, w: Workload) -> RunResult:
         counter.close()
     tokens = [list(results[i].generated_tokens) for i in range(n)]
     times = [list(results[i].timestamps) for i in range(n)]
-    extra = {
-        "kv_waste": None,
-        "prefix_hit_rate": None,
-        "setup_s": setup_s,
-        "cb_num_blocks": cb_config.num_blocks,
-        "cb_page_size": page,
-    }
+    extra = dict(kv_waste=None, prefix_hit_rate=None, setup_s=setup_s)
+    extra.update(cb_num_blocks=cb_config.num_blocks, cb_page_size=page)
     return RunResult(
         tokens, arrival, times, t0, t1, counter.tokens, forward_sizes=counter.sizes, extra=extra
     )

@@ -83,14 +83,12 @@ def _tokens(rng: random.Random, pool: list[int], n: int) -> list[int]:
     return [pool[rng.randrange(len(pool))] for _ in range(n)]
 
 
+Range = tuple[int, int]  # (least, most), both included
+
+
 def w_mixed(
-    pool: list[int],
-    n: int = 64,
-    seed: int = 0,
-    prompt_len: tuple[int, int] = (20, 300),
-    out_len: tuple[int, int] = (16, 128),
-    name: str | None = None,
-) -> Workload:
+    pool, n=64, seed=0, prompt_len: Range = (20, 300), out_len: Range = (16, 128), name=None
+):
     rng = random.Random(f"w-mixed/{seed}")
     reqs = [
         BenchRequest(_tokens(rng, pool, rng.randint(*prompt_len)), rng.randint(*out_len))
@@ -104,15 +102,7 @@ def warm(pool: list[int]) -> Workload:
     return w_mixed(pool, n=2, seed=12345, prompt_len=(16, 24), out_len=(3, 3), name="warm-up")
 
 
-def w_prefix(
-    pool: list[int],
-    n: int = 64,
-    seed: int = 0,
-    prefix_len: int = 512,
-    suffix_len: tuple[int, int] = (16, 64),
-    n_out: int = 32,
-    name: str | None = None,
-) -> Workload:
+def w_prefix(pool, n=64, seed=0, prefix_len=512, suffix_len: Range = (16, 64), n_out=32, name=None):
     rng = random.Random(f"w-prefix/{seed}")
     prefix = _tokens(rng, pool, prefix_len)
     reqs = [
@@ -122,14 +112,8 @@ def w_prefix(
 
 
 def w_prefix_long(
-    pool: list[int],
-    n: int = 64,
-    seed: int = 0,
-    prefix_len: int = 512,
-    own_len: tuple[int, int] = (20, 300),
-    out_len: tuple[int, int] = (16, 128),
-    name: str | None = None,
-) -> Workload:
+    pool, n=64, seed=0, prefix_len=512, own_len=(20, 300), out_len=(16, 128), name=None
+):
     rng = random.Random(f"w-prefix-long/{seed}")
     prefix = _tokens(rng, pool, prefix_len)
     reqs = [
@@ -140,78 +124,48 @@ def w_prefix_long(
 
 
 def w_long(
-    pool: list[int],
-    n_short: int = 32,
-    n_long: int = 4,
-    seed: int = 0,
-    long_len: int = 2000,
-    short_prompt: tuple[int, int] = (20, 120),
-    short_out: int = 128,
-    long_out: int = 16,
-    late_after: int = 4,
-    name: str | None = None,
-) -> Workload:
+    pool,
+    n_short=32,
+    n_long=4,
+    seed=0,
+    long_len=2000,
+    short_prompt: Range = (20, 120),
+    short_out=128,
+    long_out=16,
+    late_after=4,
+    name=None,
+):
     rng = random.Random(f"w-long/{seed}")
     shorts = [
         BenchRequest(_tokens(rng, pool, rng.randint(*short_prompt)), short_out)
         for _ in range(n_short)
     ]
     longs = [BenchRequest(_tokens(rng, pool, long_len), long_out, late=True) for _ in range(n_long)]
-    return Workload(
-        name or "W-long", shorts + longs, focus=list(range(n_short)), late_after=late_after
-    )
+    focus = list(range(n_short))  # the short requests' latency: what the long prefills hurt
+    return Workload(name or "W-long", shorts + longs, focus=focus, late_after=late_after)
 
 
-def build(
-    names: list[str],
-    pool: list[int],
-    *,
-    mixed_n: int = 64,
-    mixed_out: tuple[int, int] = (16, 128),
-    scale: float = 1.0,
-    seed: int = 0,
-) -> list[Workload]:
+def build(names, pool, *, mixed_n=64, mixed_out: Range = (16, 128), scale=1.0, seed=0):
     """The workloads named in ``names`` ("mixed", "prefix", "prefix_long", "long"); ``scale`` < 1
     shrinks them (W-mixed and W-prefix-long take ``mixed_n`` requests and ``mixed_out`` outputs)."""
+
+    def scaled(least: int, n: int) -> int:
+        return max(least, round(n * scale))
+
+    prefix_len = max(16, round(512 * scale) // 16 * 16)
     out = []
     for name in names:
         if name == "mixed":
             out.append(w_mixed(pool, mixed_n, seed, out_len=mixed_out))
         elif name == "prefix":
-            n = max(2, round(64 * scale))
-            out.append(
-                w_prefix(
-                    pool,
-                    n,
-                    seed,
-                    prefix_len=max(16, round(512 * scale) // 16 * 16),
-                    n_out=max(4, round(32 * scale)),
-                )
-            )
+            out.append(w_prefix(pool, scaled(2, 64), seed, prefix_len, n_out=scaled(4, 32)))
         elif name == "prefix_long":
-            out.append(
-                w_prefix_long(
-                    pool,
-                    mixed_n,
-                    seed,
-                    prefix_len=max(16, round(512 * scale) // 16 * 16),
-                    own_len=(max(2, round(20 * scale)), max(4, round(300 * scale))),
-                    out_len=mixed_out,
-                )
-            )
+            own = (scaled(2, 20), scaled(4, 300))
+            out.append(w_prefix_long(pool, mixed_n, seed, prefix_len, own, out_len=mixed_out))
         elif name == "long":
-            out.append(
-                w_long(
-                    pool,
-                    n_short=max(2, round(32 * scale)),
-                    n_long=max(1, round(4 * scale)),
-                    seed=seed,
-                    long_len=max(32, round(2000 * scale)),
-                    short_out=max(8, round(128 * scale)),
-                    long_out=max(4, round(16 * scale)),
-                    late_after=max(2, round(4 * scale)),
-                )
-            )
+            sizes = dict(n_short=scaled(2, 32), n_long=scaled(1, 4), long_len=scaled(32, 2000))
+            sizes.update(short_out=scaled(8, 128), long_out=scaled(4, 16), late_after=scaled(2, 4))
+            out.append(w_long(pool, seed=seed, **sizes))
         else:
             raise ValueError(f"unknown workload {name!r}; known: mixed, prefix, prefix_long, long")
     return out
