@@ -121,15 +121,6 @@ def peak_rss_mib() -> float:
 
 
 # ---- statistics --------------------------------------------------------------------------------
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def cross_check(rows: list[dict], tokens: list) -> None:
     """Each row's tokens against the reference: the first transformers row that ran every request."""
     full = [
@@ -138,7 +129,9 @@ def cross_check(rows: list[dict], tokens: list) -> None:
     for row, toks in zip(rows, tokens if full else []):
         ref_toks = tokens[full[0]][: len(toks)]
         row["match_reference"] = sum(a == b for a, b in zip(toks, ref_toks)) / len(toks)
-        agree = sum(_common_prefix(a, b) / max(1, len(b)) for a, b in zip(toks, ref_toks))
+        agree = sum(
+            len(os.path.commonprefix([a, b])) / max(1, len(b)) for a, b in zip(toks, ref_toks)
+        )
         row["match_prefix"] = agree / len(toks)
         row["reference_system"] = rows[full[0]]["system"]
 

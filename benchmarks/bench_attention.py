@@ -62,20 +62,11 @@ def step_metadata(
         kvi += b
         last.append(kv - (nb - 1) * bs)
         blocks.append(b)
+    ids, tables = torch.zeros(len(pos), dtype=torch.long), (i32(kvp), i32(kvi), i32(last))
+    lens = ([q for q, _ in specs], [k for _, k in specs])
+    sampled = torch.tensor([len(pos) - 1])
     return StepMetadata(
-        torch.zeros(len(pos), dtype=torch.long),
-        torch.tensor(pos),
-        i32(slots),
-        i32(qo),
-        i32(kvp),
-        i32(kvi),
-        i32(last),
-        torch.tensor([len(pos) - 1]),
-        bs,
-        [q for q, _ in specs],
-        [k for _, k in specs],
-        blocks,
-        [],
+        ids, torch.tensor(pos), i32(slots), i32(qo), *tables, sampled, bs, *lens, blocks, []
     )
 
 
@@ -112,25 +103,17 @@ def op_args(meta: StepMetadata) -> tuple:
 
 def main(argv: list[str] | None = None) -> int:
     ap = common.parser(__doc__)
-    ap.add_argument(
-        "--routes",
-        default="torch,kernel,op",
-        help="comma list of torch, kernel, op, inductor, flex; or all",
-    )
+    h = "comma list of torch, kernel, op, cold, inductor, flex; or all"
+    ap.add_argument("--routes", default="torch,kernel,op", help=h)
     common.add_threads(ap, help="torch threads (default: all cores)")
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
     ap.add_argument("--heads", default="9,3,64", help="q heads, kv heads, head_dim")
     ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument(
-        "--layers", type=int, default=30, help="cold: layers whose caches are read in turn"
-    )
-    ap.add_argument(
-        "--pool-blocks",
-        type=int,
-        default=2900,
-        help="cold: blocks in each layer's pool (SmolLM2's default 1 GiB KV budget holds ~2,900)",
-    )
+    h = "cold: layers whose caches are read in turn"
+    ap.add_argument("--layers", type=int, default=30, help=h)
+    h = "cold: blocks in each layer's pool (SmolLM2's default 1 GiB KV budget holds ~2,900)"
+    ap.add_argument("--pool-blocks", type=int, default=2900, help=h)
     ap.add_argument("--out", help="JSON path (default benchmarks/results/attention-<date>.json)")
     args = common.parse(ap, argv)
     routes = (

@@ -68,9 +68,8 @@ def main() -> int:
     parser = common.parser(__doc__)
     common.add_threads(parser, default=2)
     parser.add_argument("--repeat", type=int, default=50)
-    parser.add_argument(
-        "--big-params", type=float, default=2e9, help="parameters of the 7B-like layout"
-    )
+    h = "parameters of the 7B-like layout"
+    parser.add_argument("--big-params", type=float, default=2e9, help=h)
     parser.add_argument("--json", default="benchmarks/results/coherence.json")
     args = common.parse(parser)
     rows = [measure("SmolLM2-135M (bf16)", common.default_model()[0], args.repeat)]

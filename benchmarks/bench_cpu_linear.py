@@ -70,16 +70,8 @@ def main(argv: list[str] | None = None) -> int:
                 x = torch.randn(1, m, k, generator=g).bfloat16()
                 for way, fn in fns.items():
                     s = common.seconds(lambda: fn(x), repeats=5, min_time=0.02)
-                    results.append(
-                        {
-                            "weight": name,
-                            "shape": [n, k],
-                            "rows": m,
-                            "way": way,
-                            "ms": s * 1e3,
-                            "gflops": 2 * m * n * k / s / 1e9,
-                        }
-                    )
+                    row = {"weight": name, "shape": [n, k], "rows": m, "way": way, "ms": s * 1e3}
+                    results.append(row | {"gflops": 2 * m * n * k / s / 1e9})
                 common.log(
                     f"{name} rows {m}: "
                     + ", ".join(f"{r['way']} {r['gflops']:.0f}" for r in results[-len(fns) :])
@@ -96,16 +88,10 @@ def main(argv: list[str] | None = None) -> int:
             cells.append([f"{name} {n}x{k}", m] + [f"{got[w]:.0f}" for w in names])
     print(common.md_table(["weight", "rows", *names], cells, ["---", *["---:"] * (len(names) + 1)]))
     print()
-    common.write_json(
-        args.out or common.stamped("cpu-linear"),
-        {
-            "date": datetime.date.today().isoformat(),
-            "threads": torch.get_num_threads(),
-            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "default_way": cpu_linear.mode(torch.bfloat16, torch.device("cpu")),
-            "results": results,
-        },
-    )
+    report = {"date": datetime.date.today().isoformat(), "threads": torch.get_num_threads()}
+    report["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
+    report["default_way"] = cpu_linear.mode(torch.bfloat16, torch.device("cpu"))
+    common.write_json(args.out or common.stamped("cpu-linear"), report | {"results": results})
     return 0
 
 

@@ -43,12 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--n-gen", type=int, default=100, help="generate_until prompts")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds; medians reported")
     p.add_argument("--batch-size", type=int, default=16, help="lm-eval's --batch_size, --model hf")
-    p.add_argument(
-        "--paged-batch-size",
-        default="auto",
-        help="lm-eval's --batch_size for --model paged_hf "
-        "(auto: the engine's max_num_seqs; an integer caps the sequences running at once)",
-    )
+    h = "lm-eval's --batch_size for --model paged_hf (auto: the engine's max_num_seqs; an integer"
+    p.add_argument("--paged-batch-size", default="auto", help=h + " caps the sequences at once)")
     common.add_threads(p, help="torch threads (default: torch's)")
     p.add_argument("--paged-args", default="", help="more model_args for paged_hf: k=v,k=v")
     p.add_argument("--tasks-dir", help="where to write the tasks (default: a temp dir)")
@@ -80,18 +76,18 @@ def main(argv: list[str] | None = None) -> int:
     hf = HFLM(pretrained=str(path), dtype=args.dtype, batch_size=args.batch_size, device="cpu")
     paged_extra = dict(kv.split("=", 1) for kv in args.paged_args.split(",") if kv)
     paged_extra = {k: _literal(v) for k, v in paged_extra.items()}
+    paged_batch = _literal(args.paged_batch_size)
     paged = PagedHFLM(
-        pretrained=str(path),
-        dtype=args.dtype,
-        batch_size=_literal(args.paged_batch_size),
-        device="cpu",
-        **paged_extra,
+        pretrained=str(path), dtype=args.dtype, batch_size=paged_batch, device="cpu", **paged_extra
     )
     torch.set_num_threads(threads)  # a constructor may have changed it
     forwarded = _count_hf_tokens(hf)
     systems = {"hf": hf, "paged_hf": paged}
 
     rows = []
+    # the prefill tokens each system computed so far: hf's forwarded, paged_hf's engine's
+    computed = {"hf": lambda: forwarded[0]}
+    computed["paged_hf"] = lambda: paged.engine.stats()["prefill_tokens_computed"]
     for task in ("phf_mc", "phf_gen"):
         times: dict[str, list[float]] = {s: [] for s in systems}
         cpu: dict[str, list[float]] = {s: [] for s in systems}
@@ -100,10 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         for _round in range(args.rounds):
             for name, lm in systems.items():
                 paged.engine.reset_prefix_cache()  # every round starts cold: no KV kept from the last one
-                before_hf, before_paged = (
-                    forwarded[0],
-                    paged.engine.stats()["prefill_tokens_computed"],
-                )
+                before = computed[name]()
                 start, start_cpu = time.perf_counter(), time.process_time()
                 res = lm_eval.simple_evaluate(
                     model=lm, tasks=[task], task_manager=tm, log_samples=True, verbosity="WARNING"
@@ -111,12 +104,7 @@ def main(argv: list[str] | None = None) -> int:
                 times[name].append(time.perf_counter() - start)
                 cpu[name].append(time.process_time() - start_cpu)
                 torch.set_num_threads(threads)
-                results[name] = res
-                prefill[name] = (
-                    forwarded[0] - before_hf
-                    if name == "hf"
-                    else paged.engine.stats()["prefill_tokens_computed"] - before_paged
-                )
+                results[name], prefill[name] = res, computed[name]() - before
                 print(
                     f"  {task} {name}: {times[name][-1]:.1f} s (CPU {cpu[name][-1]:.1f} s)",
                     flush=True,
@@ -137,27 +125,15 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row)
 
     _print_table(rows, args)
-    out = {
-        "config": {
-            "model": str(path),
-            "dtype": args.dtype,
-            "n_mc": args.n_mc,
-            "n_gen": args.n_gen,
-            "rounds": args.rounds,
-            "batch_size": args.batch_size,
-            "paged_batch_size": args.paged_batch_size,
-            "threads": threads,
-            "paged_args": paged_extra,
-            "paged_engine": paged.get_model_info()["paged_hf_engine"],
-            "machine": platform.processor() or platform.machine(),
-            "cpus": os.cpu_count(),
-            "torch": torch.__version__,
-            "lm_eval": lm_eval.__version__ if hasattr(lm_eval, "__version__") else "0.4.13",
-            "date": time.strftime("%Y-%m-%d %H:%M"),
-        },
-        "rows": rows,
-    }
-    common.write_json(args.out or common.stamped("eval"), out)
+    config = {"model": str(path), "dtype": args.dtype}
+    config |= {k: getattr(args, k) for k in "n_mc n_gen rounds batch_size paged_batch_size".split()}
+    config |= {"threads": threads, "paged_args": paged_extra}
+    config["paged_engine"] = paged.get_model_info()["paged_hf_engine"]
+    config |= {"machine": platform.processor() or platform.machine(), "cpus": os.cpu_count()}
+    config["torch"] = torch.__version__
+    config["lm_eval"] = getattr(lm_eval, "__version__", "0.4.13")
+    config["date"] = time.strftime("%Y-%m-%d %H:%M")
+    common.write_json(args.out or common.stamped("eval"), {"config": config, "rows": rows})
     return 0
 
 

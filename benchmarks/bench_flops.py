@@ -43,15 +43,9 @@ class Geometry:
     def of(cls, model: torch.nn.Module) -> "Geometry":
         c = model.config.get_text_config()
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-        return cls(
-            c.num_hidden_layers,
-            c.hidden_size,
-            c.intermediate_size,
-            c.num_attention_heads,
-            getattr(c, "num_key_value_heads", None) or c.num_attention_heads,
-            head_dim,
-            c.vocab_size,
-        )
+        kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+        sizes = (c.num_hidden_layers, c.hidden_size, c.intermediate_size, c.num_attention_heads)
+        return cls(*sizes, kv_heads, head_dim, c.vocab_size)
 
     def layer_shapes(self) -> dict[str, tuple[int, int]]:
         """(in, out) of each linear in one decoder block (llama-style)."""

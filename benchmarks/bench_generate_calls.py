@@ -40,10 +40,8 @@ def _prompts(n: int) -> list[str]:
 
     directory = Path(tempfile.mkdtemp(prefix="paged_hf_calls_"))
     write_tasks(directory, n_mc=1, n_gen=n)
-    shots = [json.loads(line) for line in (directory / "gen_train.jsonl").read_text().splitlines()][
-        :5
-    ]
-    tests = [json.loads(line) for line in (directory / "gen_test.jsonl").read_text().splitlines()]
+    rows = lambda name: [json.loads(x) for x in (directory / name).read_text().splitlines()]  # noqa: E731
+    shots, tests = rows("gen_train.jsonl")[:5], rows("gen_test.jsonl")
     few = "".join(f"Q: {r['question']}\nA: {r['answer']}\n\n" for r in shots)
     return [f"{few}Q: {r['question']}\nA:" for r in tests]
 
@@ -58,7 +56,7 @@ def bench_calls(model, patched, tok, n_calls: int, rounds: int) -> dict:
     batches = [
         tok(prompts[i * 4 : (i + 1) * 4], return_tensors="pt", padding=True) for i in range(n_calls)
     ]
-    common = dict(max_new_tokens=32, do_sample=False, pad_token_id=tok.pad_token_id)
+    greedy = dict(max_new_tokens=32, do_sample=False, pad_token_id=tok.pad_token_id)
 
     def criteria(b, until=("\n\n", "Q:")):
         return {
@@ -84,7 +82,7 @@ def bench_calls(model, patched, tok, n_calls: int, rounds: int) -> dict:
             engine.reset_prefix_cache()
             start, new = time.perf_counter(), 0
             for b in batches:
-                out = m.generate(b.input_ids, attention_mask=b.attention_mask, **common, **extra(b))
+                out = m.generate(b.input_ids, attention_mask=b.attention_mask, **greedy, **extra(b))
                 seq = out.sequences if hasattr(out, "sequences") else out
                 new += int((seq[:, b.input_ids.shape[1] :] != tok.pad_token_id).sum())
             times[name].append(time.perf_counter() - start)
@@ -98,19 +96,13 @@ def bench_calls(model, patched, tok, n_calls: int, rounds: int) -> dict:
     rows = []
     for name in systems:
         per_step = median[name] / steps[name] if steps[name] else None
-        rows.append(
-            {
-                "system": name,
-                "median_s": median[name],
-                "times_s": times[name],
-                "new_tokens": tokens[name],
-                "engine_steps": steps[name],
-                "ms_per_step": None if per_step is None else per_step * 1e3,
-                "extra_ms_per_step": None if per_step is None else (per_step - plain_step) * 1e3,
-                "out_tok_s": tokens[name] / median[name],
-                "speedup_vs_transformers": median["transformers + criteria"] / median[name],
-            }
-        )
+        row = {"system": name, "median_s": median[name], "times_s": times[name]}
+        row |= {"new_tokens": tokens[name], "engine_steps": steps[name]}
+        row["ms_per_step"] = None if per_step is None else per_step * 1e3
+        row["extra_ms_per_step"] = None if per_step is None else (per_step - plain_step) * 1e3
+        row["out_tok_s"] = tokens[name] / median[name]
+        row["speedup_vs_transformers"] = median["transformers + criteria"] / median[name]
+        rows.append(row)
     return {"calls": n_calls, "batch": 4, "rounds": rounds, "rows": rows}
 
 
@@ -119,13 +111,8 @@ def bench_beams(model, patched, tok, n_prompts: int, rounds: int) -> dict:
 
     tok.padding_side = "left"
     batch = tok(_prompts(n_prompts), return_tensors="pt", padding=True)
-    kw = dict(
-        attention_mask=batch.attention_mask,
-        max_new_tokens=32,
-        num_beams=4,
-        do_sample=False,
-        pad_token_id=tok.pad_token_id,
-    )
+    kw = dict(attention_mask=batch.attention_mask, max_new_tokens=32, num_beams=4, do_sample=False)
+    kw["pad_token_id"] = tok.pad_token_id
     engine = paged_hf.engine_for(patched)
     times: dict[str, list[float]] = {"transformers": [], "paged_hf": []}
     outs = {}
@@ -144,17 +131,11 @@ def bench_beams(model, patched, tok, n_prompts: int, rounds: int) -> dict:
     one_copy_per_beam = sum(4 * -(-(n + longest) // bs) for n in lengths)
     median = common.medians(times)
     same = sum(torch.equal(a, b) for a, b in zip(outs["paged_hf"], outs["transformers"]))
-    return {
-        "prompts": n_prompts,
-        "beams": 4,
-        "median_s": median,
-        "times_s": times,
-        "speedup": median["transformers"] / median["paged_hf"],
-        "same_sequences": f"{same} of {n_prompts}",
-        "peak_blocks_used": stats["peak_blocks_used"],
-        "peak_blocks_shared": stats["peak_blocks_shared"],
-        "blocks_one_copy_per_beam": one_copy_per_beam,
-    }
+    out = {"prompts": n_prompts, "beams": 4, "median_s": median, "times_s": times}
+    out |= {"speedup": median["transformers"] / median["paged_hf"]}
+    out |= {"same_sequences": f"{same} of {n_prompts}"}
+    out |= {k: stats[k] for k in ("peak_blocks_used", "peak_blocks_shared")}
+    return out | {"blocks_one_copy_per_beam": one_copy_per_beam}
 
 
 def bench_lm_eval(model, patched, tok, n_gen: int, rounds: int) -> dict:
@@ -185,13 +166,8 @@ def bench_lm_eval(model, patched, tok, n_gen: int, rounds: int) -> dict:
             metrics[name] = common.eval_metrics(res, "phf_gen")
             print(f"  {name}: {times[name][-1]:.1f} s {metrics[name]}", flush=True)
     median = common.medians(times)
-    return {
-        "prompts": n_gen,
-        "median_s": median,
-        "times_s": times,
-        "metrics": metrics,
-        "speedup": median["HFLM, unpatched"] / median["HFLM, patched"],
-    }
+    out = {"prompts": n_gen, "median_s": median, "times_s": times, "metrics": metrics}
+    return out | {"speedup": median["HFLM, unpatched"] / median["HFLM, patched"]}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -56,38 +56,17 @@ def run(system: str, args, tmp: str) -> dict:
 
         return Timed
 
-    base = (
-        GRPOTrainer
-        if system == "transformers"
-        else type(
-            "PagedGRPOTrainer",
-            (PagedGenerationMixin, GRPOTrainer),
-            {"paged_hf_options": {"max_num_seqs": 64}},
-        )
-    )
+    options = {"paged_hf_options": {"max_num_seqs": 64}}
+    paged = type("PagedGRPOTrainer", (PagedGenerationMixin, GRPOTrainer), options)
+    base = GRPOTrainer if system == "transformers" else paged
     data = Dataset.from_dict({"prompt": [[{"role": "user", "content": q}] for q in QUESTIONS * 4]})
-    config = GRPOConfig(
-        output_dir=tmp,
-        per_device_train_batch_size=args.prompts_per_step * args.generations,
-        num_generations=args.generations,
-        max_completion_length=args.completion,
-        max_steps=args.steps,
-        learning_rate=1e-6,
-        logging_steps=1,
-        report_to=[],
-        save_strategy="no",
-        use_cpu=True,
-        bf16=True,
-        seed=0,
-        dataloader_num_workers=0,
-    )
-    trainer = timed(base)(
-        model=model,
-        args=config,
-        reward_funcs=reward_short_answers,
-        train_dataset=data,
-        processing_class=tokenizer,
-    )
+    batch = dict(per_device_train_batch_size=args.prompts_per_step * args.generations)
+    batch.update(num_generations=args.generations, max_completion_length=args.completion)
+    steps = dict(max_steps=args.steps, learning_rate=1e-6, logging_steps=1, report_to=[], seed=0)
+    steps.update(save_strategy="no", use_cpu=True, bf16=True, dataloader_num_workers=0)
+    config = GRPOConfig(output_dir=tmp, **batch, **steps)
+    inputs = dict(reward_funcs=reward_short_answers, train_dataset=data, processing_class=tokenizer)
+    trainer = timed(base)(model=model, args=config, **inputs)
     start = time.perf_counter()
     trainer.train()
     total = time.perf_counter() - start

@@ -34,27 +34,17 @@ def qwen3_5_like(layers: int, hidden: int, dtype: torch.dtype) -> torch.nn.Modul
     from transformers import AutoModelForCausalLM, Qwen3_5TextConfig
 
     heads = hidden // 128
-    cfg = Qwen3_5TextConfig(
-        vocab_size=49152,
-        hidden_size=hidden,
-        intermediate_size=hidden * 3,
-        num_hidden_layers=layers,
-        num_attention_heads=heads * 2,
-        num_key_value_heads=max(1, heads // 2),
-        head_dim=128,
-        linear_num_key_heads=heads,
-        linear_num_value_heads=heads * 2,
-        linear_key_head_dim=128,
-        linear_value_head_dim=128,
-        linear_conv_kernel_dim=4,
-        max_position_embeddings=4096,
-        layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"]
-        * (layers // 4),
-        tie_word_embeddings=True,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
+    sizes = dict(vocab_size=49152, hidden_size=hidden, intermediate_size=hidden * 3)
+    sizes.update(num_hidden_layers=layers, max_position_embeddings=4096, tie_word_embeddings=True)
+    attention = dict(
+        num_attention_heads=heads * 2, num_key_value_heads=max(1, heads // 2), head_dim=128
     )
+    deltanet = dict(linear_num_key_heads=heads, linear_num_value_heads=heads * 2)
+    deltanet.update(linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4)
+    kinds = ["linear_attention"] * 3 + ["full_attention"]  # DeltaNet and attention layers, 3:1
+    ids = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    layer_types = kinds * (layers // 4)
+    cfg = Qwen3_5TextConfig(**sizes, **attention, **deltanet, **ids, layer_types=layer_types)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
@@ -70,12 +60,8 @@ def main() -> int:
     p.add_argument("--batch-sizes", default="8,32")
     p.add_argument("--repeat", type=int, default=1)
     p.add_argument("--n", type=int, default=None)
-    p.add_argument(
-        "--own-code",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="also run the engine with transformers' DeltaNet decode code (no paged_hf kernel)",
-    )
+    h = "also run the engine with transformers' DeltaNet decode code (no paged_hf kernel)"
+    p.add_argument("--own-code", action=argparse.BooleanOptionalAction, default=True, help=h)
     p.add_argument("--json", default="benchmarks/results/bench_hybrid.json")
     common.add_omp(p)
     args = common.parse(p)

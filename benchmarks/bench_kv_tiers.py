@@ -186,9 +186,8 @@ def main(argv=None) -> int:
     h = "eval: EngineConfig(batch_invariant=True), outputs independent of batch shapes"
     p.add_argument("--batch-invariant", action="store_true", help=h)
     p.add_argument("--timeout", type=float, default=1200.0, help="per process")
-    p.add_argument(
-        "--quick", action="store_true", help="20 prompts, 8 questions, 1k-token document"
-    )
+    h = "20 prompts, 8 questions, 1k-token document"
+    p.add_argument("--quick", action="store_true", help=h)
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--kv-dir", help=argparse.SUPPRESS)
     p.add_argument("--tasks-dir", help=argparse.SUPPRESS)

@@ -22,17 +22,7 @@ import bench_workloads as W
 import common
 import torch
 
-PARTS = (
-    "schedule",
-    "metadata",
-    "plan",
-    "forward",
-    "attention",
-    "linear",
-    "sample",
-    "update",
-    "other",
-)
+PARTS = tuple("schedule metadata plan forward attention linear sample update other".split())
 
 
 class StepTimer:
@@ -77,12 +67,10 @@ class StepTimer:
         return lambda: (h1.remove(), h2.remove())
 
     def end_step(self, total: float, tokens: int, running: int, decode_only: bool) -> None:
-        row = dict(self.cur)
-        row["total"] = total
-        accounted = sum(
-            row.get(p, 0.0) for p in ("schedule", "metadata", "plan", "forward", "sample", "update")
-        )
-        row["other"] = max(0.0, total - accounted)
+        row = dict(self.cur, total=total)
+        # attention and linear are inside forward
+        timed = ("schedule", "metadata", "plan", "forward", "sample", "update")
+        row["other"] = max(0.0, total - sum(row.get(p, 0.0) for p in timed))
         row.update(tokens=tokens, running=running, decode_only=decode_only)
         self.steps.append(row)
         self.cur = defaultdict(float)
@@ -143,15 +131,9 @@ def summarise(steps: list[dict]) -> dict:
     if not total:
         return {"steps": len(steps)}
     share = {p: sum(s.get(p, 0.0) for s in steps) / total for p in PARTS}
-    overhead = 1 - share["forward"]
-    return {
-        "steps": len(steps),
-        "step_time_s": total,
-        "tokens": sum(s["tokens"] for s in steps),
-        "share": share,
-        "overhead_share": overhead,
-        "mean_step_ms": 1e3 * total / len(steps),
-    }
+    out = {"steps": len(steps), "step_time_s": total, "tokens": sum(s["tokens"] for s in steps)}
+    out |= {"share": share, "overhead_share": 1 - share["forward"]}
+    return out | {"mean_step_ms": 1e3 * total / len(steps)}
 
 
 def format_summary(title: str, s: dict) -> str:
@@ -175,11 +157,9 @@ def decode_steps(
     from paged_hf import Engine, SamplingParams
 
     rng = random.Random(seed)
-    shared = [pool[rng.randrange(len(pool))] for _ in range(min(512, ctx - 1))]
-    prompts = [
-        shared + [pool[rng.randrange(len(pool))] for _ in range(ctx - len(shared))]
-        for _ in range(n)
-    ]
+    ids = lambda k: [pool[rng.randrange(len(pool))] for _ in range(k)]  # noqa: E731
+    shared = ids(min(512, ctx - 1))
+    prompts = [shared + ids(ctx - len(shared)) for _ in range(n)]
     engine = Engine(model, backend=backend, max_num_seqs=n)
     # long enough that the first admitted are still running when the last finishes its prefill
     params = SamplingParams(max_new_tokens=steps + 512, min_new_tokens=steps + 512, ignore_eos=True)
@@ -202,13 +182,8 @@ def decode_steps(
             u()
     engine.abort_all(list(engine.requests))
     s = summarise(timer.steps)
-    return {
-        "backend": engine.stats()["backend"],
-        "running": n,
-        "context": ctx,
-        **s,
-        "attention_ms": 1e3 * s["share"]["attention"] * s["step_time_s"] / s["steps"],
-    }
+    row = {"backend": engine.stats()["backend"], "running": n, "context": ctx, **s}
+    return row | {"attention_ms": 1e3 * s["share"]["attention"] * s["step_time_s"] / s["steps"]}
 
 
 def main_decode(args: Any, B: Any) -> int:

@@ -123,12 +123,8 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=8192, help="prompt tokens of each request")
     ap.add_argument("--requests", type=int, default=8, help="0: the sizing table only")
     ap.add_argument("--new-tokens", type=int, default=512)
-    ap.add_argument(
-        "--memory-seqs",
-        type=float,
-        default=2.2,
-        help="kv_cache_memory: this many sequences' KV when every block is kept",
-    )
+    h = "kv_cache_memory: this many sequences' KV when every block is kept"
+    ap.add_argument("--memory-seqs", type=float, default=2.2, help=h)
     common.add_threads(ap)
     ap.add_argument("--json", default="benchmarks/results/sliding_kv.json")
     common.add_omp(ap)

@@ -99,20 +99,13 @@ def main() -> None:
             seconds = time.perf_counter() - start
             after = engine.stats()
             steps = after["steps"] - before["steps"]
-            rows[name].append(
-                {
-                    "seconds": seconds,
-                    "output_tokens": sum(len(o.token_ids) for o in outs),
-                    "steps": steps,
-                    "tok_s": sum(len(o.token_ids) for o in outs) / seconds,
-                    "valid_json": sum(valid(o.text) for o in outs),
-                    "stopped": sum(o.finish_reason == "stop" for o in outs),
-                    "mask_ms_per_step": 1000
-                    * (after.get("structured_mask_s", 0) - before.get("structured_mask_s", 0))
-                    / steps,
-                    "compile_s": after.get("structured_compile_s", 0.0),
-                }
-            )
+            out = sum(len(o.token_ids) for o in outs)
+            row = {"seconds": seconds, "output_tokens": out, "steps": steps, "tok_s": out / seconds}
+            row["valid_json"] = sum(valid(o.text) for o in outs)
+            row["stopped"] = sum(o.finish_reason == "stop" for o in outs)
+            mask_s = after.get("structured_mask_s", 0) - before.get("structured_mask_s", 0)
+            row["mask_ms_per_step"] = 1000 * mask_s / steps
+            rows[name].append(row | {"compile_s": after.get("structured_compile_s", 0.0)})
     print(
         f"\nSmolLM2-135M-Instruct bf16, {torch.get_num_threads()} threads; {args.requests} JSON-extraction prompts, "
         f"max {args.max_new_tokens} new tokens, {args.rounds} rounds, medians\n"

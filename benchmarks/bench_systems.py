@@ -54,7 +54,6 @@ class ForwardCounter:
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.tokens = 0
-        self.calls = 0
         self.sizes: list[int] = []
         self._handle = model.register_forward_pre_hook(self._hook, with_kwargs=True)
 
@@ -68,7 +67,6 @@ class ForwardCounter:
         else:
             n = x.numel()
         self.tokens += int(n)
-        self.calls += 1
         self.sizes.append(int(n))
 
     def close(self) -> None:
@@ -195,7 +193,7 @@ def run_hf_cb(model: torch.nn.Module, w: Workload) -> RunResult:
             ) as manager,
         ):
             setup_s = time.perf_counter() - t_setup
-            counter.tokens = counter.calls = 0  # the warm-up ran dummy batches
+            counter.tokens = 0  # the warm-up ran dummy batches
             counter.sizes.clear()
 
             def add(i: int) -> None:
@@ -355,14 +353,8 @@ class VllmCpu:
     name = "vllm_cpu"
 
     def __init__(
-        self,
-        python: Any,
-        model: torch.nn.Module,
-        dtype: torch.dtype,
-        threads: int,
-        worker: str = "vllm_worker.py",
-        load_options: dict | None = None,
-    ) -> None:
+        self, python, model, dtype, threads: int, worker="vllm_worker.py", load_options=None
+    ):
         """``worker``: the script under peers/ (bench_goodput.py's replays a trace);
         ``load_options``: more fields of its load command."""
         self.model_dir = save_plain_hf(model, dtype)
@@ -383,29 +375,14 @@ class VllmCpu:
         self.log = tempfile.NamedTemporaryFile(
             "w+", prefix="vllm_cpu-", suffix=".log", delete=False
         )
-        self.proc = subprocess.Popen(
-            [str(python), str(common.HERE / "peers" / worker)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self.log,
-            text=True,
-            env=env,
-        )
+        pipes = dict(stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True)
+        script = str(common.HERE / "peers" / worker)
+        self.proc = subprocess.Popen([str(python), script], env=env, **pipes)
         # a failed run still ends the worker (it also ends on stdin EOF)
         atexit.register(self.close)
-        self.info = {
-            "model_dir": str(self.model_dir),
-            "log": self.log.name,
-            "threads": threads,
-            **self._ask(
-                {
-                    "cmd": "load",
-                    "model": str(self.model_dir),
-                    "dtype": str(dtype).split(".")[-1],
-                    **(load_options or {}),
-                }
-            ),
-        }
+        load = {"cmd": "load", "model": str(self.model_dir), "dtype": str(dtype).split(".")[-1]}
+        self.info = {"model_dir": str(self.model_dir), "log": self.log.name, "threads": threads}
+        self.info |= self._ask({**load, **(load_options or {})})
 
     def _ask(self, cmd: dict) -> dict:
         self.proc.stdin.write(json.dumps(cmd) + "\n")

@@ -77,25 +77,16 @@ def run_once(model, workload: W.Workload, warm: W.Workload, variant: dict) -> di
 
 def main(argv: list[str] | None = None) -> int:
     ap = common.parser(__doc__)
-    ap.add_argument(
-        "--workloads",
-        default="mixed,prefix,long",
-        help="comma list of mixed, prefix, prefix_long, long",
-    )
+    h = "comma list of mixed, prefix, prefix_long, long"
+    ap.add_argument("--workloads", default="mixed,prefix,long", help=h)
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument(
-        "--variants",
-        default=";".join(DEFAULT_VARIANTS),
-        help=f"comma list (';' where a name holds a comma), the first is the baseline; known: "
-        f"{'; '.join(VARIANTS)}",
-    )
-    ap.add_argument(
-        "--scale", type=float, default=1.0, help="shrink W-prefix and W-long, as bench.py --scale"
-    )
+    h = "comma list (';' where a name holds a comma), the first is the baseline; known: "
+    ap.add_argument("--variants", default=";".join(DEFAULT_VARIANTS), help=h + "; ".join(VARIANTS))
+    h = "shrink W-prefix and W-long, as bench.py --scale"
+    ap.add_argument("--scale", type=float, default=1.0, help=h)
     common.add_threads(ap, help="torch threads (default: all cores)")
-    ap.add_argument(
-        "--dtype", choices=("bf16", "fp32"), default="bf16", help="the model's dtype (default bf16)"
-    )
+    h = "the model's dtype (default bf16)"
+    ap.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help=h)
     common.add_omp(ap)
     ap.add_argument("--out", help="JSON path (default benchmarks/results/variants-<date>.json)")
     args = common.parse(ap, argv)

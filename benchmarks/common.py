@@ -94,21 +94,11 @@ def tiny_llama(dtype):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        num_hidden_layers=2,
-        max_position_embeddings=1024,
-        initializer_range=0.15,
-        tie_word_embeddings=True,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
+    sizes = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2)
+    heads = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    ids = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    init = dict(initializer_range=0.15, tie_word_embeddings=True, max_position_embeddings=1024)
+    cfg = LlamaConfig(**sizes, **heads, **ids, **init)
     torch.manual_seed(0)
     return LlamaForCausalLM(cfg).to(dtype).eval(), {0, 1, 2, 3}, 0
 

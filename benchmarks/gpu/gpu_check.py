@@ -108,33 +108,16 @@ def tiny_config(family: str, dry: bool):
     from transformers import Gemma2Config, LlamaConfig, Qwen3Config
 
     head_dim = 16 if dry else 128
-    common = dict(
-        vocab_size=512 if dry else 4096,
-        hidden_size=64 if dry else 256,
-        intermediate_size=128 if dry else 512,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=head_dim,
-        max_position_embeddings=2048,
-        initializer_range=0.15,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    if family == "llama":
-        return LlamaConfig(**common, num_hidden_layers=2)
-    if family == "qwen3":
-        return Qwen3Config(**common, num_hidden_layers=2)
+    vocab, hidden, intermediate = (512, 64, 128) if dry else (4096, 256, 512)
+    sizes = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate)
+    heads = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim)
+    ids = dict(initializer_range=0.15, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    common = dict(**sizes, **heads, **ids, max_position_embeddings=2048, num_hidden_layers=2)
     if family == "gemma2":
-        return Gemma2Config(
-            **common,
-            num_hidden_layers=4,
-            sliding_window=16,
-            attn_logit_softcapping=50.0,
-            final_logit_softcapping=30.0,
-            query_pre_attn_scalar=head_dim,
-        )
-    raise ValueError(family)
+        window = dict(sliding_window=16, query_pre_attn_scalar=head_dim, num_hidden_layers=4)
+        caps = dict(attn_logit_softcapping=50.0, final_logit_softcapping=30.0)
+        return Gemma2Config(**{**common, **window, **caps})
+    return {"llama": LlamaConfig, "qwen3": Qwen3Config}[family](**common)
 
 
 def qwen3_06b_config(dry: bool):
@@ -142,16 +125,9 @@ def qwen3_06b_config(dry: bool):
     from transformers import Qwen3Config
 
     if dry:
-        return Qwen3Config(
-            vocab_size=512,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=16,
-            max_position_embeddings=2048,
-        )
+        sizes = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2)
+        heads = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+        return Qwen3Config(**sizes, **heads, max_position_embeddings=2048)
     return Qwen3Config(**json.loads(QWEN3_06B))
 
 
@@ -199,14 +175,8 @@ def teacher_forced_agreement(
 
 
 def common_prefix_share(a: list[list[int]], b: list[list[int]]) -> float:
-    same = total = 0
-    for x, y in zip(a, b):
-        n = 0
-        while n < min(len(x), len(y)) and x[n] == y[n]:
-            n += 1
-        same += n
-        total += max(len(x), len(y))
-    return same / max(total, 1)
+    same = sum(len(os.path.commonprefix([x, y])) for x, y in zip(a, b))
+    return same / max(sum(max(len(x), len(y)) for x, y in zip(a, b)), 1)
 
 
 AGREEMENT_VARIANTS = (
@@ -260,17 +230,12 @@ def check_agreement(setup: Setup, family: str) -> dict[str, Any]:
             stats = engine.stats()
             accel = engine.runner.decode
             tf, gap = teacher_forced_agreement(model, prompts, outs[name])
-            row[name] = {
-                "backend": stats["backend"],
-                "teacher_forced": round(tf, 4),
-                "worst_logit_gap": round(gap, 4),
-                "tokens": sum(map(len, outs[name])),  # how many were teacher-forced
-                "steps": stats["steps"],
-                "prefix_hit_tokens": stats["prefix_hit_tokens"],
-                "graph_steps_by_bucket": dict(
-                    sorted(accel.steps_by_bucket.items() if accel else [])
-                ),
-            }
+            row[name] = {"backend": stats["backend"], "teacher_forced": round(tf, 4)}
+            row[name]["worst_logit_gap"] = round(gap, 4)
+            row[name]["tokens"] = sum(map(len, outs[name]))  # how many were teacher-forced
+            row[name] |= {k: stats[k] for k in ("steps", "prefix_hit_tokens")}
+            buckets = sorted(accel.steps_by_bucket.items() if accel else [])
+            row[name]["graph_steps_by_bucket"] = dict(buckets)
             del engine
         except Exception as e:  # noqa: BLE001 - reported, the other variants still run
             row[name] = {"error": f"{type(e).__name__}: {e}"[:500]}
@@ -347,13 +312,9 @@ def run_hf_continuous(setup: Setup, prompts, out_lens) -> Row:
     )
     tokens = done = 0
     t_warm = time.perf_counter()
-    with model.continuous_batching_context_manager(
-        generation_config=gen,
-        continuous_batching_config=cb_config,
-        block=True,
-        timeout=30,
-        warmup=not setup.dry_run,
-    ) as manager:
+    configs = dict(generation_config=gen, continuous_batching_config=cb_config)
+    options = dict(block=True, timeout=30, warmup=not setup.dry_run)
+    with model.continuous_batching_context_manager(**configs, **options) as manager:
         warm_s = time.perf_counter() - t_warm
         sync(setup)
         t = time.perf_counter()
@@ -387,21 +348,13 @@ def sampling(setup: Setup) -> dict[str, Any]:
     return dict(do_sample=t > 0, temperature=t or None, top_k=None, top_p=None)
 
 
-def paged_engine(
-    model, setup: Setup, prompts, out_lens, graphs: bool, max_num_seqs: int | None = None
-):
+def paged_engine(model, setup: Setup, prompts, out_lens, graphs: bool, max_num_seqs=None):
     need = sum(-(-(len(p) + n) // 16) for p, n in zip(prompts, out_lens))
-    return paged_hf.Engine(
-        model,
-        num_blocks=int(need * 1.1) + 64,
-        block_size=16,
-        backend=setup.backend,
-        max_num_seqs=max_num_seqs or setup.max_num_seqs,
-        max_num_batched_tokens=setup.max_num_batched_tokens,
-        max_model_len=setup.max_len * 2 + 16,
-        use_cuda_graphs=graphs,
-        enable_prefix_caching=False,
-    )
+    kv = dict(num_blocks=int(need * 1.1) + 64, block_size=16, enable_prefix_caching=False)
+    kv.update(max_model_len=setup.max_len * 2 + 16)
+    steps = dict(max_num_seqs=max_num_seqs or setup.max_num_seqs, use_cuda_graphs=graphs)
+    steps.update(max_num_batched_tokens=setup.max_num_batched_tokens)
+    return paged_hf.Engine(model, backend=setup.backend, **kv, **steps)
 
 
 @torch.inference_mode()
@@ -524,14 +477,13 @@ def memory_checks(setup: Setup) -> dict[str, Any]:
     )
     rounds = [[o.token_ids for o in engine.generate(prompts, params)] for _ in range(2)]
     host = engine.stats()["kv_tiers"]["host"]
-    out["host_tier"] = {
-        "same_tokens": rounds[0] == roomy and rounds[1] == roomy,
+    tier = {"same_tokens": rounds[0] == roomy and rounds[1] == roomy}
+    tier |= {
         "requests_equal": sum(a == b for a, b in zip(rounds[1], roomy)),
         "requests": len(roomy),
-        "blocks_to_host": host["stored_blocks"],
-        "host_hit_tokens": host["hit_tokens"],
-        "preemptions": engine.stats()["preemptions"],
     }
+    tier |= {"blocks_to_host": host["stored_blocks"], "host_hit_tokens": host["hit_tokens"]}
+    out["host_tier"] = tier | {"preemptions": engine.stats()["preemptions"]}
     log(f"memory {out}")
     del engine, model
     free_memory()
@@ -757,15 +709,8 @@ def drive(args: argparse.Namespace, argv: list[str]) -> int:
             part_file = out / f"phase-{name}.json"
             part_file.unlink(missing_ok=True)
             t = time.perf_counter()
-            cmd = [
-                sys.executable,
-                __file__,
-                *passthrough,
-                "--phase",
-                name,
-                "--part",
-                str(part_file),
-            ]
+            cmd = [sys.executable, __file__, *passthrough, "--phase", name]
+            cmd += ["--part", str(part_file)]
             try:
                 proc = subprocess.run(cmd, capture_output=True, text=True, timeout=left, env=env)
                 logfile.write(proc.stdout + proc.stderr)

@@ -41,14 +41,7 @@ def install() -> None:
     def build(cls, model, backend, config, pad_block):
         if not (config.use_cuda_graphs and getattr(backend, "supports_cuda_graphs", False)):
             return None
-        return cls(
-            model,
-            backend,
-            config.max_num_seqs,
-            pad_block,
-            use_graphs=True,
-            compile_backend=None,
-            graph_factory=_EagerGraph,
-        )
+        eager = dict(use_graphs=True, compile_backend=None, graph_factory=_EagerGraph)
+        return cls(model, backend, config.max_num_seqs, pad_block, **eager)
 
     DecodeAccelerator.build = classmethod(build)
