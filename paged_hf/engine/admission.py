@@ -9,6 +9,7 @@ Design notes: docs/internals.md, paged_hf/engine/admission.py.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -60,6 +61,7 @@ class AdmissionMixin:
         stop_strings: StopStrings | None = None,
         encoder_token_ids: tuple[int, ...] | None = None,
         arrival_time: float | None = None,
+        prompt_embeds: torch.Tensor | None = None,
     ) -> str:
         """Queue one prompt (token ids, or a string with a tokenizer). Bad input raises
         ValueError naming the request; nothing else is disturbed. ``eos_token_ids`` replaces the
@@ -69,11 +71,21 @@ class AdmissionMixin:
         (``model.generate``'s, with transformers' semantics) instead of one for ``params.stop``;
         ``encoder_token_ids``: the tokens ``encoder_repetition_penalty`` favours instead of the
         prompt's. ``arrival_time``: when the caller asked (``scheduler.clock()``'s time; default
-        now), where its TTFT and queue time start. A full queue raises ``QueueFull``."""
+        now), where its TTFT and queue time start. ``prompt_embeds``: ``[prompt tokens, hidden]``,
+        what the forward takes at the prompt's positions instead of its tokens' embeddings
+        (transformers' ``inputs_embeds``: soft prompts, prompt tuning); the prompt's token ids then
+        only count its length and show in its output. A full queue raises ``QueueFull``."""
         with self.lock:
             rid = self._new_id(request_id)
             return self._add(
-                rid, prompt, params, eos_token_ids, stop_strings, encoder_token_ids, arrival_time
+                rid,
+                prompt,
+                params,
+                eos_token_ids,
+                stop_strings,
+                encoder_token_ids,
+                arrival_time,
+                prompt_embeds,
             )
 
     def _add(
@@ -85,6 +97,7 @@ class AdmissionMixin:
         stop_strings: StopStrings | None = None,
         encoder_token_ids: tuple[int, ...] | None = None,
         arrival_time: float | None = None,
+        prompt_embeds: torch.Tensor | None = None,
     ) -> str:
         check_still_patched(self.model, self._patch_state)
         params = SamplingParams() if params is None else params
@@ -125,7 +138,29 @@ class AdmissionMixin:
             req.encoder_token_ids = tuple(encoder_token_ids)
         if params.prompt_logprobs is not None:
             req.score_targets, req.score_start = ids[1:], 0
+        if prompt_embeds is not None:
+            req.prompt_embeds, req.embeds_key = self._checked_embeds(rid, prompt_embeds, len(ids))
         return self._queue(req)
+
+    def _checked_embeds(self, rid: str, embeds: Any, n: int) -> tuple[torch.Tensor, str]:
+        """A prompt's embeddings, checked against its length and the model's width, in the
+        model's dtype on its device; and the digest of their bytes (its cache key's salt)."""
+        width = self.model.get_input_embeddings().embedding_dim
+        if not isinstance(embeds, torch.Tensor) or embeds.dim() != 2:
+            raise ValueError(
+                f"request {rid}: prompt_embeds must be a [prompt tokens, hidden] tensor"
+            )
+        if tuple(embeds.shape) != (n, width):
+            raise ValueError(
+                f"request {rid}: prompt_embeds has shape {tuple(embeds.shape)}; the prompt has {n} "
+                f"tokens and the model's embeddings are {width} wide"
+            )
+        weight = self.model.get_input_embeddings().weight
+        embeds = embeds.detach().to(weight.device, weight.dtype).contiguous()
+        if not bool(torch.isfinite(embeds).all()):
+            raise ValueError(f"request {rid}: prompt_embeds holds NaN or inf")
+        digest = hashlib.sha256(embeds.cpu().view(torch.uint8).numpy().tobytes()).hexdigest()
+        return embeds, digest
 
     def _queue(self, req: Request) -> str:
         """Hand a built request to the scheduler (which refuses what could never fit the pool)."""

@@ -414,6 +414,7 @@ class StepMixin:
             else None
         )
         child.encoder_token_ids = parent.encoder_token_ids
+        child.prompt_embeds, child.embeds_key = parent.prompt_embeds, parent.embeds_key
         child.tpot_target_s = parent.tpot_target_s
         if parent.call is not None:
             parent.call.join_sample(parent, k, child)

@@ -255,11 +255,22 @@ class ModelRunner:
         with eval_modes(self.model):
             return self._forward(meta, scheduled)
 
+    def _embeddings(
+        self, meta: StepMetadata, given: list[tuple[int, Request, int, int]]
+    ) -> torch.Tensor:
+        """The step's input embeddings: its tokens' through the model's embedding layer, then the
+        given prompt embeddings at their rows (as transformers' generate takes inputs_embeds)."""
+        embeds = self.model.get_input_embeddings()(meta.input_ids)
+        for row, req, start, count in given:
+            embeds[row : row + count] = req.prompt_embeds[start : start + count]
+        return embeds
+
     def _forward(
         self, meta: StepMetadata, scheduled: list[tuple[Request, int]]
     ) -> tuple[torch.Tensor, StepMetadata]:
         asking = [i for i, (req, _) in enumerate(scheduled) if req.params.output_hidden_states]
-        if not asking and self.decode is not None and self.decode.can_run(meta):
+        embeds = _prompt_embeds_rows(scheduled)
+        if not asking and not embeds and self.decode is not None and self.decode.can_run(meta):
             return self.decode.run(meta), meta
         self.backend.plan(meta)
         mixers = contextlib.nullcontext()
@@ -279,8 +290,13 @@ class ModelRunner:
             self.compact.active() if self.compact else contextlib.nullcontext(),
             mixers,
         ):
+            inputs = (
+                {"inputs_embeds": self._embeddings(meta, embeds)[None]}
+                if embeds
+                else {"input_ids": meta.input_ids[None]}
+            )
             out = self.model(
-                input_ids=meta.input_ids[None],
+                **inputs,
                 position_ids=meta.positions[None],
                 use_cache=False,
                 logits_to_keep=meta.logits_indices,
@@ -293,6 +309,20 @@ class ModelRunner:
         if logits.shape[0] != meta.logits_indices.numel():
             logits = logits.index_select(0, meta.logits_indices)
         return logits, meta
+
+
+def _prompt_embeds_rows(
+    scheduled: list[tuple[Request, int]],
+) -> list[tuple[int, Request, int, int]]:
+    """(first row in the step, request, first position, count) of each prompt position this step
+    computes from a request's given embeddings."""
+    rows, offset = [], 0
+    for req, n in scheduled:
+        start = req.num_computed_tokens
+        if req.prompt_embeds is not None and start < req.prompt_embeds.shape[0]:
+            rows.append((offset, req, start, min(n, req.prompt_embeds.shape[0] - start)))
+        offset += n
+    return rows
 
 
 def _rows_hidden_states(

@@ -21,6 +21,7 @@ from ..engine.binding import patch_state
 from ..engine.outputs import RequestOutput
 from ..requests.detokenizer import StopStrings
 from ..requests.sampling_params import SamplingParams
+from . import generate_embeds
 from .generate_callbacks import CallPlan, GenerateCall, plan_call
 from .generate_hidden_states import as_transformers_returns
 from .generate_options import REFUSED_SETTINGS
@@ -30,7 +31,6 @@ logger = logging.getLogger("paged_hf")
 # model.generate(..., paged_hf_json_schema=... | paged_hf_regex=... | paged_hf_choice=[...] | paged_hf_grammar=...)
 STRUCTURED_KEYWORDS = ("json_schema", "regex", "choice", "grammar")
 _UNSUPPORTED_MODEL_KWARGS = (
-    "inputs_embeds",
     "past_key_values",
     "cache",
     "position_ids",
@@ -62,6 +62,16 @@ class _Call:
     tokenizer: Any  # what stop_strings are read with, as in transformers
     stop_strings: list[str] | None
     encoder_rows: bool  # encoder_repetition_penalty favours each row's own ids, pad included
+    embeds: generate_embeds.PromptEmbeds | None = None  # inputs_embeds, where given
+
+    @property
+    def shown_ids(self) -> torch.Tensor:
+        """The prompt rows the result and the callbacks show (none for inputs_embeds alone)."""
+        return self.input_ids if self.embeds is None else self.embeds.shown
+
+    @property
+    def shown_mask(self) -> torch.Tensor:
+        return self.attention_mask if self.embeds is None else self.embeds.shown_mask
 
 
 def paged_generate(
@@ -96,8 +106,8 @@ def paged_generate(
     plan = plan_call(
         self,
         call.gc,
-        call.input_ids,
-        call.attention_mask,
+        call.shown_ids,
+        call.shown_mask,
         call.params,
         call.pad,
         call.eos,
@@ -106,6 +116,7 @@ def paged_generate(
         stopping_criteria,
         prefix_allowed_tokens_fn,
     )
+    generate_embeds.refuse_reading_the_prompt(call.embeds, call.params, plan.call is not None)
     # transformers' own processor applies the encoder penalty in a joint call
     call.params, call.eos = plan.params, plan.eos
     call.encoder_rows = call.encoder_rows and not plan.joint
@@ -126,12 +137,12 @@ def paged_generate(
         plan.call,
         "paged_hf generate",
         streamer,
-        call.input_ids,
+        call.shown_ids,
     )
     result = _result(call, plan, outputs)
     if call.params.output_hidden_states:
         result.hidden_states = as_transformers_returns(
-            outputs, call.attention_mask, result.sequences.shape[1] - call.input_ids.shape[1]
+            outputs, call.attention_mask, result.sequences.shape[1] - call.shown_ids.shape[1]
         )
     return result
 
@@ -149,9 +160,10 @@ def _read_call(
         if f"paged_hf_{name}" in kwargs
     }
     input_ids = kwargs.pop("input_ids", inputs)
-    if input_ids is None:
-        raise ValueError("paged_hf generate needs input_ids")
-    if input_ids.dim() == 1:
+    embeds = kwargs.pop("inputs_embeds", None)
+    if input_ids is None and embeds is None:
+        raise ValueError("paged_hf generate needs input_ids or inputs_embeds")
+    if input_ids is not None and input_ids.dim() == 1:
         input_ids = input_ids[None]
     # whether a length was set anywhere, read before the defaults fill it in (transformers: an unset
     # max_length means 20 *new* tokens, capped by max_position_embeddings)
@@ -188,17 +200,18 @@ def _read_call(
     eos = gc.eos_token_id
     eos_list = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
     pad = gc.pad_token_id if gc.pad_token_id is not None else (eos_list[0] if eos_list else 0)
-    if attention_mask is None:
-        attention_mask = torch.ones_like(input_ids)
-        if gc.pad_token_id is not None and gc.pad_token_id not in eos_list:
-            # transformers infers it the same way
-            attention_mask = (input_ids != gc.pad_token_id).long()
-    _warn_right_padding(attention_mask)
-    _resolve_lengths(model, gc, input_ids, unset)
-    params = _sampling_params(gc, input_ids.shape[1]).with_(output_hidden_states=hidden)
+    input_ids, attention_mask, prompt = _prompt_rows(
+        model, gc, input_ids, embeds, attention_mask, eos_list
+    )
+    shown = input_ids if prompt is None else prompt.shown
+    _warn_right_padding(attention_mask if prompt is None else prompt.shown_mask)
+    _resolve_lengths(
+        model, gc, shown, unset, None if prompt is None or prompt.hook else prompt.embeds
+    )
+    params = _sampling_params(gc, shown.shape[1]).with_(output_hidden_states=hidden)
     # transformers favours every id of the rows as they are, pad included, and ignores the penalty
     # (with a warning) where an id is negative
-    encoder_rows = params.encoder_repetition_penalty != 1.0 and bool((input_ids >= 0).all())
+    encoder_rows = params.encoder_repetition_penalty != 1.0 and bool((shown >= 0).all())
     if params.encoder_repetition_penalty != 1.0 and not encoder_rows:
         warnings.warn(
             "Passing `encoder_repetition_penalty` requires some form of `input_ids` to be passed to "
@@ -217,8 +230,37 @@ def _read_call(
             "generate(..., stop_strings=..., tokenizer=tokenizer), as transformers requires"
         )
     return _Call(
-        input_ids, attention_mask, gc, params, pad, eos_list, tokenizer, stop_strings, encoder_rows
+        input_ids,
+        attention_mask,
+        gc,
+        params,
+        pad,
+        eos_list,
+        tokenizer,
+        stop_strings,
+        encoder_rows,
+        prompt,
     )
+
+
+def _prompt_rows(
+    model: torch.nn.Module,
+    gc: GenerationConfig,
+    input_ids: torch.Tensor | None,
+    embeds: Any,
+    attention_mask: torch.Tensor | None,
+    eos: list[int],
+) -> tuple[torch.Tensor, torch.Tensor, generate_embeds.PromptEmbeds | None]:
+    """(the requests' token rows, their mask, the prompt's embeddings where it has some)."""
+    if embeds is not None:
+        return generate_embeds.read(input_ids, embeds, attention_mask)
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+        if gc.pad_token_id is not None and gc.pad_token_id not in eos:
+            # transformers infers it the same way
+            attention_mask = (input_ids != gc.pad_token_id).long()
+    hooked = generate_embeds.from_generation_hook(model, input_ids, attention_mask)
+    return hooked if hooked is not None else (input_ids, attention_mask, None)
 
 
 def _refuse_model_kwargs(model_kwargs: dict[str, Any]) -> None:
@@ -285,11 +327,12 @@ def _add_row(engine: Any, call: _Call, plan: CallPlan, i: int, prompt: list[int]
         # StopStringCriteria: on special tokens' text too, and beginning in the prompt
         stops = None
         if call.stop_strings and plan.native_stops:
+            shown = call.shown_ids[i][call.shown_mask[i].bool()].tolist()
             stops = StopStrings(
                 call.tokenizer,
                 call.stop_strings,
                 include=True,
-                context_ids=prompt,
+                context_ids=shown,
                 skip_special_tokens=False,
             )
         rid = engine.add_request(
@@ -297,7 +340,10 @@ def _add_row(engine: Any, call: _Call, plan: CallPlan, i: int, prompt: list[int]
             call.params,
             eos_token_ids=frozenset(call.eos),
             stop_strings=stops,
-            encoder_token_ids=tuple(call.input_ids[i].tolist()) if call.encoder_rows else None,
+            encoder_token_ids=tuple(call.shown_ids[i].tolist()) if call.encoder_rows else None,
+            prompt_embeds=None
+            if call.embeds is None
+            else call.embeds.embeds[i][call.attention_mask[i].bool()],
         )
         if plan.call is not None:
             plan.call.join(engine.requests[rid], i * call.params.n)
@@ -309,7 +355,7 @@ def _add_row(engine: Any, call: _Call, plan: CallPlan, i: int, prompt: list[int]
 def _result(call: _Call, plan: CallPlan, outputs: list) -> torch.Tensor | GenerateDecoderOnlyOutput:
     """The call's sequences (prompt rows as given, then the new tokens, pad after each row's
     end), as a tensor or transformers' output dict."""
-    gc, input_ids = call.gc, call.input_ids
+    gc, input_ids = call.gc, call.shown_ids
     if plan.joint:  # the call picked its rows' tokens: its result is its own, as transformers'
         return plan.call.output(gc)
     rows = [c.token_ids for out in outputs for c in out.completions]
@@ -340,19 +386,24 @@ def _warn_right_padding(attention_mask: torch.Tensor) -> None:
 
 
 def _resolve_lengths(
-    model: torch.nn.Module, gc: GenerationConfig, input_ids: torch.Tensor, unset: dict[str, bool]
+    model: torch.nn.Module,
+    gc: GenerationConfig,
+    input_ids: torch.Tensor,
+    unset: dict[str, bool],
+    embeds: torch.Tensor | None = None,
 ) -> None:
     """max_length / min_length as transformers' own generate sets them, by its own code: with
     max_new_tokens / min_new_tokens taking precedence, and an unset max_length as 20 new tokens;
-    its warnings and its error for an input that leaves no room."""
+    its warnings and its error for an input that leaves no room. ``input_ids``: the rows the
+    result shows (none, for inputs_embeds alone: the lengths count new tokens only)."""
     length = input_ids.shape[1]
     model._prepare_generated_length(
         generation_config=gc,
         has_default_max_length=unset["max_length"],
         has_default_min_length=unset["min_length"],
-        model_input_name="input_ids",
+        model_input_name="input_ids" if embeds is None else "inputs_embeds",
         input_ids_length=length,
-        inputs_tensor=input_ids,
+        inputs_tensor=input_ids if embeds is None else embeds,
     )
     model._validate_generated_length(gc, length, unset["max_length"])
 

@@ -130,6 +130,10 @@ class Request:
     # [layers + 1, positions, hidden] (positions 0.. in order; a recompute adds none twice)
     hidden_states: list = field(default_factory=list)
     hidden_positions: int = 0  # positions recorded so far
+    # a prompt given as embeddings ([prompt tokens, hidden]: transformers' inputs_embeds): they enter
+    # the forward at the prompt's positions instead of its token ids' embeddings
+    prompt_embeds: Any = None
+    embeds_key: str | None = None  # a digest of their bytes: equal embeddings share cached KV
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_ids)
@@ -195,7 +199,11 @@ class Request:
 
     @property
     def cache_salt(self) -> str | None:
-        return self.params.cache_salt
+        """The salt its prefix-cache keys carry: its own, and the prompt's embeddings' digest where
+        the prompt came as embeddings (its token ids are placeholders then, or do not decide the KV)."""
+        if self.embeds_key is None:
+            return self.params.cache_salt
+        return f"{self.params.cache_salt}|embeds:{self.embeds_key}"
 
     @property
     def seqs_when_running(self) -> int:
