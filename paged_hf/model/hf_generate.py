@@ -94,6 +94,7 @@ def paged_generate(
     for name, value in (
         ("assistant_model", assistant_model),
         ("negative_prompt_ids", negative_prompt_ids),
+        ("negative_prompt_attention_mask", negative_prompt_attention_mask),
         ("custom_generate", custom_generate),
     ):
         if value is not None and not (isinstance(value, list) and len(value) == 0):

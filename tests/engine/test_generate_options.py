@@ -399,3 +399,20 @@ def test_the_default_length_is_capped_by_max_position_embeddings(setup):
         for m in (reference, model):
             m.config.max_position_embeddings = saved
     assert ours.shape[1] == 40 and torch.equal(ours, theirs)
+
+
+@pytest.mark.parametrize(
+    "keyword",
+    [
+        name[:-1]
+        for name, (how, _) in options.option_rows().items()
+        if how == options.REFUSED and name.endswith("=")
+    ],
+)
+def test_each_refused_keyword_is_refused_naming_it(setup, keyword):
+    """generate's own keywords the table calls refused raise NotImplementedError naming them
+    (negative_prompt_attention_mask alone was once ignored)."""
+    _, model, ids, mask, _ = setup
+    value = {"custom_generate": "some/repo"}.get(keyword, ids)
+    with pytest.raises(NotImplementedError, match=keyword):
+        model.generate(ids, attention_mask=mask, max_new_tokens=2, **{keyword: value})
