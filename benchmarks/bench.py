@@ -475,47 +475,30 @@ def build_workloads(args, pool: list[int]) -> list[W.Workload]:
             else:
                 out += W.build([name], pool, scale=1 / 16, seed=args.seed)
         return out
-    mixed_out = (16, 48) if args.quick else (16, 128)
-    return W.build(
-        args.workloads, pool, mixed_n=args.n, mixed_out=mixed_out, scale=args.scale, seed=args.seed
-    )
+    sizes = dict(mixed_n=args.n, mixed_out=(16, 48) if args.quick else (16, 128), scale=args.scale)
+    return W.build(args.workloads, pool, seed=args.seed, **sizes)
 
 
 def machine_info(args) -> dict:
-    cpu = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(
-                (line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), ""
-            )
-    except OSError:
-        pass
     import transformers
 
-    return {
-        "date": _dt.datetime.now().isoformat(timespec="seconds"),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "threads": args.threads,
-        "omp_wait_policy": OMP_WAIT_POLICY,
-        "malloc": args._malloc,
-        "loadavg_start": _loadavg(),
-    }
+    cpuinfo = Path("/proc/cpuinfo").read_text() if os.path.exists("/proc/cpuinfo") else ""
+    names = [
+        line.split(":", 1)[1] for line in cpuinfo.splitlines() if line.startswith("model name")
+    ]
+    cpu = names[0].strip() if names else ""
+    info = {"date": _dt.datetime.now().isoformat(timespec="seconds")}
+    info |= {"python": platform.python_version(), "torch": torch.__version__}
+    info |= {"transformers": transformers.__version__, "cpu": cpu, "cores": os.cpu_count()}
+    info |= {"threads": args.threads, "omp_wait_policy": OMP_WAIT_POLICY, "malloc": args._malloc}
+    return info | {"loadavg_start": _loadavg()}
 
 
 def benchmark(args) -> dict:
     eng_cfg = engine_config(args)
-    result: dict[str, Any] = {
-        "meta": {**machine_info(args), "notes": NOTES},
-        "args": {k: v for k, v in vars(args).items() if not k.startswith("_")},
-        "engine_config_overrides": eng_cfg,
-        "ceilings": {},
-        "workloads": {},
-        "rows": [],
-    }
+    result: dict[str, Any] = {"meta": {**machine_info(args), "notes": NOTES}}
+    result["args"] = {k: v for k, v in vars(args).items() if not k.startswith("_")}
+    result |= {"engine_config_overrides": eng_cfg, "ceilings": {}, "workloads": {}, "rows": []}
     t_run = time.perf_counter()
     with omp_env.OtherProcesses() as look:  # not the load average: this VM idles at ~1
         time.sleep(0.5)
@@ -628,13 +611,11 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     # one allocator setting for every system in the process (transformers' rows included), set before any runs
     args._malloc = S.set_malloc(args.tune_malloc)
-    if args.profile_decode:
+    if args.profile_decode or args.profile:
         import bench_profile
 
-        return bench_profile.main_decode(args, sys.modules[__name__])
-    if args.profile:
-        import bench_profile
-
+        if args.profile_decode:
+            return bench_profile.main_decode(args, sys.modules[__name__])
         return bench_profile.main(args, sys.modules[__name__], engine_config(args))
     result = benchmark(args)
     result["meta"]["total_runtime_s"] = time.perf_counter() - t_start

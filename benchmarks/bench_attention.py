@@ -116,13 +116,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pool-blocks", type=int, default=2900, help=h)
     ap.add_argument("--out", help="JSON path (default benchmarks/results/attention-<date>.json)")
     args = common.parse(ap, argv)
-    routes = (
-        ["torch", "kernel", "op", "cold", "inductor", "flex"]
-        if args.routes == "all"
-        else args.routes.split(",")
-    )
+    routes = "torch,kernel,op,cold,inductor,flex" if args.routes == "all" else args.routes
+    routes = routes.split(",")
     assert cpu_ops.load(), cpu_ops.status()["error"]
-    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
+    dtype = common.dtype(args.dtype)
     hq, hkv, d = (int(x) for x in args.heads.split(","))
     bs = args.block_size
     rows, compile_s = [], {}
@@ -145,9 +142,8 @@ def main(argv: list[str] | None = None) -> int:
         row = {"case": name, "tokens": t, "kv_tokens": sum(kv for _, kv in specs)}
         for route in routes:
             if route in ("torch", "kernel"):
-                b = (TorchBackend if route == "torch" else cpa.CpuPagedBackend)(
-                    1, n_blocks, bs, hkv, d, dtype, "cpu"
-                )
+                backend = TorchBackend if route == "torch" else cpa.CpuPagedBackend
+                b = backend(1, n_blocks, bs, hkv, d, dtype, "cpu")
                 b.kv[0].copy_(cache[0])
                 b.kv[1].copy_(cache[1])
 
@@ -157,17 +153,18 @@ def main(argv: list[str] | None = None) -> int:
 
                 row[route] = common.seconds(run, args.reps)
             elif route == "op":
-                step, out = op_args(meta), torch.empty(t, hq, d, dtype=dtype)
+                step, out, qt = (
+                    op_args(meta),
+                    torch.empty(t, hq, d, dtype=dtype),
+                    q[0].transpose(0, 1),
+                )
+                op = torch.ops.paged_hf.paged_attention
                 row[route] = common.seconds(
-                    lambda: torch.ops.paged_hf.paged_attention(
-                        q[0].transpose(0, 1), cache[0], cache[1], *step, d**-0.5, 0, 0.0, out
-                    ),
-                    args.reps,
+                    lambda: op(qt, cache[0], cache[1], *step, d**-0.5, 0, 0.0, out), args.reps
                 )
             elif route == "cold" and sum(-(-kv // bs) for _, kv in specs) <= args.pool_blocks:
-                pool_perm = torch.randperm(
-                    args.pool_blocks, generator=torch.Generator().manual_seed(4)
-                ).tolist()
+                g4 = torch.Generator().manual_seed(4)
+                pool_perm = torch.randperm(args.pool_blocks, generator=g4).tolist()
                 step = op_args(step_metadata(specs, bs, pool_perm, shared))
                 out, qt = torch.empty(t, hq, d, dtype=dtype), q[0].transpose(0, 1)
 
@@ -177,9 +174,8 @@ def main(argv: list[str] | None = None) -> int:
 
                 row[route] = common.seconds(layers_in_turn, args.reps) / len(pools)
             elif route in ("inductor", "flex") and all(ql == 1 for ql, _ in specs):
-                fn, secs = (inductor_decode if route == "inductor" else flex_decode)(
-                    specs, bs, hq, hkv, d, dtype
-                )
+                compiled = inductor_decode if route == "inductor" else flex_decode
+                fn, secs = compiled(specs, bs, hq, hkv, d, dtype)
                 compile_s.setdefault(route, []).append(secs)
                 row[route] = common.seconds(fn, args.reps)
         rows.append(row)
@@ -193,9 +189,8 @@ def main(argv: list[str] | None = None) -> int:
         ratio = (
             f"{row['torch'] / row['kernel']:.2f}x" if "torch" in row and "kernel" in row else "-"
         )
-        lines.append(
-            [row["case"]] + [f"{row[r] * 1e3:.2f}" if r in row else "-" for r in routes] + [ratio]
-        )
+        ms = [f"{row[r] * 1e3:.2f}" if r in row else "-" for r in routes]
+        lines.append([row["case"], *ms, ratio])
     print(
         f"\nattention per layer, {args.dtype}, heads {hq}/{hkv}x{d}, {bs}-token blocks, "
         f"{torch.get_num_threads()} threads (median of {args.reps})"

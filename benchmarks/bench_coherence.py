@@ -73,13 +73,8 @@ def main() -> int:
     parser.add_argument("--json", default="benchmarks/results/coherence.json")
     args = common.parse(parser)
     rows = [measure("SmolLM2-135M (bf16)", common.default_model()[0], args.repeat)]
-    rows.append(
-        measure(
-            f"Llama-7B layout, {args.big_params / 1e9:.1f} B params (bf16)",
-            llama7b_like(args.big_params, torch.bfloat16),
-            args.repeat,
-        )
-    )
+    big = f"Llama-7B layout, {args.big_params / 1e9:.1f} B params (bf16)"
+    rows.append(measure(big, llama7b_like(args.big_params, torch.bfloat16), args.repeat))
     cells = [[f"{v:,.0f}" if isinstance(v, (int, float)) else v for v in r.values()] for r in rows]
     print(common.md_table(list(rows[0]), cells))
     common.write_json(args.json, {"threads": args.threads, "rows": rows})

@@ -67,12 +67,9 @@ def main(argv: list[str] | None = None) -> int:
     tm = TaskManager(include_path=str(tasks_dir), include_defaults=False)
     threads = torch.get_num_threads()
 
-    print(
-        f"model {path} ({args.dtype}), {args.n_mc} questions x 4 choices, {args.n_gen} prompts, "
-        f"{args.rounds} round(s), batch_size {args.batch_size} (hf) / {args.paged_batch_size} (paged_hf), "
-        f"{threads} threads",
-        flush=True,
-    )
+    sizes = f"{args.n_mc} questions x 4 choices, {args.n_gen} prompts, {args.rounds} round(s)"
+    batch = f"batch_size {args.batch_size} (hf) / {args.paged_batch_size} (paged_hf)"
+    print(f"model {path} ({args.dtype}), {sizes}, {batch}, {threads} threads", flush=True)
     hf = HFLM(pretrained=str(path), dtype=args.dtype, batch_size=args.batch_size, device="cpu")
     paged_extra = dict(kv.split("=", 1) for kv in args.paged_args.split(",") if kv)
     paged_extra = {k: _literal(v) for k, v in paged_extra.items()}

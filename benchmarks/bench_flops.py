@@ -83,15 +83,9 @@ def needed_work(w: Workload, geo: Geometry) -> dict:
     linear = 2 * geo.layer_params * needed
     head = 2 * geo.hidden * geo.vocab * out
     attn = 4 * geo.layers * geo.q_heads * geo.head_dim * ctx
-    return {
-        "naive_tokens": naive,
-        "needed_tokens": needed,
-        "output_tokens": out,
-        "flops_linear": linear,
-        "flops_lm_head": head,
-        "flops_attention": attn,
-        "flops": linear + head + attn,
-    }
+    work = {"naive_tokens": naive, "needed_tokens": needed, "output_tokens": out}
+    work |= {"flops_linear": linear, "flops_lm_head": head, "flops_attention": attn}
+    return work | {"flops": linear + head + attn}
 
 
 def fp32_for_bf16() -> bool:
@@ -137,20 +131,13 @@ def matmul_ceiling(
                 flops += 2.0 * m * i * o
             per_m[m] = flops / secs / 1e9
             x = torch.randn(m, geo.hidden, generator=gen).to(dtype)
-            lm_head[m] = (
-                2.0 * m * geo.hidden * geo.vocab / _time_matmul(x, head, min_time, repeats) / 1e9
-            )
+            secs = _time_matmul(x, head, min_time, repeats)
+            lm_head[m] = 2.0 * m * geo.hidden * geo.vocab / secs / 1e9
     best = max(per_m, key=per_m.get)
-    return {
-        "dtype": str(dtype).removeprefix("torch."),
-        "gflops": per_m[best],
-        "best_rows": best,
-        "layer_gflops_by_rows": per_m,
-        "lm_head_gflops_by_rows": lm_head,
-        "method": (
-            "oneDNN fp32 on packed fp32 weights, bf16 in and out (no bf16 matmul on this CPU)"
-            if dtype == torch.bfloat16 and fp32_for_bf16()
-            else "torch.matmul [m, in] x [in, out]"
-        )
-        + f" at q/k/v/o/gate/up/down shapes, median of {repeats} runs; ceiling = best m",
-    }
+    method = "torch.matmul [m, in] x [in, out]"
+    if dtype == torch.bfloat16 and fp32_for_bf16():
+        method = "oneDNN fp32 on packed fp32 weights, bf16 in and out (no bf16 matmul on this CPU)"
+    method += f" at q/k/v/o/gate/up/down shapes, median of {repeats} runs; ceiling = best m"
+    out = {"dtype": str(dtype).removeprefix("torch."), "gflops": per_m[best], "best_rows": best}
+    out |= {"layer_gflops_by_rows": per_m, "lm_head_gflops_by_rows": lm_head}
+    return out | {"method": method}

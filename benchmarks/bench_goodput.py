@@ -285,14 +285,9 @@ def main(argv=None) -> int:
     if "vllm_priority" in systems:
         from bench_systems import VllmCpu
 
-        vllm = VllmCpu(
-            VLLM_PYTHON,
-            model,
-            torch.bfloat16,
-            args.threads,
-            worker="vllm_goodput_worker.py",
-            load_options={"max_num_seqs": args.max_num_seqs, "scheduling_policy": "priority"},
-        )
+        load = {"max_num_seqs": args.max_num_seqs, "scheduling_policy": "priority"}
+        worker = "vllm_goodput_worker.py"
+        vllm = VllmCpu(VLLM_PYTHON, model, torch.bfloat16, args.threads, worker, load_options=load)
     step = lone_decode_step_s(model, tok, vocab)
     tpot_target = TPOT_FACTOR * step
     capacity = capacity_rps(model, tok, args, vocab)
@@ -319,14 +314,9 @@ def main(argv=None) -> int:
         vllm.close()
     print()
     print(table(rows))
-    meta = {
-        "lone_decode_step_s": step,
-        "tpot_target_s": tpot_target,
-        "ttft_target_s": TTFT_TARGET_S,
-        "capacity_rps": capacity,
-        "args": vars(args),
-        "omp_wait_policy": OMP_WAIT_POLICY,
-    }
+    meta = {"lone_decode_step_s": step, "tpot_target_s": tpot_target}
+    meta |= {"ttft_target_s": TTFT_TARGET_S, "capacity_rps": capacity, "args": vars(args)}
+    meta["omp_wait_policy"] = OMP_WAIT_POLICY
     path = common.write_json(common.stamped("goodput", args.out), {"meta": meta, "rows": rows})
     try:
         plot(rows, path.with_suffix(".png"), plot_title(args))

@@ -73,12 +73,8 @@ def main() -> int:
     params = sum(t.numel() for t in base.parameters())
     pool = W.allowed_ids(base.config.vocab_size, {0, 1, 2})
     out_len = (8, 32) if args.quick else (16, 128)
-    workloads = [
-        W.w_mixed(pool, n=n, out_len=out_len),
-        W.w_prefix(
-            pool, n=n, prefix_len=256 if args.quick else 512, n_out=16 if args.quick else 32
-        ),
-    ]
+    prefix = dict(prefix_len=256, n_out=16) if args.quick else dict(prefix_len=512, n_out=32)
+    workloads = [W.w_mixed(pool, n=n, out_len=out_len), W.w_prefix(pool, n=n, **prefix)]
     warm = W.warm(pool)
     from paged_hf import Engine
     from paged_hf.execution.cpu import mixer_kernels
@@ -116,14 +112,9 @@ def main() -> int:
                     hits.append(engine.stats()["prefix_hit_tokens"] - before["prefix_hit_tokens"])
         med = common.medians(rates)
         best = max(v for k, v in med.items() if k.startswith("static"))
-        rows.append(
-            {
-                "workload": w.name,
-                **{k: round(v, 1) for k, v in med.items()},
-                "paged_hf vs best static": round(med["paged_hf"] / best, 2),
-                "prefix hit tokens": hits[-1],
-            }
-        )
+        row = {"workload": w.name, **{k: round(v, 1) for k, v in med.items()}}
+        row["paged_hf vs best static"] = round(med["paged_hf"] / best, 2)
+        rows.append(row | {"prefix hit tokens": hits[-1]})
         common.log(f"[{w.name}] done")
     print(
         f"Qwen3.5-style hybrid, {args.layers} layers ({args.layers * 3 // 4} gated DeltaNet, {args.layers // 4} "

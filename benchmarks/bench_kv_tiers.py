@@ -234,19 +234,17 @@ def _line(row: dict) -> str:
             f"blocks to host {c['host_stored_blocks']:,}"
             for name, c in row["configs"].items()
         )
-    d = row["disk"]
-    head = f"{row['scenario']:8s} {row['run']:12s} prefill computed {row['prefill_tokens_computed']:7,d}"
+    d, r = row["disk"], row
+    head = f"{r['scenario']:8s} {r['run']:12s} prefill computed {r['prefill_tokens_computed']:7,d}"
     head += (
         f"  disk read {d['hit_tokens'] or 0:7,d} tok  written {d['stored_blocks'] or 0:5,d} blocks"
     )
-    if row["scenario"] == "eval":
-        return (
-            head
-            + f"  eval {row['eval_s']:6.1f} s  process {row['process_s']:6.1f} s"
-            + f" (imports {row['import_s']:.1f} s, model {row['load_s']:.1f} s)  {row['metrics']}"
-        )
-    return head + (
-        f"  first TTFT {row['first_ttft_s']:.3f} s  others' median {row['other_ttft_median_s']:.3f} s"
+    if r["scenario"] == "eval":
+        head += f"  eval {r['eval_s']:6.1f} s  process {r['process_s']:6.1f} s"
+        return head + f" (imports {r['import_s']:.1f} s, model {r['load_s']:.1f} s)  {r['metrics']}"
+    return (
+        head
+        + f"  first TTFT {r['first_ttft_s']:.3f} s  others' median {r['other_ttft_median_s']:.3f} s"
     )
 
 

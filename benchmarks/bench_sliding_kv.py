@@ -85,14 +85,10 @@ def sizing(engine, contexts: list[int], split_for: int) -> list[dict]:
     split = [kv.num_blocks * x / sum(need[-1]) for x in need[-1]]
     for n, per_group in zip(contexts, need):
         pages = sum(per_group)
-        rows.append(
-            {
-                "context": n,
-                "kv_bytes_per_seq": pages * engine.page_bytes,
-                "seqs_in_memory": kv.num_blocks // pages,
-                "seqs_per_group_pools": int(min(pool // x for pool, x in zip(split, per_group))),
-            }
-        )
+        row = {"context": n, "kv_bytes_per_seq": pages * engine.page_bytes}
+        row["seqs_in_memory"] = kv.num_blocks // pages
+        row["seqs_per_group_pools"] = int(min(pool // x for pool, x in zip(split, per_group)))
+        rows.append(row)
     return rows
 
 

@@ -44,11 +44,8 @@ def prompts(tokenizer, n: int) -> list[str]:
             f"{NAMES[i % 8]} is {20 + 7 * i % 60} years old and lives in {CITIES[(3 * i) % 8]}. "
             "Extract the person's name, age and city as JSON."
         )
-        out.append(
-            tokenizer.apply_chat_template(
-                [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
-            )
-        )
+        chat = [{"role": "user", "content": text}]
+        out.append(tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True))
     return out
 
 
@@ -57,12 +54,9 @@ def valid(text: str) -> bool:
         value = json.loads(text)
     except json.JSONDecodeError:
         return False
-    return (
-        isinstance(value, dict)
-        and set(value) == set(SCHEMA["required"])
-        and isinstance(value["age"], int)
-        and 0 <= value["age"] <= 120
-    )
+    if not isinstance(value, dict) or set(value) != set(SCHEMA["required"]):
+        return False
+    return isinstance(value["age"], int) and 0 <= value["age"] <= 120
 
 
 def main() -> None:
@@ -79,12 +73,9 @@ def main() -> None:
 
     model, tok = common.default_model()
     batch = prompts(tok, args.requests)
-    systems = {
-        "unconstrained": paged_hf.SamplingParams(max_new_tokens=args.max_new_tokens),
-        "json_schema": paged_hf.SamplingParams(
-            max_new_tokens=args.max_new_tokens, json_schema=SCHEMA
-        ),
-    }
+    n = args.max_new_tokens
+    systems = {"unconstrained": paged_hf.SamplingParams(max_new_tokens=n)}
+    systems["json_schema"] = paged_hf.SamplingParams(max_new_tokens=n, json_schema=SCHEMA)
     engines = {name: paged_hf.Engine(model, tok, max_num_seqs=64) for name in systems}
     for engine in engines.values():
         engine.warmup()

@@ -440,11 +440,9 @@ def memory_checks(setup: Setup) -> dict[str, Any]:
     out["requests_ok"] = sum(o.error is None for o in done)
     if setup.device == "cuda":
         free, total = torch.cuda.mem_get_info()
-        out.update(
-            peak_gib=round(torch.cuda.max_memory_allocated() / (1 << 30), 2),
-            total_gib=round(total / (1 << 30), 2),
-            free_gib_after=round(free / (1 << 30), 2),
-        )
+        gib = lambda n: round(n / (1 << 30), 2)  # noqa: E731
+        out["peak_gib"] = gib(torch.cuda.max_memory_allocated())
+        out.update(total_gib=gib(total), free_gib_after=gib(free))
     del engine, model, done
     free_memory()
 
@@ -462,12 +460,8 @@ def memory_checks(setup: Setup) -> dict[str, Any]:
     kw.update(num_blocks=max(largest + 1, need // 4))  # a quarter of what the workload needs
     engine = paged_hf.Engine(model, preemption_mode="swap", **kw)
     tight = [o.token_ids for o in engine.generate(prompts, params)]
-    out["swap"] = {
-        "preemptions": engine.stats()["preemptions"],
-        "same_tokens": tight == roomy,
-        "num_blocks": engine.runner.backend.num_blocks,
-        "blocks_needed": need,
-    }
+    out["swap"] = {"preemptions": engine.stats()["preemptions"], "same_tokens": tight == roomy}
+    out["swap"] |= {"num_blocks": engine.runner.backend.num_blocks, "blocks_needed": need}
     del engine
     free_memory()
     # the host tier (pinned, written as the pool evicts): the workload twice through a pool of a
@@ -507,13 +501,9 @@ def guarded(name: str, fn, *args) -> Row:
 def environment(setup: Setup) -> dict[str, Any]:
     import transformers
 
-    env = {
-        "date": datetime.date.today().isoformat(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "paged_hf": paged_hf.__version__,
-    }
+    env = {"date": datetime.date.today().isoformat(), "python": platform.python_version()}
+    env |= {"torch": torch.__version__, "transformers": transformers.__version__}
+    env["paged_hf"] = paged_hf.__version__
     if setup.device == "cuda":
         env["gpu"] = torch.cuda.get_device_name()
         try:
@@ -532,14 +522,10 @@ def table(rows: list[Row], base: str = "transformers generate") -> str:
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     for r in rows:
-
-        def ratio(name: str) -> str:
-            return f"{r.tok_s / ref[name]:.2f}x" if ref.get(name) else "-"
-
-        note = r.error or r.note
+        vs = [f"{r.tok_s / ref[n]:.2f}x" if ref.get(n) else "-" for n in (base, f"{base}_batch")]
+        cells = [r.name, f"{r.tok_s:,.0f}", *vs, f"{r.output_tokens:,}", f"{r.seconds:.1f}"]
         lines.append(
-            f"| {r.name} | {r.tok_s:,.0f} | {ratio(base)} | {ratio('transformers generate_batch')} | "
-            f"{r.output_tokens:,} | {r.seconds:.1f} | {r.requests_done} | {note} |"
+            "| " + " | ".join(map(str, cells + [r.requests_done, r.error or r.note])) + " |"
         )
     return "\n".join(lines)
 
@@ -550,13 +536,9 @@ PHASES = tuple("env smoke agreement hf_generate hf_batch eager graphs decode mem
 _CALL = dict(requests=128, prefill="fa2", decode_tc="auto")
 CALLS = {
     "1": dict(_CALL, phases=("env", "smoke", "agreement", "eager", "graphs"), families=("llama",)),
-    "2": dict(
-        _CALL,
-        phases=("env", "agreement", "memory", "hf_generate", "hf_batch", "decode"),
-        families=("gemma2", "qwen3"),
-        hf_max_time=45.0,
-    ),
+    "2": dict(_CALL, families=("gemma2", "qwen3"), hf_max_time=45.0),
 }
+CALLS["2"]["phases"] = ("env", "agreement", "memory", "hf_generate", "hf_batch", "decode")
 
 
 def call_argv(argv: list[str]) -> list[str]:

@@ -131,23 +131,15 @@ def run(device: str, stand_in: bool = False) -> list[dict]:
     ind_buf = torch.zeros(num_pages, dtype=torch.int32, device=device)
     ptr_buf = torch.zeros(b + 1, dtype=torch.int32, device=device)
     last_buf = torch.zeros(b, dtype=torch.int32, device=device)
-    w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-        workspace,
-        "NHD",
-        use_cuda_graph=True,
-        use_tensor_cores=False,
-        paged_kv_indptr_buffer=ptr_buf,
-        paged_kv_indices_buffer=ind_buf,
-        paged_kv_last_page_len_buffer=last_buf,
-    )
+    buffers = dict(paged_kv_indptr_buffer=ptr_buf, paged_kv_indices_buffer=ind_buf)
+    buffers["paged_kv_last_page_len_buffer"] = last_buf
+    graph_options = dict(use_cuda_graph=True, use_tensor_cores=False, **buffers)
+    w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", **graph_options)
     q_buf = torch.zeros(b, Q_HEADS, HEAD_DIM, dtype=dtype, device=device)
     out_buf = torch.zeros_like(q_buf)
-    pad = (
-        torch.arange(b + 1, dtype=torch.int32, device=device),
-        torch.zeros(b, dtype=torch.int32, device=device),
-        torch.ones(b, dtype=torch.int32, device=device),
-    )
-    w.plan(*pad, *SHAPE, **types)
+    # padding-like: every row reads page 0, one token of it
+    pad = [torch.tensor(x, dtype=torch.int32, device=device) for x in ([*range(b + 1)], [0] * b)]
+    w.plan(*pad, torch.ones(b, dtype=torch.int32, device=device), *SHAPE, **types)
     graph = None
     if device == "cuda":
         out_buf.copy_(w.run(q_buf, cache))  # warm up outside the capture
