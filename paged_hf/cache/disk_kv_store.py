@@ -251,7 +251,10 @@ class _Writer:
 class DiskKVStore:
     """A directory of KV block records keyed by 32-byte digests (the key already says which
     model, geometry, salt and tokens; the store never interprets it). ``get_into`` reads a
-    record straight into a caller's tensor; ``put`` queues a copy for the background writer."""
+    record straight into a caller's tensor; ``put`` queues a copy for the background writer. A
+    ``KVStore`` (paged_hf/cache/kv_store.py)."""
+
+    name = "disk"
 
     def __init__(
         self,

@@ -1,6 +1,6 @@
 """KV block records in host memory, least recently used first out beyond a byte bound: the tier
 between the device's pool and the disk (pinned on CUDA, so copies to and from the device run
-asynchronously). The same interface as paged_hf/cache/disk_kv_store.py's store; in-process only.
+asynchronously). A ``KVStore`` (paged_hf/cache/kv_store.py), as the disk's is; in-process only.
 """
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ import torch
 
 
 class HostKVStore:
+    name = "host"
+
     def __init__(self, max_bytes: int, pin: bool = False) -> None:
         if max_bytes <= 0:
             raise ValueError(f"max_bytes={max_bytes}, must be > 0")

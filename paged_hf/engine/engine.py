@@ -158,15 +158,16 @@ class Engine(AdmissionMixin, StepMixin, OutputsMixin, BatchCallsMixin, CallersMi
             slots.total if slots is not None else 0,
             groups=self.groups,
         )
+        runner = self.runner  # its backend's tensors at each use: waking up reallocates them
         self.scheduler.tier = make_kv_tiers(
             self.config,
             model,
             self.groups,
             self.state_layout,
-            self.runner.backend,
+            lambda: runner.backend.distinct_kv,
             self._cache_key(),
         )
-        if self.scheduler.tier is not None and self.scheduler.tier.host_on_eviction:
+        if self.scheduler.tier is not None and self.scheduler.tier.on_eviction is not None:
             self.kv_manager.pool.listener = self.scheduler.tier
 
     # ---- sizing ------------------------------------------------------------------------------

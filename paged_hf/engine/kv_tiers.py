@@ -1,10 +1,10 @@
 """The tiers under the prefix cache: host memory (``kv_host_cache_bytes``), then a directory that
-outlives the process (``kv_cache_dir``). Where the in-memory prefix index misses, a prompt's next
-blocks are read from the first tier holding their record (a disk hit is copied up to host memory).
-The prompt blocks this engine computes are written to disk as they are computed, to host memory as
-the pool evicts them (or as computed: ``kv_host_write="through"``). Keys:
-paged_hf/cache/stable_keys.py; records: paged_hf/cache/host_kv_store.py, disk_kv_store.py. Models
-with one full-attention cache group and no recurrent state only: a record holds pages of KV.
+outlives the process (``kv_cache_dir``), each a ``KVStore`` (paged_hf/cache/kv_store.py). Where the
+in-memory prefix index misses, a prompt's next blocks are read from the first tier holding their
+record (a disk hit is copied up to host memory). The prompt blocks this engine computes are written
+to disk as they are computed, to host memory as the pool evicts them (or as computed:
+``kv_host_write="through"``). Keys: paged_hf/cache/stable_keys.py. Models with one full-attention
+cache group and no recurrent state only: a record holds pages of KV.
 """
 
 from __future__ import annotations
@@ -17,7 +17,9 @@ import torch
 
 from ..cache.disk_kv_store import DiskKVStore
 from ..cache.host_kv_store import HostKVStore
+from ..cache.kv_store import KVStore
 from ..cache.stable_keys import chain_keys, salted, tier_seed, weights_fingerprint
+from ..execution.backends.page_copies import by_page, gather_pages, page_numel, scatter_pages
 from ..requests.request import Request
 
 logger = logging.getLogger("paged_hf")
@@ -33,9 +35,9 @@ def record_blocks(block_size: int) -> int:
 
 class TierHit:
     """Blocks read from records: a row each, holding one page of every KV tensor in turn;
-    ``sources``: (tier, blocks) of the rows in order."""
+    ``sources``: (store, blocks) of the rows in order."""
 
-    def __init__(self, rows: torch.Tensor, sources: list[tuple[str, int]]) -> None:
+    def __init__(self, rows: torch.Tensor, sources: list[tuple[KVStore, int]]) -> None:
         self.rows = rows
         self.sources = sources
 
@@ -46,18 +48,18 @@ class TierHit:
 class KVTiers:
     def __init__(
         self,
-        stores: list[tuple[str, Any]],
+        stores: list[KVStore],
         seed: Callable[[object], bytes],
         adapters: object,
         block_size: int,
         kv: Callable[[], list[torch.Tensor]],
-        host_on_eviction: bool = False,
+        on_eviction: KVStore | None = None,
     ) -> None:
-        """``stores``: (name, store) fastest first; ``seed(adapters)``: the chain root of this
-        engine's weights, geometry and namespace under that adapter state; ``kv``: the backend's
-        distinct KV tensors, [num_pages, ...] each (looked up at each use: a sleeping engine
-        reallocates them); ``host_on_eviction``: the "host" store gets a record when the pool
-        evicts its pages (``evicted``, the pool's listener), not when they are computed."""
+        """``stores``: fastest first; ``seed(adapters)``: the chain root of this engine's weights,
+        geometry and namespace under that adapter state; ``kv``: the backend's distinct KV tensors,
+        [num_pages, ...] each (looked up at each use: a sleeping engine reallocates them);
+        ``on_eviction``: the store that gets a record when the pool evicts its pages (``evicted``,
+        the pool's listener), not when they are computed."""
         self.stores = stores
         self._seed_for = seed
         self.seed = seed(adapters)
@@ -65,13 +67,13 @@ class KVTiers:
         self.record_blocks = record_blocks(block_size)
         self.kv = kv
         self.off_reason: str | None = None
-        self.hit_blocks = dict.fromkeys((name for name, _ in stores), 0)
-        self.stored_blocks = dict.fromkeys((name for name, _ in stores), 0)
+        self.hit_blocks = dict.fromkeys((s.name for s in stores), 0)
+        self.stored_blocks = dict.fromkeys((s.name for s in stores), 0)
         self.read_s = 0.0  # reading and checking records at admission
         self.load_s = 0.0  # copying them into pool pages before the step
         self.write_s = 0.0  # copying computed pages out to the tiers
-        self.host_on_eviction = host_on_eviction and any(n == "host" for n, _ in stores)
-        # records host memory will get when the pool evicts them: by the page of each one's last
+        self.on_eviction = on_eviction
+        # records ``on_eviction`` will get when the pool evicts them: by the page of each one's last
         # block, (key, pages); and each watched page's record (a page freed any other way
         # forgets its record: its KV is no longer that record's)
         self._watched: dict[int, tuple[bytes, list[int]]] = {}
@@ -81,8 +83,8 @@ class KVTiers:
     def on(self) -> bool:
         return self.off_reason is None
 
-    def store(self, name: str) -> Any:
-        return dict(self.stores)[name]
+    def store(self, name: str) -> KVStore:
+        return next(s for s in self.stores if s.name == name)
 
     def turn_off(self, why: str) -> None:
         """Serve and write nothing more (the weights changed: records of the old ones must not be
@@ -97,7 +99,7 @@ class KVTiers:
         self.seed = self._seed_for(adapters)
 
     def flush(self, timeout: float | None = None) -> None:
-        for _, store in self.stores:
+        for store in self.stores:
             store.flush(timeout)
 
     def _bind(self, req: Request) -> None:
@@ -128,10 +130,8 @@ class KVTiers:
         t0 = time.perf_counter()
         keys = self._keys(req, records_end * p)
         kv = self.kv()
-        staged = torch.empty(
-            ((records_end - r0) * p, sum(c[0].numel() for c in kv)), dtype=kv[0].dtype
-        )
-        sources: list[tuple[str, int]] = []
+        staged = torch.empty(((records_end - r0) * p, page_numel(kv)), dtype=kv[0].dtype)
+        sources: list[tuple[KVStore, int]] = []
         for k in range(r0, records_end):
             key = keys[(k + 1) * p - 1]  # a record is named by its last block's key
             rows = staged[(k - r0) * p : (k - r0 + 1) * p]
@@ -148,14 +148,14 @@ class KVTiers:
         req.tier_held = ((first, last), hit)
         return hit
 
-    def _read_record(self, key: bytes, rows: torch.Tensor) -> str | None:
-        """The first tier with a good record of ``key``, read into ``rows``; faster tiers get a
-        copy. None: no tier has one."""
-        for i, (name, store) in enumerate(self.stores):
+    def _read_record(self, key: bytes, rows: torch.Tensor) -> KVStore | None:
+        """The first store with a good record of ``key``, read into ``rows``; faster stores get a
+        copy. None: no store has one."""
+        for i, store in enumerate(self.stores):
             if store.get_into(key, rows):
-                for _, upper in self.stores[:i]:
+                for upper in self.stores[:i]:
                     upper.put(key, rows)
-                return name
+                return store
         return None
 
     def load(self, hit: TierHit, pages: list[int]) -> None:
@@ -163,20 +163,15 @@ class KVTiers:
         KV tensor for all of them."""
         t0 = time.perf_counter()
         kv = self.kv()
-        idx = torch.tensor(pages, dtype=torch.long, device=kv[0].device)
-        offset = 0
-        for c in kv:
-            n = c[0].numel()
-            part = hit.rows[:, offset : offset + n].view((len(hit),) + tuple(c.shape[1:]))
-            c.index_copy_(0, idx, part.to(c.device))
-            offset += n
-        for name, n in hit.sources:
-            self.hit_blocks[name] += n
+        scatter_pages(kv, pages, by_page(hit.rows, kv))
+        for store, n in hit.sources:
+            self.hit_blocks[store.name] += n
         self.load_s += time.perf_counter() - t0
 
+    # ---- writes: computed prompt blocks, and pages the pool evicts ----------------------------
     def write(self, req: Request) -> None:
-        """Write the whole records of prompt blocks ``req`` holds computed through to every tier
-        that lacks them."""
+        """Write the whole records of prompt blocks ``req`` holds computed through to every store
+        that lacks them (``on_eviction``: watched, written when the pool evicts them)."""
         p = self.record_blocks
         n_full = min(req.num_computed_tokens, req.num_prompt_tokens) // self.block_size
         records_end = n_full // p
@@ -188,26 +183,27 @@ class KVTiers:
         todo = []  # (record, the stores lacking it)
         for k in range(req.tier_done // p, records_end):
             key = keys[(k + 1) * p - 1]
-            lacking = [(n, s) for n, s in self.stores if not s.contains(key)]
-            if self.host_on_eviction and any(n == "host" for n, _ in lacking):
-                lacking = [(n, s) for n, s in lacking if n != "host"]
+            lacking = [s for s in self.stores if not s.contains(key)]
+            if self.on_eviction in lacking:
+                lacking.remove(self.on_eviction)
                 self._watch(key, table[k * p : (k + 1) * p])
             if lacking:
                 todo.append((k, lacking))
         if todo:
             rows = self._gather([table[k * p + j] for k, _ in todo for j in range(p)])
             for i, (k, lacking) in enumerate(todo):
-                for name, store in lacking:  # each record a view of rows, which nobody writes
+                for store in lacking:  # each record a view of rows, which nobody writes
                     store.put(keys[(k + 1) * p - 1], rows[i * p : (i + 1) * p], owned=True)
-                    self.stored_blocks[name] += p
+                    self.stored_blocks[store.name] += p
         req.tier_done = records_end * p
         self.write_s += time.perf_counter() - t0
 
     def _gather(self, pages: list[int]) -> torch.Tensor:
-        """The pages' KV in host memory, a row per page (every KV tensor's page in turn)."""
+        """The pages' KV in host memory, a row per page (every KV tensor's page in turn): gathered
+        on the device, then one copy to the host."""
         kv = self.kv()
-        idx = torch.tensor(pages, dtype=torch.long, device=kv[0].device)
-        rows = torch.cat([c.index_select(0, idx).reshape(len(pages), -1) for c in kv], 1)
+        rows = torch.empty((len(pages), page_numel(kv)), dtype=kv[0].dtype, device=kv[0].device)
+        gather_pages(kv, pages, by_page(rows, kv))
         return rows.to("cpu")
 
     def _watch(self, key: bytes, pages: list[int]) -> None:
@@ -224,20 +220,20 @@ class KVTiers:
 
     def evicted(self, pages: list[int]) -> None:
         """The pool evicted ``pages`` (their KV still there): the watched records they end go to
-        host memory. The index evicts leaves first, so a record's last block goes no later than
-        its others."""
+        ``on_eviction``. The index evicts leaves first, so a record's last block goes no later
+        than its others."""
         records = [self._forget(page) for page in pages if page in self._watched]
-        if not records or not self.on:
+        store = self.on_eviction
+        if not records or not self.on or store is None:
             return
         t0 = time.perf_counter()
-        host = self.store("host")
-        records = [(key, held) for key, held in records if not host.contains(key)]
+        records = [(key, held) for key, held in records if not store.contains(key)]
         if records:
             p = self.record_blocks
             rows = self._gather([page for _, held in records for page in held])
             for i, (key, _) in enumerate(records):
-                host.put(key, rows[i * p : (i + 1) * p], owned=True)
-                self.stored_blocks["host"] += p
+                store.put(key, rows[i * p : (i + 1) * p], owned=True)
+                self.stored_blocks[store.name] += p
         self.write_s += time.perf_counter() - t0
 
     def released(self, page: int) -> None:
@@ -252,13 +248,13 @@ class KVTiers:
         measured prefill cost per token)."""
         bs = self.block_size
         out: dict[str, Any] = {
-            name: {
-                "hit_blocks": self.hit_blocks[name],
-                "hit_tokens": self.hit_blocks[name] * bs,
-                "stored_blocks": self.stored_blocks[name],
+            store.name: {
+                "hit_blocks": self.hit_blocks[store.name],
+                "hit_tokens": self.hit_blocks[store.name] * bs,
+                "stored_blocks": self.stored_blocks[store.name],
                 **store.stats(),
             }
-            for name, store in self.stores
+            for store in self.stores
         }
         tokens = sum(self.hit_blocks.values()) * bs
         out["total"] = {
@@ -273,11 +269,19 @@ class KVTiers:
         return out
 
 
-def make_kv_tiers(config, model, groups, state_layout, backend, cache_key) -> KVTiers | None:
+def make_kv_tiers(
+    config: Any,
+    model: torch.nn.Module,
+    groups: list,
+    state_layout: Any,
+    kv: Callable[[], list[torch.Tensor]],
+    cache_key: tuple,
+) -> KVTiers | None:
     """The engine's tiers when ``config.kv_host_cache_bytes`` or ``config.kv_cache_dir`` is set and
-    the model's KV can go there whole (else None, with a warning saying why). ``cache_key``:
-    (namespace, generation, adapters), the in-memory prefix cache's; the generation is replaced by
-    the weights' fingerprint."""
+    the model's KV can go there whole (else None, with a warning saying why). ``kv``: the backend's
+    distinct KV tensors now (its ``distinct_kv``); ``cache_key``: (namespace, generation,
+    adapters), the in-memory prefix cache's; the generation is replaced by the weights'
+    fingerprint."""
     wanted = [
         f"{name}={getattr(config, name)!r}"
         for name in ("kv_host_cache_bytes", "kv_cache_dir")
@@ -285,14 +289,14 @@ def make_kv_tiers(config, model, groups, state_layout, backend, cache_key) -> KV
     ]
     if not wanted:
         return None
-    kv = backend._distinct_kv
+    tensors = kv()
     why = (
         "this model keeps recurrent state"
         if state_layout is not None
         else f"this model keeps {len(groups)} cache groups"
         if len(groups) > 1
         else "its KV tensors differ in dtype"
-        if len({c.dtype for c in kv}) > 1
+        if len({c.dtype for c in tensors}) > 1
         else None
     )
     if why is not None:
@@ -307,17 +311,12 @@ def make_kv_tiers(config, model, groups, state_layout, backend, cache_key) -> KV
     geometry = {
         "block_size": config.block_size,
         "record_blocks": record_blocks(config.block_size),
-        "pages": [[list(c.shape[1:]), str(c.dtype)] for c in kv],
+        "pages": [[list(c.shape[1:]), str(c.dtype)] for c in tensors],
         "groups": [repr(g) for g in groups],
-        "device": kv[0].device.type if kv else "none",
+        "device": tensors[0].device.type if tensors else "none",
     }
     namespace, _, adapters = cache_key
-    stores: list[tuple[str, Any]] = []
-    if config.kv_host_cache_bytes is not None:
-        pin = bool(kv) and kv[0].device.type == "cuda"
-        stores.append(("host", HostKVStore(config.kv_host_cache_bytes, pin=pin)))
-    if config.kv_cache_dir is not None:
-        stores.append(("disk", DiskKVStore(config.kv_cache_dir, config.kv_cache_dir_bytes)))
+    stores, on_eviction = _stores(config, pin=bool(tensors) and tensors[0].device.type == "cuda")
     logger.info(
         "paged_hf: KV cache tiers %s (weights fingerprinted in %.2f s)",
         ", ".join(wanted),
@@ -328,6 +327,19 @@ def make_kv_tiers(config, model, groups, state_layout, backend, cache_key) -> KV
         lambda adapters: tier_seed(fingerprint, geometry, adapters, namespace),
         adapters,
         config.block_size,
-        lambda: backend._distinct_kv,
-        host_on_eviction=config.kv_host_write == "eviction",
+        kv,
+        on_eviction,
     )
+
+
+def _stores(config: Any, pin: bool) -> tuple[list[KVStore], KVStore | None]:
+    """The stores ``config`` asks for, fastest first, and the one written as the pool evicts pages
+    (host memory, unless ``kv_host_write="through"``); ``pin``: host memory pinned (CUDA)."""
+    stores: list[KVStore] = []
+    host = None
+    if config.kv_host_cache_bytes is not None:
+        host = HostKVStore(config.kv_host_cache_bytes, pin=pin)
+        stores.append(host)
+    if config.kv_cache_dir is not None:
+        stores.append(DiskKVStore(config.kv_cache_dir, config.kv_cache_dir_bytes))
+    return stores, host if config.kv_host_write == "eviction" else None

@@ -373,8 +373,10 @@ def test_a_page_freed_without_eviction_is_never_written_as_its_record(model, pro
 
 def test_the_host_store_keeps_the_most_recently_used_within_its_bound():
     from paged_hf.cache.host_kv_store import HostKVStore
+    from paged_hf.cache.kv_store import KVStore
 
     store = HostKVStore(max_bytes=4 * 400)
+    assert isinstance(store, KVStore)
     record = lambda i: torch.full((100,), float(i))  # noqa: E731 - 400 bytes
     for i in range(4):
         store.put(bytes([i]) * 32, record(i))
@@ -462,3 +464,16 @@ def test_a_read_is_kept_for_the_admission_and_rebound_after_an_adapter_switch(
     tier.follow_adapters(("another adapter state",))
     assert tier.read(req, 0, (len(prompts[0]) - 1) // BS) is None, "no record under that state"
     assert req.tier_keys != keys and req.tier_held is None
+
+
+def test_an_engine_woken_up_loads_records_into_its_new_pages(model, prompts, tmp_path):
+    """Sleep lets the KV tensors go and waking up makes new ones: the tiers read into the pages of
+    the backend there is now, with the tokens of computing everything."""
+    alone, _, _ = run(model, prompts, None)
+    run(model, prompts, str(tmp_path))
+    engine = paged_hf.Engine(model, block_size=BS, num_blocks=256, kv_cache_dir=str(tmp_path))
+    engine.sleep()
+    outs = engine.generate(prompts, SamplingParams(max_new_tokens=6))
+    assert [o.token_ids for o in outs] == alone
+    assert disk(engine.stats())["hit_tokens"] == servable_tokens(prompts)
+    assert_clean(engine)

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .page_copies import by_tensor, gather_pages, page_numel, scatter_pages
+
 
 @dataclass
 class SwapHandle:
@@ -24,18 +26,6 @@ class SwapHandle:
         return self.data.numel() * self.data.element_size()
 
 
-def _host_parts(
-    kv: list[torch.Tensor], n: int, pin: bool
-) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    sizes = [n * c[0].numel() for c in kv]
-    data = torch.empty(sum(sizes), dtype=kv[0].dtype, pin_memory=pin)
-    parts, start = [], 0
-    for c, size in zip(kv, sizes):
-        parts.append(data[start : start + size].view((n,) + tuple(c.shape[1:])))
-        start += size
-    return data, parts
-
-
 def swap_out(kv: list[torch.Tensor], block_ids: list[int]) -> SwapHandle:
     """Copy blocks ``block_ids`` of every layer to (pinned, on CUDA) host memory."""
     if not kv:
@@ -46,11 +36,10 @@ def swap_out(kv: list[torch.Tensor], block_ids: list[int]) -> SwapHandle:
     if n and not 0 <= min(block_ids) <= max(block_ids) < cache.shape[0]:
         raise ValueError(f"swap_out: block ids {block_ids} outside [0, {cache.shape[0]})")
     pin = device.type == "cuda"
-    data, parts = _host_parts(kv, n, pin)
+    data = torch.empty(n * page_numel(kv), dtype=cache.dtype, pin_memory=pin)
+    parts = by_tensor(data, kv, n)
     if n:
-        idx = torch.tensor(block_ids, dtype=torch.long, device=device)
-        for part, c in zip(parts, kv):
-            part.copy_(c.index_select(0, idx), non_blocking=pin)
+        gather_pages(kv, block_ids, parts, non_blocking=pin)
     return SwapHandle(data, parts, n)
 
 
@@ -69,35 +58,35 @@ def swap_in(kv: list[torch.Tensor], handle: SwapHandle, new_block_ids: list[int]
     device = kv[0].device
     if not 0 <= min(new_block_ids) <= max(new_block_ids) < kv[0].shape[0]:
         raise ValueError(f"swap_in: block ids {new_block_ids} outside [0, {kv[0].shape[0]})")
-    idx = torch.tensor(new_block_ids, dtype=torch.long, device=device)
     non_blocking = device.type == "cuda" and handle.data.is_pinned()
-    for part, c in zip(handle.parts, kv):
-        c.index_copy_(0, idx, part.to(device, non_blocking=non_blocking))
+    scatter_pages(kv, new_block_ids, handle.parts, non_blocking=non_blocking)
 
 
 class SwapMixin:
-    """Whole-block data movement as backend methods, over the backend's ``kv`` list (or its
-    ``kv_slabs``, the distinct tensors, where layers of several cache groups share one):
+    """Whole-block data movement as backend methods, over the backend's ``distinct_kv``:
     copy-on-write copies, and ``swap_out`` / ``swap_in``."""
 
     kv: list[torch.Tensor]
 
     @property
-    def _distinct_kv(self) -> list[torch.Tensor]:
+    def distinct_kv(self) -> list[torch.Tensor]:
+        """The KV tensors, each once, [num_pages, ...] each: ``kv_slabs`` where layers of several
+        cache groups share one, else ``kv`` (what whole-page copies move; the tiers under the prefix
+        cache read and write pages through it)."""
         return getattr(self, "kv_slabs", None) or self.kv
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         # a model with no attention layer (pure SSM) keeps no KV
-        if not copies or not self._distinct_kv:
+        if not copies or not self.distinct_kv:
             return
         device = self.kv[0].device
         src = torch.tensor([s for s, _ in copies], device=device)
         dst = torch.tensor([d for _, d in copies], device=device)
-        for cache in self._distinct_kv:
+        for cache in self.distinct_kv:
             cache[dst] = cache[src]
 
     def swap_out(self, block_ids: list[int]) -> SwapHandle:
-        return swap_out(self._distinct_kv, block_ids)
+        return swap_out(self.distinct_kv, block_ids)
 
     def swap_in(self, handle: SwapHandle, new_block_ids: list[int]) -> None:
-        swap_in(self._distinct_kv, handle, new_block_ids)
+        swap_in(self.distinct_kv, handle, new_block_ids)
