@@ -66,6 +66,8 @@ def dtype(name):
     """torch's dtype for "bf16" / "fp32" or for torch's own name ("bfloat16", "float32")."""
     import torch
 
+    if isinstance(name, torch.dtype):
+        return name
     return {"bf16": torch.bfloat16, "fp32": torch.float32}.get(name) or getattr(torch, name)
 
 
