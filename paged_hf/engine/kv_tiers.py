@@ -1,16 +1,20 @@
 """The tiers under the prefix cache: host memory (``kv_host_cache_bytes``), then a directory that
-outlives the process (``kv_cache_dir``), each a ``KVStore`` (paged_hf/cache/kv_store.py). Where the
-in-memory prefix index misses, a prompt's next blocks are read from the first tier holding their
-record (a disk hit is copied up to host memory). The prompt blocks this engine computes are written
-to disk as they are computed, to host memory as the pool evicts them (or as computed:
-``kv_host_write="through"``). Keys: paged_hf/cache/stable_keys.py. Models with one full-attention
-cache group and no recurrent state only: a record holds pages of KV.
+outlives the process (``kv_cache_dir``), each a ``KVStore`` (paged_hf/cache/kv_store.py). A tier
+read has two halves. At admission the scheduler asks ``lookup``: where the in-memory prefix index
+misses, which stores hold records of the prompt's next blocks (no record is read). Before the
+forward, the step has ``load`` read those records and copy them into the request's new pool pages
+(a disk hit is copied up to host memory); a record that turns out bad or gone is computed instead.
+The prompt blocks this engine computes are written to disk as they are computed, to host memory
+as the pool evicts them (or as computed: ``kv_host_write="through"``). Keys:
+paged_hf/cache/stable_keys.py. Models with one full-attention cache group and no recurrent state
+only: a record holds pages of KV. The flow, step by step: docs/internals.md.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -33,16 +37,37 @@ def record_blocks(block_size: int) -> int:
     return max(1, -(-RECORD_TOKENS // block_size))
 
 
-class TierHit:
-    """Blocks read from records: a row each, holding one page of every KV tensor in turn;
-    ``sources``: (store, blocks) of the rows in order."""
+@dataclass
+class TierMatch:
+    """What the tiers hold of a prompt where the prefix cache's hit ends, as a lookup found it
+    (nothing read yet): blocks ``span[0]``, ``span[0] + 1``, ... (``len`` of them; ``span``: the
+    blocks asked for), from the records ``keys`` names in order, ``used[i]`` blocks of record i
+    (the first may start inside its record); ``blocks``: how many each tier holds, by its name."""
 
-    def __init__(self, rows: torch.Tensor, sources: list[tuple[KVStore, int]]) -> None:
-        self.rows = rows
-        self.sources = sources
+    span: tuple[int, int]
+    keys: list[bytes] = field(default_factory=list)
+    used: list[int] = field(default_factory=list)
+    blocks: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def first(self) -> int:
+        return self.span[0]
 
     def __len__(self) -> int:
-        return self.rows.shape[0]
+        return sum(self.used)
+
+
+@dataclass
+class TierState:
+    """A request's part in the tiers (``Request.tier_state``): its chain root under the engine
+    state of its last admission, the keys of its prompt blocks so far, how many leading blocks
+    every tier holds, and the match found for an admission that has not happened yet (kept: an
+    admission that found no room looks up the same span again at its next try)."""
+
+    root: bytes
+    keys: list[bytes] = field(default_factory=list)
+    done: int = 0
+    held: TierMatch | None = None
 
 
 class KVTiers:
@@ -69,8 +94,8 @@ class KVTiers:
         self.off_reason: str | None = None
         self.hit_blocks = dict.fromkeys((s.name for s in stores), 0)
         self.stored_blocks = dict.fromkeys((s.name for s in stores), 0)
-        self.read_s = 0.0  # reading and checking records at admission
-        self.load_s = 0.0  # copying them into pool pages before the step
+        self.read_s = 0.0  # reading and checking records, in the step before its forward
+        self.load_s = 0.0  # copying them into pool pages
         self.write_s = 0.0  # copying computed pages out to the tiers
         self.on_eviction = on_eviction
         # records ``on_eviction`` will get when the pool evicts them: by the page of each one's last
@@ -102,51 +127,75 @@ class KVTiers:
         for store in self.stores:
             store.flush(timeout)
 
-    def _bind(self, req: Request) -> None:
+    def _bind(self, req: Request) -> TierState:
         """At each admission: key ``req``'s blocks under the engine's state now (its adapters), as
         the in-memory index files them under the namespace of the admission."""
         root = salted(self.seed, req.cache_salt)
-        if root != req.tier_root:
-            req.tier_root, req.tier_keys, req.tier_done, req.tier_held = root, [], 0, None
+        if req.tier_state is None or req.tier_state.root != root:
+            req.tier_state = TierState(root)
+        return req.tier_state
 
-    def _keys(self, req: Request, n_blocks: int) -> list[bytes]:
-        if len(req.tier_keys) < n_blocks:
+    def _keys(self, state: TierState, req: Request, n_blocks: int) -> list[bytes]:
+        if len(state.keys) < n_blocks:
             tokens = req.prompt_ids[: n_blocks * self.block_size]
-            req.tier_keys = chain_keys(req.tier_root, tokens, self.block_size, req.tier_keys)
-        return req.tier_keys[:n_blocks]
+            state.keys = chain_keys(state.root, tokens, self.block_size, state.keys)
+        return state.keys[:n_blocks]
 
-    def read(self, req: Request, first: int, last: int) -> TierHit | None:
+    # ---- a read: the scheduler's lookup, then the step's load ---------------------------------
+    def lookup(self, req: Request, first: int, last: int) -> TierMatch | None:
         """Blocks ``first``, ``first + 1``, ... (before ``last``, within the prompt's whole records)
-        of ``req`` that some tier holds good records of, read into host memory, up to the first
-        miss."""
-        self._bind(req)
+        of ``req`` that some tier holds records of, up to the first miss; None where none. Reads
+        no record (``load`` does, in the step). A match is kept on ``req`` until its admission:
+        asked again for the same blocks, it is returned as it is."""
+        state = self._bind(req)
         p = self.record_blocks
         records_end = min(-(-last // p), req.num_prompt_tokens // self.block_size // p)
         r0 = first // p
         if not self.on or r0 >= records_end or req.parent is not None:
             return None
-        if req.tier_held is not None and req.tier_held[0] == (first, last):
-            return req.tier_held[1]  # read for an admission that found no room: not read again
-        t0 = time.perf_counter()
-        keys = self._keys(req, records_end * p)
-        kv = self.kv()
-        staged = torch.empty(((records_end - r0) * p, page_numel(kv)), dtype=kv[0].dtype)
-        sources: list[tuple[KVStore, int]] = []
+        if state.held is not None and state.held.span == (first, last):
+            return state.held
+        keys = self._keys(state, req, records_end * p)
+        match = TierMatch((first, last), blocks=dict.fromkeys(self.hit_blocks, 0))
         for k in range(r0, records_end):
             key = keys[(k + 1) * p - 1]  # a record is named by its last block's key
-            rows = staged[(k - r0) * p : (k - r0 + 1) * p]
-            tier = self._read_record(key, rows)
-            if tier is None:
+            store = next((s for s in self.stores if s.contains(key)), None)
+            if store is None:
                 break
             used = min(last, (k + 1) * p) - max(first, k * p)
-            sources.append((tier, used))
-        self.read_s += time.perf_counter() - t0
-        end = first + sum(n for _, n in sources)
-        if end == first:
+            match.keys.append(key)
+            match.used.append(used)
+            match.blocks[store.name] += used
+        if not match.keys:
             return None
-        hit = TierHit(staged[first - r0 * p : end - r0 * p], sources)
-        req.tier_held = ((first, last), hit)
-        return hit
+        state.held = match
+        return match
+
+    def load(self, match: TierMatch, pages: list[int]) -> int:
+        """Read ``match``'s records (each from the fastest tier with a good one; faster tiers get a
+        copy) and copy their blocks into ``pages``, before the step that reads them: one copy per
+        KV tensor. Returns the blocks loaded, a leading part of the match: fewer where a record
+        turned out bad or gone since the lookup (the rest is to be computed)."""
+        t0 = time.perf_counter()
+        kv = self.kv()
+        p = self.record_blocks
+        rows = torch.empty((len(match.keys) * p, page_numel(kv)), dtype=kv[0].dtype)
+        sources: list[tuple[KVStore, int]] = []
+        for i, key in enumerate(match.keys):
+            store = self._read_record(key, rows[i * p : (i + 1) * p])
+            if store is None:
+                break
+            sources.append((store, match.used[i]))
+        t1 = time.perf_counter()
+        self.read_s += t1 - t0
+        n = sum(used for _, used in sources)
+        if n:
+            skip = match.first % p  # the match's first block, in its record
+            scatter_pages(kv, pages[:n], by_page(rows[skip : skip + n], kv))
+        for store, used in sources:
+            self.hit_blocks[store.name] += used
+        self.load_s += time.perf_counter() - t1
+        return n
 
     def _read_record(self, key: bytes, rows: torch.Tensor) -> KVStore | None:
         """The first store with a good record of ``key``, read into ``rows``; faster stores get a
@@ -158,30 +207,20 @@ class KVTiers:
                 return store
         return None
 
-    def load(self, hit: TierHit, pages: list[int]) -> None:
-        """Copy read blocks into their pool pages (before the step that reads them): one copy per
-        KV tensor for all of them."""
-        t0 = time.perf_counter()
-        kv = self.kv()
-        scatter_pages(kv, pages, by_page(hit.rows, kv))
-        for store, n in hit.sources:
-            self.hit_blocks[store.name] += n
-        self.load_s += time.perf_counter() - t0
-
     # ---- writes: computed prompt blocks, and pages the pool evicts ----------------------------
     def write(self, req: Request) -> None:
         """Write the whole records of prompt blocks ``req`` holds computed through to every store
         that lacks them (``on_eviction``: watched, written when the pool evicts them)."""
-        p = self.record_blocks
+        p, state = self.record_blocks, req.tier_state
         n_full = min(req.num_computed_tokens, req.num_prompt_tokens) // self.block_size
         records_end = n_full // p
-        if not self.on or req.parent is not None or records_end * p <= req.tier_done:
+        if not self.on or req.parent is not None or state is None or records_end * p <= state.done:
             return
         t0 = time.perf_counter()
-        keys = self._keys(req, records_end * p)
+        keys = self._keys(state, req, records_end * p)
         table = req.block_tables[0]
         todo = []  # (record, the stores lacking it)
-        for k in range(req.tier_done // p, records_end):
+        for k in range(state.done // p, records_end):
             key = keys[(k + 1) * p - 1]
             lacking = [s for s in self.stores if not s.contains(key)]
             if self.on_eviction in lacking:
@@ -195,7 +234,7 @@ class KVTiers:
                 for store in lacking:  # each record a view of rows, which nobody writes
                     store.put(keys[(k + 1) * p - 1], rows[i * p : (i + 1) * p], owned=True)
                     self.stored_blocks[store.name] += p
-        req.tier_done = records_end * p
+        state.done = records_end * p
         self.write_s += time.perf_counter() - t0
 
     def _gather(self, pages: list[int]) -> torch.Tensor:

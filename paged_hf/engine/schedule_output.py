@@ -4,9 +4,12 @@ backend does first (copies, swaps, tier loads); and the step budget it plans wit
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ..requests.request import Request
+
+if TYPE_CHECKING:
+    from .kv_tiers import TierMatch
 
 
 class QueueFull(RuntimeError):
@@ -24,6 +27,18 @@ class Budget:
 
 
 @dataclass
+class TierLoad:
+    """Blocks an admission's tier lookup found (not read yet), for the step to read into ``pages``,
+    the request's pool pages of them, before its forward; ``first_admission``: they count in the
+    request's ``num_cached_tokens``."""
+
+    req: Request
+    match: TierMatch
+    pages: list[int]
+    first_admission: bool
+
+
+@dataclass
 class SchedulerOutput:
     scheduled: list[tuple[Request, int]]  # in batch order: decodes, then prefill chunks
     preempted: list[Request] = field(default_factory=list)
@@ -31,8 +46,8 @@ class SchedulerOutput:
     # swap preemption, done by the backend before the step (swap-outs first: their blocks are free now)
     swap_out: list[tuple[Request, list[int]]] = field(default_factory=list)
     swap_in: list[tuple[Request, list[int]]] = field(default_factory=list)
-    # (blocks read from the disk tier, their pool pages), loaded before the step
-    tier_loads: list[tuple[Any, list[int]]] = field(default_factory=list)
+    # records of the tiers under the prefix cache, read into pool pages before the step
+    tier_loads: list[TierLoad] = field(default_factory=list)
     # (src, dst) state slots before the step
     state_copies: list[tuple[int, int]] = field(default_factory=list)
 

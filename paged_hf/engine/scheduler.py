@@ -15,7 +15,7 @@ from typing import Any
 
 from ..cache.block_manager import BlockManager
 from ..requests.request import Request, RequestStatus
-from .schedule_output import Budget, SchedulerOutput
+from .schedule_output import Budget, SchedulerOutput, TierLoad
 from .scheduler_queues import QueuesMixin
 from .scheduling_policy import Fcfs
 from .sibling_prefill import blocks_in_flight, waits_for_sibling_prefill
@@ -267,12 +267,12 @@ class Scheduler(QueuesMixin):
         """Admit waiting ``req`` with this step's first chunk: ADMITTED, SIBLING (the next block
         of its prompt is computed this step by another request: it waits a step and takes it from
         the prefix cache instead of computing it twice) or NO_BLOCKS. Leaves ``waiting`` as it is."""
-        swapped, loads = req.swapped_tokens, None
+        swapped, match = req.swapped_tokens, None
         if swapped:  # its KV comes back from host memory into fresh blocks
             req.num_computed_tokens, cached = swapped, 0
         else:
             cached = self.kv_manager.admit(req)
-            loads = self._read_tier(req)
+            match = self._match_tier(req)
         if not swapped and waits_for_sibling_prefill(self.kv_manager, req, pending):
             self.kv_manager.free(req)
             return Admission.SIBLING
@@ -287,13 +287,14 @@ class Scheduler(QueuesMixin):
         if swapped:
             out.swap_in.append((req, self.kv_manager.held_pages(req, swapped)))
             req.swapped_tokens = 0
-        if loads:
+        if match:
             end = req.num_computed_tokens // self.kv_manager.block_size
-            out.tier_loads.append((loads, req.block_tables[0][end - len(loads) : end]))
-            req.tier_held = None
+            pages = req.block_tables[0][end - len(match) : end]
+            out.tier_loads.append(TierLoad(req, match, pages, not req.admitted_once))
+            req.tier_state.held = None  # kept for this admission, which took it
         if not req.admitted_once:
             req.num_cached_tokens = (
-                cached + (len(loads) if loads else 0) * self.kv_manager.block_size
+                cached + (len(match) if match else 0) * self.kv_manager.block_size
             )
             req.admitted_once = True
             req.first_scheduled_time = self.clock()
@@ -306,18 +307,29 @@ class Scheduler(QueuesMixin):
         pending |= blocks_in_flight(self.kv_manager, {req: n})
         return Admission.ADMITTED
 
-    def _read_tier(self, req: Request) -> Any:
-        """Where the prefix cache's hit ends, the tiers' records may go on (prompt blocks): the
-        blocks read (paged_hf/engine/kv_tiers.py's TierHit), or None."""
+    def _match_tier(self, req: Request) -> Any:
+        """Where the prefix cache's hit ends, the tiers' records may go on (prompt blocks): what
+        their lookup found (paged_hf/engine/kv_tiers.py's TierMatch; nothing read: the step loads
+        it), its blocks counted computed; or None."""
         if self.tier is None:
             return None
         bs = self.kv_manager.block_size
-        hit = self.tier.read(
+        match = self.tier.lookup(
             req, req.num_computed_tokens // bs, self.kv_manager.hit_limit(req) // bs
         )
-        if hit is not None:
-            req.num_computed_tokens += len(hit) * bs
-        return hit
+        if match is not None:
+            req.num_computed_tokens += len(match) * bs
+        return match
+
+    def tier_loaded(self, load: TierLoad, blocks: int) -> None:
+        """The step loaded ``blocks`` of ``load``'s match. Where a record turned out bad or gone
+        since the lookup, the rest are computed instead: the request's chunk this step starts where
+        the loaded blocks end (their pages are its already), and they are not counted cached."""
+        missing = (len(load.match) - blocks) * self.kv_manager.block_size
+        if missing:
+            load.req.num_computed_tokens -= missing
+            if load.first_admission:
+                load.req.num_cached_tokens -= missing
 
     def _no_lone_token(self, req: Request, n: int) -> int:
         """A hybrid's prompt chunk leaves two tokens or none behind: a lone last token would go through

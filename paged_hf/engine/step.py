@@ -168,8 +168,8 @@ class StepMixin:
                 self.runner.states.restore(req.state_slot, req.swapped_state)
                 req.swapped_state = None
         tier = self.scheduler.tier
-        for hit, pages in out.tier_loads:
-            tier.load(hit, pages)
+        for load in out.tier_loads:  # the records admissions' tier lookups found, read into pages
+            self.scheduler.tier_loaded(load, tier.load(load.match, load.pages))
         self._decode_states_in_front(out.scheduled)
         logits, meta = self.runner.execute(out.scheduled, out.block_copies)
         self.scheduler.mark_computed(out)

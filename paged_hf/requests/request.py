@@ -100,13 +100,9 @@ class Request:
     error: str | None = None  # why it finished with FinishReason.ERROR
     # prefix-cache namespace it was admitted under (the weights' generation)
     cache_namespace: Any = None
-    # the tiers under the prefix cache (paged_hf/engine/kv_tiers.py): its chain root under the
-    # engine state of its last admission, the keys of its prompt blocks so far, how many leading
-    # blocks every tier holds, and the blocks read for an admission that has not happened yet
-    tier_root: bytes | None = None
-    tier_keys: list = field(default_factory=list)
-    tier_done: int = 0
-    tier_held: Any = None
+    # its part in the tiers under the prefix cache (paged_hf/engine/kv_tiers.py's TierState): its
+    # blocks' keys, how many every tier holds, a lookup kept for an admission; None before one
+    tier_state: Any = None
     stop_strings: "StopStrings | None" = None  # matches params.stop in the output as it grows
     grammar: Any = None  # structured outputs: its grammar matcher (paged_hf/engine/structured.py)
     # the tokens encoder_repetition_penalty favours: None, the prompt's; patched generate's, the row

@@ -447,23 +447,57 @@ def test_two_engines_in_two_processes_write_one_directory_at_once(model, tmp_pat
 def test_a_read_is_kept_for_the_admission_and_rebound_after_an_adapter_switch(
     model, prompts, tmp_path
 ):
-    """Records read for an admission that found no room are not read again at the next try; an
-    adapter switch between two tries keys the request under the new state (KV computed with one
-    adapter never serves the other)."""
+    """What a lookup found for an admission that found no room is not looked up again at the next
+    try; an adapter switch between two tries keys the request under the new state (KV computed with
+    one adapter never serves the other). A lookup reads no record: the step's load does."""
+    from paged_hf.cache.kv_store import KVStore
     from paged_hf.requests.request import Request
 
     run(model, prompts[:1], str(tmp_path))
     engine = paged_hf.Engine(model, block_size=BS, num_blocks=256, kv_cache_dir=str(tmp_path))
     tier = engine.scheduler.tier
+    store = tier.store("disk")
+    assert isinstance(store, KVStore)
+    asked = []
+    store.contains = lambda key, contains=store.contains: asked.append(key) or contains(key)
     req = Request("r", prompts[0], SamplingParams(max_new_tokens=2))
-    first = tier.read(req, 0, (len(prompts[0]) - 1) // BS)
-    disk_hits = tier.store("disk").stats()["hits"]
-    assert first is not None and tier.read(req, 0, (len(prompts[0]) - 1) // BS) is first
-    assert tier.store("disk").stats()["hits"] == disk_hits, "not read twice"
-    keys = list(req.tier_keys)
+    last = (len(prompts[0]) - 1) // BS
+    first = tier.lookup(req, 0, last)
+    assert first is not None and first.blocks["disk"] == len(first) > 0
+    assert store.stats()["hits"] == 0, "a lookup reads nothing"
+    assert tier.lookup(req, 0, last) is first
+    assert len(asked) == len(first.keys), "not looked up twice"
+    keys = list(req.tier_state.keys)
     tier.follow_adapters(("another adapter state",))
-    assert tier.read(req, 0, (len(prompts[0]) - 1) // BS) is None, "no record under that state"
-    assert req.tier_keys != keys and req.tier_held is None
+    assert tier.lookup(req, 0, last) is None, "no record under that state"
+    assert req.tier_state.keys != keys and req.tier_state.held is None
+
+
+def test_a_record_gone_between_the_lookup_and_the_load_is_computed(model, prompts, tmp_path):
+    """The admission's lookup finds the records; another process evicts them before the step reads
+    them: the blocks are computed in that step instead, with the tokens of computing everything,
+    and are not counted as cached."""
+    alone, _, _ = run(model, prompts, None)
+    run(model, prompts, str(tmp_path))
+    engine = paged_hf.Engine(model, block_size=BS, num_blocks=256, kv_cache_dir=str(tmp_path))
+    tier = engine.scheduler.tier
+    loads = []
+
+    def load_after_eviction(match, pages):
+        loads.append(len(match))
+        for path in tmp_path.rglob("*.kv"):
+            path.unlink()
+        return type(tier).load(tier, match, pages)
+
+    tier.load = load_after_eviction
+    outs = engine.generate(prompts, SamplingParams(max_new_tokens=6))
+    assert [o.token_ids for o in outs] == alone
+    assert sum(loads) * BS == servable_tokens(prompts)
+    stats = engine.stats()
+    assert disk(stats)["hit_tokens"] == 0 and disk(stats)["misses"] > 0
+    assert stats["prefill_tokens_computed"] == sum(map(len, prompts))
+    assert all(o.num_cached_tokens == 0 for o in outs)
+    assert_clean(engine)
 
 
 def test_an_engine_woken_up_loads_records_into_its_new_pages(model, prompts, tmp_path):
