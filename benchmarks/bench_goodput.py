@@ -161,15 +161,10 @@ def time_scheduler(engine) -> dict:
 
 def run_vllm(vllm, trace, tpot_target: float) -> dict:
     """The same trace through vLLM's CPU engine, ``--scheduling-policy priority``."""
-    requests = [
-        [offset, r["prompt"], r["max_new_tokens"], 0 if r["kind"] == "interactive" else 1]
-        for offset, r in trace
-    ]
+    priority = {"interactive": 0, "batch": 1}
+    requests = [[t, r["prompt"], r["max_new_tokens"], priority[r["kind"]]] for t, r in trace]
     answer = vllm._ask({"cmd": "trace", "requests": requests})
-    records = [
-        (r["kind"], ttft, tpot, n, False)
-        for (_, r), (ttft, tpot, n) in zip(trace, answer["requests"])
-    ]
+    records = [(r["kind"], *row, False) for (_, r), row in zip(trace, answer["requests"])]
     return summarize(records, answer["wall_s"], tpot_target, None, None)
 
 
