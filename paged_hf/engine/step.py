@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
+from ..execution.metadata import keep_hidden_states
 from ..execution.sampler import sample
 from ..execution.stateful_mixers import decodes_from_state
 from ..requests.request import FinishReason, Request, sample_request_id
@@ -56,16 +57,6 @@ def _failing(decided: CallStep[Request]) -> list[Request]:
     for req, why in decided.failed:
         req.error = f"request {req.request_id}: {why}"
     return [req for req, _ in decided.failed]
-
-
-def _keep_hidden_states(meta: Any) -> None:
-    """Each asking request's hidden states at the positions it had not recorded (a recompute
-    after preemption computes some again)."""
-    for req, (start, states) in meta.hidden_states.items():
-        skip = req.hidden_positions - start
-        if skip < states.shape[1]:
-            req.hidden_states.append(states[:, max(skip, 0) :])
-            req.hidden_positions = start + states.shape[1]
 
 
 @dataclass
@@ -134,7 +125,7 @@ class StepMixin:
         forked: list[Request] = []
         try:
             logits, meta = self._execute(out)
-            _keep_hidden_states(meta)
+            keep_hidden_states(meta)
             batch = self._rows_to_sample(logits, meta, forked)
             result = self._sample(batch)
         except Exception as e:  # noqa: BLE001 - ends the step's requests, not the engine

@@ -63,6 +63,11 @@ class TurnLock:
                 self._owner = -1
                 self._queue.popleft().set()
 
+    def __reduce__(self) -> tuple:
+        # a copied engine (copy.deepcopy of a patched model, TRL's reference model) gets a lock of
+        # its own, free
+        return (TurnLock, ())
+
     def waiting(self) -> bool:
         """Whether another thread waits for its turn."""
         return bool(self._queue)

@@ -188,3 +188,13 @@ def upload(device: torch.device | str, dtype: torch.dtype, *lists: list[int]) ->
     else:
         host = torch.tensor(flat, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
     return list(host.split([len(values) for values in lists]))
+
+
+def keep_hidden_states(meta: StepMetadata) -> None:
+    """Each asking request's hidden states at the positions it had not recorded (a recompute
+    after preemption computes some again)."""
+    for req, (start, states) in meta.hidden_states.items():
+        skip = req.hidden_positions - start
+        if skip < states.shape[1]:
+            req.hidden_states.append(states[:, max(skip, 0) :])
+            req.hidden_positions = start + states.shape[1]

@@ -244,3 +244,15 @@ def test_a_call_hears_only_its_own_rows(model):
     (bystander,) = engine.run_until_done([other])
     assert bystander.error is None and bystander.token_ids == alone
     assert_clean(engine)
+
+
+def test_a_patched_model_with_its_engine_can_be_deep_copied(model):
+    """copy.deepcopy of a patched model that has run (TRL's reference model, a notebook's copy):
+    the copy's engine gets a free lock of its own and gives the same tokens."""
+    import copy
+
+    ids = torch.tensor([tiny_prompts(model.config.vocab_size, 1, 9, seed=12)[0]])
+    want = model.generate(ids, max_new_tokens=6, do_sample=False)
+    twin = copy.deepcopy(model)
+    assert torch.equal(twin.generate(ids, max_new_tokens=6, do_sample=False), want)
+    assert paged_hf.engine_for(twin).lock is not paged_hf.engine_for(model).lock

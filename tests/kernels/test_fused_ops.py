@@ -96,11 +96,14 @@ def test_partial_rotary_is_glm4_moes_on_a_fused_projections_views(dtype, head_di
             wrapped = fused_ops._rope(original)(q, k, cos, sin)
         for got in (fused_ops._rotary(q, k, cos, sin), wrapped):
             assert all(torch.equal(a, b) for a, b in zip(got, expected))
-    assert fused_ops._checked_widths[original] >= {head_dim, head_dim // 2, 4}
+    assert fused_ops._checked_widths[original] >= {
+        (head_dim, w) for w in (head_dim, head_dim // 2, 4)
+    }
     assert not fused_ops._rope_matches(
         (llama.__name__, "apply_rotary_pos_emb"), dtype, head_dim, head_dim // 2
     )
-    assert head_dim // 2 not in fused_ops._checked_widths.get(llama.apply_rotary_pos_emb, ())
+    checked = fused_ops._checked_widths.get(llama.apply_rotary_pos_emb, ())
+    assert (head_dim, head_dim // 2) not in checked
 
 
 def test_other_math_is_left_to_its_own_code():

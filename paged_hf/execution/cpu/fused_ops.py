@@ -231,8 +231,10 @@ def _mlp_matches(module: torch.nn.Module, dtype: torch.dtype) -> bool:
 
 
 # ---- rotary embedding ---------------------------------------------------------------------------
-# rotary function -> the widths (cos's last dimension) at which it was checked to give the op's outputs
-_checked_widths: dict[Callable, set[int]] = {}
+# rotary function -> the (head dim, rotated width: cos's last dimension) pairs at which it was
+# checked to give the op's outputs (a width checked whole on one model is not checked as a part of a
+# wider head on another)
+_checked_widths: dict[Callable, set[tuple[int, int]]] = {}
 
 
 def _rope(original: Callable) -> Callable:
@@ -250,7 +252,7 @@ def _rope(original: Callable) -> Callable:
             and kwargs.get("unsqueeze_dim", 1) == 1
             and set(kwargs) <= {"unsqueeze_dim"}
             and _rope_fits(q, k, cos, sin)
-            and cos.shape[-1] in _checked_widths.get(original, ())
+            and (q.shape[-1], cos.shape[-1]) in _checked_widths.get(original, ())
         ):
             return original(q, k, cos, sin, *args, **kwargs)
         return _rotary(q, k, cos, sin)
@@ -355,7 +357,7 @@ def _rope_matches(site: kernel_seams.Site, dtype: torch.dtype, head_dim: int, wi
             and all(isinstance(e, torch.Tensor) and _close(a, e) for a, e in zip(got, expected))
         ):
             return False
-    _checked_widths.setdefault(original, set()).add(width)
+    _checked_widths.setdefault(original, set()).add((head_dim, width))
     return True
 
 
