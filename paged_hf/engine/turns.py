@@ -68,13 +68,6 @@ class TurnLock:
         # its own, free
         return (TurnLock, ())
 
-    def waiting(self) -> bool:
-        """Whether another thread waits for its turn."""
-        return bool(self._queue)
-
-    def held_by_me(self) -> bool:
-        return self._owner == threading.get_ident()
-
     def __enter__(self) -> "TurnLock":
         self.acquire()
         return self

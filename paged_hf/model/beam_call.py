@@ -21,10 +21,10 @@ from transformers.generation.utils import GenerateBeamDecoderOnlyOutput
 
 from ..requests.lock_step_call import CallStep
 from ..requests.request import Request
-from .call_rows import CallRows
+from .call_rows import CallRows, PicksTokens
 
 
-class BeamCall:
+class BeamCall(PicksTokens):
     """``prompts``: ``[batch, width]`` as the caller padded them; ``criteria`` / ``processors``:
     transformers' lists for the call; ``search``: the model (its beam-search helpers); ``gc``: the
     call's generation config, its special tokens prepared. Its rows follow from ``gc``:
@@ -70,20 +70,6 @@ class BeamCall:
         )
         self.beam_indices = self.running_indices.clone()
 
-    def join(self, req: Request, row: int) -> None:
-        self.rows.join(req, row, self)
-
-    def join_sample(self, parent: Request, k: int, child: Request) -> None:
-        self.rows.join_sample(parent, k, child, self)
-
-    def waits(self, req: Request) -> bool:
-        """A beam whose logits for the next step wait for the other beams'."""
-        return self.rows.has_offered(req)
-
-    def offer(self, req: Request, logits: torch.Tensor) -> bool:
-        self.rows.offer(req, logits)
-        return True
-
     def choose(self) -> CallStep[Request]:
         """One iteration of transformers' beam search over the beams' logits: each beam's next
         token, and which beam it continues."""
@@ -103,9 +89,6 @@ class BeamCall:
             tokens=dict(zip(rows.members, tokens)),
             continues=[(rows.members[j], rows.members[p]) for j, p in enumerate(parents)],
         )
-
-    def advance(self) -> CallStep[Request]:
-        return self.rows.end_when_over()
 
     def _iterate(self, logits: torch.Tensor) -> None:
         """transformers' beam-search loop body (its GenerationMixin helpers), once."""

@@ -123,3 +123,28 @@ class CallRows:
         if self.over or any(req.is_finished for req in self.members):
             return CallStep(stopped=[(req, STOP_REASON) for req in self.live()])
         return CallStep()
+
+
+class PicksTokens:
+    """What the calls that pick their rows' tokens from the rows' offered logits (``JointCall``,
+    ``BeamCall``) do alike: rows join them, each waits with its logits until every row has offered,
+    and all end when the call is over."""
+
+    rows: CallRows
+
+    def join(self, req: Request, row: int) -> None:
+        self.rows.join(req, row, self)
+
+    def join_sample(self, parent: Request, k: int, child: Request) -> None:
+        self.rows.join_sample(parent, k, child, self)
+
+    def waits(self, req: Request) -> bool:
+        """A row whose logits for the next step wait for the others' (it has nothing to compute)."""
+        return self.rows.has_offered(req)
+
+    def offer(self, req: Request, logits: torch.Tensor) -> bool:
+        self.rows.offer(req, logits)
+        return True
+
+    def advance(self) -> CallStep[Request]:
+        return self.rows.end_when_over()

@@ -166,38 +166,13 @@ def _read_call(
         raise ValueError("paged_hf generate needs input_ids or inputs_embeds")
     if input_ids is not None and input_ids.dim() == 1:
         input_ids = input_ids[None]
-    # whether a length was set anywhere, read before the defaults fill it in (transformers: an unset
-    # max_length means 20 *new* tokens, capped by max_position_embeddings)
-    unset = {
-        name: kwargs.get(name) is None
-        and getattr(generation_config, name, None) is None
-        and getattr(model.generation_config, name, None) is None
-        for name in ("max_length", "min_length")
-    }
+    unset = _unset_lengths(model, generation_config, kwargs)
     gc, model_kwargs = model._prepare_generation_config(generation_config, **kwargs)
     attention_mask = model_kwargs.pop("attention_mask", None)
     model_kwargs.pop("use_cache", None)
     model_kwargs.pop("output_hidden_states", None)  # the config's, read below
     _refuse_model_kwargs(model_kwargs)
-    refused = [
-        f"{name}={getattr(gc, name, None)!r}"
-        for name, neutral in REFUSED_SETTINGS.items()
-        if getattr(gc, name, None) not in neutral
-    ]
-    if refused:
-        raise NotImplementedError(
-            f"paged_hf generate: {', '.join(refused)}: not supported on a patched model (its "
-            "generate runs greedy search, sampling and beam search; docs/generate.md lists what "
-            "runs); paged_hf.unpatch(model) gives transformers' own generate"
-        )
-    # transformers returns hidden states only in its output dict
-    hidden = bool(gc.output_hidden_states and gc.return_dict_in_generate)
-    if hidden and ((gc.num_beams or 1) > 1 or (gc.num_return_sequences or 1) > 1):
-        raise NotImplementedError(
-            "paged_hf generate: output_hidden_states=True with num_beams > 1 or "
-            "num_return_sequences > 1: not supported on a patched model (one sequence a prompt); "
-            "paged_hf.unpatch(model) gives transformers' own generate"
-        )
+    hidden = _refuse_settings(gc)
     eos = gc.eos_token_id
     eos_list = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
     pad = gc.pad_token_id if gc.pad_token_id is not None else (eos_list[0] if eos_list else 0)
@@ -242,6 +217,42 @@ def _read_call(
         encoder_rows,
         prompt,
     )
+
+
+def _unset_lengths(
+    model: torch.nn.Module, generation_config: Any, kwargs: dict[str, Any]
+) -> dict[str, bool]:
+    """Whether a length was set anywhere, read before the defaults fill it in (transformers: an
+    unset max_length means 20 *new* tokens, capped by max_position_embeddings)."""
+    return {
+        name: kwargs.get(name) is None
+        and getattr(generation_config, name, None) is None
+        and getattr(model.generation_config, name, None) is None
+        for name in ("max_length", "min_length")
+    }
+
+
+def _refuse_settings(gc: GenerationConfig) -> bool:
+    """Raise NotImplementedError naming what the engine cannot run; whether the call asks for
+    hidden states (transformers returns them only in its output dict)."""
+    refused = [
+        f"{name}={getattr(gc, name, None)!r}"
+        for name, neutral in REFUSED_SETTINGS.items()
+        if getattr(gc, name, None) not in neutral
+    ]
+    hidden = bool(gc.output_hidden_states and gc.return_dict_in_generate)
+    if hidden and ((gc.num_beams or 1) > 1 or (gc.num_return_sequences or 1) > 1):
+        refused.append(
+            "output_hidden_states=True with num_beams > 1 or num_return_sequences > 1 (one "
+            "sequence a prompt)"
+        )
+    if refused:
+        raise NotImplementedError(
+            f"paged_hf generate: {', '.join(refused)}: not supported on a patched model (its "
+            "generate runs greedy search, sampling and beam search; docs/generate.md lists what "
+            "runs); paged_hf.unpatch(model) gives transformers' own generate"
+        )
+    return hidden
 
 
 def _prompt_rows(

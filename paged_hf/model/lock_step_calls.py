@@ -15,7 +15,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from ..requests.lock_step_call import CallStep
 from ..requests.request import Request
-from .call_rows import STOP_REASON, CallRows
+from .call_rows import STOP_REASON, CallRows, PicksTokens
 
 
 class CriteriaCall:
@@ -73,7 +73,7 @@ class CriteriaCall:
         return CallStep(stopped=stopped)
 
 
-class JointCall:
+class JointCall(PicksTokens):
     """The rows' tokens picked together, as transformers' loop picks them: ``processors`` (its
     ``LogitsProcessorList`` for the call: its own processors, the caller's, its warpers) on the
     rows' fp32 logits, then argmax (``do_sample``: a draw from the softmax with torch's default
@@ -97,20 +97,6 @@ class JointCall:
         )
         self.scores: tuple | None = () if scores else None
         self.logits: tuple | None = () if logits else None
-
-    def join(self, req: Request, row: int) -> None:
-        self.rows.join(req, row, self)
-
-    def join_sample(self, parent: Request, k: int, child: Request) -> None:
-        self.rows.join_sample(parent, k, child, self)
-
-    def waits(self, req: Request) -> bool:
-        """A row whose logits for the next step wait for the others' (it has nothing to compute)."""
-        return self.rows.has_offered(req)
-
-    def offer(self, req: Request, logits: torch.Tensor) -> bool:
-        self.rows.offer(req, logits)
-        return True
 
     def choose(self) -> CallStep[Request]:
         """Every row's token for the step, once every row has offered its logits (else nothing); the
@@ -143,9 +129,6 @@ class JointCall:
         rows.over = all(rows.done)
         column = rows.view[:, rows.width + rows.steps - 1].tolist()
         return CallStep(tokens=dict(zip(rows.members, column)))
-
-    def advance(self) -> CallStep[Request]:
-        return self.rows.end_when_over()
 
     def output(self, gc: Any) -> torch.Tensor | GenerateDecoderOnlyOutput:
         """The call's result: its rows as transformers' loop left them, pad after each finished
