@@ -267,7 +267,7 @@ def run_paged(engine: Any, w: Workload, tag: str = "b") -> RunResult:
         reqs[i] = engine.requests[rid]
         index[rid] = i
 
-    policy = engine.batch_call() if not pending_late else contextlib.nullcontext()
+    policy = engine.throughput_call() if not pending_late else contextlib.nullcontext()
     try:
         policy.__enter__()
         t0 = time.perf_counter()

@@ -19,9 +19,9 @@ DEFAULT_CPU_KV_BYTES = 1 << 30  # 1 GiB of KV unless told otherwise
 # Prefill tokens a step may carry while decodes run, on a CPU: a steady token stream beside long
 # prompts for a few % of throughput. On CUDA no cap: a GPU step's cost hardly grows with its rows.
 DEFAULT_CPU_MAX_PREFILL_TOKENS_WHILE_DECODING = 128
-# A blocking batch call's step budget on a CPU when max_num_batched_tokens is not set (models
+# A throughput call's step budget on a CPU when max_num_batched_tokens is not set (models
 # without recurrent state): nobody waits on a token there, and wider steps run the linears faster.
-DEFAULT_CPU_BATCH_CALL_TOKENS = 2048
+DEFAULT_CPU_THROUGHPUT_CALL_TOKENS = 2048
 DEFAULT_KV_CACHE_DIR_BYTES = 16 << 30
 
 

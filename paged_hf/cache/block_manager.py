@@ -219,7 +219,7 @@ class BlockManager:
             n += len(gone)
         return n
 
-    def held_pages(self, req: Request, num_tokens: int) -> list[int]:
+    def live_pages(self, req: Request, num_tokens: int) -> list[int]:
         """Every group's pages of the first ``num_tokens`` tokens that some later query reads, group
         after group (what swap preemption copies out, and back in, in the same order)."""
         bs, out = self.block_size, []

@@ -68,7 +68,7 @@ class RadixPrefixIndex:
         self.on_drop_state = on_drop_state
         self._roots: dict[tuple[Hashable, Hashable], Node] = {}
         self._clock = itertools.count(1)
-        self._held: set[int] = set()  # every block id the tree holds
+        self._in_tree: set[int] = set()  # every block id the tree holds
         self.evictable_blocks = 0  # blocks in unlocked nodes, and loose pages nobody uses
         self.groups = tuple(groups)
         assert self.groups[0].is_full, "group 0 keys the tree: it must be a full-attention group"
@@ -90,11 +90,11 @@ class RadixPrefixIndex:
         return node
 
     def holds(self, block: int) -> bool:
-        return block in self._held
+        return block in self._in_tree
 
     @property
     def num_blocks(self) -> int:
-        return len(self._held)
+        return len(self._in_tree)
 
     def match_prefix(
         self, tokens: Sequence[int], cache_salt: Hashable = None, namespace: Hashable = None
@@ -165,14 +165,14 @@ class RadixPrefixIndex:
             new_blocks = list(blocks[n:])
             new_extra = [list(t[n:]) for t in extra]
             pages = new_blocks + [b for t in new_extra for b in t if b >= 0]
-            if any(b in self._held for b in pages):
+            if any(b in self._in_tree for b in pages):
                 raise ValueError(
                     f"insert: a block in {pages} is already cached under another prefix"
                 )
             child = Node(tuple(tokens[n * bs :]), new_blocks, node, new_extra)
             child.last_access = now
             node.children[child.key[:bs]] = child
-            self._held.update(pages)
+            self._in_tree.update(pages)
             self._track(child)
             self.evictable_blocks += len(new_blocks) * self._bound
             node = child
@@ -189,12 +189,12 @@ class RadixPrefixIndex:
                 for i in range(len(node.blocks)):
                     page = table[start + i]
                     if mine[i] < 0 and page >= 0:
-                        if page in self._held:
+                        if page in self._in_tree:
                             raise ValueError(
                                 f"insert: page {page} is already cached under another prefix"
                             )
                         mine[i] = page
-                        self._held.add(page)
+                        self._in_tree.add(page)
                         if self._loose_kind[g]:
                             self._where[page] = (node, g)
                         elif node.lock_ref == 0:
@@ -279,14 +279,14 @@ class RadixPrefixIndex:
                     del self._where[page]
                     self.evictable_blocks -= 1
                 out.append(page)
-        self._held.difference_update(out)
+        self._in_tree.difference_update(out)
         return out
 
     def _forget_loose(self, page: int) -> int:
         node, g = self._where.pop(page)
         del self._loose[page]
         node.extra[g][node.extra[g].index(page)] = -1
-        self._held.discard(page)
+        self._in_tree.discard(page)
         self.evictable_blocks -= 1
         return page
 

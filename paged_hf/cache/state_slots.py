@@ -43,6 +43,17 @@ class StateSlots:
     def num_checkpoints_held(self) -> int:
         return len(self._attached)
 
+    def stats(self, states: Any, asleep: bool) -> dict[str, int]:
+        """The engine's stats of the slots, and the bytes of ``states`` (their memory) unless
+        the engine sleeps."""
+        return {
+            "state_slots": self.num_slots,
+            "state_slots_used": self.num_used,
+            "state_checkpoints": self.num_checkpoints_held,
+            "state_checkpoint_hits": self.checkpoint_hits,
+            "state_bytes": 0 if asleep else states.nbytes,
+        }
+
     @property
     def num_pending(self) -> int:
         """Checkpoint slots taken for snapshots not attached yet (none between steps of a finished run)."""

@@ -1,5 +1,5 @@
 """The engine: requests in, tokens out (map: docs/architecture.md)."""
 
-from .engine import Engine
+from .core import EngineCore
 
-__all__ = ["Engine"]
+__all__ = ["EngineCore"]

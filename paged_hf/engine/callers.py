@@ -4,7 +4,7 @@ A blocking call (``generate``, ``score``, a patched ``model.generate``) or a bac
 registers a ``Watch`` over the requests it submitted. Whoever runs a step, in any thread, hands
 each sampled token to its request's watch and tells the watch when a request is over (finished,
 failed, aborted), so a thread's call ends as soon as its own rows do, whoever stepped them.
-``CallersMixin`` is a part of ``Engine`` (paged_hf/engine/engine.py).
+``CallersMixin`` is a part of ``EngineCore`` (paged_hf/engine/core.py).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ class CallersMixin:
     ) -> Watch:
         """Follow ``roots`` (requests already added) until each is over."""
         with self.lock:
-            watch = Watch({r for r in roots if not r.group_finished}, on_token, on_done)
+            watch = Watch({r for r in roots if not r.samples_finished}, on_token, on_done)
             for root in watch.open:
                 self._watches[root] = watch
             return watch
@@ -76,7 +76,7 @@ class CallersMixin:
 
     def _settle(self, root: Request) -> None:
         """Tell ``root``'s watch that it is over, once it and all its samples are."""
-        if not root.group_finished:
+        if not root.samples_finished:
             return
         watch = self._watches.pop(root, None)
         if watch is None:

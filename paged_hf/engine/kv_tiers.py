@@ -67,7 +67,7 @@ class TierState:
     root: bytes
     keys: list[bytes] = field(default_factory=list)
     done: int = 0
-    held: TierMatch | None = None
+    last_match: TierMatch | None = None  # the lookup kept for the admission that takes it
 
 
 class KVTiers:
@@ -153,8 +153,8 @@ class KVTiers:
         r0 = first // p
         if not self.on or r0 >= records_end or req.parent is not None:
             return None
-        if state.held is not None and state.held.span == (first, last):
-            return state.held
+        if state.last_match is not None and state.last_match.span == (first, last):
+            return state.last_match
         keys = self._keys(state, req, records_end * p)
         match = TierMatch((first, last), blocks=dict.fromkeys(self.hit_blocks, 0))
         for k in range(r0, records_end):
@@ -168,7 +168,7 @@ class KVTiers:
             match.blocks[store.name] += used
         if not match.keys:
             return None
-        state.held = match
+        state.last_match = match
         return match
 
     def load(self, match: TierMatch, pages: list[int]) -> int:
@@ -266,10 +266,10 @@ class KVTiers:
         if not records or not self.on or store is None:
             return
         t0 = time.perf_counter()
-        records = [(key, held) for key, held in records if not store.contains(key)]
+        records = [(key, pages) for key, pages in records if not store.contains(key)]
         if records:
             p = self.record_blocks
-            rows = self._gather([page for _, held in records for page in held])
+            rows = self._gather([page for _, pages in records for page in pages])
             for i, (key, _) in enumerate(records):
                 store.put(key, rows[i * p : (i + 1) * p], owned=True)
                 self.stored_blocks[store.name] += p

@@ -1,7 +1,7 @@
 """What a finished request returns, and how the engine assembles it from the request's state
 (completions, text cut at a stop string, logprobs).
 
-``OutputsMixin`` is a part of ``Engine`` (paged_hf/engine/engine.py); what it reads of the
+``OutputsMixin`` is a part of ``EngineCore`` (paged_hf/engine/core.py); what it reads of the
 engine it declares.
 """
 
@@ -77,7 +77,7 @@ class OutputsMixin:
     def _collect_root(self, root: Request) -> RequestOutput:
         if self.requests.get(root.request_id) is root:
             del self.requests[root.request_id]
-        if not root.prefill_only and root.group_finished:
+        if not root.prefill_only and root.samples_finished:
             self._stats.finished_log.append(latency_stats.record(root))
         return self.make_output(root)
 

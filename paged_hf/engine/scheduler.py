@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 import time
 from collections import deque
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..cache.block_manager import BlockManager
 from ..requests.request import Request, RequestStatus
@@ -20,6 +20,9 @@ from .scheduler_queues import QueuesMixin
 from .scheduling_policy import Fcfs
 from .sibling_prefill import blocks_in_flight, waits_for_sibling_prefill
 from .step_time import StepTimeModel
+
+if TYPE_CHECKING:
+    from .kv_tiers import KVTiers
 
 
 class Admission(enum.Enum):
@@ -42,15 +45,17 @@ class Scheduler(QueuesMixin):
         continues_chunks: bool = True,
         max_waiting: int | None = None,
         policy: Fcfs | None = None,
-        batch_call_budget: int | None = None,
-        lift_cap_in_batch_calls: bool = False,
+        throughput_call_budget: int | None = None,
+        lift_cap_in_throughput_calls: bool = False,
+        kv_tiers: KVTiers | None = None,
     ) -> None:
         """``continues_chunks=False``: the model's stateful layers cannot carry their state into a
         chunk of several tokens (Mamba1-style mixers), so after a request's first chunk its prompt
         goes on one token at a time. ``policy``: who goes first (paged_hf/engine/scheduling_policy.py;
-        fcfs by default). ``batch_call_budget``: the step budget inside a blocking batch call
-        (``Engine.batch_call``), where set; ``lift_cap_in_batch_calls``: no prefill cap meanwhile
-        (the cap was "auto")."""
+        fcfs by default). ``throughput_call_budget``: the step budget inside a blocking call nobody
+        watches (``EngineCore.throughput_call``), where set; ``lift_cap_in_throughput_calls``: no
+        prefill cap meanwhile (the cap was "auto"). ``kv_tiers``: the tiers under the prefix cache
+        (paged_hf/engine/kv_tiers.py), asked at admission."""
         if max_num_batched_tokens < 1 or max_num_seqs < 1:
             raise ValueError(
                 f"max_num_batched_tokens={max_num_batched_tokens} and max_num_seqs={max_num_seqs} "
@@ -69,9 +74,9 @@ class Scheduler(QueuesMixin):
         # a long prompt's chunks then cost each decode a little latency per step, not a long stall
         self.max_prefill_tokens_while_decoding = max_prefill_tokens_while_decoding
         self.policy = policy or Fcfs()
-        self.batch_calls = 0  # blocking batch calls running (``Engine.batch_call``)
-        self.lift_cap_in_batch_calls = lift_cap_in_batch_calls
-        self.batch_call_budget = batch_call_budget
+        self.throughput_calls = 0  # throughput calls running (``EngineCore.throughput_call``)
+        self.lift_cap_in_throughput_calls = lift_cap_in_throughput_calls
+        self.throughput_call_budget = throughput_call_budget
         self.continues_chunks = continues_chunks
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order; the tail is preempted first
@@ -81,19 +86,19 @@ class Scheduler(QueuesMixin):
         self.shed: list[Request] = []  # waiting requests refused to make room, until the next step
         self.clock = time.perf_counter  # the engine's clock (a fake one in tests)
         self.step_time = StepTimeModel()  # fed by the engine after each step
-        self.tier: Any = None  # the tiers under the prefix cache (paged_hf/engine/kv_tiers.py)
+        self.kv_tiers = kv_tiers  # the tiers under the prefix cache, if any
 
     # ---- one step ------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         """This step's requests and token counts: running ones first (decodes, then the
         unfinished prefills the policy does not hold back, preempting when blocks run out), then
-        waiting ones in the policy's order while they fit, then the held-back prefills in what
-        is left."""
+        waiting ones in the policy's order while they fit, then the prefills the policy
+        defers in what is left."""
         out = SchedulerOutput(scheduled=[])
         chosen: dict[Request, int] = {}
         budget = Budget(
-            self.batch_call_budget
-            if self.batch_calls and self.batch_call_budget
+            self.throughput_call_budget
+            if self.throughput_calls and self.throughput_call_budget
             else self.max_num_batched_tokens
         )
         now = self.clock()
@@ -117,7 +122,9 @@ class Scheduler(QueuesMixin):
         request, most urgent first; the others (returned) wait for what the waiting requests
         leave, so a long batch prompt does not take an urgent one's prefill room."""
         urgency = self.policy.urgency
-        best = self.policy.most_urgent_waiting((r for r in self.waiting if not _held(r)), now)
+        best = self.policy.most_urgent_waiting(
+            (r for r in self.waiting if not _waits_for_call(r)), now
+        )
         decodes = [r for r in self.running if r.num_pending_tokens == 1]
         prefills = sorted(
             (r for r in self.running if r.num_pending_tokens > 1), key=lambda r: urgency(r, now)
@@ -140,7 +147,11 @@ class Scheduler(QueuesMixin):
         """Schedule running ``rows`` in order; where blocks run out, preempt (``may_preempt``) or
         leave the row for a later step."""
         for req in rows:
-            if req.status is not RequestStatus.RUNNING or budget.tokens == 0 or _held(req):
+            if (
+                req.status is not RequestStatus.RUNNING
+                or budget.tokens == 0
+                or _waits_for_call(req)
+            ):
                 continue
             prefill = req.num_pending_tokens > 1
             if prefill and budget.prefill_room is None:
@@ -193,7 +204,9 @@ class Scheduler(QueuesMixin):
             if floor is not None and urgency(req, now) >= floor:  # so is everyone after it
                 break
             queue.popleft()
-            if _held(req):  # its call's other rows first: it does not block the queue meanwhile
+            if _waits_for_call(
+                req
+            ):  # its call's other rows first: it does not block the queue meanwhile
                 kept.append(req)
                 continue
             verdict = self._admit(req, out, chosen, budget, pending, admitted, now)
@@ -229,7 +242,7 @@ class Scheduler(QueuesMixin):
                 return verdict
             if not self._displace(req, out, chosen, budget, admitted, now):
                 # rows that wait on it hold the blocks it needs
-                if not chosen and self._preempt_held(out):
+                if not chosen and self._preempt_a_waiting_row(out):
                     continue
                 return verdict
 
@@ -285,13 +298,13 @@ class Scheduler(QueuesMixin):
             self.kv_manager.free(req)
             return Admission.NO_BLOCKS
         if swapped:
-            out.swap_in.append((req, self.kv_manager.held_pages(req, swapped)))
+            out.swap_in.append((req, self.kv_manager.live_pages(req, swapped)))
             req.swapped_tokens = 0
         if match:
             end = req.num_computed_tokens // self.kv_manager.block_size
             pages = req.block_tables[0][end - len(match) : end]
             out.tier_loads.append(TierLoad(req, match, pages, not req.admitted_once))
-            req.tier_state.held = None  # kept for this admission, which took it
+            req.tier_state.last_match = None  # kept for this admission, which took it
         if not req.admitted_once:
             req.num_cached_tokens = (
                 cached + (len(match) if match else 0) * self.kv_manager.block_size
@@ -311,10 +324,10 @@ class Scheduler(QueuesMixin):
         """Where the prefix cache's hit ends, the tiers' records may go on (prompt blocks): what
         their lookup found (paged_hf/engine/kv_tiers.py's TierMatch; nothing read: the step loads
         it), its blocks counted computed; or None."""
-        if self.tier is None:
+        if self.kv_tiers is None:
             return None
         bs = self.kv_manager.block_size
-        match = self.tier.lookup(
+        match = self.kv_tiers.lookup(
             req, req.num_computed_tokens // bs, self.kv_manager.hit_limit(req) // bs
         )
         if match is not None:
@@ -345,7 +358,7 @@ class Scheduler(QueuesMixin):
             return budget
         cap = (
             None
-            if self.batch_calls and self.lift_cap_in_batch_calls
+            if self.throughput_calls and self.lift_cap_in_throughput_calls
             else self.max_prefill_tokens_while_decoding
         )
         room = budget if cap is None else min(budget, cap)
@@ -360,14 +373,14 @@ class Scheduler(QueuesMixin):
         return room
 
     def _victim(self, now: float) -> Request:
-        """Who is preempted for blocks: a row held for its generate call's others (it is idle), else
-        the one the policy gives up first."""
-        held = (
-            [r for r in self.running if _held(r)]
+        """Who is preempted for blocks: a row waiting for its generate call's others (it is idle),
+        else the one the policy gives up first."""
+        waiting_rows = (
+            [r for r in self.running if _waits_for_call(r)]
             if any(r.call is not None for r in self.running)
             else ()
         )
-        return held[-1] if held else self.policy.first_to_give_up(self.running, now)
+        return waiting_rows[-1] if waiting_rows else self.policy.first_to_give_up(self.running, now)
 
     def _preempt_scheduled(
         self, victim: Request, out: SchedulerOutput, chosen: dict[Request, int], budget: Budget
@@ -377,13 +390,13 @@ class Scheduler(QueuesMixin):
         self._preempt(victim, out, self.preemption_mode)
         out.preempted.append(victim)
 
-    def _preempt_held(self, out: SchedulerOutput) -> bool:
-        """With nothing else to run, preempt a held row (recompute: it keeps its tokens) so that the
-        rows it waits for get blocks. False where none is held."""
-        held = [r for r in self.running if _held(r)]
-        if not held:
+    def _preempt_a_waiting_row(self, out: SchedulerOutput) -> bool:
+        """With nothing else to run, preempt a row waiting for its call (recompute: it keeps its
+        tokens) so that the rows it waits for get blocks. False where none waits."""
+        waiting_rows = [r for r in self.running if _waits_for_call(r)]
+        if not waiting_rows:
             return False
-        self._preempt(held[-1], out, "recompute")
+        self._preempt(waiting_rows[-1], out, "recompute")
         return True
 
     def _preempt(self, req: Request, out: SchedulerOutput, mode: str) -> None:
@@ -391,7 +404,7 @@ class Scheduler(QueuesMixin):
         readmission, or with ``mode="swap"`` copied to host memory and back."""
         self.running.remove(req)
         if mode == "swap" and req.num_computed_tokens:
-            out.swap_out.append((req, self.kv_manager.held_pages(req, req.num_computed_tokens)))
+            out.swap_out.append((req, self.kv_manager.live_pages(req, req.num_computed_tokens)))
             req.swapped_tokens = req.num_computed_tokens
             req.swap_state_slot = req.state_slot  # its state goes to host memory with its KV
         self.kv_manager.free(req)
@@ -401,6 +414,6 @@ class Scheduler(QueuesMixin):
         req.num_preemptions += 1
 
 
-def _held(req: Request) -> bool:
+def _waits_for_call(req: Request) -> bool:
     """A row of a lock-step generate call that has its token for the call's next step."""
     return req.call is not None and req.call.waits(req)

@@ -16,8 +16,8 @@ from ..requests.request import Request
 from ..requests.sampling_params import SamplingParams
 from .binding import check_still_patched
 
-# The functions below take the engine (paged_hf.engine.engine.Engine) as ``engine``; it is not imported
-# here, even for type checking, since engine.py imports this module.
+# The functions below take the engine (paged_hf.engine.core.EngineCore) as ``engine``; it is not imported
+# here, even for type checking, since core.py imports this module.
 
 
 @dataclass

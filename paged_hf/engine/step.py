@@ -2,8 +2,8 @@
 
 A request that fails on its own (its sampling, its logits, its stop-string check) ends alone
 with ``finish_reason`` "error"; a step that fails as a whole ends exactly the requests it
-touched; an interrupted step is undone. ``StepMixin`` is a part of ``Engine``
-(paged_hf/engine/engine.py); it drives the engine's ``scheduler``, ``runner`` and ``kv``.
+touched; an interrupted step is undone. ``StepMixin`` is a part of ``EngineCore``
+(paged_hf/engine/core.py); it drives the engine's ``scheduler``, ``runner`` and ``kv``.
 """
 
 from __future__ import annotations
@@ -158,7 +158,7 @@ class StepMixin:
             if req.swapped_state is not None:
                 self.runner.states.restore(req.state_slot, req.swapped_state)
                 req.swapped_state = None
-        tier = self.scheduler.tier
+        tier = self.scheduler.kv_tiers
         for load in out.tier_loads:  # the records admissions' tier lookups found, read into pages
             self.scheduler.tier_loaded(load, tier.load(load.match, load.pages))
         self._decode_states_in_front(out.scheduled)

@@ -137,52 +137,59 @@ class ModelRunner:
                 self.fused_ops = fused_ops.FusedOps(
                     model, self.dtype, layout.layers[0].k_dim if layout.layers else None
                 )
-        # on a CPU the linear layers use weights packed once for oneDNN: bf16 for its bf16 matmul or, where this
-        # CPU has none, as fp32 copies; fp32 for its fp32 matmul (paged_hf/execution/cpu/linear.py)
-        invariant = config.batch_invariant
-        how = (
-            cpu_linear.mode(self.dtype, self.device, config.cpu_packed_weights)
-            if self.decode is None
-            else None
-        )
-        self.packed = (
-            cpu_linear.PackedLinears(
-                model, how, self.dtype, fuse=config.cpu_fused_projections, row_invariant=invariant
-            )
-            if how
-            else None
-        )
-        if self.packed is not None:
-            ok, why = cpu_linear.affordable(self.packed.nbytes)
-            if not ok and invariant:
-                raise MemoryError(f"paged_hf: batch_invariant=True cannot pack the linears: {why}")
-            if not ok:  # the same results either way (fp32: within a rounding); only speed is lost, so say so
-                logger.warning(
-                    "paged_hf: linear weights are not packed (%s); steps run %s slower. "
-                    "cpu_packed_weights=False silences this.",
-                    why,
-                    "up to 5x"
-                    if how == cpu_linear.FP32 and self.dtype == torch.bfloat16
-                    else "~10-50%",
-                )
-                self.packed = None
-        if invariant:
-            why = batch_invariance.refusal(
-                model,
-                self.dtype,
-                self.device,
-                state_layout is not None,
-                self.packed,
-                getattr(self.backend, "bf16_path_everywhere", False),
-            )
-            if why:
-                raise ValueError(f"paged_hf: batch_invariant=True cannot hold {why}")
+        self.packed = self._packed_linears(model, config)
+        if config.batch_invariant:
+            self._check_batch_invariance(model, state_layout)
         self.compact = None
         if config.cpu_compact_layers and self.fused_ops is not None and self.packed is not None:
             with eval_modes(model):
                 self.compact = compact_layers.CompactLayers(
                     model, self.fused_ops, self.packed, layout
                 )
+
+    def _packed_linears(
+        self, model: torch.nn.Module, config: EngineConfig
+    ) -> "cpu_linear.PackedLinears | None":
+        """On a CPU the linear layers use weights packed once for oneDNN: bf16 for its bf16 matmul
+        or, where this CPU has none, as fp32 copies; fp32 for its fp32 matmul
+        (paged_hf/execution/cpu/linear.py). None where they run as the model has them."""
+        invariant = config.batch_invariant
+        how = (
+            cpu_linear.mode(self.dtype, self.device, config.cpu_packed_weights)
+            if self.decode is None
+            else None
+        )
+        if not how:
+            return None
+        packed = cpu_linear.PackedLinears(
+            model, how, self.dtype, fuse=config.cpu_fused_projections, row_invariant=invariant
+        )
+        ok, why = cpu_linear.affordable(packed.nbytes)
+        if ok:
+            return packed
+        if invariant:
+            raise MemoryError(f"paged_hf: batch_invariant=True cannot pack the linears: {why}")
+        # the same results either way (fp32: within a rounding); only speed is lost, so say so
+        logger.warning(
+            "paged_hf: linear weights are not packed (%s); steps run %s slower. "
+            "cpu_packed_weights=False silences this.",
+            why,
+            "up to 5x" if how == cpu_linear.FP32 and self.dtype == torch.bfloat16 else "~10-50%",
+        )
+        return None
+
+    def _check_batch_invariance(self, model: torch.nn.Module, state_layout) -> None:
+        """``batch_invariant=True`` refused, naming why, where this model and backend cannot hold it."""
+        why = batch_invariance.refusal(
+            model,
+            self.dtype,
+            self.device,
+            state_layout is not None,
+            self.packed,
+            getattr(self.backend, "bf16_path_everywhere", False),
+        )
+        if why:
+            raise ValueError(f"paged_hf: batch_invariant=True cannot hold {why}")
 
     def _allocate(self) -> None:
         """The KV tensors (through the backend), the state slots and the decode accelerator."""

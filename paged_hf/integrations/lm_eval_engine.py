@@ -36,7 +36,7 @@ def engine_for_eval(
     """(engine, model, tokenizer) for ``pretrained``: an Engine as it is, a model (its patched
     engine unless options are given), or a name loaded here; the evaluation defaults apply where
     the options do not say."""
-    from ..engine.engine import Engine as EngineCore
+    from ..engine.core import EngineCore
     from ..model.patching import Engine, engine_for, is_patched
 
     explicit = dict(engine_options)

@@ -11,20 +11,20 @@ from __future__ import annotations
 import logging
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from transformers import GenerationConfig
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from ..engine.binding import patch_state
-from ..engine.outputs import RequestOutput
 from ..requests.detokenizer import StopStrings
 from ..requests.sampling_params import SamplingParams
 from . import generate_embeds
-from .generate_callbacks import CallPlan, GenerateCall, plan_call
+from .generate_callbacks import CallPlan, plan_call
 from .generate_hidden_states import as_transformers_returns
 from .generate_options import REFUSED_SETTINGS
+from .run_rows import run_rows
 
 logger = logging.getLogger("paged_hf")
 
@@ -91,16 +91,12 @@ def paged_generate(
 ) -> torch.Tensor | GenerateDecoderOnlyOutput:
     """transformers' ``generate`` on the engine: each row a request, the result as transformers
     returns it; refused before anything runs where the engine cannot honour an option."""
-    for name, value in (
-        ("assistant_model", assistant_model),
-        ("negative_prompt_ids", negative_prompt_ids),
-        ("negative_prompt_attention_mask", negative_prompt_attention_mask),
-        ("custom_generate", custom_generate),
-    ):
-        if value is not None and not (isinstance(value, list) and len(value) == 0):
-            raise NotImplementedError(
-                f"paged_hf generate: {name} is not supported; unpatch the model to use it"
-            )
+    _refuse_arguments(
+        assistant_model=assistant_model,
+        negative_prompt_ids=negative_prompt_ids,
+        negative_prompt_attention_mask=negative_prompt_attention_mask,
+        custom_generate=custom_generate,
+    )
     call = _read_call(self, inputs, generation_config, kwargs)
     if streamer is not None and call.input_ids.shape[0] * call.params.n != 1:
         raise NotImplementedError("paged_hf generate: a streamer needs a batch of one sequence")
@@ -127,6 +123,13 @@ def paged_generate(
             "paged_hf generate: this model is not patched (call paged_hf.patch(model))"
         )
     engine = state.get_engine()
+    return _run_call(engine, call, plan, streamer)
+
+
+def _run_call(
+    engine: Any, call: _Call, plan: CallPlan, streamer: Any
+) -> torch.Tensor | GenerateDecoderOnlyOutput:
+    """The call's rows through the engine, and transformers' result of them."""
     prompts = [
         row[mask.bool()].tolist()
         for row, mask in zip(call.input_ids.cpu(), call.attention_mask.cpu())
@@ -146,6 +149,15 @@ def paged_generate(
             outputs, call.attention_mask, result.sequences.shape[1] - call.shown_ids.shape[1]
         )
     return result
+
+
+def _refuse_arguments(**arguments: Any) -> None:
+    """generate's own arguments the engine does not run, refused by name where given."""
+    for name, value in arguments.items():
+        if value is not None and not (isinstance(value, list) and len(value) == 0):
+            raise NotImplementedError(
+                f"paged_hf generate: {name} is not supported; unpatch the model to use it"
+            )
 
 
 def _read_call(
@@ -285,50 +297,6 @@ def _refuse_model_kwargs(model_kwargs: dict[str, Any]) -> None:
         )
     if bad:
         raise NotImplementedError(f"paged_hf generate: argument(s) {bad} are not supported")
-
-
-def run_rows(
-    engine: Any,
-    add_row: Callable[[int, list[int]], str],
-    prompts: list[list[int]],
-    call: GenerateCall | None,
-    what: str,
-    streamer: Any = None,
-    shown: torch.Tensor | None = None,
-) -> list[RequestOutput]:
-    """Each prompt a request (``add_row(i, prompt)`` submits row ``i`` and returns its id), run to
-    the end; on any exception (a refused row, Ctrl-C in a notebook) what was submitted is aborted.
-    A callback of ``call`` that raised raises here; a row that failed fails the call, naming it (a
-    tensor has no per-row errors). ``streamer`` is shown ``shown``, then each token."""
-    rids: list[str] = []
-    try:
-        # the rows, their call and their watch at once: no other thread steps in between
-        with engine.lock:
-            for i, prompt in enumerate(prompts):
-                rids.append(add_row(i, prompt))
-            if streamer is not None:
-                streamer.put(shown.cpu())
-            running = engine.follow(
-                rids,
-                on_token=(lambda _rid, tok: streamer.put(torch.tensor([tok])))
-                if streamer is not None
-                else None,
-            )
-        outputs = engine.wait(running)
-        if streamer is not None:
-            streamer.end()
-    except BaseException:
-        engine.abort_all(rids)
-        raise
-    if call is not None and call.rows.error is not None:
-        raise call.rows.error  # the caller's callback raised: so does its call
-    failed = [(i, out.error) for i, out in enumerate(outputs) if out.error is not None]
-    if failed:
-        raise RuntimeError(
-            f"{what}: {len(failed)} row(s) failed: "
-            + "; ".join(f"row {i}: {err}" for i, err in failed[:3])
-        )
-    return outputs
 
 
 def _add_row(engine: Any, call: _Call, plan: CallPlan, i: int, prompt: list[int]) -> str:

@@ -13,12 +13,13 @@ import torch
 
 from ..config import EngineConfig
 from ..engine.binding import STATE_ATTR, PatchState, patch_state
-from ..engine.engine import Engine as _EngineCore
+from ..engine.core import EngineCore
 from ..execution import attention
 from ..requests.sampling_params import SamplingParams
 from . import capability
 from .beam_call import search_call
-from .hf_generate import paged_generate, run_rows
+from .hf_generate import paged_generate
+from .run_rows import run_rows
 
 UnsupportedModelError = capability.UnsupportedModelError
 
@@ -117,8 +118,8 @@ def is_patched(model: torch.nn.Module) -> bool:
     return patch_state(model) is not None
 
 
-class Engine(_EngineCore):
-    """``paged_hf.Engine(model, tokenizer, **options)``: the engine (paged_hf/engine/engine.py) over a
+class Engine(EngineCore):
+    """``paged_hf.Engine(model, tokenizer, **options)``: the engine (paged_hf/engine/core.py) over a
     model, which is checked and switched to paged attention first if it was not patched yet."""
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any = None, **config: Any) -> None:

@@ -170,7 +170,7 @@ class Request:
         return [self] + self.children
 
     @property
-    def group_finished(self) -> bool:
+    def samples_finished(self) -> bool:
         """Every sample of this root is finished (a root that ended before forking has only itself)."""
         return all(r.is_finished for r in self.samples)
 

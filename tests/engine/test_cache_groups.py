@@ -86,8 +86,8 @@ def check_tables(engine: paged_hf.Engine) -> None:
     assert kv.pool.num_used == len(holders)
     if kv.index is not None:  # what the index may evict is exactly what it holds and nobody uses
         assert all(kv.pool.refcount[p] == 0 for p in kv.index._loose)
-        assert kv.index.evictable_blocks == sum(kv.pool.refcount[p] == 0 for p in kv.index._held)
-        assert not any(kv.pool.is_free(p) for p in kv.index._held)
+        assert kv.index.evictable_blocks == sum(kv.pool.refcount[p] == 0 for p in kv.index._in_tree)
+        assert not any(kv.pool.is_free(p) for p in kv.index._in_tree)
     # a hybrid's running slots: each held by the request that names it, or free
     if kv.state is not None:
         owners = kv.state._owner

@@ -82,7 +82,7 @@ def test_the_prefill_cap_default_follows_the_device():
         EngineConfig(max_prefill_tokens_while_decoding="fast")
 
 
-def test_a_batch_call_lifts_the_auto_prefill_cap_and_streaming_keeps_it():
+def test_a_throughput_call_lifts_the_auto_prefill_cap_and_streaming_keeps_it():
     """With the cap on "auto" (128 on a CPU), a blocking ``generate`` lets a prompt chunk take the
     whole step budget while others decode (only the call's total time counts); with ``on_token``,
     stepping by hand, or a cap set explicitly, a decode waits for at most 128 prompt tokens. The
@@ -109,11 +109,11 @@ def test_a_batch_call_lifts_the_auto_prefill_cap_and_streaming_keeps_it():
     assert tokens == streamed_tokens == explicit_tokens
 
 
-def test_a_batch_call_on_a_cpu_takes_wider_steps_unless_the_budget_is_set():
-    """A blocking ``generate`` on a CPU steps up to DEFAULT_CPU_BATCH_CALL_TOKENS (2048) tokens where
+def test_a_throughput_call_on_a_cpu_takes_wider_steps_unless_the_budget_is_set():
+    """A blocking ``generate`` on a CPU steps up to DEFAULT_CPU_THROUGHPUT_CALL_TOKENS (2048) tokens where
     ``max_num_batched_tokens`` was left unset; streaming keeps 512, a budget set is kept, and a hybrid (its
     state checkpoints follow the budget) keeps 512. The tokens are the same every way."""
-    from paged_hf.config import DEFAULT_CPU_BATCH_CALL_TOKENS, DEFAULT_MAX_NUM_BATCHED_TOKENS
+    from paged_hf.config import DEFAULT_CPU_THROUGHPUT_CALL_TOKENS, DEFAULT_MAX_NUM_BATCHED_TOKENS
 
     model = make_tiny_model("llama")
     prompts = tiny_prompts(model.config.vocab_size, 6, 300, seed=2)
@@ -131,9 +131,9 @@ def test_a_batch_call_on_a_cpu_takes_wider_steps_unless_the_budget_is_set():
     explicit, explicit_tokens = first_step(
         lambda e: e.generate(prompts, params), max_num_batched_tokens=512
     )
-    assert batch == min(DEFAULT_CPU_BATCH_CALL_TOKENS, 6 * 300) > DEFAULT_MAX_NUM_BATCHED_TOKENS, (
-        batch
-    )
+    assert (
+        batch == min(DEFAULT_CPU_THROUGHPUT_CALL_TOKENS, 6 * 300) > DEFAULT_MAX_NUM_BATCHED_TOKENS
+    ), batch
     assert streamed == explicit == DEFAULT_MAX_NUM_BATCHED_TOKENS, (streamed, explicit)
     assert tokens == streamed_tokens == explicit_tokens
     from paged_hf.model.support import build_tiny_model

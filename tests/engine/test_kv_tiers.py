@@ -205,14 +205,14 @@ def test_a_weights_change_in_process_turns_the_tier_off_once(model, prompts, tmp
         fresh.model.layers[0].mlp.down_proj.weight.mul_(1.5)
     expected, _, _ = run(fresh, prompts, None)
     assert tokens == expected
-    assert not engine.scheduler.tier.on and disk(engine.stats())["hit_tokens"] == 0
+    assert not engine.scheduler.kv_tiers.on and disk(engine.stats())["hit_tokens"] == 0
 
 
 def test_models_with_state_or_several_cache_groups_keep_the_tier_off(tmp_path, caplog):
     model = make_tiny_model("gemma2").double()  # sliding and full layers: two cache groups
     with caplog.at_level(logging.WARNING, logger="paged_hf"):
         engine = paged_hf.Engine(model, block_size=BS, num_blocks=256, kv_cache_dir=str(tmp_path))
-    assert engine.scheduler.tier is None
+    assert engine.scheduler.kv_tiers is None
     assert any("kv_cache_dir" in r.getMessage() for r in caplog.records)
     assert engine.stats()["kv_tiers"] == {}
 
@@ -220,11 +220,11 @@ def test_models_with_state_or_several_cache_groups_keep_the_tier_off(tmp_path, c
 def test_the_directory_comes_from_the_environment(monkeypatch, tmp_path, model):
     monkeypatch.setenv("PAGED_HF_KV_CACHE_DIR", str(tmp_path))
     engine = paged_hf.Engine(model, block_size=BS, num_blocks=64)
-    assert engine.scheduler.tier is not None
+    assert engine.scheduler.kv_tiers is not None
     assert (
         paged_hf.Engine(
             model, block_size=BS, num_blocks=64, enable_prefix_caching=False
-        ).scheduler.tier
+        ).scheduler.kv_tiers
         is None
     )
 
@@ -261,7 +261,7 @@ def test_a_load_that_fails_ends_its_steps_requests_alone(model, prompts, tmp_pat
     engine = paged_hf.Engine(
         model, block_size=BS, num_blocks=256, kv_cache_dir=str(tmp_path), max_num_seqs=2
     )
-    tier = engine.scheduler.tier
+    tier = engine.scheduler.kv_tiers
 
     def broken(handles, pages):
         raise OSError("injected: the copy into the pool failed")
@@ -353,7 +353,7 @@ def test_a_page_freed_without_eviction_is_never_written_as_its_record(model, pro
     way (a request's own copy of a block the index already held) may hold anything next, so the
     record it was part of is forgotten, not copied later."""
     engine = paged_hf.Engine(model, block_size=BS, num_blocks=256, kv_host_cache_bytes=64 << 20)
-    tier = engine.scheduler.tier
+    tier = engine.scheduler.kv_tiers
     assert engine.kv_manager.pool.listener is tier
     tier._watch(b"k" * 32, [7, 8, 9, 10])
     tier.released(8)
@@ -455,7 +455,7 @@ def test_a_read_is_kept_for_the_admission_and_rebound_after_an_adapter_switch(
 
     run(model, prompts[:1], str(tmp_path))
     engine = paged_hf.Engine(model, block_size=BS, num_blocks=256, kv_cache_dir=str(tmp_path))
-    tier = engine.scheduler.tier
+    tier = engine.scheduler.kv_tiers
     store = tier.store("disk")
     assert isinstance(store, KVStore)
     asked = []
@@ -470,7 +470,7 @@ def test_a_read_is_kept_for_the_admission_and_rebound_after_an_adapter_switch(
     keys = list(req.tier_state.keys)
     tier.follow_adapters(("another adapter state",))
     assert tier.lookup(req, 0, last) is None, "no record under that state"
-    assert req.tier_state.keys != keys and req.tier_state.held is None
+    assert req.tier_state.keys != keys and req.tier_state.last_match is None
 
 
 def test_a_record_gone_between_the_lookup_and_the_load_is_computed(model, prompts, tmp_path):
@@ -480,7 +480,7 @@ def test_a_record_gone_between_the_lookup_and_the_load_is_computed(model, prompt
     alone, _, _ = run(model, prompts, None)
     run(model, prompts, str(tmp_path))
     engine = paged_hf.Engine(model, block_size=BS, num_blocks=256, kv_cache_dir=str(tmp_path))
-    tier = engine.scheduler.tier
+    tier = engine.scheduler.kv_tiers
     loads = []
 
     def load_after_eviction(match, pages):

@@ -42,7 +42,7 @@ def drain(engine, arrivals=None):
         step += 1
         for req in finished:
             root = req.parent or req
-            if root.group_finished and engine.requests.get(root.request_id) is root:
+            if root.samples_finished and engine.requests.get(root.request_id) is root:
                 outputs[root.request_id] = engine.collect([root])
     return outputs, log
 

@@ -278,7 +278,7 @@ class Driver:
                 for b in node.blocks:
                     assert b not in tree_lock, f"block {b} in two tree nodes"
                     tree_lock[b] = node.lock_ref
-            assert set(tree_lock) == ix._held
+            assert set(tree_lock) == ix._in_tree
         n_free = n_cached = n_held = 0
         for b in range(pool.num_blocks):
             in_tree = b in tree_lock

@@ -209,3 +209,52 @@ def test_integrations_never_import_front_ends():
         if target.startswith("paged_hf.frontends")
     )
     assert wrong == []
+
+
+def _sources() -> list[Path]:
+    return sorted((REPO / "paged_hf").rglob("*.py")) + sorted((REPO / "patches").glob("*.py"))
+
+
+def test_files_and_functions_stay_small():
+    """No module over 450 lines and no function over 70 (docs/architecture.md): past that a
+    reader loses the thread, and a split is cheaper now than later."""
+    too_long = []
+    for path in _sources():
+        text = path.read_text()
+        rel = path.relative_to(REPO).as_posix()
+        if len(text.splitlines()) > 450:
+            too_long.append(f"{rel}: {len(text.splitlines())} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > 70:
+                    too_long.append(f"{rel}:{node.lineno} {node.name}: {lines} lines")
+    assert too_long == []
+
+
+def test_the_engine_imports_nothing_from_transformers():
+    """transformers' objects (criteria, processors, generation configs) stay on the model side:
+    the engine runs requests, whatever built them."""
+    wrong = []
+    for path in sorted((REPO / "paged_hf" / "engine").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = (
+                [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else []
+            )
+            wrong += [f"{path.name}: {n}" for n in names if n.split(".")[0] == "transformers"]
+    assert wrong == []
+
+
+def test_each_class_name_is_defined_once():
+    """One class per name across the package (two classes named ``Engine`` sent readers to the
+    wrong one)."""
+    where = collections.defaultdict(list)
+    for path in _sources():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                where[node.name].append(path.relative_to(REPO).as_posix())
+    assert {name: files for name, files in where.items() if len(files) > 1} == {}

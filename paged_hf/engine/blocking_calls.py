@@ -1,8 +1,8 @@
-"""The blocking batch calls: ``generate``, ``score``, ``score_rolling``, ``run_until_done``.
+"""The blocking calls: ``generate``, ``score``, ``score_rolling``, ``run_until_done``.
 
 Each submits its requests, steps the engine until they finish and returns their outputs in
 input order; interrupted (any exception, ``KeyboardInterrupt`` included) it aborts what it
-submitted before raising. ``BatchCallsMixin`` is a part of ``Engine`` (paged_hf/engine/engine.py); what it reads of the
+submitted before raising. ``BlockingCallsMixin`` is a part of ``EngineCore`` (paged_hf/engine/core.py); what it reads of the
 engine it declares.
 """
 
@@ -33,11 +33,11 @@ class BlockingCall:
 
     roots: list[Request]
     watch: Any  # paged_hf/engine/callers.py's Watch
-    batch: bool  # nobody watches its tokens: the batch-call policy (``batch_call``)
+    unwatched: bool  # nobody watches its tokens: a throughput call (``throughput_call``)
     bar: Any = None
 
 
-class BatchCallsMixin:
+class BlockingCallsMixin:
     """The blocking calls: submit, step until done, return in input order."""
 
     scheduler: Scheduler
@@ -184,53 +184,51 @@ class BatchCallsMixin:
                 bar.update(len(roots) - len(watch.open))
             return BlockingCall(roots, watch, on_token is None, bar)
 
-    def wait(self, call: BlockingCall) -> list[RequestOutput]:
-        """``run_until_done``'s second half: step until the call's requests are over."""
-        with self.batch_call() if call.batch else contextlib.nullcontext():
-            return self._run(call)
-
     @contextlib.contextmanager
-    def batch_call(self) -> Iterator[None]:
-        """The scheduler's policy for a blocking batch call, where nobody watches tokens arrive and
+    def throughput_call(self) -> Iterator[None]:
+        """A throughput call: the scheduler's policy for a blocking call where nobody watches tokens arrive and
         only the whole call's time counts: with ``max_prefill_tokens_while_decoding="auto"``, prompt
         chunks are not capped while others decode (1.2x on W-mixed; a decode may wait for a whole
         step budget of prefill), and on a CPU, where ``max_num_batched_tokens`` was not set, a step
-        takes up to ``DEFAULT_CPU_BATCH_CALL_TOKENS`` (2048) tokens. ``generate``, ``score`` and ``score_rolling`` (and so
+        takes up to ``DEFAULT_CPU_THROUGHPUT_CALL_TOKENS`` (2048) tokens. ``generate``, ``score`` and ``score_rolling`` (and so
         ``generate_dataset``, the lm-eval backend, a patched ``generate`` without a streamer) run in
         it; a background engine, ``on_token`` callbacks and stepping by hand keep the cap. With
-        calls in several threads, it holds while any batch call runs."""
+        calls in several threads, it holds while any throughput call runs."""
         with self.lock:
-            self.scheduler.batch_calls += 1
+            self.scheduler.throughput_calls += 1
         try:
             yield
         finally:
             with self.lock:
-                self.scheduler.batch_calls -= 1
+                self.scheduler.throughput_calls -= 1
 
-    def _run(self, call: BlockingCall) -> list[RequestOutput]:
+    def wait(self, call: BlockingCall) -> list[RequestOutput]:
+        """``run_until_done``'s second half: step until the call's requests are over (a throughput
+        call where nobody watches its tokens)."""
         roots, watch = call.roots, call.watch
-        try:
-            while True:
-                # one step a turn: between two, the lock passes to a thread waiting to submit or
-                # to step for its own call (the engine's lock is first come, first served)
+        with self.throughput_call() if call.unwatched else contextlib.nullcontext():
+            try:
+                while True:
+                    # one step a turn: between two, the lock passes to a thread waiting to submit
+                    # or to step for its own call (the engine's lock is first come, first served)
+                    with self.lock:
+                        if not watch.open:
+                            return [self._collect_root(root) for root in roots]
+                        if not self.scheduler.has_unfinished:
+                            raise RuntimeError(
+                                "engine went idle with requests unfinished (this is a bug)"
+                            )
+                        self.step()
+            except BaseException:
                 with self.lock:
-                    if not watch.open:
-                        return [self._collect_root(root) for root in roots]
-                    if not self.scheduler.has_unfinished:
-                        raise RuntimeError(
-                            "engine went idle with requests unfinished (this is a bug)"
-                        )
-                    self.step()
-        except BaseException:
-            with self.lock:
-                self.unwatch(watch)
-                self.abort_all(
-                    root.request_id for root in roots if self.requests.get(root.request_id) is root
-                )
-            raise
-        finally:
-            if call.bar is not None:
-                call.bar.close()
+                    self.unwatch(watch)
+                    self.abort_all(
+                        r.request_id for r in roots if self.requests.get(r.request_id) is r
+                    )
+                raise
+            finally:
+                if call.bar is not None:
+                    call.bar.close()
 
     def _root(self, request_id: str) -> Request:
         root = self.requests.get(request_id)

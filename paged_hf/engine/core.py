@@ -1,6 +1,6 @@
 """The engine: requests in, tokens out, over a model whose attention is paged.
 
-Design notes: docs/internals.md, paged_hf/engine/engine.py.
+Design notes: docs/internals.md, paged_hf/engine/core.py.
 """
 
 from __future__ import annotations
@@ -18,14 +18,14 @@ from ..cache.block_manager import BlockManager
 from ..cache.coherence import WeightsWatch
 from ..cache.kv_groups import most_blocks
 from ..cache.state_slots import StateSlots
-from ..config import DEFAULT_CPU_BATCH_CALL_TOKENS, DEFAULT_CPU_KV_BYTES, EngineConfig
+from ..config import DEFAULT_CPU_KV_BYTES, DEFAULT_CPU_THROUGHPUT_CALL_TOKENS, EngineConfig
 from ..execution.runner import ModelRunner, cache_groups
 from ..requests.request import FinishReason, Request
 from ..requests.sampling_params import SamplingParams
 from . import latency_stats
 from .admission import AdmissionMixin, eos_ids, max_model_len_for, within_limits
-from .batch import BatchCallsMixin
 from .binding import patch_state
+from .blocking_calls import BlockingCallsMixin
 from .callers import CallersMixin
 from .kv_tiers import make_kv_tiers
 from .outputs import OutputsMixin, RequestOutput
@@ -55,7 +55,7 @@ class EngineStats:
     finished_log: deque = field(default_factory=lambda: deque(maxlen=100_000))
 
 
-class Engine(AdmissionMixin, StepMixin, OutputsMixin, BatchCallsMixin, CallersMixin):
+class EngineCore(AdmissionMixin, StepMixin, OutputsMixin, BlockingCallsMixin, CallersMixin):
     """The engine over a model whose attention is paged. ``paged_hf.Engine`` (paged_hf/model/patching.py)
     checks and patches the model first when needed; this class reads what patching left on the
     model (paged_hf/engine/binding.py) and never imports the model side."""
@@ -111,10 +111,10 @@ class Engine(AdmissionMixin, StepMixin, OutputsMixin, BatchCallsMixin, CallersMi
             if self.state_layout is not None
             else None
         )
-        # a blocking batch call on a CPU takes wider steps, unless the budget was set (or the model keeps
-        # recurrent state, whose checkpoints follow the budget)
-        batch_budget = (
-            DEFAULT_CPU_BATCH_CALL_TOKENS
+        # a throughput call (nobody watches its tokens) on a CPU takes wider steps, unless the
+        # budget was set (or the model keeps recurrent state, whose checkpoints follow the budget)
+        throughput_budget = (
+            DEFAULT_CPU_THROUGHPUT_CALL_TOKENS
             if (
                 not budget_set
                 and self.state_layout is None
@@ -131,7 +131,25 @@ class Engine(AdmissionMixin, StepMixin, OutputsMixin, BatchCallsMixin, CallersMi
             slots,
             checkpoint_interval=self.config.max_num_batched_tokens,
             groups=self.groups,
-            step_tokens=max(self.config.max_num_batched_tokens, batch_budget or 0),
+            step_tokens=max(self.config.max_num_batched_tokens, throughput_budget or 0),
+        )
+        self.runner = ModelRunner(
+            model,
+            self.config,
+            num_blocks,
+            self.layout,
+            self.state_layout,
+            slots.total if slots is not None else 0,
+            groups=self.groups,
+        )
+        runner = self.runner  # its backend's tensors at each use: waking up reallocates them
+        kv_tiers = make_kv_tiers(
+            self.config,
+            model,
+            self.groups,
+            self.state_layout,
+            lambda: runner.backend.distinct_kv,
+            self._cache_key(),
         )
         self.scheduler = Scheduler(
             self.kv_manager,
@@ -146,29 +164,12 @@ class Engine(AdmissionMixin, StepMixin, OutputsMixin, BatchCallsMixin, CallersMi
                 self.config.priority_lookahead,
                 self.config.priority_aging_s,
             ),
-            batch_call_budget=batch_budget,
-            lift_cap_in_batch_calls=auto_prefill_cap,
+            throughput_call_budget=throughput_budget,
+            lift_cap_in_throughput_calls=auto_prefill_cap,
+            kv_tiers=kv_tiers,
         )
-        self.runner = ModelRunner(
-            model,
-            self.config,
-            num_blocks,
-            self.layout,
-            self.state_layout,
-            slots.total if slots is not None else 0,
-            groups=self.groups,
-        )
-        runner = self.runner  # its backend's tensors at each use: waking up reallocates them
-        self.scheduler.tier = make_kv_tiers(
-            self.config,
-            model,
-            self.groups,
-            self.state_layout,
-            lambda: runner.backend.distinct_kv,
-            self._cache_key(),
-        )
-        if self.scheduler.tier is not None and self.scheduler.tier.on_eviction is not None:
-            self.kv_manager.pool.listener = self.scheduler.tier
+        if kv_tiers is not None and kv_tiers.on_eviction is not None:
+            self.kv_manager.pool.listener = kv_tiers
 
     # ---- sizing ------------------------------------------------------------------------------
     def _num_kv_blocks(self, explicit_max_num_seqs: bool) -> int:
@@ -325,8 +326,8 @@ class Engine(AdmissionMixin, StepMixin, OutputsMixin, BatchCallsMixin, CallersMi
         self._weights_changed(moved=True)
 
     def _weights_changed(self, moved: bool) -> None:
-        if self.scheduler.tier is not None:
-            self.scheduler.tier.turn_off(
+        if self.scheduler.kv_tiers is not None:
+            self.scheduler.kv_tiers.turn_off(
                 "the model's weights changed in this process (build a new engine to keep and read "
                 "records of the new weights)"
             )
@@ -354,8 +355,8 @@ class Engine(AdmissionMixin, StepMixin, OutputsMixin, BatchCallsMixin, CallersMi
         if adapters != self._adapters:  # blocks cached under the previous state stay, under its key
             self._adapters = adapters
             self.kv_manager.switch_namespace(self._cache_key())
-            if self.scheduler.tier is not None:
-                self.scheduler.tier.follow_adapters(adapters)
+            if self.scheduler.kv_tiers is not None:
+                self.scheduler.kv_tiers.follow_adapters(adapters)
             logger.info(
                 "paged_hf: the model's adapter state changed; the prefix cache serves that state's blocks"
             )
@@ -384,11 +385,11 @@ class Engine(AdmissionMixin, StepMixin, OutputsMixin, BatchCallsMixin, CallersMi
     def flush_kv_tiers(self, timeout: float | None = None) -> None:
         """Wait until the disk tier has written every record queued so far (the end of a run: the
         next process reads them; a normal exit waits for them too)."""
-        if self.scheduler.tier is not None:
-            self.scheduler.tier.flush(timeout)
+        if self.scheduler.kv_tiers is not None:
+            self.scheduler.kv_tiers.flush(timeout)
 
     def _tier_stats(self) -> dict[str, Any]:
-        tier = self.scheduler.tier
+        tier = self.scheduler.kv_tiers
         return {} if tier is None else tier.stats(self.scheduler.step_time.prefill_token_s())
 
     def stats(
@@ -405,17 +406,8 @@ class Engine(AdmissionMixin, StepMixin, OutputsMixin, BatchCallsMixin, CallersMi
         self, ttft_target_s: float | None, tpot_target_s: float | None
     ) -> dict[str, Any]:
         s, pool = self._stats, self.kv_manager.pool
-        state = (
-            {}
-            if self.kv_manager.state is None
-            else {
-                "state_slots": self.kv_manager.state.num_slots,
-                "state_slots_used": self.kv_manager.state.num_used,
-                "state_checkpoints": self.kv_manager.state.num_checkpoints_held,
-                "state_checkpoint_hits": self.kv_manager.state.checkpoint_hits,
-                "state_bytes": 0 if self.runner.asleep else self.runner.states.nbytes,
-            }
-        )
+        slots = self.kv_manager.state
+        state = {} if slots is None else slots.stats(self.runner.states, self.runner.asleep)
         structured = {} if self.structured is None else self.structured.stats()
         return (
             state
