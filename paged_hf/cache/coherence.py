@@ -5,6 +5,7 @@ Design notes: docs/internals.md, paged_hf/cache/coherence.py.
 
 from __future__ import annotations
 
+import sys
 import time
 import weakref
 from dataclasses import dataclass
@@ -37,6 +38,30 @@ def _watch_optimizer_steps(watch: "WeightsWatch") -> None:
 
         _HOOK = register_optimizer_step_post_hook(_on_optimizer_step)
     _WATCHES.add(watch)
+
+
+def is_dtensor(t: Any) -> bool:
+    """Whether ``t`` is a DTensor: a tensor sharded or replicated across ranks, as transformers'
+    tensor parallelism (``from_pretrained(..., tp_plan=...)``) leaves a model's weights."""
+    # a DTensor exists only once its module is imported: nothing imported for other models
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    return dtensor is not None and isinstance(t, dtensor.DTensor)
+
+
+def sharded_parameter(model: torch.nn.Module) -> str | None:
+    """The name of one of ``model``'s parameters that is a DTensor (a tensor-parallel model), or None."""
+    return next((n for n, p in model.named_parameters() if is_dtensor(p)), None)
+
+
+def local_shard(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor, any other tensor as it is: a view sharing the shard's storage
+    and version counter (a new view at each call, for a DTensor parameter). The DTensor itself has no
+    storage of its own (``data_ptr()`` 0), and reading its values here would be a collective, or fail
+    (a ``cat`` with plain tensors; a ``view`` under inference mode)."""
+    if is_dtensor(t):
+        with torch.no_grad():  # no autograd function in between
+            return t.to_local()
+    return t
 
 
 @dataclass(frozen=True)
@@ -129,22 +154,25 @@ class WeightsWatch:
                 self._tuner_layers.append(m)
         self.param_ids = set(params)
         tensors = [*params.values(), *buffers.values()]
+        # storage and values are a DTensor's local shard's; its version counter counts the writes made
+        # through the DTensor, the shard's those made to the shard: both are read
+        shards = [local_shard(t) for t in tensors]
         # inference tensors (made under torch.inference_mode) keep no version counter: for them
         # only new storage and the content sample are seen
         self._counted = [t for t in tensors if not t.is_inference()]
-        self._uncounted = [t for t in tensors if t.is_inference()]
-        ids = tuple((id(t), t.data_ptr()) for t in tensors)
+        self._counted += [s for t, s in zip(tensors, shards) if s is not t and not s.is_inference()]
+        self._shards = shards
+        ids = tuple((id(t), s.data_ptr()) for t, s in zip(tensors, shards))
         # the same tensors at the same addresses keep their views
         if ids != getattr(self, "_ids", None):
-            self._samples = _sample_views(tensors, self.SAMPLES)
+            self._samples = _sample_views(shards, self.SAMPLES)
         self._ids = ids
         self._scanned_at = time.perf_counter()
 
     def _read(self) -> tuple:
         return (
             tuple(t._version for t in self._counted),
-            tuple(t.data_ptr() for t in self._counted)
-            + tuple(t.data_ptr() for t in self._uncounted),
+            tuple(s.data_ptr() for s in self._shards),
             tuple(i for i, _ in self._ids),
             tuple(tuple(m.merged_adapters) for m in self._tuner_layers),
         )

@@ -14,17 +14,22 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from .coherence import is_dtensor
+
 # bumped whenever the meaning of a record's bytes changes (layout of a page, what the seed covers)
 FORMAT_VERSION = 1
 
 
 def weights_fingerprint(model: torch.nn.Module) -> str:
     """sha256 over every parameter's and buffer's name, dtype, shape and bytes: equal only for the
-    same weights (the same checkpoint loaded twice, in any process)."""
+    same weights (the same checkpoint loaded twice, in any process). Not for a tensor-parallel model:
+    a rank's KV depends on every rank's shards, and this process sees its own only."""
     h = hashlib.sha256()
     tensors = list(model.named_parameters(remove_duplicate=False))
     tensors += list(model.named_buffers(remove_duplicate=False))
     for name, t in sorted(tensors, key=lambda nt: nt[0]):
+        if is_dtensor(t):
+            raise ValueError(f"weights_fingerprint: {name} is sharded across ranks (a DTensor)")
         t = t.detach()
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
         if t.numel():

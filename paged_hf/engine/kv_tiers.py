@@ -19,6 +19,7 @@ from typing import Any, Callable
 
 import torch
 
+from ..cache.coherence import sharded_parameter
 from ..cache.disk_kv_store import DiskKVStore
 from ..cache.host_kv_store import HostKVStore
 from ..cache.kv_store import KVStore
@@ -327,6 +328,17 @@ def make_kv_tiers(
         if getattr(config, name) is not None
     ]
     if not wanted:
+        return None
+    sharded = sharded_parameter(model)
+    if sharded is not None:
+        # a rank's KV depends on every rank's shards, and its store would have to hold the records
+        # the others hold: neither is there yet
+        logger.warning(
+            "paged_hf: %s not used: the model is tensor parallel (%s is a DTensor), and tiers "
+            "serve one process's whole model only",
+            ", ".join(wanted),
+            sharded,
+        )
         return None
     tensors = kv()
     why = (

@@ -15,6 +15,7 @@ from typing import Any, Iterator
 
 import torch
 
+from ..cache.coherence import sharded_parameter
 from ..requests.sampling_params import SamplingParams
 from .checkpoint import Checkpoint, fingerprint
 from .dataset_rows import (
@@ -69,6 +70,13 @@ def generate_dataset(
         chat,
         system,
     )
+    sharded = sharded_parameter(model)
+    if sharded is not None:
+        # the processes would take different rows (data-parallel shards), while every forward of a
+        # tensor-parallel model is a collective of them all
+        raise ValueError(
+            f"generate_dataset: tensor-parallel models are not supported yet ({sharded} is a DTensor)"
+        )
     rank, world, state = _distributed()
     shard_rows, shard = _shard(dataset, rank, world)
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from ...cache.coherence import sharded_parameter
 from . import linear as cpu_linear
 
 _ROWS_CHECKED: dict[tuple[str, int, int], bool] = {}
@@ -66,6 +67,12 @@ def refusal(
         return (
             f"on {device.type} (FlashInfer's and cuBLAS's kernels pick their splits by batch); "
             "it is CPU-only"
+        )
+    sharded = sharded_parameter(model)
+    if sharded is not None:
+        return (
+            f"for tensor-parallel models ({sharded} is a DTensor): their linears run transformers' "
+            "own GEMMs on the shards, which sum by shape"
         )
     if dtype != torch.bfloat16:
         return f"for {dtype} models (the CPU attention kernel's fp32 path is not row-invariant); bf16 only"

@@ -14,6 +14,8 @@ from typing import Iterator
 import torch
 import torch.nn.functional as F
 
+from ...cache.coherence import is_dtensor
+
 logger = logging.getLogger("paged_hf")
 
 ONEDNN, FP32 = "onednn", "fp32"
@@ -296,7 +298,10 @@ class PackedLinears:
             m
             for m in model.modules()
             if type(m) is torch.nn.Linear
+            # transformers' tensor parallelism installs a forward of its own and makes the weight a
+            # DTensor: such a linear runs its own code (its weight is a shard, its output all-reduced)
             and "forward" not in m.__dict__
+            and not is_dtensor(m.weight)
             and m.weight.dtype == dtype
             and m.weight.device.type == "cpu"
             and m.weight.dim() == 2
@@ -304,7 +309,8 @@ class PackedLinears:
         self.batch_hint, self.row_invariant = batch_hint, row_invariant
         # the packed copies' size: the weights again (twice over for bf16 weights in fp32)
         self.nbytes = sum(m.weight.numel() * (4 if how == FP32 else 2) for m in self.modules)
-        self.siblings = find_siblings(model, self.modules) if fuse else []
+        # (no modules, no probe forward: a tensor-parallel model's would be a collective for nothing)
+        self.siblings = find_siblings(model, self.modules) if fuse and self.modules else []
         self.fused: list[list[torch.nn.Linear]] = []  # the sibling groups packed as one GEMM
         self._states: list[_FusedState] = []
         self._weights: dict[tuple[int, ...], PackedWeight] = {}
