@@ -102,6 +102,9 @@ class EngineConfig:
     # freed large blocks, for the next step instead of faulting them in again (process-wide, once;
     # paged_hf/execution/cpu/malloc.py)
     cpu_tune_malloc: bool = True
+    # under tensor parallelism (paged_hf/engine/ranks.py): seconds a rank waits for another's
+    # message before it raises naming the ranks, instead of hanging on a rank that stopped
+    tp_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "num_blocks"):
@@ -135,6 +138,8 @@ class EngineConfig:
             raise ValueError(
                 f"gpu_memory_utilization={self.gpu_memory_utilization!r}, must be in (0, 1]"
             )
+        if not (isinstance(self.tp_timeout_s, (int, float)) and self.tp_timeout_s > 0):
+            raise ValueError(f"tp_timeout_s={self.tp_timeout_s!r}, must be > 0")
         self._check_switches()
 
     def _check_switches(self) -> None:

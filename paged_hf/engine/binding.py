@@ -31,6 +31,9 @@ class PatchState:
     # engine options this model is exact only up to: {EngineConfig field: (largest value, why)}
     limits: dict = field(default_factory=dict)
     state: StateLayout | None = None  # a hybrid model's stateful layers (None: attention only)
+    # the process group transformers' tensor parallelism spread the model's heads over (None: one
+    # device); the engine runs one schedule for its ranks (paged_hf/engine/ranks.py)
+    tp_group: Any = None
     config: dict[str, Any] = field(default_factory=dict)  # engine options given to patch()
     engine: Any = None  # created on first generate, kept so the prefix cache survives calls
     tokenizer: Any = None

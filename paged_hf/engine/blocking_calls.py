@@ -18,6 +18,7 @@ import torch
 from ..requests.request import Request
 from ..requests.sampling_params import SamplingParams
 from .outputs import RequestOutput
+from .ranks import over_ranks
 from .scoring import ScoreOutput
 
 if TYPE_CHECKING:
@@ -53,6 +54,7 @@ class BlockingCallsMixin:
     check_weights: Callable[[], None]
     step: Callable[[], tuple[dict[Request, int], list[Request]]]
 
+    @over_ranks("Engine.generate")
     def generate(
         self,
         prompts: Sequence[Any],
@@ -101,6 +103,7 @@ class BlockingCallsMixin:
         it = iter(outputs)
         return [errors[i] if rid is None else next(it) for i, rid in enumerate(ids)]
 
+    @over_ranks("Engine.score")
     def score(
         self,
         pairs: Sequence[tuple[Any, Any]],
@@ -125,6 +128,7 @@ class BlockingCallsMixin:
 
         return score(self, pairs, top_logprobs, cache_salt, progress)
 
+    @over_ranks("Engine.score_rolling")
     def score_rolling(
         self,
         texts: Sequence[Any],

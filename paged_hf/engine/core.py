@@ -29,6 +29,7 @@ from .blocking_calls import BlockingCallsMixin
 from .callers import CallersMixin
 from .kv_tiers import make_kv_tiers
 from .outputs import OutputsMixin, RequestOutput
+from .ranks import over_ranks, ranks_for
 from .scheduler import Scheduler
 from .scheduling_policy import make_policy
 from .step import StepMixin
@@ -83,7 +84,11 @@ class EngineCore(AdmissionMixin, StepMixin, OutputsMixin, BlockingCallsMixin, Ca
         self.groups = cache_groups(model, self.config, self.layout, self.state_layout)
         element = torch.empty((), dtype=next(model.parameters()).dtype).element_size()
         self.page_bytes = self.layout.bytes_per_page(self.groups, self.config.block_size, element)
+        device = next(model.parameters()).device
+        self.ranks = ranks_for(state.tp_group, self.config, state.state is not None, device)
         num_blocks = self._num_kv_blocks(explicit_max_num_seqs="max_num_seqs" in config)
+        if self.ranks is not None:  # every rank's pool the same pages
+            num_blocks = self.ranks.min(num_blocks)
         # the prefix cache's namespace carries a generation, bumped whenever the weights change
         self._namespace = self.config.namespace or "default"
         self._cache_generation = 0
@@ -236,6 +241,7 @@ class EngineCore(AdmissionMixin, StepMixin, OutputsMixin, BlockingCallsMixin, Ca
             )
         return need
 
+    @over_ranks("Engine.warmup")
     def warmup(self) -> float:
         """Do now what the first steps would otherwise do on the first real requests: FlashInfer
         JIT-compiles its kernels on a machine's first use, CUDA graphs are captured, a compiled

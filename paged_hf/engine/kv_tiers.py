@@ -329,33 +329,10 @@ def make_kv_tiers(
     ]
     if not wanted:
         return None
-    sharded = sharded_parameter(model)
-    if sharded is not None:
-        # a rank's KV depends on every rank's shards, and its store would have to hold the records
-        # the others hold: neither is there yet
-        logger.warning(
-            "paged_hf: %s not used: the model is tensor parallel (%s is a DTensor), and tiers "
-            "serve one process's whole model only",
-            ", ".join(wanted),
-            sharded,
-        )
-        return None
     tensors = kv()
-    why = (
-        "this model keeps recurrent state"
-        if state_layout is not None
-        else f"this model keeps {len(groups)} cache groups"
-        if len(groups) > 1
-        else "its KV tensors differ in dtype"
-        if len({c.dtype for c in tensors}) > 1
-        else None
-    )
+    why = _why_not_whole(model, groups, state_layout, tensors)
     if why is not None:
-        logger.warning(
-            "paged_hf: %s not used: %s, and a record holds pages of full-attention KV only",
-            ", ".join(wanted),
-            why,
-        )
+        logger.warning("paged_hf: %s not used: %s", ", ".join(wanted), why)
         return None
     t0 = time.perf_counter()
     fingerprint = weights_fingerprint(model)
@@ -381,6 +358,30 @@ def make_kv_tiers(
         kv,
         on_eviction,
     )
+
+
+def _why_not_whole(
+    model: torch.nn.Module, groups: list, state_layout: Any, tensors: list[torch.Tensor]
+) -> str | None:
+    """Why a record cannot hold this model's KV, or None where it can."""
+    sharded = sharded_parameter(model)
+    if sharded is not None:
+        # a rank's KV depends on every rank's shards, and its store would have to hold the records
+        # the others hold: neither is there yet
+        return (
+            f"the model is tensor parallel ({sharded} is a DTensor), and tiers serve one process's "
+            "whole model only"
+        )
+    why = (
+        "this model keeps recurrent state"
+        if state_layout is not None
+        else f"this model keeps {len(groups)} cache groups"
+        if len(groups) > 1
+        else "its KV tensors differ in dtype"
+        if len({c.dtype for c in tensors}) > 1
+        else None
+    )
+    return None if why is None else f"{why}, and a record holds pages of full-attention KV only"
 
 
 def _stores(config: Any, pin: bool) -> tuple[list[KVStore], KVStore | None]:

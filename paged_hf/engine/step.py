@@ -95,6 +95,7 @@ class StepMixin:
     check_weights: Callable[[], None]
     wake_up: Callable[[], None]
     lock: Any  # TurnLock
+    ranks: Any  # paged_hf/engine/ranks.py's Ranks under tensor parallelism, else None
     _deliver: Callable[[dict[Request, int], list[Request]], list[Request]]
 
     def step(self) -> tuple[dict[Request, int], list[Request]]:
@@ -162,6 +163,8 @@ class StepMixin:
         for load in out.tier_loads:  # the records admissions' tier lookups found, read into pages
             self.scheduler.tier_loaded(load, tier.load(load.match, load.pages))
         self._decode_states_in_front(out.scheduled)
+        if self.ranks is not None:  # tensor parallelism: the followers run this forward too
+            self.ranks.send_step(out.scheduled, out.block_copies)
         logits, meta = self.runner.execute(out.scheduled, out.block_copies)
         self.scheduler.mark_computed(out)
         if tier is not None:  # the prompt blocks this step completed, to the tiers (or watched)

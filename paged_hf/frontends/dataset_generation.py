@@ -70,14 +70,7 @@ def generate_dataset(
         chat,
         system,
     )
-    sharded = sharded_parameter(model)
-    if sharded is not None:
-        # the processes would take different rows (data-parallel shards), while every forward of a
-        # tensor-parallel model is a collective of them all
-        raise ValueError(
-            f"generate_dataset: tensor-parallel models are not supported yet ({sharded} is a DTensor)"
-        )
-    rank, world, state = _distributed()
+    rank, world, state = _distributed(model)
     shard_rows, shard = _shard(dataset, rank, world)
 
     # the engine first: its effective max_model_len and EOS ids belong to the checkpoint's fingerprint
@@ -373,12 +366,18 @@ def _engine(model: Any, tokenizer: Any, engine_config: dict) -> Any:
     return Engine(model, tokenizer, **engine_config)
 
 
-def _distributed() -> tuple[int, int, Any]:
-    """(rank, world size, accelerate PartialState) of this process.
+def _distributed(model: torch.nn.Module) -> tuple[int, int, Any]:
+    """(rank, world size, accelerate PartialState) of this process, whose rows are a data-parallel
+    shard; refused for a tensor-parallel model, every forward of which is a collective of them all.
 
     Without CUDA, PartialState must be told ``cpu=True`` to see a multi-process CPU launch
     (torchrun, or ``accelerate launch --multi_gpu`` on a CPU machine); it then uses gloo.
     """
+    sharded = sharded_parameter(model)
+    if sharded is not None:
+        raise ValueError(
+            f"generate_dataset: tensor-parallel models are not supported yet ({sharded} is a DTensor)"
+        )
     from accelerate import PartialState
     from accelerate.utils import parse_flag_from_env
 

@@ -18,6 +18,7 @@ from transformers import GenerationConfig
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from ..engine.binding import patch_state
+from ..engine.ranks import digest
 from ..requests.detokenizer import StopStrings
 from ..requests.sampling_params import SamplingParams
 from . import generate_embeds
@@ -123,7 +124,16 @@ def paged_generate(
             "paged_hf generate: this model is not patched (call paged_hf.patch(model))"
         )
     engine = state.get_engine()
-    return _run_call(engine, call, plan, streamer)
+    if engine.ranks is None:
+        return _run_call(engine, call, plan, streamer)
+    if call.embeds is not None:
+        raise NotImplementedError(
+            "paged_hf generate: inputs_embeds under tensor parallelism is not supported yet"
+        )
+    # every rank called alike (SPMD): the leader runs the call, the others its forwards
+    same = digest(call.input_ids, call.attention_mask, call.params, sorted(kwargs))
+    run = lambda: _run_call(engine, call, plan, streamer)  # noqa: E731
+    return engine.ranks.run("model.generate", same, run, engine.runner)
 
 
 def _run_call(

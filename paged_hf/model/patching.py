@@ -14,12 +14,14 @@ import torch
 from ..config import EngineConfig
 from ..engine.binding import STATE_ATTR, PatchState, patch_state
 from ..engine.core import EngineCore
+from ..engine.ranks import over_ranks
 from ..execution import attention
 from ..requests.sampling_params import SamplingParams
 from . import capability
 from .beam_call import search_call
 from .hf_generate import paged_generate
 from .run_rows import run_rows
+from .tensor_parallel import tp_group
 
 UnsupportedModelError = capability.UnsupportedModelError
 
@@ -59,6 +61,7 @@ def ensure_attention_patched(model: torch.nn.Module) -> PatchState:
         media_token_ids=cap.media_token_ids,
         limits=dict(cap.limits),
         state=cap.state,
+        tp_group=tp_group(model),
     )
     # engine_for / the patched generate build their engine from the options patch() stores
     state.engine_factory = lambda: Engine(model, state.tokenizer, **state.config)
@@ -127,6 +130,7 @@ class Engine(EngineCore):
         ensure_attention_patched(model)
         super().__init__(model, tokenizer, **config)
 
+    @over_ranks("Engine.beam_search")
     def beam_search(
         self,
         prompts: Sequence[Any],

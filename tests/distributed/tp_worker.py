@@ -79,7 +79,7 @@ def stand_aside(model) -> dict:
         fingerprint = None
     except ValueError as e:
         fingerprint = str(e)
-    tiers = paged_hf.Engine(model, kv_host_cache_bytes=1 << 20).scheduler.tier
+    tiers = paged_hf.Engine(model, kv_host_cache_bytes=1 << 20).scheduler.kv_tiers
     try:
         from datasets import Dataset
         from tiny_tokenizer import make_tiny_tokenizer

@@ -298,8 +298,7 @@ class PackedLinears:
             m
             for m in model.modules()
             if type(m) is torch.nn.Linear
-            # transformers' tensor parallelism installs a forward of its own and makes the weight a
-            # DTensor: such a linear runs its own code (its weight is a shard, its output all-reduced)
+            # a tensor-parallel linear (its own forward, a DTensor weight) runs its own code
             and "forward" not in m.__dict__
             and not is_dtensor(m.weight)
             and m.weight.dtype == dtype
@@ -314,9 +313,7 @@ class PackedLinears:
         self.fused: list[list[torch.nn.Linear]] = []  # the sibling groups packed as one GEMM
         self._states: list[_FusedState] = []
         self._weights: dict[tuple[int, ...], PackedWeight] = {}
-        self._fusable: dict[
-            tuple, bool
-        ] = {}  # per group and shapes: whether one GEMM gives the parts' bits
+        self._fusable: dict[tuple, bool] = {}  # per group, shapes: one GEMM gives the parts' bits
         self._forwards: list | None = None
 
     def reset(self) -> None:
@@ -408,14 +405,12 @@ class _FusedState:
     def __init__(self, packed: PackedWeight, weights: list, widths: list[int]) -> None:
         self.packed, self.weights = packed, weights
         self.bounds = [sum(widths[:i]) for i in range(len(widths) + 1)]
-        self.x: torch.Tensor | None = None
-        self.out: torch.Tensor | None = None
+        self.x = self.out = None  # the input and its output, while siblings still take slices
         self.served: set[int] = set()
 
 
 def _fused_forward_for(module: torch.nn.Linear, state: _FusedState, i: int):
-    lo, hi = state.bounds[i], state.bounds[i + 1]
-    n = len(state.weights)
+    lo, hi, n = state.bounds[i], state.bounds[i + 1], len(state.weights)
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         if (

@@ -1,0 +1,283 @@
+"""Tensor parallelism: one schedule for every rank.
+
+A model loaded with transformers' tensor parallelism (``tp_plan``) runs each layer's heads
+spread over the ranks of a process group, and every forward is a collective. Each rank patches
+its model and calls the same front end with the same arguments (SPMD, as under ``torchrun``).
+Rank 0 of the group, the leader, runs the engine as on one device: it admits, schedules, samples
+and runs the callbacks. Before each forward it sends the others, the followers, what the forward
+reads (paged_hf/requests/forward_row.py) over a gloo group of its own, and their runners run the
+same forward on their own heads with the leader's pages. When the call ends the leader sends its
+result (or its error), which every rank returns (or raises).
+
+Nothing on a follower reads a clock or a queue, so the ranks cannot drift apart; and a rank that
+stops answering fails the others' next message within ``timeout_s``, naming it, instead of a hang.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import threading
+from dataclasses import dataclass, fields, is_dataclass
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+from ..requests.forward_row import ForwardRow
+
+if TYPE_CHECKING:
+    from ..execution.runner import ModelRunner
+    from ..requests.request import Request
+
+logger = logging.getLogger("paged_hf")
+
+
+@dataclass
+class _Step:
+    rows: list[ForwardRow]
+    block_copies: list[tuple[int, int]]
+
+
+@dataclass
+class _Finished:
+    result: Any
+
+
+@dataclass
+class _Failed:
+    error: BaseException | None
+    message: str
+
+
+class RankError(RuntimeError):
+    """A collective of the tensor-parallel ranks failed: a rank stopped, or the ranks disagree."""
+
+
+class Ranks:
+    """This process's place among the ranks one model is spread over, and their messages."""
+
+    def __init__(self, group: Any, wire: Any, timeout_s: float) -> None:
+        import torch.distributed as dist
+
+        self.group, self.wire, self.timeout_s = group, wire, timeout_s
+        self.rank = dist.get_rank(group)
+        self.size = dist.get_world_size(group)
+        self.members = dist.get_process_group_ranks(group)
+        self.leader = self.members[0]
+        self._depth = 0  # calls in progress on this thread's stack (an inner call is part of it)
+        self._owner: int | None = None
+
+    @property
+    def is_leader(self) -> bool:
+        return self.rank == 0
+
+    # ---- messages ------------------------------------------------------------------------
+    def _send(self, message: Any) -> None:
+        self._broadcast(message)
+
+    def _receive(self) -> Any:
+        return self._broadcast(None)
+
+    def _broadcast(self, message: Any) -> Any:
+        import torch.distributed as dist
+
+        box = [message]
+        try:
+            dist.broadcast_object_list(box, src=self.leader, group=self.wire)
+        except Exception as e:  # noqa: BLE001 - said with who is missing
+            raise RankError(
+                f"paged_hf tensor parallelism: rank {self.rank} of {self.size} lost the leader or a "
+                f"follower (global ranks {self.members}) within {self.timeout_s:g} s: {e}"
+            ) from e
+        return box[0]
+
+    def send_step(
+        self, scheduled: list[tuple[Request, int]], copies: list[tuple[int, int]]
+    ) -> None:
+        """The leader, before a forward: what every follower's runner needs to run it too."""
+        if not self._depth:  # no follower is listening
+            raise NotImplementedError(
+                "paged_hf tensor parallelism: steps run inside a call made alike on every rank "
+                "(model.generate, Engine.generate / score / score_rolling / beam_search / warmup); "
+                "serve(), run_until_done and stepping by hand are not supported yet"
+            )
+        self._send(_Step([ForwardRow.of(req, n) for req, n in scheduled], list(copies)))
+
+    def min(self, value: int) -> int:
+        """The smallest ``value`` over the ranks (the KV pages every rank can hold)."""
+        import torch.distributed as dist
+
+        t = torch.tensor([value], dtype=torch.long)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.wire)
+        return int(t.item())
+
+    def agree(self, what: str, digest: str) -> None:
+        """Every rank called ``what`` with the same arguments, or every rank raises naming those
+        that differ from the leader's."""
+        import torch.distributed as dist
+
+        digests: list[Any] = [None] * self.size
+        try:
+            dist.all_gather_object(digests, digest, group=self.wire)
+        except Exception as e:  # noqa: BLE001
+            raise RankError(
+                f"paged_hf tensor parallelism: {what}: a rank did not answer: {e}"
+            ) from e
+        differ = [r for r, d in enumerate(digests) if d != digests[0]]
+        if differ:
+            raise ValueError(
+                f"paged_hf tensor parallelism: {what} was called with other arguments on rank(s) "
+                f"{differ} than on rank 0; every rank calls it alike (SPMD)"
+            )
+
+    # ---- one call over the ranks -----------------------------------------------------------
+    def run(self, what: str, digest: str, call: Callable[[], Any], runner: ModelRunner) -> Any:
+        """``call`` on the leader, the leader's forwards on the followers; its result everywhere."""
+        me = threading.get_ident()
+        if self._depth:
+            if self._owner != me:
+                raise NotImplementedError(
+                    f"paged_hf tensor parallelism: {what} from a second thread while a call runs: "
+                    "the ranks follow one call at a time"
+                )
+            return call()  # part of the call in progress
+        self.agree(what, digest)
+        self._depth, self._owner = 1, me
+        try:
+            return self._lead(call) if self.is_leader else self._follow(what, runner)
+        finally:
+            self._depth, self._owner = 0, None
+
+    def _lead(self, call: Callable[[], Any]) -> Any:
+        try:
+            result = call()
+        except BaseException as e:
+            self._send(_Failed(_picklable(e), f"{type(e).__name__}: {e}"))
+            raise
+        self._send(_Finished(result))
+        return result
+
+    def _follow(self, what: str, runner: ModelRunner) -> Any:
+        while True:
+            message = self._receive()
+            if isinstance(message, _Step):
+                runner.execute(
+                    [(row, len(row.tokens)) for row in message.rows], message.block_copies
+                )
+            elif isinstance(message, _Finished):
+                return message.result
+            else:
+                if message.error is not None:
+                    raise message.error
+                raise RuntimeError(f"{what} failed on rank 0: {message.message}")
+
+
+def _picklable(error: BaseException) -> BaseException | None:
+    import pickle
+
+    try:
+        pickle.loads(pickle.dumps(error))
+        return error
+    except Exception:  # noqa: BLE001 - sent as its message instead
+        return None
+
+
+def digest(*values: Any) -> str:
+    """A digest of a call's arguments that is equal on ranks called alike: tensors by their bytes,
+    containers by their items, callbacks by their type."""
+    h = hashlib.sha256()
+
+    def feed(v: Any) -> None:
+        if isinstance(v, torch.Tensor):
+            t = v.detach().cpu().contiguous()
+            h.update(f"T{t.dtype}{tuple(t.shape)}".encode())
+            h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        elif isinstance(v, (str, int, float, bool, bytes, type(None))):
+            h.update(f"{type(v).__name__}:{v!r};".encode())
+        elif isinstance(v, dict):
+            h.update(b"{")
+            for k in sorted(v, key=repr):
+                feed(k)
+                feed(v[k])
+            h.update(b"}")
+        elif isinstance(v, (list, tuple, set, frozenset)):
+            h.update(f"{type(v).__name__}[".encode())
+            for x in sorted(v, key=repr) if isinstance(v, (set, frozenset)) else v:
+                feed(x)
+            h.update(b"]")
+        elif is_dataclass(v) and not isinstance(v, type):
+            h.update(type(v).__qualname__.encode())
+            feed({f.name: getattr(v, f.name) for f in fields(v)})
+        else:  # a callback, a config object: its type (its state is the caller's to keep alike)
+            h.update(f"<{type(v).__module__}.{type(v).__qualname__}>".encode())
+
+    for v in values:
+        feed(v)
+    return h.hexdigest()
+
+
+def over_ranks(what: str) -> Callable:
+    """A front end's method run over the engine's ranks (``self`` is the engine) where it has any."""
+
+    def wrap(method: Callable) -> Callable:
+        @functools.wraps(method)
+        def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+            ranks = self.ranks
+            if ranks is None:
+                return method(self, *args, **kwargs)
+            return ranks.run(
+                what, digest(args, kwargs), lambda: method(self, *args, **kwargs), self.runner
+            )
+
+        return run
+
+    return wrap
+
+
+def make_ranks(group: Any, timeout_s: float) -> Ranks | None:
+    """The ranks of ``group`` (a model's tensor-parallel process group), with a gloo group of
+    their own for the leader's messages; None for a group of one. Every rank of the world calls
+    this together (creating a group is a collective of the whole world)."""
+    import torch.distributed as dist
+
+    if group is None or dist.get_world_size(group) == 1:
+        return None
+    mine = dist.get_process_group_ranks(group)
+    # every tensor-parallel group of the world, so each rank creates the same groups in order
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    wire = None
+    for members in sorted({tuple(m) for m in everyone}):
+        created = dist.new_group(
+            list(members), backend="gloo", timeout=timedelta(seconds=timeout_s)
+        )
+        if list(members) == mine:
+            wire = created
+    return Ranks(group, wire, timeout_s)
+
+
+def ranks_for(group: Any, config: Any, stateful: bool, device: torch.device) -> Ranks | None:
+    """The engine's ranks where its model is sharded over ``group``; what the leader cannot yet
+    send its followers is refused by name."""
+    if group is None:
+        return None
+    refused = [
+        why
+        for why, applies in (
+            (
+                f"a {device.type} device (tensor parallelism is checked on CPUs so far)",
+                device.type != "cpu",
+            ),
+            ("preemption_mode='swap'", config.preemption_mode == "swap"),
+            ("a model with recurrent or convolution state (a hybrid)", stateful),
+            ("compile_decode", bool(config.compile_decode)),
+        )
+        if applies
+    ]
+    if refused:
+        raise NotImplementedError(
+            "paged_hf: under tensor parallelism these are not supported yet: " + "; ".join(refused)
+        )
+    return make_ranks(group, config.tp_timeout_s)

@@ -1,0 +1,93 @@
+"""One rank of the one-schedule tests (tests/distributed/test_one_schedule.py): every rank loads
+the checkpoint with transformers' tensor parallelism, patches it and makes the same calls (SPMD);
+rank 0 schedules, the others run its forwards. Writes what each call returned or raised to
+``<out>/rank<RANK>.json``. Run as ``python spmd_worker.py JOB_JSON OUT_DIR`` with the variables
+torchrun sets."""
+
+import json
+import os
+import sys
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+COLLECTIVE_TIMEOUT_S = 30  # a collective one rank never reaches fails, instead of two hours
+
+
+def outcome(call) -> dict:
+    try:
+        return {"value": call()}
+    except Exception as e:  # noqa: BLE001 - what each rank raised is the test's to compare
+        return {"raised": f"{type(e).__name__}: {e}"}
+
+
+def run(job: dict, rank: int) -> dict:
+    from transformers import AutoModelForCausalLM, DistributedConfig
+
+    import paged_hf
+
+    model = AutoModelForCausalLM.from_pretrained(
+        job["path"], distributed_config=DistributedConfig(tp_plan="auto"), dtype=torch.float32
+    )
+    paged_hf.patch(model)
+    ids, mask = torch.tensor(job["input_ids"]), torch.tensor(job["attention_mask"])
+    new = job["max_new_tokens"]
+
+    def generate(new_tokens=new, **kw):
+        return model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, **kw)[
+            :, ids.shape[1] :
+        ].tolist()
+
+    engine = paged_hf.engine_for(model)
+    out = {"greedy": outcome(lambda: generate(do_sample=False))}
+    hits = engine.stats()["prefix_hit_tokens"]
+    out["again"] = outcome(lambda: generate(do_sample=False))
+    out["hits_again"] = engine.stats()["prefix_hit_tokens"] - hits
+    # sampling: rank 0 samples, every rank returns its tokens (each rank seeds its own generator)
+    torch.manual_seed(1000 + rank)
+    out["sampled"] = outcome(lambda: generate(do_sample=True, top_k=0, temperature=1.0))
+    prompts = [row[m.bool()].tolist() for row, m in zip(ids, mask)]
+    params = paged_hf.SamplingParams(max_new_tokens=new)
+    out["engine_generate"] = outcome(
+        lambda: [o.token_ids for o in engine.generate(prompts, params)]
+    )
+    pairs = [(p[:3], p[3:]) for p in prompts]
+    out["score"] = outcome(lambda: [round(s.logprob, 4) for s in engine.score(pairs)])
+    # arguments that differ between ranks: every rank raises, naming the rank
+    out["differ"] = outcome(lambda: generate(new + rank, do_sample=False))
+    # a bad request on every rank: the leader's error on every rank, and the engine goes on
+    bad = [[model.config.vocab_size + 5]]
+    out["bad"] = outcome(lambda: [o.error for o in engine.generate(bad, params)])
+    out["after_bad"] = outcome(lambda: generate(do_sample=False))
+    # recompute preemption: an engine with a pool too small for every row at once
+    small = paged_hf.Engine(model, num_blocks=job["small_pool"], max_num_seqs=len(prompts))
+    out["preempted"] = outcome(lambda: [o.token_ids for o in small.generate(prompts, params)])
+    out["preemptions"] = small.stats()["preemptions"]
+    out["steps"] = engine.stats()["steps"]
+    out["blocks_used"] = engine.stats()["blocks_used"] + small.stats()["blocks_used"]
+    return out
+
+
+def main() -> None:
+    job, out = json.loads(Path(sys.argv[1]).read_text()), Path(sys.argv[2])
+    rank = int(os.environ["RANK"])
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        rank=rank,
+        world_size=int(os.environ["WORLD_SIZE"]),
+        timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+    )
+    try:
+        result = run(job, rank)
+    except Exception:  # noqa: BLE001 - reported to the test, which fails with it
+        result = {"error": traceback.format_exc()}
+    (out / f"rank{rank}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

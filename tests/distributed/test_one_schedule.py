@@ -1,0 +1,67 @@
+"""Tensor parallelism's one schedule (issue 57): two CPU processes hold a tiny llama's heads
+(transformers' ``tp_plan="auto"``, gloo); every rank makes the same calls and rank 0 alone
+schedules and samples, the other running its forwards (paged_hf/engine/ranks.py). Every rank
+returns the unsharded model's tokens under transformers' own ``generate`` (fp32), the same samples,
+scores and errors; arguments that differ between ranks fail on every rank, naming the rank."""
+
+from pathlib import Path
+
+import pytest
+from spmd_launch import launch
+from tiny_models import left_pad, make_tiny_model, tiny_prompts
+
+NEW_TOKENS = 8
+WORKER = Path(__file__).with_name("spmd_worker.py")
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    """(oracle tokens, each rank's results): the oracle is transformers' greedy ``generate`` on
+    the unsharded checkpoint the ranks load."""
+    tmp = tmp_path_factory.mktemp("spmd")
+    model = make_tiny_model("llama")  # GQA: 4 query heads, 2 KV heads
+    model.save_pretrained(tmp / "llama")
+    ids, mask = left_pad(tiny_prompts(model.config.vocab_size, 3, (5, 19, 12)))
+    oracle = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False)
+    job = {
+        "path": str(tmp / "llama"),
+        "input_ids": ids.tolist(),
+        "attention_mask": mask.tolist(),
+        "max_new_tokens": NEW_TOKENS,
+        "small_pool": 4,  # 3 rows of up to 27 tokens in 4 blocks of 16: one is preempted
+    }
+    results = launch(WORKER, job, tmp)
+    for rank, r in enumerate(results):
+        assert "error" not in r, f"rank {rank}:\n{r['error']}"
+    return oracle[:, ids.shape[1] :].tolist(), results
+
+
+@pytest.mark.parametrize("call", ["greedy", "again", "engine_generate", "after_bad", "preempted"])
+def test_every_rank_returns_the_unsharded_tokens(ranks, call):
+    oracle, results = ranks
+    for rank, r in enumerate(results):
+        assert r[call] == {"value": oracle}, f"rank {rank}"
+
+
+def test_rank_zero_schedules_and_the_others_follow(ranks):
+    """The leader stepped, served the second call from its prefix cache and preempted in the small
+    pool; the follower ran no step of its own and holds no block."""
+    _, (leader, follower) = ranks
+    assert leader["steps"] > 0 and follower["steps"] == 0
+    assert leader["hits_again"] > 0
+    assert leader["preemptions"] > 0
+    assert leader["blocks_used"] == follower["blocks_used"] == 0
+
+
+@pytest.mark.parametrize("call", ["sampled", "score", "bad"])
+def test_samples_scores_and_errors_are_the_same_on_every_rank(ranks, call):
+    """Seeded differently, the ranks still return one sample (the leader's); scores and a bad
+    request's error are the leader's too."""
+    _, (leader, follower) = ranks
+    assert "value" in leader[call] and leader[call] == follower[call]
+
+
+def test_arguments_that_differ_fail_on_every_rank_naming_the_rank(ranks):
+    _, results = ranks
+    for r in results:
+        assert "rank(s) [1] than on rank 0" in r["differ"]["raised"]
