@@ -22,8 +22,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(worker: Path, job: object, tmp: Path, world: int = 2, timeout_s: float = 240) -> list:
-    """Run ``python worker JOB_JSON TMP`` on ``world`` ranks; each rank's ``rank<R>.json``."""
+def launch(
+    worker: Path,
+    job: object,
+    tmp: Path,
+    world: int = 2,
+    timeout_s: float = 240,
+    exits: dict[int, int] | None = None,
+) -> list:
+    """Run ``python worker JOB_JSON TMP`` on ``world`` ranks; each rank's ``rank<R>.json`` (None
+    for a rank ``exits`` expects to end with its exit code, killed on purpose)."""
+    exits = exits or {}
     (tmp / "job.json").write_text(json.dumps(job))
     port = free_port()
     procs = []
@@ -63,6 +72,9 @@ def launch(worker: Path, job: object, tmp: Path, world: int = 2, timeout_s: floa
             p.kill()
             p.wait()
         pytest.fail(f"the ranks ran past {timeout_s} s\n{output()}")
-    if any(p.returncode for p in procs):
+    if any(p.returncode != exits.get(r, 0) for r, p in enumerate(procs)):
         pytest.fail(f"a rank failed\n{output()}")
-    return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(world)]
+    return [
+        None if r in exits else json.loads((tmp / f"rank{r}.json").read_text())
+        for r in range(world)
+    ]

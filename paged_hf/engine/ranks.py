@@ -19,6 +19,7 @@ import functools
 import hashlib
 import logging
 import threading
+import time
 from dataclasses import dataclass, fields, is_dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Callable
@@ -67,6 +68,8 @@ class Ranks:
         self.members = dist.get_process_group_ranks(group)
         self.leader = self.members[0]
         self._depth = 0  # calls in progress on this thread's stack (an inner call is part of it)
+        self.broken: str | None = None  # why the model's process group was given up, if it was
+        self.steps_sent, self.send_s = 0, 0.0  # the leader's step messages and their time
         self._owner: int | None = None
 
     @property
@@ -87,23 +90,51 @@ class Ranks:
         try:
             dist.broadcast_object_list(box, src=self.leader, group=self.wire)
         except Exception as e:  # noqa: BLE001 - said with who is missing
+            why = (
+                f"the ranks stopped at a failed step ({self.broken}); restart every rank"
+                if self.broken is not None
+                else f"lost the leader or a follower (global ranks {self.members}) within "
+                f"{self.timeout_s:g} s: {e}"
+            )
             raise RankError(
-                f"paged_hf tensor parallelism: rank {self.rank} of {self.size} lost the leader or a "
-                f"follower (global ranks {self.members}) within {self.timeout_s:g} s: {e}"
+                f"paged_hf tensor parallelism: rank {self.rank} of {self.size}: {why}"
             ) from e
         return box[0]
 
-    def send_step(
-        self, scheduled: list[tuple[Request, int]], copies: list[tuple[int, int]]
-    ) -> None:
-        """The leader, before a forward: what every follower's runner needs to run it too."""
+    def lead_step(
+        self,
+        scheduled: list[tuple[Request, int]],
+        copies: list[tuple[int, int]],
+        forward: Callable[[], Any],
+    ) -> Any:
+        """The leader's forward: first what every follower's runner needs to run it too."""
         if not self._depth:  # no follower is listening
             raise NotImplementedError(
                 "paged_hf tensor parallelism: steps run inside a call made alike on every rank "
                 "(model.generate, Engine.generate / score / score_rolling / beam_search / warmup); "
                 "serve(), run_until_done and stepping by hand are not supported yet"
             )
+        t0 = time.perf_counter()
         self._send(_Step([ForwardRow.of(req, n) for req, n in scheduled], list(copies)))
+        self.steps_sent, self.send_s = self.steps_sent + 1, self.send_s + time.perf_counter() - t0
+        return self._forward(forward)
+
+    def _forward(self, forward: Callable[[], Any]) -> Any:
+        """A forward on this rank. One that raises leaves the others inside its collectives: the
+        model's group is destroyed so theirs fail at once instead of at its timeout (where it is
+        the whole world's, with every group), and the ranks stop taking calls: the group cannot be
+        mended in these processes."""
+        import torch.distributed as dist
+
+        try:
+            return forward()
+        except Exception as e:
+            self.broken = f"rank {self.rank}: a forward failed: {type(e).__name__}: {e}"
+            try:
+                dist.destroy_process_group(self.group)
+            except Exception:  # noqa: BLE001, S110 - already gone with the peer that failed
+                pass
+            raise
 
     def min(self, value: int) -> int:
         """The smallest ``value`` over the ranks (the KV pages every rank can hold)."""
@@ -143,6 +174,11 @@ class Ranks:
                     "the ranks follow one call at a time"
                 )
             return call()  # part of the call in progress
+        if self.broken is not None:
+            raise RankError(
+                f"paged_hf tensor parallelism: {what}: the ranks stopped at a failed step "
+                f"({self.broken}); restart every rank"
+            )
         self.agree(what, digest)
         self._depth, self._owner = 1, me
         try:
@@ -160,12 +196,19 @@ class Ranks:
         return result
 
     def _follow(self, what: str, runner: ModelRunner) -> Any:
+        """Run the leader's forwards until its call ends. A forward that fails here fails the
+        leader's too (its collectives end), which ends that step's requests there; this rank goes
+        on listening so that the call ends alike on every rank."""
         while True:
             message = self._receive()
-            if isinstance(message, _Step):
-                runner.execute(
-                    [(row, len(row.tokens)) for row in message.rows], message.block_copies
-                )
+            if isinstance(message, _Step) and self.broken is None:
+                rows = [(row, len(row.tokens)) for row in message.rows]
+                try:
+                    self._forward(lambda: runner.execute(rows, message.block_copies))
+                except Exception:  # noqa: BLE001 - said, and the leader's result says the rest
+                    logger.exception("paged_hf: %s", self.broken)
+            elif isinstance(message, _Step):
+                continue  # the group is gone: the leader's forward fails too
             elif isinstance(message, _Finished):
                 return message.result
             else:

@@ -163,9 +163,12 @@ class StepMixin:
         for load in out.tier_loads:  # the records admissions' tier lookups found, read into pages
             self.scheduler.tier_loaded(load, tier.load(load.match, load.pages))
         self._decode_states_in_front(out.scheduled)
-        if self.ranks is not None:  # tensor parallelism: the followers run this forward too
-            self.ranks.send_step(out.scheduled, out.block_copies)
-        logits, meta = self.runner.execute(out.scheduled, out.block_copies)
+        run, copies = self.runner.execute, out.block_copies
+        if self.ranks is None:
+            logits, meta = run(out.scheduled, copies)
+        else:  # tensor parallelism: the followers run this forward too (paged_hf/engine/ranks.py)
+            forward = lambda: run(out.scheduled, copies)  # noqa: E731
+            logits, meta = self.ranks.lead_step(out.scheduled, copies, forward)
         self.scheduler.mark_computed(out)
         if tier is not None:  # the prompt blocks this step completed, to the tiers (or watched)
             for req, _ in out.scheduled:

@@ -32,6 +32,7 @@ from .probe import (  # noqa: F401 - UnsupportedModelError is capability's API
     text_config,
 )
 from .state_probe import StateProbeError, probe_state_layout
+from .tensor_parallel import refuse_spread_layers
 
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 # modules that keep state across tokens outside the KV cache, matched on the words of their class
@@ -104,6 +105,7 @@ def check(model: torch.nn.Module) -> Capability:
 
 def _check(model: torch.nn.Module) -> Capability:
     model_name = f"{model.config.model_type} ({type(model).__name__})"
+    refuse_spread_layers(model, model_name)
     state = _state_layout(model, model_name)
     _check_config(model, model_name, state)
     first, shifted, unpositioned = run_probes(model, model_name)

@@ -265,3 +265,25 @@ def test_mask_patterns_are_read_past_the_probe():
     ) == (None, None)
     with pytest.raises(paged_hf.UnsupportedModelError, match="see later keys"):
         layer_geometry._classify(lambda b, h, q, kv: q >= 0, False, 64, "m", "l")
+
+
+def test_layers_spread_over_devices_or_offloaded_are_refused_by_name(tmp_path):
+    """accelerate's big-model loading: one layer offloaded to disk (its weights meta between
+    forwards). patch refuses naming the devices and pointing at tensor parallelism; the same
+    checkpoint on one device runs."""
+    from transformers import AutoModelForCausalLM
+
+    make_tiny_model("llama").save_pretrained(tmp_path / "llama")
+    where = {"model.embed_tokens": "cpu", "model.layers.0": "cpu", "model.layers.1": "disk"}
+    where |= {"model.norm": "cpu", "model.rotary_emb": "cpu", "lm_head": "cpu"}
+    spread = AutoModelForCausalLM.from_pretrained(
+        tmp_path / "llama", device_map=where, offload_folder=tmp_path / "offload"
+    )
+    with pytest.raises(paged_hf.UnsupportedModelError, match="device_map.*cpu, disk.*tp_plan"):
+        paged_hf.patch(spread)
+    assert not paged_hf.is_patched(spread)
+    whole = AutoModelForCausalLM.from_pretrained(tmp_path / "llama", device_map="cpu")
+    paged_hf.patch(whole)
+    ids = torch.tensor([[3, 5, 7, 9]])
+    expected = make_tiny_model("llama").generate(ids, max_new_tokens=4, do_sample=False)
+    assert whole.generate(ids, max_new_tokens=4, do_sample=False).tolist() == expected.tolist()
