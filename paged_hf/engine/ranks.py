@@ -136,6 +136,10 @@ class Ranks:
                 pass
             raise
 
+    def share(self, value: Any) -> Any:
+        """The leader's ``value`` on every rank (what only the leader can compute alike)."""
+        return self._broadcast(value if self.is_leader else None)
+
     def min(self, value: int) -> int:
         """The smallest ``value`` over the ranks (the KV pages every rank can hold)."""
         import torch.distributed as dist

@@ -18,6 +18,8 @@ from typing import Any, Iterator
 
 import torch
 
+from ..cache.coherence import local_shard
+
 logger = logging.getLogger("paged_hf")
 
 CHECKPOINT_VERSION = 2  # 2: the engine's max_model_len and EOS ids joined the fingerprint
@@ -258,6 +260,8 @@ def _model_fingerprint(model: Any) -> dict:
     with torch.no_grad():  # a sample of every weight: catches a different checkpoint under one name
         for name, p in model.named_parameters():
             h.update(name.encode())
+            # a tensor-parallel weight: this rank's shard (the leader's fingerprint is shared)
+            p = local_shard(p)
             h.update(p.detach().reshape(-1)[:16].float().cpu().numpy().tobytes())
     return {
         "name_or_path": str(getattr(model, "name_or_path", "") or ""),

@@ -7,17 +7,24 @@ Design notes: docs/internals.md, paged_hf/frontends/dataset_generation.py.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
-from pathlib import Path
 from typing import Any, Iterator
 
 import torch
 
-from ..cache.coherence import sharded_parameter
 from ..requests.sampling_params import SamplingParams
-from .checkpoint import Checkpoint, fingerprint
+from .checkpoint import Checkpoint
+from .dataset_placement import (
+    distributed,
+    make_checkpoint,
+    over_ranks,
+    result_dataset,
+    rows_of,
+    tensor_parallel,
+)
 from .dataset_rows import (
     Prompts,
     assemble,
@@ -70,24 +77,19 @@ def generate_dataset(
         chat,
         system,
     )
-    rank, world, state = _distributed(model)
-    shard_rows, shard = _shard(dataset, rank, world)
-
-    # the engine first: its effective max_model_len and EOS ids belong to the checkpoint's fingerprint
+    rank, world, state = distributed()
+    # the engine first: its effective max_model_len and EOS ids belong to the checkpoint's
+    # fingerprint; under tensor parallelism its ranks run the shard as one (their rank 0 leads)
     engine = _engine(model, tokenizer, engine_config)
+    ranks = tensor_parallel(engine, world)
+    shard_rows, shard = rows_of(dataset, 0, 1) if ranks else rows_of(dataset, rank, world)
     prompts = Prompts(messages_column, chat, system, json_schema_column)
-    checkpoint = None
-    if checkpoint_dir is not None:
-        columns = {"prompt": prompt_column, "output": output_column, "params": params_column}
-        columns.update(prompts.settings())
-        checkpoint = Checkpoint(
-            Path(checkpoint_dir),
-            fingerprint(model, tokenizer, engine, dataset, base, columns),
-            rank,
-            state,
-            len(dataset),
-        )
-    records = _run_shard(
+    columns = {"prompt": prompt_column, "output": output_column, "params": params_column}
+    columns.update(prompts.settings())
+    what = (model, tokenizer, engine, dataset, base, columns)
+    checkpoint = make_checkpoint(checkpoint_dir, what, rank, state, ranks)
+    run = functools.partial(
+        _run_shard,
         engine,
         tokenizer,
         shard,
@@ -98,11 +100,13 @@ def generate_dataset(
         params_column,
         checkpoint,
         progress and rank == 0,
-        desc="paged_hf" if world == 1 else f"paged_hf [rank 0 of {world}]",
+        desc="paged_hf" if world == 1 or ranks else f"paged_hf [rank 0 of {world}]",
     )
+    records = over_ranks(ranks, engine, run, dataset, base, columns)
     _warn_if_mostly_empty(records, chat)
-
-    return _result_dataset(dataset, shard, records, rank, world, output_column)
+    if ranks is not None:  # every rank has the whole result: nothing to gather
+        return assemble(dataset, records, output_column)
+    return result_dataset(dataset, shard, records, rank, world, output_column)
 
 
 def _checked_arguments(
@@ -159,40 +163,6 @@ def _checked_arguments(
         base = base.with_(json_schema=json_schema)
 
     return base, chat
-
-
-def _shard(dataset: Any, rank: int, world: int) -> tuple[list[int], Any]:
-    """This process's rows: their global indices, and the shard."""
-    if world == 1:
-        return list(range(len(dataset))), dataset
-    import datasets
-    from datasets.distributed import split_dataset_by_node
-
-    # the same split applied to a column of row numbers gives each shard row's global index
-    numbers = datasets.Dataset.from_dict({"i": list(range(len(dataset)))})
-    shard_rows = list(split_dataset_by_node(numbers, rank=rank, world_size=world)["i"])
-    shard = split_dataset_by_node(dataset, rank=rank, world_size=world)
-    assert len(shard) == len(shard_rows)
-    return shard_rows, shard
-
-
-def _result_dataset(
-    dataset: Any, shard: Any, records: list[dict], rank: int, world: int, output_column: str
-) -> Any:
-    """Rank 0 (or the only process): the whole dataset with every rank's results, in row order;
-    another rank: its own shard with its results."""
-    if world > 1:
-        import torch.distributed as dist
-
-        gathered: list[Any] | None = [None] * world if rank == 0 else None
-        dist.gather_object(records, gathered, dst=0)
-        if rank != 0:
-            return assemble(shard, records, output_column)
-        records = [rec for part in gathered for rec in part]
-        assert [r["row_index"] for r in records] == list(range(len(dataset))), (
-            "shards lost or reordered rows"
-        )
-    return assemble(dataset, records, output_column)
 
 
 # ---- the loop ------------------------------------------------------------------------------------
@@ -364,27 +334,6 @@ def _engine(model: Any, tokenizer: Any, engine_config: dict) -> Any:
             )
         return engine
     return Engine(model, tokenizer, **engine_config)
-
-
-def _distributed(model: torch.nn.Module) -> tuple[int, int, Any]:
-    """(rank, world size, accelerate PartialState) of this process, whose rows are a data-parallel
-    shard; refused for a tensor-parallel model, every forward of which is a collective of them all.
-
-    Without CUDA, PartialState must be told ``cpu=True`` to see a multi-process CPU launch
-    (torchrun, or ``accelerate launch --multi_gpu`` on a CPU machine); it then uses gloo.
-    """
-    sharded = sharded_parameter(model)
-    if sharded is not None:
-        raise ValueError(
-            f"generate_dataset: tensor-parallel models are not supported yet ({sharded} is a DTensor)"
-        )
-    from accelerate import PartialState
-    from accelerate.utils import parse_flag_from_env
-
-    state = PartialState(
-        cpu=not torch.cuda.is_available() or parse_flag_from_env("ACCELERATE_USE_CPU")
-    )
-    return state.process_index, state.num_processes, state
 
 
 # ---- progress ------------------------------------------------------------------------------------

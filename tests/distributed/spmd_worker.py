@@ -14,6 +14,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the tiny tokenizer
+
 COLLECTIVE_TIMEOUT_S = 30  # a collective one rank never reaches fails, instead of two hours
 
 
@@ -66,9 +68,34 @@ def run(job: dict, rank: int) -> dict:
     small = paged_hf.Engine(model, num_blocks=job["small_pool"], max_num_seqs=len(prompts))
     out["preempted"] = outcome(lambda: [o.token_ids for o in small.generate(prompts, params)])
     out["preemptions"] = small.stats()["preemptions"]
+    out |= dataset_runs(model, job)
     out["steps"] = engine.stats()["steps"]
     out["blocks_used"] = engine.stats()["blocks_used"] + small.stats()["blocks_used"]
     return out
+
+
+def dataset_runs(model, job: dict) -> dict:
+    """generate_dataset on every rank, then again from its checkpoint (every row restored)."""
+    from datasets import Dataset
+    from tiny_tokenizer import make_tiny_tokenizer
+
+    import paged_hf
+
+    rows = Dataset.from_dict({"prompt": job["texts"]})
+    params = paged_hf.SamplingParams(max_new_tokens=job["max_new_tokens"])
+
+    def run():
+        out = paged_hf.generate_dataset(
+            model,
+            make_tiny_tokenizer(),
+            rows,
+            sampling_params=params,
+            checkpoint_dir=job["checkpoint_dir"],
+            progress=False,
+        )
+        return [list(out["generation"]), [int(n) for n in out["generation_num_tokens"]]]
+
+    return {"dataset": outcome(run), "dataset_resumed": outcome(run)}
 
 
 def main() -> None:

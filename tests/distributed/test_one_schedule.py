@@ -8,10 +8,15 @@ fail on every rank, naming the rank."""
 from pathlib import Path
 
 import pytest
+from datasets import Dataset
 from spmd_launch import launch
 from tiny_models import EOS_ID, left_pad, make_arch_model, make_tiny_model, tiny_prompts
+from tiny_tokenizer import make_tiny_tokenizer
+
+import paged_hf
 
 NEW_TOKENS = 8
+TEXTS = ["the cat sat", "a long row of words to read", "x", "so it goes", "one two three four"]
 WORKER = Path(__file__).with_name("spmd_worker.py")
 
 
@@ -31,10 +36,19 @@ def ranks(request, tmp_path_factory):
         "attention_mask": mask.tolist(),
         "max_new_tokens": NEW_TOKENS,
         "small_pool": 4,  # 3 rows of up to 27 tokens in 4 blocks of 16: llama preempts one
+        "texts": TEXTS,
+        "checkpoint_dir": str(tmp / "checkpoint"),
     }
+    # generate_dataset in one process on the unsharded model: what every rank's run must give
+    params = paged_hf.SamplingParams(max_new_tokens=NEW_TOKENS)
+    rows = Dataset.from_dict({"prompt": TEXTS})
+    alone = paged_hf.generate_dataset(
+        paged_hf.patch(model), make_tiny_tokenizer(), rows, sampling_params=params, progress=False
+    )
     results = launch(WORKER, job, tmp)
     for rank, r in enumerate(results):
         assert "error" not in r, f"rank {rank}:\n{r['error']}"
+        r["alone"] = [list(alone["generation"]), [int(n) for n in alone["generation_num_tokens"]]]
     return oracle[:, ids.shape[1] :].tolist(), results
 
 
@@ -81,3 +95,13 @@ def test_arguments_that_differ_fail_on_every_rank_naming_the_rank(ranks):
     _, results = ranks
     for r in results:
         assert "rank(s) [1] than on rank 0" in r["differ"]["raised"]
+
+
+def test_generate_dataset_on_every_rank_is_the_one_process_result(ranks):
+    """Every rank calls generate_dataset alike: each returns the whole dataset as one process
+    running the unsharded model gives it, in order; run again, every row comes back from the
+    checkpoint the leader wrote."""
+    _, results = ranks
+    for rank, r in enumerate(results):
+        assert r["dataset"] == {"value": r["alone"]}, f"rank {rank}"
+        assert r["dataset_resumed"] == r["dataset"], f"rank {rank}"

@@ -95,10 +95,9 @@ def test_weights_watch_reads_the_shards(runs, family):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_what_reads_whole_weights_stands_aside(runs, family):
     """The tiers' weights fingerprint refuses a DTensor, so the tiers are off (with a warning);
-    batch_invariant=True and generate_dataset (data-parallel shards of rows) refuse by name."""
+    batch_invariant=True refuses by name."""
     _, ranks = _ranks(runs, family)
     for r in ranks:
         assert "is sharded across ranks" in r["fingerprint_refused"]
         assert not r["tiers"]
         assert "tensor-parallel" in r["batch_invariance_refused"]
-        assert "tensor-parallel models are not supported" in r["dataset_refused"]

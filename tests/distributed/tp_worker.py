@@ -80,17 +80,7 @@ def stand_aside(model) -> dict:
     except ValueError as e:
         fingerprint = str(e)
     tiers = paged_hf.Engine(model, kv_host_cache_bytes=1 << 20).scheduler.kv_tiers
-    try:
-        from datasets import Dataset
-        from tiny_tokenizer import make_tiny_tokenizer
-
-        rows = Dataset.from_dict({"prompt": ["a b c"]})
-        paged_hf.generate_dataset(model, make_tiny_tokenizer(), rows, progress=False)
-        dataset = None
-    except ValueError as e:
-        dataset = str(e)
     return {
-        "dataset_refused": dataset,
         "fingerprint_refused": fingerprint,
         "tiers": tiers is not None,
         "batch_invariance_refused": refusal(
