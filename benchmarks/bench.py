@@ -233,32 +233,19 @@ def make_row(
     computed = res.computed_tokens  # a subset's, scaled as the work a cacheless system does
     computed *= work["naive_tokens"] / ran_work["naive_tokens"] if ran is not w else 1
     name = system if batch is None else f"{system}_B{batch}"
-    row = {
-        "workload": w.name,
-        "system": name,
-        "dtype": dtype_name,
-        "subset": res.subset,
-        "extrapolated": res.subset is not None,
-        "wall_s": wall,
-        "wall_measured_s": wall_ran,
-        "output_tok_s": work["output_tokens"] / wall,
-        "total_tok_s": (prompt_tokens + work["output_tokens"]) / wall,
-        # a subset's computed tokens scale with the work a cacheless system would do (naive tokens)
-        "computed_tokens": computed,
-        "needed_tokens": work["needed_tokens"],
-        "computed_over_needed": computed / work["needed_tokens"],
-        **lat,
-        "forward_calls": len(res.forward_sizes),
-        "tokens_per_forward_p50": common.pct(res.forward_sizes, 50),
-        "peak_rss_mib": rss,
-        "kv_waste": res.extra.get("kv_waste"),
-        "prefix_hit_rate": res.extra.get("prefix_hit_rate"),
-        "needed_flops": work["flops"],
-        "utilisation": work["flops"] / wall / (gflops * 1e9),
-        "floor_s": work["flops"] / (gflops * 1e9),
-        "ceiling_gflops": gflops,
-        "extra": {k: v for k, v in res.extra.items() if k not in ("kv_waste", "prefix_hit_rate")},
-    }
+    n_out, needed, flops = work["output_tokens"], work["needed_tokens"], work["flops"]
+    row = {"workload": w.name, "system": name, "dtype": dtype_name, "subset": res.subset}
+    row |= {"extrapolated": res.subset is not None, "wall_s": wall, "wall_measured_s": wall_ran}
+    row |= {"output_tok_s": n_out / wall, "total_tok_s": (prompt_tokens + n_out) / wall}
+    row |= {"computed_tokens": computed, "needed_tokens": needed}
+    row |= {"computed_over_needed": computed / needed, **lat}
+    row |= {"forward_calls": len(res.forward_sizes)}
+    row |= {"tokens_per_forward_p50": common.pct(res.forward_sizes, 50), "peak_rss_mib": rss}
+    shown = ("kv_waste", "prefix_hit_rate")  # columns of their own; the rest under "extra"
+    row |= {k: res.extra.get(k) for k in shown}
+    row |= {"needed_flops": flops, "utilisation": flops / wall / (gflops * 1e9)}
+    row |= {"floor_s": flops / (gflops * 1e9), "ceiling_gflops": gflops}
+    row["extra"] = {k: v for k, v in res.extra.items() if k not in shown}
     if save_tokens:
         row["tokens"] = res.tokens
     return row
@@ -428,23 +415,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         return items
 
     quick, smoke = args.quick, args.smoke
-    args.workloads = pick(
-        args.workloads,
-        "mixed" if quick else "mixed,prefix,long" if smoke else "mixed,prefix,prefix_long,long",
-        WORKLOADS,
-    )
-    args.systems = pick(
-        args.systems, "hf_static,hf_cb,paged_hf" if quick else DEFAULT_SYSTEMS, SYSTEMS
-    )
+    every = "mixed,prefix,long" if smoke else "mixed,prefix,prefix_long,long"
+    args.workloads = pick(args.workloads, "mixed" if quick else every, WORKLOADS)
+    default = "hf_static,hf_cb,paged_hf" if quick else DEFAULT_SYSTEMS
+    args.systems = pick(args.systems, default, SYSTEMS)
     if "vllm_cpu" in args.systems and smoke:
         p.error("vllm_cpu runs the real model only (not --smoke)")
     if "vllm_cpu" in args.systems and not VLLM_PYTHON.exists():
         p.error(f"vllm_cpu needs {VLLM_PYTHON}: build it with `bash benchmarks/peers/vllm_cpu.sh`")
     args.dtypes = pick(args.dtypes, "bf16" if quick else ("fp32" if smoke else "fp32,bf16"), DTYPES)
-    args.batch_sizes = [
-        int(b)
-        for b in (args.batch_sizes or ("8" if quick else "2,4" if smoke else "8,32")).split(",")
-    ]
+    default = "8" if quick else "2,4" if smoke else "8,32"
+    args.batch_sizes = [int(b) for b in (args.batch_sizes or default).split(",")]
     args.n = args.n or (16 if quick else 4 if smoke else 64)
     if args.seq_subset is None:
         args.seq_subset = 0 if smoke else 8
@@ -502,12 +483,8 @@ def benchmark(args) -> dict:
     t_run = time.perf_counter()
     with omp_env.OtherProcesses() as look:  # not the load average: this VM idles at ~1
         time.sleep(0.5)
-    others = look.cores
-    if (
-        others is not None
-        and args.threads > 1
-        and others > (os.cpu_count() or 1) - args.threads + 0.3
-    ):
+    others, spare = look.cores, (os.cpu_count() or 1) - args.threads + 0.3
+    if others is not None and args.threads > 1 and others > spare:
         common.log(
             f"WARNING: other processes kept {others:.1f} of {os.cpu_count()} cores busy before the run: they compete "
             f"for the cores. Multi-threaded GEMMs stall badly when oversubscribed (on this machine one forward "
@@ -538,11 +515,8 @@ def benchmark(args) -> dict:
             result["workloads"].setdefault(
                 w.name, {**w.summary(), **bench_flops.needed_work(w, geo)}
             )
-            plan = [
-                (s, b)
-                for s in args.systems
-                for b in (args.batch_sizes if s == "hf_static" else [None])
-            ]
+            batches = {"hf_static": args.batch_sizes}  # the other systems: one row each
+            plan = [(s, b) for s in args.systems for b in batches.get(s, [None])]
             runs: dict[int, list[tuple[dict, list]]] = {k: [] for k in range(len(plan))}
             # rounds interleave the systems, so load drifts hit all alike
             for rep in range(args.repeat):

@@ -72,16 +72,16 @@ def step_metadata(
 
 def cases(seed: int) -> dict[str, list[tuple[int, int]]]:
     g = torch.Generator().manual_seed(seed)
+
+    def decodes(lo: int, hi: int, at: int = 0) -> list[tuple[int, int]]:  # at + U[lo, hi] each
+        return [(1, at + int(n)) for n in torch.randint(lo, hi + 1, (64,), generator=g)]
+
     return {
         "decode 64 x 700": [(1, 700)] * 64,
         "decode 32 x 220": [(1, 220)] * 32,
-        "decode 64 x U[40,420]": [(1, int(n)) for n in torch.randint(40, 421, (64,), generator=g)],
-        "decode 64 x (512 + U[20,300])": [
-            (1, 512 + int(n)) for n in torch.randint(20, 301, (64,), generator=g)
-        ],
-        "decode 64 x (512 shared + U[20,300])": [
-            (1, 512 + int(n)) for n in torch.randint(20, 301, (64,), generator=g)
-        ],
+        "decode 64 x U[40,420]": decodes(40, 420),
+        "decode 64 x (512 + U[20,300])": decodes(20, 300, at=512),
+        "decode 64 x (512 shared + U[20,300])": decodes(20, 300, at=512),
         "32 decodes x 300 + a 256-token prompt": [(1, 300)] * 32 + [(256, 256)],
         "a 512-token chunk over 1,500 cached": [(512, 2012)],
         "a 128-token chunk over 384 cached": [(128, 512)],
@@ -153,15 +153,10 @@ def main(argv: list[str] | None = None) -> int:
 
                 row[route] = common.seconds(run, args.reps)
             elif route == "op":
-                step, out, qt = (
-                    op_args(meta),
-                    torch.empty(t, hq, d, dtype=dtype),
-                    q[0].transpose(0, 1),
-                )
-                op = torch.ops.paged_hf.paged_attention
-                row[route] = common.seconds(
-                    lambda: op(qt, cache[0], cache[1], *step, d**-0.5, 0, 0.0, out), args.reps
-                )
+                step, op = op_args(meta), torch.ops.paged_hf.paged_attention
+                out, qt = torch.empty(t, hq, d, dtype=dtype), q[0].transpose(0, 1)
+                call = lambda: op(qt, cache[0], cache[1], *step, d**-0.5, 0, 0.0, out)  # noqa: E731
+                row[route] = common.seconds(call, args.reps)
             elif route == "cold" and sum(-(-kv // bs) for _, kv in specs) <= args.pool_blocks:
                 g4 = torch.Generator().manual_seed(4)
                 pool_perm = torch.randperm(args.pool_blocks, generator=g4).tolist()
@@ -186,9 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     head = ["case"] + [f"{r} ms" for r in routes] + ["torch / kernel"]
     lines = [head]
     for row in rows:
-        ratio = (
-            f"{row['torch'] / row['kernel']:.2f}x" if "torch" in row and "kernel" in row else "-"
-        )
+        both = "torch" in row and "kernel" in row
+        ratio = f"{row['torch'] / row['kernel']:.2f}x" if both else "-"
         ms = [f"{row[r] * 1e3:.2f}" if r in row else "-" for r in routes]
         lines.append([row["case"], *ms, ratio])
     print(
@@ -251,12 +245,11 @@ def flex_decode(specs, bs, hq, hkv, d, dtype):
         lambda b, h, qi, kv: kv < lens[b], n, None, 1, longest, device="cpu", BLOCK_SIZE=(128, page)
     )
     block_mask, score_mod = paged.convert_logical_block_mask(mask), paged.get_score_mod(None)
+    kw = dict(block_mask=block_mask, score_mod=score_mod, enable_gqa=True)
     fn = torch.compile(flex_attention)
     t0 = time.perf_counter()
-    fn(q, kc, vc, block_mask=block_mask, score_mod=score_mod, enable_gqa=True)
-    return (
-        lambda: fn(q, kc, vc, block_mask=block_mask, score_mod=score_mod, enable_gqa=True)
-    ), time.perf_counter() - t0
+    fn(q, kc, vc, **kw)
+    return (lambda: fn(q, kc, vc, **kw)), time.perf_counter() - t0
 
 
 if __name__ == "__main__":

@@ -31,12 +31,8 @@ class _Params(torch.nn.Module):
 
 def llama7b_like(total: float, dtype: torch.dtype) -> torch.nn.Module:
     hidden, inter, vocab, layers = 4096, 11008, 32000, 32
-    shapes = [(vocab, hidden)]
-    for _ in range(layers):
-        shapes += (
-            [(hidden, hidden)] * 4 + [(inter, hidden)] * 2 + [(hidden, inter)] + [(hidden,)] * 2
-        )
-    shapes += [(hidden,), (vocab, hidden)]
+    layer = [(hidden, hidden)] * 4 + [(inter, hidden)] * 2 + [(hidden, inter)] + [(hidden,)] * 2
+    shapes = [(vocab, hidden)] + layer * layers + [(hidden,), (vocab, hidden)]
     full = sum(torch.Size(s).numel() for s in shapes)
     scale = (total / full) ** 0.5  # shrink both sides of every matrix alike
     return _Params([tuple(max(1, int(d * scale)) for d in s) for s in shapes], dtype)
@@ -51,13 +47,10 @@ def measure(name: str, model: torch.nn.Module, repeat: int) -> dict:
     watch = WeightsWatch(model)
     tensors = sum(1 for _ in model.parameters()) + sum(1 for _ in model.buffers())
     params = sum(p.numel() for p in model.parameters())
-    return {
-        "model": name,
-        "tensors": tensors,
-        "params": params,
-        "per step: versions + adapter state (us)": timed(
-            lambda: (watch.changed(), watch.adapter_state()), repeat
-        ),
+    row = {"model": name, "tensors": tensors, "params": params}
+    step = lambda: (watch.changed(), watch.adapter_state())  # noqa: E731
+    return row | {
+        "per step: versions + adapter state (us)": timed(step, repeat),
         "rescan: find tensors and sample views (us)": timed(watch._rescan, repeat),
         "rescan: content sample (us)": timed(watch._sample, repeat),
         "whole rescan check (us)": timed(lambda: watch.changed(rescan=True), repeat),

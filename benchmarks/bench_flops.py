@@ -50,15 +50,9 @@ class Geometry:
     def layer_shapes(self) -> dict[str, tuple[int, int]]:
         """(in, out) of each linear in one decoder block (llama-style)."""
         q, kv = self.q_heads * self.head_dim, self.kv_heads * self.head_dim
-        return {
-            "q": (self.hidden, q),
-            "k": (self.hidden, kv),
-            "v": (self.hidden, kv),
-            "o": (q, self.hidden),
-            "gate": (self.hidden, self.intermediate),
-            "up": (self.hidden, self.intermediate),
-            "down": (self.intermediate, self.hidden),
-        }
+        h, i = self.hidden, self.intermediate
+        attention = {"q": (h, q), "k": (h, kv), "v": (h, kv), "o": (q, h)}
+        return attention | {"gate": (h, i), "up": (h, i), "down": (i, h)}
 
     @property
     def layer_params(self) -> int:

@@ -177,17 +177,12 @@ def summarize(records, wall: float, tpot_target: float, preemptions, recomputed)
         tpot = [p for _, p, _, _ in outs if p is not None]
         within = lambda t, p: t is not None and t <= TTFT_TARGET_S and (p or 0) <= tpot_target  # noqa: E731
         good = sum(not bad and (kind == "batch" or within(t, p)) for t, p, _, bad in outs)
-        row[kind] = {
-            "requests": len(outs),
-            "goodput_rps": good / wall,
-            "attainment": good / len(outs) if outs else None,
-            "ttft_p50": common.pct(ttft, 50),
-            "ttft_p99": common.pct(ttft, 99),
-            "tpot_p50_ms": None if not tpot else 1000 * common.pct(tpot, 50),
-            "tpot_p99_ms": None if not tpot else 1000 * common.pct(tpot, 99),
-            "output_tok_s": sum(n for _, _, n, _ in outs) / wall,
-            "errors": sum(bad for *_, bad in outs),
-        }
+        stats = {"requests": len(outs), "goodput_rps": good / wall}
+        stats["attainment"] = good / len(outs) if outs else None
+        stats |= {f"ttft_p{q}": common.pct(ttft, q) for q in (50, 99)}
+        stats |= {f"tpot_p{q}_ms": 1000 * common.pct(tpot, q) if tpot else None for q in (50, 99)}
+        stats["output_tok_s"] = sum(n for _, _, n, _ in outs) / wall
+        row[kind] = stats | {"errors": sum(bad for *_, bad in outs)}
     return row
 
 

@@ -70,17 +70,12 @@ def run(system: str, args, tmp: str) -> dict:
     start = time.perf_counter()
     trainer.train()
     total = time.perf_counter() - start
-    out = {
-        "system": system,
-        "optimizer": str(getattr(config.optim, "value", config.optim)),
-        "generation_s": times,
-        "total_s": total,
-    }
+    out = {"system": system, "optimizer": str(getattr(config.optim, "value", config.optim))}
+    out |= {"generation_s": times, "total_s": total}
     # each prompt's completions were one n-sample request, forked from its KV
     if system == "paged_hf":
-        out["engine_steps"] = paged_hf.engine_for(
-            trainer.accelerator.unwrap_model(trainer.model)
-        ).stats()["steps"]
+        engine = paged_hf.engine_for(trainer.accelerator.unwrap_model(trainer.model))
+        out["engine_steps"] = engine.stats()["steps"]
     return out
 
 

@@ -90,6 +90,7 @@ def main() -> int:
     for engine in engines.values():
         S.run_paged(engine, warm, tag="warm")
     batches = [int(b) for b in args.batch_sizes.split(",")]
+    tok_s = lambda res: sum(map(len, res.tokens)) / (res.t_end - res.t_start)  # noqa: E731
     rows = []
     for w in workloads:
         rates: dict[str, list[float]] = {}
@@ -98,16 +99,12 @@ def main() -> int:
             for b in batches:
                 S.run_hf_static(base, warm, b, 0)
                 res = S.run_hf_static(base, w, b, 0)
-                rates.setdefault(f"static B={b}", []).append(
-                    sum(map(len, res.tokens)) / (res.t_end - res.t_start)
-                )
+                rates.setdefault(f"static B={b}", []).append(tok_s(res))
             for name, engine in engines.items():
                 engine.reset_prefix_cache()
                 before = engine.stats()
                 res = S.run_paged(engine, w, tag=f"{w.name}-{r}-")
-                rates.setdefault(name, []).append(
-                    sum(map(len, res.tokens)) / (res.t_end - res.t_start)
-                )
+                rates.setdefault(name, []).append(tok_s(res))
                 if name == "paged_hf":
                     hits.append(engine.stats()["prefix_hit_tokens"] - before["prefix_hit_tokens"])
         med = common.medians(rates)

@@ -78,11 +78,9 @@ def document_worker(args) -> dict:
     document = _document(tok, args.doc_tokens)
     ttfts, answers = [], []
     for i in range(args.questions):
-        question = {
-            "role": "user",
-            "content": f"{document}\n\nQuestion {i + 1}: {QUESTIONS[i % 8]}",
-        }
-        prompt = tok.apply_chat_template([question], tokenize=False, add_generation_prompt=True)
+        content = f"{document}\n\nQuestion {i + 1}: {QUESTIONS[i % 8]}"
+        chat = [{"role": "user", "content": content}]
+        prompt = tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
         out = engine.generate([prompt], SamplingParams(max_new_tokens=8))[0]
         ttfts.append(out.ttft)
         answers.append(out.token_ids)

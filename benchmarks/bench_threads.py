@@ -22,20 +22,12 @@ omp_env.setup()  # before torch: OpenMP reads its wait policy when libgomp loads
 
 import paged_hf  # noqa: E402
 
-QUESTIONS = [
-    "What is the capital of France?",
-    "Give me three tips for a good night's sleep.",
-    "Explain what a hash table is in two sentences.",
-    "Write a haiku about autumn leaves.",
-    "Why is the sky blue?",
-    "Name a few uses of Python in science.",
-    "How do I boil an egg?",
-    "What does a CPU cache do?",
-    "Suggest a name for a small bakery.",
-    "Summarize the plot of Romeo and Juliet.",
-    "What is 17 times 23?",
-    "How do vaccines work?",
-]
+QUESTIONS = """What is the capital of France?|Give me three tips for a good night's sleep.|Explain
+what a hash table is in two sentences.|Write a haiku about autumn leaves.|Why is the sky blue?|Name
+a few uses of Python in science.|How do I boil an egg?|What does a CPU cache do?|Suggest a name
+for a small bakery.|Summarize the plot of Romeo and Juliet.|What is 17 times 23?|How do vaccines
+work?"""
+QUESTIONS = QUESTIONS.replace("\n", " ").split("|")
 
 
 def main() -> None:
@@ -50,14 +42,10 @@ def main() -> None:
     args = common.parse(ap)
     model, tok = common.default_model(args.dtype)
     tok.padding_side = "left"
+    template = dict(add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    questions = (QUESTIONS * 4)[: args.threads_calls]
     prompts = [
-        tok.apply_chat_template(
-            [{"role": "user", "content": q}],
-            add_generation_prompt=True,
-            return_tensors="pt",
-            return_dict=True,
-        )
-        for q in (QUESTIONS * 4)[: args.threads_calls]
+        tok.apply_chat_template([{"role": "user", "content": q}], **template) for q in questions
     ]
     # batch_invariant: a row's tokens do not depend on what shares its steps (bf16 otherwise
     # forks now and then at near-ties), so both ways must give the same tokens
@@ -65,12 +53,8 @@ def main() -> None:
     model = paged_hf.patch(model, tok, **options)
 
     def one(inputs):
-        out = model.generate(
-            **inputs,
-            max_new_tokens=args.new_tokens,
-            do_sample=False,
-            min_new_tokens=args.new_tokens,
-        )
+        n = args.new_tokens
+        out = model.generate(**inputs, max_new_tokens=n, do_sample=False, min_new_tokens=n)
         return out[0, inputs["input_ids"].shape[1] :].tolist()
 
     one(prompts[0])  # warm-up: kernels, packed weights

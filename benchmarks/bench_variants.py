@@ -36,13 +36,12 @@ import torch  # noqa: E402
 import paged_hf  # noqa: E402
 import paged_hf.execution.backends.torch_backend as torch_backend  # noqa: E402
 
+GROUPS = torch_backend.GROUP_PADDING_TOKENS  # the default padding between decode groups
+NO_CAP = {"max_prefill_tokens_while_decoding": None}
 VARIANTS = {
     "one decode group": dict(group_padding=1 << 60, config={}),
-    "decode groups": dict(group_padding=torch_backend.GROUP_PADDING_TOKENS, config={}),
-    "decode groups, no prefill cap": dict(
-        group_padding=torch_backend.GROUP_PADDING_TOKENS,
-        config={"max_prefill_tokens_while_decoding": None},
-    ),
+    "decode groups": dict(group_padding=GROUPS, config={}),
+    "decode groups, no prefill cap": dict(group_padding=GROUPS, config=NO_CAP),
 }
 DEFAULT_VARIANTS = tuple(VARIANTS)
 # more, by name (--variants): the default engine but for one option
@@ -52,10 +51,9 @@ MORE = {
 }
 MORE |= {f"prefill cap {n}": {"max_prefill_tokens_while_decoding": n} for n in (64, 128, 256)}
 MORE |= {f"budget {n}": {"max_num_batched_tokens": n} for n in (256, 1024, 2048)}
-NO_CAP = {"max_prefill_tokens_while_decoding": None}
 MORE |= {f"budget {n} no cap": {"max_num_batched_tokens": n, **NO_CAP} for n in (2048, 4096, 1024)}
 for _name, _cfg in MORE.items():
-    VARIANTS[_name] = dict(group_padding=torch_backend.GROUP_PADDING_TOKENS, config=_cfg)
+    VARIANTS[_name] = dict(group_padding=GROUPS, config=_cfg)
 
 
 def run_once(model, workload: W.Workload, warm: W.Workload, variant: dict) -> dict:
@@ -65,14 +63,10 @@ def run_once(model, workload: W.Workload, warm: W.Workload, variant: dict) -> di
         S.run_paged(engine, warm, tag="warm")
         res = S.run_paged(engine, workload)
     finally:
-        torch_backend.GROUP_PADDING_TOKENS = VARIANTS["decode groups"]["group_padding"]
-    out = sum(len(t) for t in res.tokens)
+        torch_backend.GROUP_PADDING_TOKENS = GROUPS
+    tok_s = sum(len(t) for t in res.tokens) / (res.t_end - res.t_start)
     lat = bench.latency_metrics(res, workload.focus_ids)
-    return {
-        "out_tok_s": out / (res.t_end - res.t_start),
-        "itl_p50": lat["itl_p50"],
-        "itl_p99": lat["itl_p99"],
-    }
+    return {"out_tok_s": tok_s, "itl_p50": lat["itl_p50"], "itl_p99": lat["itl_p99"]}
 
 
 def main(argv: list[str] | None = None) -> int:

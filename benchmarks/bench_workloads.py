@@ -38,9 +38,8 @@ class Workload:
     @property
     def arrival_order(self) -> list[int]:
         """Request indices, the early ones first (a system that queues takes them in this order)."""
-        return [i for i, r in enumerate(self.requests) if not r.late] + [
-            i for i, r in enumerate(self.requests) if r.late
-        ]
+        early = [i for i, r in enumerate(self.requests) if not r.late]
+        return early + [i for i, r in enumerate(self.requests) if r.late]
 
     def late_ready(self, progress: list[int]) -> bool:
         """Whether the late requests arrive now, given each request's tokens out so far."""
@@ -53,25 +52,18 @@ class Workload:
     def summary(self) -> dict:
         prompts = [len(r.prompt) for r in self.requests]
         outs = [r.n_out for r in self.requests]
-        return {
-            "name": self.name,
-            "requests": len(self.requests),
-            "prompt_tokens": sum(prompts),
-            "output_tokens": sum(outs),
-            "prompt_len_range": [min(prompts), max(prompts)],
-            "output_len_range": [min(outs), max(outs)],
-            "shared_prefix": self.shared_prefix,
-            "late_requests": sum(r.late for r in self.requests),
-            "late_after": self.late_after,
-        }
+        out = {"name": self.name, "requests": len(self.requests), "prompt_tokens": sum(prompts)}
+        out |= {"output_tokens": sum(outs), "prompt_len_range": [min(prompts), max(prompts)]}
+        out |= {"output_len_range": [min(outs), max(outs)], "shared_prefix": self.shared_prefix}
+        out["late_requests"] = sum(r.late for r in self.requests)
+        return out | {"late_after": self.late_after}
 
     def subset(self, n: int) -> "Workload":
         """The first ``n`` requests in arrival order (for the slow one-at-a-time baseline)."""
         keep = sorted(self.arrival_order[:n])
         focus = [keep.index(i) for i in self.focus if i in keep]
-        return Workload(
-            self.name, [self.requests[i] for i in keep], self.shared_prefix, focus, self.late_after
-        )
+        reqs = [self.requests[i] for i in keep]
+        return Workload(self.name, reqs, self.shared_prefix, focus, self.late_after)
 
 
 def allowed_ids(vocab_size: int, special_ids: set[int]) -> list[int]:

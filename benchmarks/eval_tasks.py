@@ -105,33 +105,23 @@ def write_tasks(
         choices, label = _choices(rng, answer)
         context = f"{passage}\nQuestion: {question}\nAnswer:"
         mc.append({"context": context, "choices": choices, "label": label})
-    _task(
-        out,
-        "phf_mc",
-        {"test": ("mc.jsonl", mc)},
-        f"""output_type: multiple_choice
+    body = f"""output_type: multiple_choice
 test_split: test
 doc_to_text: "{{{{context}}}}"
 doc_to_choice: "{{{{choices}}}}"
 doc_to_target: label
-{_metrics("acc mean true", "acc_norm mean true")}""",
-    )
+{_metrics("acc mean true", "acc_norm mean true")}"""
+    _task(out, "phf_mc", {"test": ("mc.jsonl", mc)}, body)
 
     def arithmetic() -> dict:
         a, b = rng.randint(1, 9), rng.randint(1, 9)
         op = rng.choice(["plus", "times"])
-        return {
-            "question": f"What is {a} {op} {b}?",
-            "answer": str(a + b if op == "plus" else a * b),
-        }
+        answer = a + b if op == "plus" else a * b
+        return {"question": f"What is {a} {op} {b}?", "answer": str(answer)}
 
     gen = [arithmetic() for _ in range(20 + n_gen)]  # 20 to draw shots from, then the questions
     splits = {"train": ("gen_train.jsonl", gen[:20]), "test": ("gen_test.jsonl", gen[20:])}
-    _task(
-        out,
-        "phf_gen",
-        splits,
-        f"""output_type: generate_until
+    body = f"""output_type: generate_until
 training_split: train
 fewshot_split: train
 test_split: test
@@ -146,27 +136,22 @@ generation_kwargs:
     - "Q:"
   do_sample: false
   max_gen_toks: 16
-{_EXACT_MATCH_AFTER_STRIPPING}""",
-    )
+{_EXACT_MATCH_AFTER_STRIPPING}"""
+    _task(out, "phf_gen", splits, body)
 
     stories = []
     for _ in range(n_rolling):
         parts = [_story(rng) for _ in range(rng.randint(1, 3))]
         stories.append({"text": " ".join(f"{p} {q} The answer is {a}." for p, q, a in parts)})
     perplexity = ("word_perplexity", "byte_perplexity")
-    metrics = [f"{m} weighted_perplexity false" for m in perplexity] + [
-        "bits_per_byte " * 2 + "false"
-    ]
-    _task(
-        out,
-        "phf_rolling",
-        {"test": ("rolling.jsonl", stories)},
-        f"""output_type: loglikelihood_rolling
+    metrics = [f"{m} weighted_perplexity false" for m in perplexity]
+    metrics.append("bits_per_byte " * 2 + "false")
+    body = f"""output_type: loglikelihood_rolling
 test_split: test
 doc_to_text: ""
 doc_to_target: "{{{{text}}}}"
-{_metrics(*metrics)}""",
-    )
+{_metrics(*metrics)}"""
+    _task(out, "phf_rolling", {"test": ("rolling.jsonl", stories)}, body)
     _write_gen_shots(out, rng, n_gen)  # last: the other tasks' data stay as they were
     return out
 
@@ -177,15 +162,9 @@ def _write_gen_shots(out: Path, rng: random.Random, n: int) -> None:
         return {"context": f"{passage}\nQuestion: {question}", "answer": str(answer)}
 
     stories = [solved() for _ in range(50 + n)]  # 50 to draw shots from, then the questions
-    splits = {
-        "train": ("shots_train.jsonl", stories[:50]),
-        "test": ("shots_test.jsonl", stories[50:]),
-    }
-    _task(
-        out,
-        "phf_gen_shots",
-        splits,
-        f"""output_type: generate_until
+    splits = {"train": ("shots_train.jsonl", stories[:50])}
+    splits["test"] = ("shots_test.jsonl", stories[50:])
+    body = f"""output_type: generate_until
 training_split: train
 fewshot_split: train
 test_split: test
@@ -197,8 +176,8 @@ generation_kwargs:
     - "\\n"
   do_sample: false
   max_gen_toks: 8
-{_EXACT_MATCH_AFTER_STRIPPING}""",
-    )
+{_EXACT_MATCH_AFTER_STRIPPING}"""
+    _task(out, "phf_gen_shots", splits, body)
 
 
 def _jsonl(path: Path, rows: list[dict]) -> None:

@@ -42,11 +42,9 @@ def setup(argv: list[str] | None = None) -> str:
     if choice == "auto":
         with OtherProcesses() as look:
             time.sleep(0.5)
-        others = (
-            f"others kept {look.cores:.1f} cores busy before the run"
-            if look.cores is not None
-            else "others' CPU time unknown"
-        )
+        others = "others' CPU time unknown"
+        if look.cores is not None:
+            others = f"others kept {look.cores:.1f} cores busy before the run"
         if others_busy(look.cores):
             os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
             return f"PASSIVE (auto: {others})"

@@ -36,14 +36,12 @@ def measure(model_type: str, dtype: torch.dtype) -> dict:
         config = AutoConfig.for_model(model_type, **OVERRIDES.get(model_type, {}))
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
-    layout = probe_state_layout(
-        model, torch.tensor([[5, 6, 7, 8, 9, 10]], device="meta"), check_chunks=False
-    )
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10]], device="meta")
+    layout = probe_state_layout(model, ids, check_chunks=False)
     text = config.get_text_config()
     kinds = list(getattr(text, "layer_types", []) or [])
-    attention = sum(1 for k in kinds if "attention" in k and k != "linear_attention") or sum(
-        1 for k in kinds if k in ("hybrid",)
-    )
+    full = sum(1 for k in kinds if "attention" in k and k != "linear_attention")
+    attention = full or kinds.count("hybrid")
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
     kv_per_token = attention * kv_heads * head_dim * 2 * torch.empty((), dtype=dtype).element_size()

@@ -196,9 +196,8 @@ def agreement_workload(
     shared = [rng.randrange(4, vocab) for _ in range(40)]
     longest = 60 if dry else 150
     ids = lambda lo, hi: [rng.randrange(4, vocab) for _ in range(rng.randint(lo, hi))]  # noqa: E731
-    prompts = [shared + ids(5, longest // 2) for _ in range(6)] + [
-        ids(20, longest) for _ in range(6)
-    ]
+    prompts = [shared + ids(5, longest // 2) for _ in range(6)]
+    prompts += [ids(20, longest) for _ in range(6)]
     dry_lengths = [2, 3, 4, 5, 6, 7, 8, 10, 12, 13, 14, 16]
     return prompts, dry_lengths if dry else [3, 5, 7, 9, 12, 16, 20, 24, 30, 36, 42, 48]
 
@@ -207,13 +206,10 @@ def check_agreement(setup: Setup, family: str) -> dict[str, Any]:
     """One family's greedy generations on the risky workload with FlashInfer and CUDA graphs, FlashInfer
     eager (a kernel fault told from a graph fault) and torch: each teacher-forced through
     transformers, and how long each agrees with torch token for token; the decode buckets run."""
-    attn = "eager" if family == "gemma2" else "sdpa"
-    model = build_model(
-        tiny_config(family, setup.dry_run), setup, seed=100 + FAMILIES.index(family), attn=attn
-    )
-    prompts, out_lens = agreement_workload(
-        model.config.vocab_size, random.Random(setup.seed + FAMILIES.index(family)), setup.dry_run
-    )
+    k, attn = FAMILIES.index(family), "eager" if family == "gemma2" else "sdpa"
+    model = build_model(tiny_config(family, setup.dry_run), setup, seed=100 + k, attn=attn)
+    rng = random.Random(setup.seed + k)
+    prompts, out_lens = agreement_workload(model.config.vocab_size, rng, setup.dry_run)
     params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in out_lens]
     dtype = str(setup.dtype).replace("torch.", "")
     row: dict[str, Any] = {"family": family, "dtype": dtype, "prompts": len(prompts)}
@@ -289,9 +285,8 @@ def run_hf_generate(setup: Setup, prompts, out_lens) -> Row:
         note = f"time-capped at {setup.hf_max_time:.0f} s after {done_steps}/{steps} steps: throughput of the part run"
     del model, out
     free_memory()
-    return Row(
-        "transformers generate", tokens, seconds, sum(n <= done_steps for n in out_lens), note
-    )
+    done = sum(n <= done_steps for n in out_lens)
+    return Row("transformers generate", tokens, seconds, done, note)
 
 
 @torch.inference_mode()
@@ -307,9 +302,8 @@ def run_hf_continuous(setup: Setup, prompts, out_lens) -> Row:
     )
     # without num_blocks its cache takes a share of free memory: ~14 GB of RAM in the CPU dry run
     page = ContinuousBatchingConfig().page_size
-    cb_config = ContinuousBatchingConfig(
-        num_blocks=sum(-(-(len(p) + n) // page) for p, n in zip(prompts, out_lens)) + 2
-    )
+    blocks = sum(-(-(len(p) + n) // page) for p, n in zip(prompts, out_lens)) + 2
+    cb_config = ContinuousBatchingConfig(num_blocks=blocks)
     tokens = done = 0
     t_warm = time.perf_counter()
     configs = dict(generation_config=gen, continuous_batching_config=cb_config)
@@ -415,13 +409,8 @@ def decode_step_time(setup: Setup, graphs: bool) -> float:
 
 @torch.inference_mode()
 def memory_checks(setup: Setup) -> dict[str, Any]:
-    """KV sizing by profiling: an engine built without ``num_blocks`` on Qwen3-0.6B (the budget
-    profiled through the paged seam), its KV bytes, then 64 of the throughput workload's requests
-    through it with graphs and the peak memory torch saw against the device's. Swap preemption:
-    the agreement workload through a quarter of the blocks it needs with ``preemption_mode="swap"``,
-    against the same requests with room (greedy: the same tokens). The host tier: that workload
-    twice through that pool with ``kv_host_cache_bytes``, the second round's tokens against the
-    roomy run's, and its host hits."""
+    """The header's memory phase: KV sized by profiling on Qwen3-0.6B (no ``num_blocks``), swap
+    preemption and the host tier on the agreement workload, each against a roomy run's tokens."""
     out: dict[str, Any] = {}
     model = build_model(qwen3_06b_config(setup.dry_run), setup, seed=1)
     t = time.perf_counter()
@@ -447,9 +436,8 @@ def memory_checks(setup: Setup) -> dict[str, Any]:
     free_memory()
 
     model = build_model(tiny_config("llama", setup.dry_run), setup, seed=100)
-    prompts, out_lens = agreement_workload(
-        model.config.vocab_size, random.Random(setup.seed), setup.dry_run
-    )
+    rng = random.Random(setup.seed)
+    prompts, out_lens = agreement_workload(model.config.vocab_size, rng, setup.dry_run)
     params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in out_lens]
     need = sum(-(-(len(p) + n) // 16) for p, n in zip(prompts, out_lens))
     largest = max(-(-(len(p) + n) // 16) for p, n in zip(prompts, out_lens))
@@ -472,10 +460,8 @@ def memory_checks(setup: Setup) -> dict[str, Any]:
     rounds = [[o.token_ids for o in engine.generate(prompts, params)] for _ in range(2)]
     host = engine.stats()["kv_tiers"]["host"]
     tier = {"same_tokens": rounds[0] == roomy and rounds[1] == roomy}
-    tier |= {
-        "requests_equal": sum(a == b for a, b in zip(rounds[1], roomy)),
-        "requests": len(roomy),
-    }
+    tier["requests_equal"] = sum(a == b for a, b in zip(rounds[1], roomy))
+    tier["requests"] = len(roomy)
     tier |= {"blocks_to_host": host["stored_blocks"], "host_hit_tokens": host["hit_tokens"]}
     out["host_tier"] = tier | {"preemptions": engine.stats()["preemptions"]}
     log(f"memory {out}")
@@ -524,9 +510,8 @@ def table(rows: list[Row], base: str = "transformers generate") -> str:
     for r in rows:
         vs = [f"{r.tok_s / ref[n]:.2f}x" if ref.get(n) else "-" for n in (base, f"{base}_batch")]
         cells = [r.name, f"{r.tok_s:,.0f}", *vs, f"{r.output_tokens:,}", f"{r.seconds:.1f}"]
-        lines.append(
-            "| " + " | ".join(map(str, cells + [r.requests_done, r.error or r.note])) + " |"
-        )
+        cells += [r.requests_done, r.error or r.note]
+        lines.append("| " + " | ".join(map(str, cells)) + " |")
     return "\n".join(lines)
 
 
@@ -585,10 +570,8 @@ def run_phase(name: str, setup: Setup, args: argparse.Namespace) -> dict[str, An
         tensor_cores = {"auto": None, "on": True, "off": False}[args.decode_tensor_cores]
         flashinfer_backend.DECODE_TENSOR_CORES = tensor_cores
     if name == "env":
-        return {
-            "environment": environment(setup),
-            "setup": {k: str(v) for k, v in asdict(setup).items()},
-        }
+        sizes = {k: str(v) for k, v in asdict(setup).items()}
+        return {"environment": environment(setup), "setup": sizes}
     if name == "smoke":
         import gpu_smoke_flashinfer
 
@@ -739,8 +722,7 @@ def main(argv: list[str] | None = None) -> int:
     h = "seconds for all phases (each stops when it runs out)"
     opt("--budget", type=float, default=540.0, help=h)
     opt("--requests", type=int, default=256)
-    h = "cap on each transformers run, seconds"
-    opt("--hf-max-time", type=float, default=90.0, help=h)
+    opt("--hf-max-time", type=float, default=90.0, help="cap on each transformers run, seconds")
     opt("--max-num-seqs", type=int, default=256)
     opt("--max-num-batched-tokens", type=int, default=16384)
     h = "FlashInfer: FA2 prefill and tensor-core decode (--prefill-backend fa2 "

@@ -45,16 +45,9 @@ def _csr(pages: list[list[int]], seq_lens: list[int], device: str) -> tuple[torc
     return tuple(torch.tensor(x, dtype=torch.int32, device=device) for x in (indptr, indices, last))
 
 
-def _reference(
-    q: torch.Tensor,
-    cache: torch.Tensor,
-    pages: list[list[int]],
-    seq_lens: list[int],
-    q_lens: list[int],
-    window_left: int,
-    softcap: float | None,
-) -> torch.Tensor:
-    """fp32 causal attention of each sequence's last ``q_len`` positions over its pages."""
+def _reference(q, cache, pages, seq_lens, q_lens, window_left: int, softcap) -> torch.Tensor:
+    """fp32 causal attention of each sequence's last ``q_len`` positions over its pages (``pages``
+    and the lengths: one list each, per sequence; ``softcap`` None for none)."""
     outs, start = [], 0
     for ps, n, m in zip(pages, seq_lens, q_lens):
         kv = cache[torch.tensor(ps, device=cache.device)].float()  # [pages, 2, PAGE, H, D]
@@ -95,9 +88,8 @@ def run(device: str, stand_in: bool = False) -> list[dict]:
     g = torch.Generator().manual_seed(0)
     types = dict(q_data_type=dtype, kv_data_type=dtype)
     results = []
-    workspace = torch.zeros(
-        128 << 20 if device == "cuda" else 1 << 10, dtype=torch.uint8, device=device
-    )
+    size = 128 << 20 if device == "cuda" else 1 << 10
+    workspace = torch.zeros(size, dtype=torch.uint8, device=device)
     num_pages = 64
     cache = torch.randn(num_pages, 2, PAGE, KV_HEADS, HEAD_DIM, generator=g).to(device, dtype)
 
