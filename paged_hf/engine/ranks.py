@@ -200,9 +200,10 @@ class Ranks:
         return result
 
     def _follow(self, what: str, runner: ModelRunner) -> Any:
-        """Run the leader's forwards until its call ends. A forward that fails here fails the
-        leader's too (its collectives end), which ends that step's requests there; this rank goes
-        on listening so that the call ends alike on every rank."""
+        """Run the leader's forwards until its call ends. A forward that fails here gives up the
+        model's group, so the leader's fails too; this rank goes on listening until the leader's
+        call ends, so that every rank ends it alike (each with RankError where the group was the
+        whole world's and the messages went with it)."""
         while True:
             message = self._receive()
             if isinstance(message, _Step) and self.broken is None:

@@ -3,29 +3,14 @@ rank loads and patches the tiny llama, then rank 1's forward fails (``"fault": "
 rank 1 dies (``"kill"``) at its second step; what the call returned or raised on each surviving
 rank, how long it took, and what the next call did, go to ``<out>/rank<RANK>.json``."""
 
-import json
 import os
-import sys
-import time
-import traceback
-from datetime import timedelta
-from pathlib import Path
 
 import torch
-import torch.distributed as dist
+from rank_main import main, outcome
 
 # the model's process group as the tests start it: long enough that a rank waiting for it to
 # time out would show as a slow test (the ranks must fail each other at once instead)
 GROUP_TIMEOUT_S = 60
-
-
-def outcome(call) -> dict:
-    t0 = time.perf_counter()
-    try:
-        value = {"value": call()}
-    except Exception as e:  # noqa: BLE001 - what each rank raised is the test's to compare
-        value = {"raised": f"{type(e).__name__}: {e}"}
-    return value | {"seconds": time.perf_counter() - t0}
 
 
 def inject(runner, fault: str) -> None:
@@ -56,30 +41,18 @@ def run(job: dict, rank: int) -> dict:
     if rank == 1:
         inject(engine.runner, job["fault"])
     params = paged_hf.SamplingParams(max_new_tokens=job["max_new_tokens"])
-    out = {"call": outcome(lambda: [o.error for o in engine.generate(job["prompts"], params)])}
-    out["next"] = outcome(lambda: [o.error for o in engine.generate(job["prompts"], params)])
+    out = {
+        "call": outcome(
+            timed=True, call=lambda: [o.error for o in engine.generate(job["prompts"], params)]
+        )
+    }
+    out["next"] = outcome(
+        timed=True, call=lambda: [o.error for o in engine.generate(job["prompts"], params)]
+    )
     out["blocks_used"] = engine.stats()["blocks_used"]
     out["requests_left"] = len(engine.requests)
     return out
 
 
-def main() -> None:
-    job, out = json.loads(Path(sys.argv[1]).read_text()), Path(sys.argv[2])
-    rank = int(os.environ["RANK"])
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        rank=rank,
-        world_size=int(os.environ["WORLD_SIZE"]),
-        timeout=timedelta(seconds=GROUP_TIMEOUT_S),
-    )
-    try:
-        result = run(job, rank)
-    except Exception:  # noqa: BLE001 - reported to the test, which fails with it
-        result = {"error": traceback.format_exc()}
-    (out / f"rank{rank}.json").write_text(json.dumps(result))
-    os._exit(0)  # the model's group may be gone: no teardown collective to wait on
-
-
 if __name__ == "__main__":
-    main()
+    main(run, GROUP_TIMEOUT_S, exit_at_once=True)

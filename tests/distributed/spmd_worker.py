@@ -4,26 +4,8 @@ rank 0 schedules, the others run its forwards. Writes what each call returned or
 ``<out>/rank<RANK>.json``. Run as ``python spmd_worker.py JOB_JSON OUT_DIR`` with the variables
 torchrun sets."""
 
-import json
-import os
-import sys
-import traceback
-from datetime import timedelta
-from pathlib import Path
-
 import torch
-import torch.distributed as dist
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the tiny tokenizer
-
-COLLECTIVE_TIMEOUT_S = 30  # a collective one rank never reaches fails, instead of two hours
-
-
-def outcome(call) -> dict:
-    try:
-        return {"value": call()}
-    except Exception as e:  # noqa: BLE001 - what each rank raised is the test's to compare
-        return {"raised": f"{type(e).__name__}: {e}"}
+from rank_main import main, outcome
 
 
 def run(job: dict, rank: int) -> dict:
@@ -98,23 +80,5 @@ def dataset_runs(model, job: dict) -> dict:
     return {"dataset": outcome(run), "dataset_resumed": outcome(run)}
 
 
-def main() -> None:
-    job, out = json.loads(Path(sys.argv[1]).read_text()), Path(sys.argv[2])
-    rank = int(os.environ["RANK"])
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        rank=rank,
-        world_size=int(os.environ["WORLD_SIZE"]),
-        timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
-    )
-    try:
-        result = run(job, rank)
-    except Exception:  # noqa: BLE001 - reported to the test, which fails with it
-        result = {"error": traceback.format_exc()}
-    (out / f"rank{rank}.json").write_text(json.dumps(result))
-    dist.destroy_process_group()
-
-
 if __name__ == "__main__":
-    main()
+    main(run)

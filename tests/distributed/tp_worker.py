@@ -3,20 +3,10 @@ checkpoint with transformers' ``tp_plan="auto"``, patches it, generates greedily
 saw to ``<out>/rank<RANK>.json``. Run as ``python tp_worker.py JOBS_JSON OUT_DIR`` with the variables
 torchrun sets (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK)."""
 
-import json
-import os
-import sys
 import traceback
-from datetime import timedelta
-from pathlib import Path
 
 import torch
-import torch.distributed as dist
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for the tiny tokenizer
-
-# a collective one rank never reaches fails after this, instead of transformers' two hours
-COLLECTIVE_TIMEOUT_S = 30
+from rank_main import main
 
 
 def run_job(job: dict) -> dict:
@@ -89,29 +79,17 @@ def stand_aside(model) -> dict:
     }
 
 
-def main() -> None:
-    jobs, out = json.loads(Path(sys.argv[1]).read_text()), Path(sys.argv[2])
-    rank = int(os.environ["RANK"])
-    torch.set_num_threads(1)
-    # transformers would start the group itself (gloo on a CPU) from the same variables
-    dist.init_process_group(
-        "gloo",
-        rank=rank,
-        world_size=int(os.environ["WORLD_SIZE"]),
-        timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
-    )
+def run_jobs(jobs: list[dict], rank: int) -> dict:
+    """Each job's results by family, until one fails (the ranks no longer keep step then)."""
     results = {}
     for job in jobs:
         try:
             results[job["family"]] = run_job(job)
         except Exception:  # noqa: BLE001 - reported to the test, which fails with it
             results[job["family"]] = {"error": traceback.format_exc()}
-            # the other rank may be in a collective this one left: the ranks no longer keep step
             break
-        finally:
-            (out / f"rank{rank}.json").write_text(json.dumps(results))
-    dist.destroy_process_group()
+    return results
 
 
 if __name__ == "__main__":
-    main()
+    main(run_jobs)
