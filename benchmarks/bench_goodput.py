@@ -243,6 +243,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--capacity-requests", type=int, default=20)
     p.add_argument("--drain-timeout", type=float, default=600.0)
+    h = "STEP_S,CAPACITY: the lone decode step and the capacity as given, not measured"
+    p.add_argument("--calibration", default=None, help=h)
     common.add_threads(p, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=str(common.RESULTS), help="the JSON's folder")
@@ -278,9 +280,14 @@ def main(argv=None) -> int:
         load = {"max_num_seqs": args.max_num_seqs, "scheduling_policy": "priority"}
         worker = "vllm_goodput_worker.py"
         vllm = VllmCpu(VLLM_PYTHON, model, torch.bfloat16, args.threads, worker, load_options=load)
-    step = lone_decode_step_s(model, tok, vocab)
+    if args.calibration:  # one trace and target on two commits or machines
+        step, capacity = (float(x) for x in args.calibration.split(","))
+    else:
+        step, capacity = (
+            lone_decode_step_s(model, tok, vocab),
+            capacity_rps(model, tok, args, vocab),
+        )
     tpot_target = TPOT_FACTOR * step
-    capacity = capacity_rps(model, tok, args, vocab)
     print(
         f"lone decode step {1000 * step:.1f} ms -> TPOT target {1000 * tpot_target:.0f} ms; "
         f"TTFT target {TTFT_TARGET_S} s; capacity {capacity:.2f} requests/s",

@@ -168,8 +168,14 @@ def test_ctrl_c_in_the_main_threads_call_aborts_it_alone(model):
         started.set()
         other["out"] = fns["greedy"]()
 
+    in_call = threading.Event()
+
     def interrupt_soon():
-        while engine.stats()["generated_tokens"] < 20:
+        # counted from the main thread's call on: the engine's count includes earlier calls, and
+        # an interrupt before the call would land outside it
+        in_call.wait()
+        base = engine.stats()["generated_tokens"]
+        while engine.stats()["generated_tokens"] < base + 20:
             time.sleep(0.001)
         _thread.interrupt_main()
 
@@ -178,6 +184,7 @@ def test_ctrl_c_in_the_main_threads_call_aborts_it_alone(model):
     started.wait()
     threading.Thread(target=interrupt_soon, daemon=True).start()
     with pytest.raises(KeyboardInterrupt):
+        in_call.set()
         for _ in range(50):  # long enough to be interrupted in the middle
             model.generate(ids, attention_mask=mask, max_new_tokens=200, eos_token_id=None)
     thread.join(timeout=300)
