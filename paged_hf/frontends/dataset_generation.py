@@ -20,9 +20,9 @@ from .checkpoint import Checkpoint
 from .dataset_placement import (
     distributed,
     make_checkpoint,
-    over_ranks,
     result_dataset,
     rows_of,
+    shard_records,
     tensor_parallel,
 )
 from .dataset_rows import (
@@ -102,7 +102,7 @@ def generate_dataset(
         progress and rank == 0,
         desc="paged_hf" if world == 1 or ranks else f"paged_hf [rank 0 of {world}]",
     )
-    records = over_ranks(ranks, engine, run, dataset, base, columns)
+    records = shard_records(ranks, engine, run, dataset, base, columns)
     _warn_if_mostly_empty(records, chat)
     if ranks is not None:  # every rank has the whole result: nothing to gather
         return assemble(dataset, records, output_column)

@@ -90,7 +90,7 @@ def result_dataset(
     return assemble(dataset, records, output_column)
 
 
-def over_ranks(
+def shard_records(
     ranks: Any, engine: Any, run: Callable[[], list[dict]], dataset: Any, base: Any, columns: dict
 ) -> list[dict]:
     """``run()``'s records: here, or under tensor parallelism the leader's run's, on every rank."""
