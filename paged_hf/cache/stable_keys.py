@@ -20,6 +20,18 @@ from .coherence import is_dtensor
 FORMAT_VERSION = 1
 
 
+_CHUNK = 1 << 24  # bytes copied at a time
+
+
+def hash_tensor(h: Any, t: torch.Tensor) -> None:
+    """Feed ``t``'s bytes to the hash ``h``, a chunk's copy at a time: numpy's view of a tensor
+    marks its storage as never to be resized again, which breaks the owner's later ``resize_``
+    (FSDP's resharding of a weight, a caller's own tensor)."""
+    flat = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+    for start in range(0, flat.numel(), _CHUNK):
+        h.update(flat[start : start + _CHUNK].clone().numpy())
+
+
 def weights_fingerprint(model: torch.nn.Module) -> str:
     """sha256 over every parameter's and buffer's name, dtype, shape and bytes: equal only for the
     same weights (the same checkpoint loaded twice, in any process). Not for a tensor-parallel model:
@@ -32,9 +44,7 @@ def weights_fingerprint(model: torch.nn.Module) -> str:
             raise ValueError(f"weights_fingerprint: {name} is sharded across ranks (a DTensor)")
         t = t.detach()
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-        if t.numel():
-            flat = t.to("cpu").contiguous().reshape(-1)
-            h.update(memoryview(flat.view(torch.uint8).numpy()))
+        hash_tensor(h, t)
     return h.hexdigest()
 
 

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..cache.stable_keys import hash_tensor
 from ..config import EngineConfig
 from ..execution.runner import max_positions
 from ..requests.detokenizer import StopStrings
@@ -159,7 +160,9 @@ class AdmissionMixin:
         embeds = embeds.detach().to(weight.device, weight.dtype).contiguous()
         if not bool(torch.isfinite(embeds).all()):
             raise ValueError(f"request {rid}: prompt_embeds holds NaN or inf")
-        digest = hashlib.sha256(embeds.cpu().view(torch.uint8).numpy().tobytes()).hexdigest()
+        h = hashlib.sha256()
+        hash_tensor(h, embeds)
+        digest = h.hexdigest()
         return embeds, digest
 
     def _queue(self, req: Request) -> str:

@@ -34,6 +34,9 @@ class PatchState:
     # the process group transformers' tensor parallelism spread the model's heads over (None: one
     # device); the engine runs one schedule for its ranks (paged_hf/engine/ranks.py)
     tp_group: Any = None
+    # hands an FSDP-wrapped model's resharding back to FSDP (data parallel: its weights are
+    # gathered once at patch, paged_hf/model/tensor_parallel.py); None where FSDP does not wrap it
+    reshard: Callable[[], None] | None = None
     config: dict[str, Any] = field(default_factory=dict)  # engine options given to patch()
     engine: Any = None  # created on first generate, kept so the prefix cache survives calls
     tokenizer: Any = None

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
+from ..cache.stable_keys import hash_tensor
 from ..requests.forward_row import ForwardRow
 
 if TYPE_CHECKING:
@@ -59,10 +60,14 @@ class RankError(RuntimeError):
 class Ranks:
     """This process's place among the ranks one model is spread over, and their messages."""
 
-    def __init__(self, group: Any, wire: Any, timeout_s: float) -> None:
+    def __init__(
+        self, group: Any, wire: Any, timeout_s: float, replica: tuple[int, int] = (0, 1)
+    ) -> None:
         import torch.distributed as dist
 
         self.group, self.wire, self.timeout_s = group, wire, timeout_s
+        # which of the world's copies of the model these ranks hold, of how many (data parallel)
+        self.replica, self.replicas = replica
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
         self.members = dist.get_process_group_ranks(group)
@@ -160,11 +165,12 @@ class Ranks:
             raise RankError(
                 f"paged_hf tensor parallelism: {what}: a rank did not answer: {e}"
             ) from e
-        differ = [r for r, d in enumerate(digests) if d != digests[0]]
+        differ = [self.members[r] for r, d in enumerate(digests) if d != digests[0]]
         if differ:
             raise ValueError(
                 f"paged_hf tensor parallelism: {what} was called with other arguments on rank(s) "
-                f"{differ} than on rank 0; every rank calls it alike (SPMD)"
+                f"{differ} than on rank {self.leader}; every rank of a model's copy calls it "
+                "alike (SPMD)"
             )
 
     # ---- one call over the ranks -----------------------------------------------------------
@@ -239,9 +245,8 @@ def digest(*values: Any) -> str:
 
     def feed(v: Any) -> None:
         if isinstance(v, torch.Tensor):
-            t = v.detach().cpu().contiguous()
-            h.update(f"T{t.dtype}{tuple(t.shape)}".encode())
-            h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+            h.update(f"T{v.dtype}{tuple(v.shape)}".encode())
+            hash_tensor(h, v)
         elif isinstance(v, (str, int, float, bool, bytes, type(None))):
             h.update(f"{type(v).__name__}:{v!r};".encode())
         elif isinstance(v, dict):
@@ -296,14 +301,15 @@ def make_ranks(group: Any, timeout_s: float) -> Ranks | None:
     # every tensor-parallel group of the world, so each rank creates the same groups in order
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
+    groups = sorted({tuple(m) for m in everyone})
     wire = None
-    for members in sorted({tuple(m) for m in everyone}):
+    for members in groups:
         created = dist.new_group(
             list(members), backend="gloo", timeout=timedelta(seconds=timeout_s)
         )
         if list(members) == mine:
             wire = created
-    return Ranks(group, wire, timeout_s)
+    return Ranks(group, wire, timeout_s, (groups.index(tuple(mine)), len(groups)))
 
 
 def ranks_for(group: Any, config: Any, stateful: bool, device: torch.device) -> Ranks | None:

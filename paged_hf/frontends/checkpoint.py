@@ -19,6 +19,7 @@ from typing import Any, Iterator
 import torch
 
 from ..cache.coherence import local_shard
+from ..cache.stable_keys import hash_tensor
 
 logger = logging.getLogger("paged_hf")
 
@@ -77,14 +78,15 @@ def _is_number(x: Any) -> bool:
 
 
 class Checkpoint:
-    """One rank's view of a checkpoint directory: checks (or writes) the manifest on creation,
-    ``load`` reads what every rank finished, ``open`` / ``write`` / ``close`` append this rank's rows."""
+    """One rank's view of a checkpoint directory: checks (or, on rank 0, writes) the manifest on
+    creation, ``load`` reads what every shard finished, ``open`` / ``write`` / ``close`` append this
+    shard's rows (one file a data-parallel shard; under tensor parallelism its leader writes)."""
 
     def __init__(
-        self, directory: Path, fingerprint: dict, rank: int, state: Any, num_rows: int
+        self, directory: Path, fingerprint: dict, shard: int, state: Any, num_rows: int
     ) -> None:
         self.dir = directory
-        self.path = directory / f"results-{rank}.jsonl"
+        self.path = directory / f"results-{shard}.jsonl"
         self.num_rows = num_rows
         self.file: Any = None
         self.last_sync = 0.0
@@ -94,7 +96,7 @@ class Checkpoint:
             check_manifest(manifest, fingerprint)
         if world > 1:
             state.wait_for_everyone()
-        if rank == 0 and not manifest.exists():
+        if (state is None or state.process_index == 0) and not manifest.exists():
             directory.mkdir(parents=True, exist_ok=True)
             tmp = directory / "manifest.json.tmp"
             with open(tmp, "w") as f:
@@ -262,7 +264,7 @@ def _model_fingerprint(model: Any) -> dict:
             h.update(name.encode())
             # a tensor-parallel weight: this rank's shard (the leader's fingerprint is shared)
             p = local_shard(p)
-            h.update(p.detach().reshape(-1)[:16].float().cpu().numpy().tobytes())
+            hash_tensor(h, p.detach().reshape(-1)[:16].float())
     return {
         "name_or_path": str(getattr(model, "name_or_path", "") or ""),
         "config": _sha(json.dumps(config, sort_keys=True, default=str)),

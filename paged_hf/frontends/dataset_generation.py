@@ -17,17 +17,9 @@ import torch
 
 from ..requests.sampling_params import SamplingParams
 from .checkpoint import Checkpoint
-from .dataset_placement import (
-    distributed,
-    make_checkpoint,
-    result_dataset,
-    rows_of,
-    shard_records,
-    tensor_parallel,
-)
+from .dataset_placement import make_checkpoint, placement, result_dataset, rows_of, shard_records
 from .dataset_rows import (
     Prompts,
-    assemble,
     check_columns,
     dataset_rows,
     describe,
@@ -77,17 +69,16 @@ def generate_dataset(
         chat,
         system,
     )
-    rank, world, state = distributed()
     # the engine first: its effective max_model_len and EOS ids belong to the checkpoint's
     # fingerprint; under tensor parallelism its ranks run the shard as one (their rank 0 leads)
     engine = _engine(model, tokenizer, engine_config)
-    ranks = tensor_parallel(engine, world)
-    shard_rows, shard = rows_of(dataset, 0, 1) if ranks else rows_of(dataset, rank, world)
+    place = placement(engine)
+    shard_rows, shard = rows_of(dataset, place.shard, place.shards)
     prompts = Prompts(messages_column, chat, system, json_schema_column)
     columns = {"prompt": prompt_column, "output": output_column, "params": params_column}
     columns.update(prompts.settings())
     what = (model, tokenizer, engine, dataset, base, columns)
-    checkpoint = make_checkpoint(checkpoint_dir, what, rank, state, ranks)
+    checkpoint = make_checkpoint(checkpoint_dir, what, place)
     run = functools.partial(
         _run_shard,
         engine,
@@ -99,14 +90,12 @@ def generate_dataset(
         prompts,
         params_column,
         checkpoint,
-        progress and rank == 0,
-        desc="paged_hf" if world == 1 or ranks else f"paged_hf [rank 0 of {world}]",
+        progress and place.rank == 0,
+        desc="paged_hf" if place.shards == 1 else f"paged_hf [shard 0 of {place.shards}]",
     )
-    records = shard_records(ranks, engine, run, dataset, base, columns)
+    records = shard_records(place.ranks, engine, run, shard, base, columns)
     _warn_if_mostly_empty(records, chat)
-    if ranks is not None:  # every rank has the whole result: nothing to gather
-        return assemble(dataset, records, output_column)
-    return result_dataset(dataset, shard, records, rank, world, output_column)
+    return result_dataset(dataset, shard, records, place, output_column)
 
 
 def _checked_arguments(

@@ -1,10 +1,11 @@
 """Where ``generate_dataset``'s rows run: this process's data-parallel shard (``accelerate launch``,
-``torchrun``), or under tensor parallelism every row on the model's ranks as one (their rank 0
-leading, paged_hf/engine/ranks.py); the checkpoint each writes, and the results gathered in row
-order."""
+``torchrun``); under tensor parallelism the shard of the model's copy, its ranks running it as one
+(their rank 0 leading, paged_hf/engine/ranks.py); the checkpoint each shard writes, and the
+results gathered in row order."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -31,16 +32,37 @@ def distributed() -> tuple[int, int, Any]:
     return state.process_index, state.num_processes, state
 
 
-def tensor_parallel(engine: Any, world: int) -> Any:
-    """The engine's tensor-parallel ranks (None without): they run the whole dataset as one, their
-    rank 0 leading; a world larger than them (data parallel on top) is refused."""
+@dataclass
+class Placement:
+    """Where this process stands in a ``generate_dataset`` run: its data-parallel shard of the
+    rows and, under tensor parallelism, the ranks that hold its copy of the model and run that
+    shard as one (their rank 0 leading). World = shards x the ranks of one copy."""
+
+    rank: int  # in the world
+    world: int
+    state: Any  # accelerate's PartialState
+    ranks: Any  # the engine's tensor-parallel ranks, or None
+    shard: int
+    shards: int
+
+    @property
+    def writes(self) -> bool:
+        """Whether this process writes its shard's results (a follower's leader does)."""
+        return self.ranks is None or self.ranks.is_leader
+
+
+def placement(engine: Any) -> Placement:
+    """This process's place, from the launch and the engine's tensor-parallel ranks."""
+    rank, world, state = distributed()
     ranks = engine.ranks
-    if ranks is not None and ranks.size != world:
+    if ranks is None:
+        return Placement(rank, world, state, None, rank, world)
+    if ranks.size * ranks.replicas != world:
         raise NotImplementedError(
-            f"generate_dataset: the model's tensor parallelism spans {ranks.size} of {world} "
-            "processes; data parallel on top of it is not supported yet"
+            f"generate_dataset: {ranks.replicas} copies of the model over {ranks.size} ranks each "
+            f"do not make up the {world} processes launched"
         )
-    return ranks
+    return Placement(rank, world, state, ranks, ranks.replica, ranks.replicas)
 
 
 def rows_of(dataset: Any, rank: int, world: int) -> tuple[list[int], Any]:
@@ -58,34 +80,33 @@ def rows_of(dataset: Any, rank: int, world: int) -> tuple[list[int], Any]:
     return shard_rows, shard
 
 
-def make_checkpoint(
-    directory: Any, what: tuple, rank: int, state: Any, ranks: Any
-) -> Checkpoint | None:
+def make_checkpoint(directory: Any, what: tuple, place: Placement) -> Checkpoint | None:
     """The run's checkpoint in ``directory`` (None: none), fingerprinted over ``what``
-    (checkpoint.fingerprint's arguments); under tensor parallelism the leader's fingerprint (its
-    shard's sample of the weights) on every rank."""
+    (checkpoint.fingerprint's arguments), one results file a shard; under tensor parallelism the
+    leader's fingerprint (its shard of the weights' sample) on every rank."""
     if directory is None:
         return None
-    mine = fingerprint(*what) if ranks is None or ranks.is_leader else None
+    ranks = place.ranks
+    mine = fingerprint(*what) if place.writes else None
     shared = mine if ranks is None else ranks.share(mine)
-    return Checkpoint(Path(directory), shared, rank, state, len(what[3]))
+    return Checkpoint(Path(directory), shared, place.shard, place.state, len(what[3]))
 
 
 def result_dataset(
-    dataset: Any, shard: Any, records: list[dict], rank: int, world: int, output_column: str
+    dataset: Any, shard: Any, records: list[dict], place: Placement, output_column: str
 ) -> Any:
-    """Rank 0 (or the only process): the whole dataset with every rank's results, in row order;
-    another rank: its own shard with its results."""
-    if world > 1:
+    """Rank 0 (or the only process): the whole dataset with every shard's results, in row order;
+    another rank: its own shard with its results (under tensor parallelism alone, the whole)."""
+    if place.shards > 1:
         import torch.distributed as dist
 
-        gathered: list[Any] | None = [None] * world if rank == 0 else None
-        dist.gather_object(records, gathered, dst=0)
-        if rank != 0:
+        gathered: list[Any] | None = [None] * place.world if place.rank == 0 else None
+        dist.gather_object(records if place.writes else [], gathered, dst=0)
+        if place.rank != 0:
             return assemble(shard, records, output_column)
-        records = [rec for part in gathered for rec in part]
+        records = sorted((rec for part in gathered for rec in part), key=lambda r: r["row_index"])
         assert [r["row_index"] for r in records] == list(range(len(dataset))), (
-            "shards lost or reordered rows"
+            "shards lost or repeated rows"
         )
     return assemble(dataset, records, output_column)
 

@@ -21,7 +21,7 @@ from . import capability
 from .beam_call import search_call
 from .hf_generate import paged_generate
 from .run_rows import run_rows
-from .tensor_parallel import tp_group
+from .tensor_parallel import keep_unsharded, tp_group
 
 UnsupportedModelError = capability.UnsupportedModelError
 
@@ -32,7 +32,13 @@ def ensure_attention_patched(model: torch.nn.Module) -> PatchState:
     state = patch_state(model)
     if state is not None:
         return state
-    cap = capability.check(model)
+    reshard = keep_unsharded(model)  # FSDP (data parallel): weights gathered once, kept
+    try:
+        cap = capability.check(model)
+    except BaseException:
+        if reshard is not None:
+            reshard()
+        raise
     attention.register()
     original = model.config._attn_implementation
     configs = capability.configs_of(model)
@@ -49,6 +55,8 @@ def ensure_attention_patched(model: torch.nn.Module) -> PatchState:
     stuck = [cfg for cfg in cap.attention_configs if cfg._attn_implementation != attention.NAME]
     if stuck:  # a sub-model that refused the switch: put everything back and say so
         _restore(model, original, saved)
+        if reshard is not None:
+            reshard()
         raise capability.UnsupportedModelError(
             f"paged_hf cannot run {model.config.model_type}: the attention implementation of its "
             f"{type(stuck[0]).__name__} could not be switched to {attention.NAME!r}"
@@ -62,6 +70,7 @@ def ensure_attention_patched(model: torch.nn.Module) -> PatchState:
         limits=dict(cap.limits),
         state=cap.state,
         tp_group=tp_group(model),
+        reshard=reshard,
     )
     # engine_for / the patched generate build their engine from the options patch() stores
     state.engine_factory = lambda: Engine(model, state.tokenizer, **state.config)
@@ -99,6 +108,8 @@ def unpatch(model: torch.nn.Module) -> torch.nn.Module:
             "engine down first"
         )
     _restore(model, state.original_attn, state.saved_implementations)
+    if state.reshard is not None:
+        state.reshard()
     model.__dict__.pop("generate", None)
     delattr(model, STATE_ATTR)
     return model

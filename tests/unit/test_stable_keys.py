@@ -4,12 +4,13 @@ different for any change of a weight's bytes, anywhere in any tensor, or of its 
 from __future__ import annotations
 
 import copy
+import hashlib
 
 import pytest
 import torch
 from tiny_models import make_tiny_model
 
-from paged_hf.cache.stable_keys import weights_fingerprint
+from paged_hf.cache.stable_keys import hash_tensor, weights_fingerprint
 
 
 @pytest.fixture(scope="module")
@@ -49,3 +50,16 @@ def test_a_renamed_tensor_changes_it(model):
     renamed = copy.deepcopy(model)
     renamed.model.layers[0].self_attn.register_buffer("other", torch.zeros(3))
     assert weights_fingerprint(other) != weights_fingerprint(renamed)
+
+
+def test_hashing_leaves_the_weights_storage_resizable_and_hashes_every_byte(model, monkeypatch):
+    """numpy's view of a tensor marks its storage never to be resized, which broke FSDP's
+    resharding at unpatch (tests/distributed/test_data_parallel.py); chunks hash as the whole."""
+    weights_fingerprint(model)
+    assert all(p.untyped_storage().resizable() for p in model.parameters())
+    t = torch.randn(1000)
+    whole = hashlib.sha256(t.numpy().tobytes()).hexdigest()
+    monkeypatch.setattr("paged_hf.cache.stable_keys._CHUNK", 7)  # chunks that split elements
+    h = hashlib.sha256()
+    hash_tensor(h, t)
+    assert h.hexdigest() == whole
