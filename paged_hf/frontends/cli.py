@@ -80,6 +80,13 @@ def _add_data_options(g: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--device", default="cpu", help="torch device (default: cpu)")
     g.add_argument(
+        "--tp-size",
+        type=int,
+        default=1,
+        help="shard the model over N ranks with transformers' tensor parallelism (under "
+        "torchrun: a multiple of N processes, one copy of the model per N; docs/tensor_parallel.md)",
+    )
+    g.add_argument(
         "--input",
         required=True,
         help="a .jsonl/.json/.csv/.parquet file or a datasets.save_to_disk directory",
@@ -200,7 +207,7 @@ def generate(args: argparse.Namespace) -> int:
         dataset = dataset.select(range(min(args.limit, len(dataset))))
     try:
         model, tokenizer = load_model(
-            args.model, args.gguf_file, args.tokenizer, args.dtype, args.device
+            args.model, args.gguf_file, args.tokenizer, args.dtype, args.device, args.tp_size
         )
     except ValueError as err:
         return _fail(str(err))
@@ -321,10 +328,15 @@ def _read_schema(path: str | None) -> str | None:
 
 
 def load_model(
-    name: str, gguf_file: str | None, tokenizer_name: str | None, dtype: str, device: str
+    name: str,
+    gguf_file: str | None,
+    tokenizer_name: str | None,
+    dtype: str,
+    device: str,
+    tp_size: int = 1,
 ) -> tuple[Any, Any]:
-    """(model, tokenizer). Raises ValueError naming the option (--model, --tokenizer, --device)
-    whose value cannot be loaded (paged_hf/model/loading.py)."""
+    """(model, tokenizer). Raises ValueError naming the option (--model, --tokenizer, --device,
+    --tp-size) whose value cannot be loaded (paged_hf/model/loading.py)."""
     from ..model.loading import load_model as load
 
     return load(
@@ -333,7 +345,13 @@ def load_model(
         dtype=dtype,
         device=device,
         gguf_file=gguf_file,
-        labels={"model": "--model", "tokenizer": "--tokenizer", "device": "--device"},
+        tp_size=tp_size,
+        labels={
+            "model": "--model",
+            "tokenizer": "--tokenizer",
+            "device": "--device",
+            "tp_size": "--tp-size",
+        },
     )
 
 

@@ -69,6 +69,7 @@ class PagedHFLM(TemplateLM):
         gguf_file: str | None = None,
         chat_template_args: dict | None = None,
         think_end_token: str | int | None = None,
+        tp_size: int = 1,
         **engine_options: Any,
     ) -> None:
         super().__init__()
@@ -89,6 +90,7 @@ class PagedHFLM(TemplateLM):
             trust_remote_code,
             gguf_file,
             engine_options,
+            int(tp_size),
         )
         if tokenizer is None:
             raise ValueError(

@@ -5,6 +5,7 @@ with the evaluation defaults where the options do not say.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 import torch
@@ -32,10 +33,12 @@ def engine_for_eval(
     trust_remote_code: bool,
     gguf_file: str | None,
     engine_options: dict[str, Any],
+    tp_size: int = 1,
 ) -> tuple[Any, torch.nn.Module, Any]:
     """(engine, model, tokenizer) for ``pretrained``: an Engine as it is, a model (its patched
-    engine unless options are given), or a name loaded here; the evaluation defaults apply where
-    the options do not say."""
+    engine unless options are given), or a name loaded here (over ``tp_size`` ranks under
+    torchrun, every rank evaluating every request as lm-eval runs a tensor-parallel model); the
+    evaluation defaults apply where the options do not say."""
     from ..engine.core import EngineCore
     from ..model.patching import Engine, engine_for, is_patched
 
@@ -48,6 +51,8 @@ def engine_for_eval(
         engine_options["max_num_batched_tokens"] = max(
             EVAL_ENGINE_DEFAULTS["max_num_batched_tokens"], explicit["max_num_seqs"]
         )
+    if tp_size != 1:
+        refuse_copies(pretrained, tp_size)
     if isinstance(pretrained, EngineCore):
         if explicit:
             raise TypeError(
@@ -72,10 +77,27 @@ def engine_for_eval(
             gguf_file=gguf_file,
             revision=revision,
             trust_remote_code=trust_remote_code,
+            tp_size=tp_size,
             labels={"model": "pretrained", "tokenizer": "tokenizer"},
         )
         engine = Engine(model, tokenizer, **engine_options)
     return engine, model, tokenizer
+
+
+def refuse_copies(pretrained: Any, tp_size: int) -> None:
+    """What ``tp_size`` cannot do here: shard a model already loaded, or run several copies (lm-eval
+    splits its requests over ranks that each hold a whole model)."""
+    if not isinstance(pretrained, str):
+        raise TypeError(
+            f"paged_hf: tp_size={tp_size} loads a model by name; shard a loaded model with "
+            "transformers' DistributedConfig(tp_plan='auto') yourself (docs/tensor_parallel.md)"
+        )
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > tp_size:
+        raise ValueError(
+            f"paged_hf: tp_size={tp_size} under {world} processes: lm-eval runs one copy of a "
+            f"tensor-parallel model (torchrun --nproc-per-node {tp_size})"
+        )
 
 
 def special_kwargs(add_special_tokens: bool | None, add_bos: bool | None) -> dict:

