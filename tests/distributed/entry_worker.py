@@ -15,10 +15,9 @@ def run(job: dict, rank: int) -> dict:
     from lm_eval.tasks import TaskManager
 
     import paged_hf.integrations.lm_eval  # noqa: F401 - registers --model paged_hf
-    from paged_hf.frontends import cli
-
     import paged_hf.integrations.lm_eval_engine as eval_engine
     import paged_hf.model.loading as loading
+    from paged_hf.frontends import cli
 
     loaded = []  # each loaded model's tensor-parallel degree: what the options asked for
 
