@@ -398,6 +398,15 @@ class EngineCore(AdmissionMixin, StepMixin, OutputsMixin, BlockingCallsMixin, Ca
         tier = self.scheduler.kv_tiers
         return {} if tier is None else tier.stats(self.scheduler.step_time.prefill_token_s())
 
+    def _rank_stats(self) -> dict[str, Any]:
+        if self.ranks is None or not self.layout.layers:
+            return {}
+        text = self.model.config.get_text_config()
+        whole = getattr(text, "num_key_value_heads", None) or getattr(
+            text, "num_attention_heads", None
+        )
+        return self.ranks.stats(self.layout.layers[0].kv_heads, whole)
+
     def stats(
         self, ttft_target_s: float | None = None, tpot_target_s: float | None = None
     ) -> dict[str, Any]:
@@ -423,6 +432,7 @@ class EngineCore(AdmissionMixin, StepMixin, OutputsMixin, BlockingCallsMixin, Ca
                 "prefill_tokens_computed": s.prefill_tokens_computed,
                 "prefix_hit_tokens": self.scheduler.prefix_hit_tokens,
                 "kv_tiers": self._tier_stats(),
+                "tensor_parallel": self._rank_stats(),
                 "generated_tokens": s.generated_tokens,
                 "preemptions": self.scheduler.num_preemptions,
                 "steps": s.steps,

@@ -81,6 +81,20 @@ class Ranks:
     def is_leader(self) -> bool:
         return self.rank == 0
 
+    def stats(self, kv_heads: int, whole_kv_heads: int | None) -> dict[str, Any]:
+        """This rank's place and the leader's step messages; whether each rank holds the whole
+        KV (a plan that does not shard k / v: ``kv_heads`` this rank's, of the model's whole)."""
+        return {
+            "rank": self.rank,
+            "ranks": self.size,
+            "copy": self.replica,
+            "copies": self.replicas,
+            "kv_heads": kv_heads,
+            "whole_kv_on_every_rank": kv_heads == whole_kv_heads,
+            "step_messages": self.steps_sent,
+            "step_message_s": self.send_s,
+        }
+
     # ---- messages ------------------------------------------------------------------------
     def _send(self, message: Any) -> None:
         self._broadcast(message)

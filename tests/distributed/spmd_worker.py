@@ -52,6 +52,7 @@ def run(job: dict, rank: int) -> dict:
     out["preemptions"] = small.stats()["preemptions"]
     out |= dataset_runs(model, job)
     out["steps"] = engine.stats()["steps"]
+    out["tp_stats"] = engine.stats()["tensor_parallel"]
     out["blocks_used"] = engine.stats()["blocks_used"] + small.stats()["blocks_used"]
     return out
 

@@ -81,6 +81,13 @@ def test_rank_zero_schedules_and_the_others_follow(ranks, request):
     if "llama" in request.node.callspec.id:
         assert leader["preemptions"] > 0
     assert leader["blocks_used"] == follower["blocks_used"] == 0
+    # stats() say where each rank stands, that each holds half the KV heads, and the messages
+    for rank, r in enumerate((leader, follower)):
+        tp = r["tp_stats"]
+        assert (tp["rank"], tp["ranks"], tp["copy"], tp["copies"]) == (rank, 2, 0, 1)
+        assert tp["kv_heads"] >= 1 and not tp["whole_kv_on_every_rank"]
+    assert leader["tp_stats"]["step_messages"] == leader["steps"]
+    assert follower["tp_stats"]["step_messages"] == 0
 
 
 @pytest.mark.parametrize("call", ["sampled", "score", "bad"])
