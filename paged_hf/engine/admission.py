@@ -118,6 +118,11 @@ class AdmissionMixin:
                 f"request {rid}: stop={list(params.stop)!r} needs a tokenizer to read the text "
                 "(Engine(model, tokenizer)); stop_token_ids need none"
             )
+        if params.prompt_lookup_num_tokens and not self.scheduler.speculates:
+            raise ValueError(
+                f"request {rid}: prompt_lookup_num_tokens on a model with recurrent or convolution "
+                "state (a hybrid) is not supported: its state cannot take back rejected tokens"
+            )
         bad_stop = [t for t in params.stop_token_ids if t >= self.vocab_size]
         if bad_stop:
             raise ValueError(

@@ -10,7 +10,7 @@ failed, aborted), so a thread's call ends as soon as its own rows do, whoever st
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 from ..requests.request import Request
 from .turns import TurnLock
@@ -31,6 +31,7 @@ class Watch:
 class CallersMixin:
     lock: TurnLock
     _watches: dict[Request, Watch]
+    _verified: Any  # the step's speculation (paged_hf/engine/speculation.py's Verified)
     fail: Callable[..., None]
 
     def watch(
@@ -58,12 +59,14 @@ class CallersMixin:
         failed: list[Request] = []
         if not self._watches:
             return failed
-        for req, tok in sampled.items():
+        drafts = self._verified.accepted  # speculation's accepted tokens come first
+        for req, last in sampled.items():
             watch = self._watches.get(req.parent or req)
             if watch is None or watch.on_token is None:
                 continue
             try:
-                watch.on_token(req.request_id, tok)
+                for tok in [*drafts.get(req, ()), last]:
+                    watch.on_token(req.request_id, tok)
             except Exception as e:  # noqa: BLE001 - the callback's failure is its request's alone
                 self.fail(
                     req,

@@ -8,8 +8,6 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections import deque
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -22,38 +20,21 @@ from ..config import DEFAULT_CPU_KV_BYTES, DEFAULT_CPU_THROUGHPUT_CALL_TOKENS, E
 from ..execution.runner import ModelRunner, cache_groups
 from ..requests.request import FinishReason, Request
 from ..requests.sampling_params import SamplingParams
-from . import latency_stats
 from .admission import AdmissionMixin, eos_ids, max_model_len_for, within_limits
 from .binding import patch_state
 from .blocking_calls import BlockingCallsMixin
 from .callers import CallersMixin
+from .engine_stats import EngineStats, snapshot
 from .kv_tiers import make_kv_tiers
 from .outputs import OutputsMixin, RequestOutput
 from .ranks import over_ranks, ranks_for
 from .scheduler import Scheduler
 from .scheduling_policy import make_policy
+from .speculation import Verified
 from .step import StepMixin
 from .turns import TurnLock
 
 logger = logging.getLogger("paged_hf")
-
-
-@dataclass
-class EngineStats:
-    prompt_tokens: int = 0
-    prefill_tokens_computed: int = 0
-    generated_tokens: int = 0
-    steps: int = 0
-    peak_blocks_used: int = 0
-    # references beyond a block's first, at the step with the most (blocks sharing saved)
-    peak_blocks_shared: int = 0
-    peak_bytes: int = 0  # KV pages and state slots held, at the step that held the most
-    peak_running: int = 0  # sequences running in one step, at most
-    kv_waste_sum: float = 0.0
-    # one row per step, for plots and tables; bounded so a long-lived server does not grow without end
-    step_log: deque = field(default_factory=lambda: deque(maxlen=100_000))
-    # one row per finished request (paged_hf/engine/latency_stats.py), bounded alike
-    finished_log: deque = field(default_factory=lambda: deque(maxlen=100_000))
 
 
 class EngineCore(AdmissionMixin, StepMixin, OutputsMixin, BlockingCallsMixin, CallersMixin):
@@ -99,6 +80,7 @@ class EngineCore(AdmissionMixin, StepMixin, OutputsMixin, BlockingCallsMixin, Ca
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._stats = EngineStats()
+        self._verified = Verified()
         # one thread at a time steps or changes the engine; callers are told by whoever steps
         self.lock = TurnLock()
         self._watches: dict[Request, Any] = {}  # root -> the Watch of the caller waiting on it
@@ -394,19 +376,6 @@ class EngineCore(AdmissionMixin, StepMixin, OutputsMixin, BlockingCallsMixin, Ca
         if self.scheduler.kv_tiers is not None:
             self.scheduler.kv_tiers.flush(timeout)
 
-    def _tier_stats(self) -> dict[str, Any]:
-        tier = self.scheduler.kv_tiers
-        return {} if tier is None else tier.stats(self.scheduler.step_time.prefill_token_s())
-
-    def _rank_stats(self) -> dict[str, Any]:
-        if self.ranks is None or not self.layout.layers:
-            return {}
-        text = self.model.config.get_text_config()
-        whole = getattr(text, "num_key_value_heads", None) or getattr(
-            text, "num_attention_heads", None
-        )
-        return self.ranks.stats(self.layout.layers[0].kv_heads, whole)
-
     def stats(
         self, ttft_target_s: float | None = None, tpot_target_s: float | None = None
     ) -> dict[str, Any]:
@@ -415,43 +384,4 @@ class EngineCore(AdmissionMixin, StepMixin, OutputsMixin, BlockingCallsMixin, Ca
         without error within ``ttft_target_s`` / ``tpot_target_s`` (else each request's own
         targets; none: every request without error is good)."""
         with self.lock:  # not while another thread steps
-            return self._stats_now(ttft_target_s, tpot_target_s)
-
-    def _stats_now(
-        self, ttft_target_s: float | None, tpot_target_s: float | None
-    ) -> dict[str, Any]:
-        s, pool = self._stats, self.kv_manager.pool
-        slots = self.kv_manager.state
-        state = {} if slots is None else slots.stats(self.runner.states, self.runner.asleep)
-        structured = {} if self.structured is None else self.structured.stats()
-        return (
-            state
-            | structured
-            | {
-                "prompt_tokens": s.prompt_tokens,
-                "prefill_tokens_computed": s.prefill_tokens_computed,
-                "prefix_hit_tokens": self.scheduler.prefix_hit_tokens,
-                "kv_tiers": self._tier_stats(),
-                "tensor_parallel": self._rank_stats(),
-                "generated_tokens": s.generated_tokens,
-                "preemptions": self.scheduler.num_preemptions,
-                "steps": s.steps,
-                "num_blocks": pool.num_blocks,
-                "blocks_used": pool.num_used,
-                "blocks_cached": pool.num_cached,
-                "blocks_free": pool.num_free,
-                "peak_blocks_used": s.peak_blocks_used,
-                "peak_blocks_shared": s.peak_blocks_shared,
-                "kv_bytes_peak": s.peak_bytes,
-                "peak_running": s.peak_running,
-                "page_bytes": self.page_bytes,
-                "cache_groups": self.group_stats(),
-                "kv_waste": s.kv_waste_sum / s.steps if s.steps else 0.0,
-                "block_size": self.kv_manager.block_size,
-                "backend": self.runner.backend_name,
-                "asleep": self.runner.asleep,
-                "latency": latency_stats.summary(
-                    list(s.finished_log), ttft_target_s, tpot_target_s
-                ),
-            }
-        )
+            return snapshot(self, ttft_target_s, tpot_target_s)

@@ -45,6 +45,9 @@ class RequestOutput:
     preemptions: int = 0  # times it (any of its samples) was preempted
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     error: str | None = None  # set when the request was refused or failed; the others still ran
+    # speculative decoding (prompt_lookup_num_tokens): draft tokens verified, and those accepted
+    draft_tokens_proposed: int = 0
+    draft_tokens_accepted: int = 0
     # with SamplingParams(prompt_logprobs=k): None for the first prompt token, then per token
     # (its logprob, {token: logprob} of the k most likely)
     prompt_logprobs: list | None = None
@@ -112,6 +115,8 @@ class OutputsMixin:
             max_itl=row["max_itl"] if first is not None else None,
             preemptions=row["preemptions"],
             error=error,
+            draft_tokens_proposed=root.draft_proposed,
+            draft_tokens_accepted=root.draft_accepted,
             prompt_logprobs=prompt_logprobs_output(root),
             hidden_states=torch.cat(root.hidden_states, dim=1) if root.hidden_states else None,
         )

@@ -19,6 +19,7 @@ from .schedule_output import Budget, SchedulerOutput, TierLoad
 from .scheduler_queues import QueuesMixin
 from .scheduling_policy import Fcfs
 from .sibling_prefill import blocks_in_flight, waits_for_sibling_prefill
+from .speculation import draft_for
 from .step_time import StepTimeModel
 
 if TYPE_CHECKING:
@@ -78,6 +79,8 @@ class Scheduler(QueuesMixin):
         self.lift_cap_in_throughput_calls = lift_cap_in_throughput_calls
         self.throughput_call_budget = throughput_call_budget
         self.continues_chunks = continues_chunks
+        # a hybrid's state cannot take back rejected draft tokens: its rows do not speculate
+        self.speculates = kv_manager.state is None
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order; the tail is preempted first
         self.num_preemptions = 0
@@ -154,6 +157,8 @@ class Scheduler(QueuesMixin):
             ):
                 continue
             prefill = req.num_pending_tokens > 1
+            if not prefill and self._schedule_draft(req, out, chosen, budget):
+                continue
             if prefill and budget.prefill_room is None:
                 budget.prefill_room = self._prefill_room(budget.tokens, chosen)
             n = min(req.num_pending_tokens, budget.prefill_room if prefill else budget.tokens)
@@ -176,6 +181,20 @@ class Scheduler(QueuesMixin):
                 budget.tokens -= n
                 if prefill:
                     budget.prefill_room -= n
+
+    def _schedule_draft(
+        self, req: Request, out: SchedulerOutput, chosen: dict[Request, int], budget: Budget
+    ) -> bool:
+        """A decode with its draft (paged_hf/engine/speculation.py) where it proposes one and its
+        slots fit without preempting anyone; else (False) it decodes as any other."""
+        req.draft = draft_for(req, budget.tokens) if self.speculates else []
+        n = 1 + len(req.draft)
+        if n == 1 or not self.kv_manager.allocate_slots(req, n, out.block_copies):
+            req.draft = []
+            return False
+        chosen[req] = n
+        budget.tokens -= n
+        return True
 
     def _schedule_waiting(
         self, out: SchedulerOutput, chosen: dict[Request, int], budget: Budget, now: float

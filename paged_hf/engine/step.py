@@ -19,8 +19,10 @@ from ..execution.sampler import sample
 from ..execution.stateful_mixers import decodes_from_state
 from ..requests.request import FinishReason, Request, sample_request_id
 from .binding import check_still_patched
+from .engine_stats import record_step
 from .schedule_output import SchedulerOutput
 from .scoring import score_step_rows
+from .speculation import Verified, append_accepted, verify
 
 if TYPE_CHECKING:
     from ..cache.block_manager import BlockManager
@@ -97,6 +99,7 @@ class StepMixin:
     lock: Any  # TurnLock
     ranks: Any  # paged_hf/engine/ranks.py's Ranks under tensor parallelism, else None
     _deliver: Callable[[dict[Request, int], list[Request]], list[Request]]
+    _verified: Verified  # this step's draft verifications (the tokens each drafting row takes)
 
     def step(self) -> tuple[dict[Request, int], list[Request]]:
         """One engine step; returns ({request: new token}, finished requests).
@@ -124,11 +127,13 @@ class StepMixin:
             return {}, self.scheduler.take_shed()
         decode_tokens = _decode_tokens(out)  # before the step moves the requests on
         forked: list[Request] = []
+        self._verified = Verified()
         try:
             logits, meta = self._execute(out)
             keep_hidden_states(meta)
             batch = self._rows_to_sample(logits, meta, forked)
             result = self._sample(batch)
+            self._verify_drafts(batch, result)
         except Exception as e:  # noqa: BLE001 - ends the step's requests, not the engine
             return {}, self.scheduler.take_shed() + self._fail_step(out, forked, e)
         except BaseException:
@@ -203,6 +208,16 @@ class StepMixin:
         mask = (lambda lg, errs: self.structured.apply(lg, matchers, errs)) if matchers else None
         return sample(batch.logits, batch.rows, mask)
 
+    def _verify_drafts(self, batch: _StepRows, result: Any) -> None:
+        """Drafting rows' k + 1 sampled rows become one (paged_hf/engine/speculation.py)."""
+        if len(set(map(id, batch.rows))) == len(batch.rows):
+            return
+        rows, tokens, lps, errors, self._verified = verify(
+            batch.rows, result.tokens, result.logprobs, result.errors
+        )
+        batch.rows = rows
+        result.tokens, result.logprobs, result.errors = tokens, lps, errors
+
     def _undo_step(self, out: SchedulerOutput, forked: list[Request]) -> None:
         """An interrupted step: its requests keep their tokens and recompute what was lost."""
         for victim, _ in out.swap_out:  # preempted, KV not (all) saved: recompute it
@@ -234,6 +249,7 @@ class StepMixin:
         failed += self._let_calls_choose(batch.calls, sampled)
         now = self.scheduler.clock()
         sched = self.scheduler
+        append_accepted(self._verified, now)  # draft tokens before the sampled ones
         finished = sched.update(out, sampled, now)
         finished += self._finish_prefill_only(out, failed, now)
         failed += self._check_stop_strings(sampled, finished, now)
@@ -245,7 +261,7 @@ class StepMixin:
             else:  # its last token's stop-string check failed: the output says so
                 req.finish_reason = FinishReason.ERROR
             logger.warning("paged_hf: %s", req.error)
-        self._record_step(out, sampled, decode_tokens)
+        record_step(self, out, sampled, decode_tokens)
         return sampled, finished + [req for req in failed if req not in finished]
 
     def _let_calls_choose(
@@ -416,34 +432,3 @@ class StepMixin:
         if parent.call is not None:
             parent.call.join_sample(parent, k, child)
         return child
-
-    def _record_step(self, out: Any, sampled: dict[Request, int], decode_tokens: int) -> None:
-        s, pool = self._stats, self.kv_manager.pool
-        s.prefill_tokens_computed += out.num_tokens - decode_tokens
-        s.generated_tokens += len(sampled)
-        s.steps += 1
-        used = pool.num_used
-        s.peak_blocks_used = max(s.peak_blocks_used, used)
-        s.peak_blocks_shared = max(s.peak_blocks_shared, pool.shared_refs)
-        states = (
-            self.kv_manager.state.num_used * self.state_layout.bytes_per_slot()
-            if self.kv_manager.state is not None
-            else 0
-        )
-        s.peak_bytes = max(s.peak_bytes, used * self.page_bytes + states)
-        s.peak_running = max(s.peak_running, len(out.scheduled))
-        unfilled = sum(self.kv_manager.unfilled_slots(r) for r in self.scheduler.running)
-        waste = unfilled / (used * self.kv_manager.block_size) if used else 0.0
-        s.kv_waste_sum += waste
-        s.step_log.append(
-            {
-                "step": s.steps,
-                "time": self.scheduler.clock(),
-                "running": len(self.scheduler.running),
-                "waiting": len(self.scheduler.waiting),
-                "tokens": out.num_tokens,
-                "blocks_used": used,
-                "kv_waste": waste,
-                "preempted": len(out.preempted),
-            }
-        )

@@ -132,7 +132,7 @@ class _HostLists:
         assert len(table) * bs >= end, (
             f"request {req.request_id}: {len(table)} blocks cannot hold {end} tokens"
         )
-        self.input_ids.extend(req.token_ids[start:end])
+        self.input_ids.extend(req.step_ids(start, end))
         self.positions.extend(range(start, end))
         self.slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
         n_blocks = -(-end // bs)
@@ -143,9 +143,13 @@ class _HostLists:
         self.last_page_len.append(end - (n_blocks - 1) * bs)
         self.q_lens.append(n)
         self.kv_lens.append(end)
-        if end == req.num_tokens and not req.prefill_only:
-            self.logits_indices.append(len(self.input_ids) - 1)
-            self.sampled.append(req)
+        drafted = end - req.num_tokens  # > 0: draft tokens follow its own
+        if drafted >= 0 and not req.prefill_only:
+            # a draft's verification: the logits after its pending token and after each draft
+            # token, one sampled row each (paged_hf/engine/speculation.py)
+            last = len(self.input_ids) - 1
+            self.logits_indices.extend(range(last - drafted, last + 1))
+            self.sampled.extend([req] * (drafted + 1))
         first, count = req.score_rows(start, end)
         if count:
             row0 = len(self.input_ids) - n + (req.score_start + first - start)

@@ -32,6 +32,10 @@ ENGINE_SETTINGS = (
     "stop_strings",
     "return_dict_in_generate",
 )
+# speculative decoding inside the engine (paged_hf/engine/speculation.py): greedy rows of a call
+# without callbacks; the same tokens up to near-ties
+SPECULATION_SETTINGS = ("prompt_lookup_num_tokens", "max_matching_ngram_size")
+SPECULATION_NOTE = "greedy, without criteria or processors; docs/speculative.md"
 # transformers' own processor classes, run by a joint call group; with the value at which each does nothing
 JOINT_SETTINGS = {
     "no_repeat_ngram_size": 0,
@@ -68,7 +72,6 @@ REFUSED_SETTINGS = {
     "force_words_ids": (None,),
     "constraints": (None,),
     "guidance_scale": (None, 1.0),
-    "prompt_lookup_num_tokens": (None,),
     "assistant_early_exit": (None,),
     "use_mtp": (None, False),
     "dola_layers": (None,),
@@ -93,7 +96,6 @@ NO_EFFECT_SETTINGS = {
     "num_assistant_tokens": "assisted decoding only",
     "num_assistant_tokens_schedule": "assisted decoding only",
     "assistant_confidence_threshold": "assisted decoding only",
-    "max_matching_ngram_size": "assisted decoding only",
     "assistant_lookbehind": "assisted decoding only",
     "target_lookbehind": "assisted decoding only",
     "assistant_ensemble_weight": "assisted decoding only",
@@ -119,6 +121,7 @@ def option_rows() -> dict[str, tuple[str, str]]:
     """option -> (how it runs, the note)."""
     rows: dict[str, tuple[str, str]] = {}
     rows.update((name, (ENGINE, "")) for name in ENGINE_SETTINGS)
+    rows.update((name, (ENGINE, SPECULATION_NOTE)) for name in SPECULATION_SETTINGS)
     rows.update((name, (CALLBACKS, "")) for name in JOINT_SETTINGS)
     rows.update((name, (CALLBACKS, "with do_sample")) for name in JOINT_SAMPLING_SETTINGS)
     rows.update((name, (CALLBACKS, "with return_dict_in_generate")) for name in JOINT_OUTPUTS)

@@ -115,6 +115,12 @@ def paged_generate(
         prefix_allowed_tokens_fn,
     )
     generate_embeds.refuse_reading_the_prompt(call.embeds, call.params, plan.call is not None)
+    if call.params.prompt_lookup_num_tokens and plan.call is not None:
+        raise NotImplementedError(
+            "paged_hf generate: prompt_lookup_num_tokens with stopping criteria, logits "
+            "processors, max_time or transformers-only options is not supported yet (speculation "
+            "runs the engine's own greedy rows)"
+        )
     # transformers' own processor applies the encoder penalty in a joint call
     call.params, call.eos = plan.params, plan.eos
     call.encoder_rows = call.encoder_rows and not plan.joint

@@ -47,6 +47,7 @@ class ForwardRow:
     scored: tuple[int, int]  # score_rows' answer for the step's positions
     score_start: int
     output_hidden_states: bool
+    draft: list[int]  # the leader's proposal this step, verified after its pending token
 
     @classmethod
     def of(cls, req: Request, n: int) -> ForwardRow:
@@ -55,18 +56,22 @@ class ForwardRow:
             req.request_id,
             start,
             req.num_tokens,
-            list(req.token_ids[start : start + n]),
+            req.step_ids(start, start + n),
             [list(table) for table in req.block_tables],
             req.prefill_only,
             req.score_rows(start, start + n),
             req.score_start,
             bool(req.params.output_hidden_states),
+            list(req.draft) if start + n > req.num_tokens else [],
         )
 
     # ---- the attributes the runner reads of a Request ---------------------------------------
     @property
     def token_ids(self) -> _Window:
         return _Window(self.num_computed_tokens, self.tokens)
+
+    def step_ids(self, start: int, end: int) -> list[int]:
+        return self.token_ids[start:end]
 
     @property
     def block_table(self) -> list[int]:

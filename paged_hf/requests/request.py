@@ -130,6 +130,11 @@ class Request:
     # the forward at the prompt's positions instead of its token ids' embeddings
     prompt_embeds: Any = None
     embeds_key: str | None = None  # a digest of their bytes: equal embeddings share cached KV
+    # speculative decoding: the tokens proposed to follow its own, verified by this step's
+    # forward after its pending token (paged_hf/engine/speculation.py); counts over its life
+    draft: list = field(default_factory=list)
+    draft_proposed: int = 0
+    draft_accepted: int = 0
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_ids)
@@ -154,6 +159,12 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - len(self.prompt_ids)
+
+    def step_ids(self, start: int, end: int) -> list[int]:
+        """The tokens at positions [start, end): its own, then its draft's."""
+        if end <= len(self.token_ids):
+            return self.token_ids[start:end]
+        return (self.token_ids + self.draft)[start:end]
 
     @property
     def num_pending_tokens(self) -> int:

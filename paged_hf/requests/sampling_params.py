@@ -98,6 +98,12 @@ class SamplingParams:
     # and each generated token's but the last (transformers' output_hidden_states); only requests
     # that ask pay, and they compute their whole prompt (the prefix cache keeps no hidden states)
     output_hidden_states: bool = False
+    # speculative decoding by prompt lookup (transformers' prompt_lookup_num_tokens): each decode
+    # step proposes up to this many tokens, those that followed an earlier match of the last
+    # tokens (up to max_matching_ngram_size of them) in the prompt and output, and one forward
+    # verifies them; greedy rows (docs/speculative.md)
+    prompt_lookup_num_tokens: int = 0
+    max_matching_ngram_size: int = 2
 
     def __post_init__(self) -> None:
         # its text is the key compiled grammars are cached by
@@ -283,6 +289,39 @@ class SamplingParams:
                 f"{who}: output_hidden_states with n={self.n} parallel samples is not supported "
                 "(one sample a request)"
             )
+        self._check_speculation(who)
+
+    def _check_speculation(self, who: str) -> None:
+        """Prompt lookup's sizes, and what it does not run with yet (refused by name)."""
+        k, ngram = self.prompt_lookup_num_tokens, self.max_matching_ngram_size
+        if not _is_int(k) or k < 0:
+            raise _bad(who, "prompt_lookup_num_tokens", k, "an integer >= 0")
+        if not _is_int(ngram) or ngram < 1:
+            raise _bad(who, "max_matching_ngram_size", ngram, "an integer >= 1")
+        if not k:
+            return
+        unsupported = [
+            name
+            for name, applies in (
+                (f"temperature={self.temperature}", not self.is_greedy),
+                (f"n={self.n}", self.n > 1),
+                ("logprobs", self.logprobs is not None),
+                ("prompt_logprobs", self.prompt_logprobs is not None),
+                ("repetition_penalty", self.repetition_penalty != 1.0),
+                ("encoder_repetition_penalty", self.encoder_repetition_penalty != 1.0),
+                ("suppress_tokens", bool(self.suppress_tokens)),
+                ("logits_processors", bool(self.logits_processors)),
+                ("stop strings", bool(self.stop)),
+                ("structured outputs", self.constraint is not None),
+                ("output_hidden_states", self.output_hidden_states),
+            )
+            if applies
+        ]
+        if unsupported:
+            raise NotImplementedError(
+                f"{who}: prompt_lookup_num_tokens with {', '.join(unsupported)} is not supported "
+                "yet (speculation runs greedy rows whose processors read no history)"
+            )
 
     @property
     def is_greedy(self) -> bool:
@@ -336,6 +375,10 @@ class SamplingParams:
         for name in ("suppress_tokens", "begin_suppress_tokens"):
             if getattr(gc, name, None):
                 kw[name] = tuple(getattr(gc, name))
+        if getattr(gc, "prompt_lookup_num_tokens", None):
+            kw["prompt_lookup_num_tokens"] = int(gc.prompt_lookup_num_tokens)
+            # transformers' PromptLookupCandidateGenerator: 2 where unset
+            kw["max_matching_ngram_size"] = int(getattr(gc, "max_matching_ngram_size", None) or 2)
         kw.update(overrides)
         names = {f.name for f in fields(cls)}
         unknown = set(kw) - names

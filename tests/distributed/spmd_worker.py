@@ -30,6 +30,10 @@ def run(job: dict, rank: int) -> dict:
     hits = engine.stats()["prefix_hit_tokens"]
     out["again"] = outcome(lambda: generate(do_sample=False))
     out["hits_again"] = engine.stats()["prefix_hit_tokens"] - hits
+    # speculation: the leader's drafts reach the followers' forwards with the step's tokens
+    proposed = engine.stats()["draft_tokens_proposed"]
+    out["lookup"] = outcome(lambda: generate(do_sample=False, prompt_lookup_num_tokens=3))
+    out["lookup_proposed"] = engine.stats()["draft_tokens_proposed"] - proposed
     # sampling: rank 0 samples, every rank returns its tokens (each rank seeds its own generator)
     torch.manual_seed(1000 + rank)
     out["sampled"] = outcome(lambda: generate(do_sample=True, top_k=0, temperature=1.0))

@@ -57,7 +57,7 @@ def through_eos(rows: list[list[int]]) -> list[list[int]]:
     return [row[: row.index(EOS_ID) + 1] if EOS_ID in row else row for row in rows]
 
 
-@pytest.mark.parametrize("call", ["greedy", "again", "after_bad"])
+@pytest.mark.parametrize("call", ["greedy", "again", "after_bad", "lookup"])
 def test_every_rank_generates_the_unsharded_tokens(ranks, call):
     oracle, results = ranks
     for rank, r in enumerate(results):
@@ -78,6 +78,7 @@ def test_rank_zero_schedules_and_the_others_follow(ranks, request):
     _, (leader, follower) = ranks
     assert leader["steps"] > 0 and follower["steps"] == 0
     assert leader["hits_again"] > 0
+    assert leader["lookup_proposed"] > 0  # the prompt-lookup call speculated
     if "llama" in request.node.callspec.id:
         assert leader["preemptions"] > 0
     assert leader["blocks_used"] == follower["blocks_used"] == 0

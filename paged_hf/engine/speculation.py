@@ -1,0 +1,93 @@
+"""Speculative decoding by prompt lookup, inside the continuous batch.
+
+A decoding request whose params ask for it (``prompt_lookup_num_tokens``) proposes up to k
+tokens (paged_hf/requests/prompt_lookup.py) when it is scheduled, and the step computes its
+pending token and the draft as one chunk: its KV slots and the token budget count them, and the
+forward keeps the logits after each of the k + 1 positions. Greedy rows take the longest prefix
+of the draft that those logits' own choices repeat, and the next choice after it: the tokens a
+step at a time would pick, up to the rounding of a chunk against single steps (near-ties). The KV
+of the rejected positions is left behind the request's count of computed tokens, where its next
+tokens overwrite it; the prefix index only ever takes blocks below that count.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..requests.prompt_lookup import propose
+from ..requests.request import Request
+
+
+def draft_for(req: Request, budget: int) -> list[int]:
+    """The tokens ``req`` proposes this step: none unless it decodes, its params ask, and the
+    budget, its length limits and its processors leave room for them."""
+    p = req.params
+    if not p.prompt_lookup_num_tokens or req.num_pending_tokens != 1 or req.call is not None:
+        return []
+    out = req.num_output_tokens
+    room = min(
+        p.prompt_lookup_num_tokens,
+        budget - 1,
+        p.max_new_tokens - out - 1,  # the step appends up to k + 1 tokens
+        req.max_model_len - req.num_tokens - 1,
+    )
+    if out < p.min_new_tokens:  # EOS banned at all k + 1 positions, as the sampler bans it now
+        room = min(room, p.min_new_tokens - out - 1)
+    if room <= 0:
+        return []
+    stops = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else req.eos_token_ids)
+    return propose(req.token_ids, room, p.max_matching_ngram_size, stops)
+
+
+@dataclass
+class Verified:
+    """A step's verifications: per drafting request, the tokens it takes before its sampled one."""
+
+    accepted: dict[Request, list[int]] = field(default_factory=dict)
+    proposed: int = 0
+    taken: int = 0
+
+
+def verify(rows: list[Request], tokens: list, logprobs: list, errors: dict) -> tuple:
+    """Collapse each drafting request's k + 1 sampled rows (consecutive, in ``rows``) into one: its
+    last kept choice, with the choices before it as accepted draft tokens; roll its computed
+    tokens back to the accepted ones. Returns (rows, tokens, logprobs, errors, Verified)."""
+    out_rows: list[Request] = []
+    out_tokens: list = []
+    out_lp: list = []
+    out_errors: dict[int, str] = {}
+    verified = Verified()
+    i = 0
+    while i < len(rows):
+        req = rows[i]
+        k = len(req.draft) if i + 1 < len(rows) and rows[i + 1] is req else 0
+        span = range(i, i + k + 1)
+        failed = next((j for j in span if tokens[j] is None), None)
+        if failed is not None:
+            out_errors[len(out_rows)] = errors[failed]
+            chosen, m = None, 0
+        else:
+            m = next((j for j in range(k) if tokens[i + j] != req.draft[j]), k)
+            chosen = tokens[i + m]
+            if k:
+                verified.accepted[req] = [tokens[i + j] for j in range(m)]
+        if k:
+            req.num_computed_tokens -= k - m  # the rejected positions' KV is left behind
+            req.draft_proposed += k
+            req.draft_accepted += m
+            verified.proposed += k
+            verified.taken += m
+        out_rows.append(req)
+        out_tokens.append(chosen)
+        out_lp.append(logprobs[i + m] if chosen is not None else None)
+        i += k + 1
+    return out_rows, out_tokens, out_lp, out_errors, verified
+
+
+def append_accepted(verified: Verified, now: float) -> None:
+    """Append each request's accepted draft tokens, before its sampled one. None ends it: a draft
+    holds no EOS or stop id and leaves room for the sampled token (``draft_for``)."""
+    for req, tokens in verified.accepted.items():
+        for tok in tokens:
+            if req.append_token(tok, now):
+                raise AssertionError(f"request {req.request_id}: a draft token ended it")

@@ -1,0 +1,184 @@
+"""Speculative decoding by prompt lookup (issue 58): each decode step of a speculating row
+verifies its proposal in the same forward as its pending token. Greedy rows give the tokens a
+plain run gives and transformers' greedy ``generate`` picks (teacher-forced, fp32), on three
+families, in one batch with rows of other proposal sizes and none, through EOS and length limits
+that fall inside a proposal, under preemption and from the prefix cache; after every step each
+page's refcount is its holders and the prefix index holds no rejected token's KV. The proposer is
+transformers' ``PromptLookupCandidateGenerator``'s choice."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+from engine_state import assert_clean, checked
+from oracle import assert_teacher_forced
+from tiny_models import make_tiny_model
+
+import paged_hf
+from paged_hf import SamplingParams
+from paged_hf.requests.prompt_lookup import propose
+
+NEW = 24
+
+
+def repetitive_prompts(vocab: int, seed: int = 0) -> list[list[int]]:
+    """Prompts whose tails recur, so that lookups find matches (and tiny random models, which
+    repeat themselves, accept some)."""
+    g = torch.Generator().manual_seed(seed)
+    motif = torch.randint(4, vocab, (7,), generator=g).tolist()
+    other = torch.randint(4, vocab, (9,), generator=g).tolist()
+    return [
+        motif * 4,
+        other + motif * 2 + other[:3],
+        torch.randint(4, vocab, (21,), generator=g).tolist(),
+    ]
+
+
+def run(model, prompts, params, **config) -> tuple[list[list[int]], paged_hf.Engine]:
+    engine = checked(paged_hf.Engine(model, block_size=4, **config))
+    outs = engine.generate(prompts, params)
+    assert all(o.error is None for o in outs), [o.error for o in outs]
+    return [o.token_ids for o in outs], engine
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3", "gemma2"])
+def model(request):
+    return make_tiny_model(request.param)
+
+
+def test_greedy_prompt_lookup_gives_the_plain_tokens(model):
+    prompts = repetitive_prompts(model.config.vocab_size)
+    plain, _ = run(model, prompts, SamplingParams(max_new_tokens=NEW, ignore_eos=True))
+    # one batch: rows proposing up to 8, 3 and no tokens
+    ks = [8, 3, 0]
+    params = [
+        SamplingParams(max_new_tokens=NEW, ignore_eos=True, prompt_lookup_num_tokens=k) for k in ks
+    ]
+    spec, engine = run(model, prompts, params)
+    assert spec == plain
+    for prompt, tokens in zip(prompts, spec):
+        assert_teacher_forced(model, prompt, tokens, what="prompt lookup")
+    stats = engine.stats()
+    assert stats["draft_tokens_proposed"] > 0
+    outs = engine.generate(prompts, params)  # per request: none proposed where k is 0
+    assert [o.draft_tokens_proposed > 0 for o in outs] == [True, True, False]
+    after = engine.stats()
+    for key in ("draft_tokens_proposed", "draft_tokens_accepted"):
+        assert sum(getattr(o, key) for o in outs) == after[key] - stats[key]
+    assert_clean(engine)
+
+
+def test_rows_end_on_eos_and_length_inside_a_proposal():
+    """EOS: the token the plain runs emit most; lengths not a multiple of k; EOS banned up to
+    min_new_tokens, whose boundary a proposal must not straddle (the ban is the step's)."""
+    model = make_tiny_model("llama")
+    prompts = repetitive_prompts(model.config.vocab_size, seed=1)
+    plain, _ = run(model, prompts, SamplingParams(max_new_tokens=NEW, ignore_eos=True))
+    counts = Counter(t for row in plain for t in row)
+    eos = [counts.most_common(1)[0][0]]
+    for new, least in [(5, 0), (11, 0), (NEW, 0)] + [(NEW, m) for m in range(2, 14)]:
+        base = dict(max_new_tokens=new, min_new_tokens=least, stop_token_ids=eos)
+        want, _ = run(model, prompts, SamplingParams(**base))
+        got, engine = run(model, prompts, SamplingParams(**base, prompt_lookup_num_tokens=6))
+        assert got == want, (new, least)
+        assert all(len(t) <= new for t in got)
+        assert_clean(engine)
+
+
+def test_preemption_and_prefix_hits_on_speculating_rows():
+    model = make_tiny_model("llama")
+    prompts = repetitive_prompts(model.config.vocab_size, seed=2)
+    params = SamplingParams(max_new_tokens=NEW, ignore_eos=True, prompt_lookup_num_tokens=5)
+    plain, _ = run(model, prompts, SamplingParams(max_new_tokens=NEW, ignore_eos=True))
+    # a pool too small for every row at once: rows preempt one another and recompute
+    small, engine = run(model, prompts, params, num_blocks=14, max_num_seqs=3)
+    assert small == plain and engine.stats()["preemptions"] > 0
+    # the second time from the prefix cache; then prompts that run into the first outputs, whose
+    # cached blocks must hold only verified tokens' KV (a fresh engine is the reference)
+    engine = checked(paged_hf.Engine(model, block_size=4))
+    first = [o.token_ids for o in engine.generate(prompts, params)]
+    again = [o.token_ids for o in engine.generate(prompts, params)]
+    assert first == again == plain and engine.stats()["prefix_hit_tokens"] > 0
+    longer = [p + t[:13] for p, t in zip(prompts, first)]
+    hits = engine.stats()["prefix_hit_tokens"]
+    cached = [o.token_ids for o in engine.generate(longer, params)]
+    assert engine.stats()["prefix_hit_tokens"] - hits >= 3 * 12  # through the first outputs
+    assert cached == run(model, longer, SamplingParams(max_new_tokens=NEW, ignore_eos=True))[0]
+    assert_clean(engine)
+
+
+def test_watches_hear_every_accepted_token_in_order():
+    model = make_tiny_model("llama")
+    prompts = repetitive_prompts(model.config.vocab_size)
+    heard: dict[str, list[int]] = {}
+    engine = paged_hf.Engine(model, block_size=4)
+    outs = engine.generate(
+        prompts,
+        SamplingParams(max_new_tokens=NEW, ignore_eos=True, prompt_lookup_num_tokens=6),
+        on_token=lambda rid, tok: heard.setdefault(rid, []).append(tok),
+    )
+    assert engine.stats()["draft_tokens_accepted"] > 0
+    assert [heard[o.request_id] for o in outs] == [o.token_ids for o in outs]
+
+
+@pytest.mark.parametrize(
+    "what",
+    [
+        dict(temperature=0.8),
+        dict(n=2),
+        dict(logprobs=1),
+        dict(repetition_penalty=1.1),
+        dict(stop=["x"]),
+        dict(output_hidden_states=True),
+    ],
+)
+def test_what_speculation_does_not_run_yet_is_refused_by_name(what):
+    name = next(iter(what))
+    with pytest.raises(NotImplementedError, match=f"prompt_lookup_num_tokens with {name}"):
+        SamplingParams(prompt_lookup_num_tokens=3, **what)
+
+
+def test_the_proposal_is_transformers_prompt_lookup_candidates():
+    from transformers.generation.candidate_generator import PromptLookupCandidateGenerator
+
+    g = torch.Generator().manual_seed(3)
+    for trial in range(200):
+        length = int(torch.randint(2, 40, (1,), generator=g))
+        tokens = torch.randint(0, 6, (length,), generator=g).tolist()
+        k, ngram = (
+            int(torch.randint(1, 8, (1,), generator=g)),
+            int(torch.randint(1, 4, (1,), generator=g)),
+        )
+        eos = [5]
+        theirs = PromptLookupCandidateGenerator(
+            eos_token_id=torch.tensor(eos),
+            num_output_tokens=k,
+            max_matching_ngram_size=ngram,
+            max_length=1000,
+        )
+        candidates, _ = theirs.get_candidates(torch.tensor([tokens]))
+        expected = candidates[0, length:].tolist()
+        assert propose(tokens, k, ngram, frozenset(eos)) == expected, (tokens, k, ngram)
+
+
+def test_a_proposal_stops_short_of_the_limits_the_step_would_cross():
+    """At most k; room for the sampled token within max_new_tokens and max_model_len; and all of
+    it on one side of min_new_tokens (the sampler bans EOS for the whole step, or for none of it)."""
+    from paged_hf.engine.speculation import draft_for
+    from paged_hf.requests.request import Request
+
+    def draft(outputs: int, budget: int = 100, max_len: int = 1 << 30, **params) -> list[int]:
+        req = Request("r", [1, 2, 3] * 20, SamplingParams(prompt_lookup_num_tokens=10, **params))
+        req.max_model_len = max_len
+        req.token_ids += [1, 2, 3, 1][:outputs]
+        req.num_computed_tokens = req.num_tokens - 1
+        return draft_for(req, budget)
+
+    assert len(draft(outputs=2)) == 10
+    assert len(draft(outputs=2, budget=4)) == 3
+    assert len(draft(outputs=2, max_new_tokens=7)) == 4  # 2 + 4 drafted + 1 sampled = 7
+    assert len(draft(outputs=2, max_len=70)) == 7  # 62 tokens + 7 drafted + 1 sampled = 70
+    assert len(draft(outputs=2, min_new_tokens=6)) == 3  # outputs 2..5 banned alike
+    assert len(draft(outputs=4, min_new_tokens=4)) == 10
