@@ -105,11 +105,16 @@ def main() -> None:
                 )
                 for mode in ("plain", "prompt lookup")
             }
+            before = engine.stats()
             runs = timed(batch, args.repeat)
-            print(f"\nbatch {b}, {name}: one call of {b} prompts")
+            drafts = {key: engine.stats()[key] - before[key] for key in DRAFT_KEYS}
+            print(f"\nbatch {b}, {name}: one call of {b} prompts; drafted {drafts}")
             print(table(runs, b * n, "plain"))
-            rows[f"batch {b} {name}"] = summary(runs, b * n)
+            rows[f"batch {b} {name}"] = dict(summary(runs, b * n), **drafts)
     common.write_json(args.out, dict(k=k, new_tokens=n, dtype=args.dtype, rows=rows))
+
+
+DRAFT_KEYS = ("draft_tokens_proposed", "draft_tokens_accepted")
 
 
 def timed(ways: dict, repeat: int) -> dict:

@@ -19,7 +19,7 @@ from .schedule_output import Budget, SchedulerOutput, TierLoad
 from .scheduler_queues import QueuesMixin
 from .scheduling_policy import Fcfs
 from .sibling_prefill import blocks_in_flight, waits_for_sibling_prefill
-from .speculation import draft_for
+from .speculation import draft_costs, draft_for
 from .step_time import StepTimeModel
 
 if TYPE_CHECKING:
@@ -81,6 +81,7 @@ class Scheduler(QueuesMixin):
         self.continues_chunks = continues_chunks
         # a hybrid's state cannot take back rejected draft tokens: its rows do not speculate
         self.speculates = kv_manager.state is None
+        self._decode_rows, self._draft_costs = 0, None  # this step's (set as it schedules)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order; the tail is preempted first
         self.num_preemptions = 0
@@ -129,6 +130,9 @@ class Scheduler(QueuesMixin):
             (r for r in self.waiting if not _waits_for_call(r)), now
         )
         decodes = [r for r in self.running if r.num_pending_tokens == 1]
+        # what a drafted token costs this step against what a taken one saves
+        self._decode_rows = len(decodes)
+        self._draft_costs = draft_costs(self.step_time.coef, len(decodes))
         prefills = sorted(
             (r for r in self.running if r.num_pending_tokens > 1), key=lambda r: urgency(r, now)
         )
@@ -187,7 +191,9 @@ class Scheduler(QueuesMixin):
     ) -> bool:
         """A decode with its draft (paged_hf/engine/speculation.py) where it proposes one and its
         slots fit without preempting anyone; else (False) it decodes as any other."""
-        req.draft = draft_for(req, budget.tokens) if self.speculates else []
+        costs = self._draft_costs
+        rows = self._decode_rows
+        req.draft = draft_for(req, budget.tokens, costs, rows) if self.speculates else []
         n = 1 + len(req.draft)
         if n == 1 or not self.kv_manager.allocate_slots(req, n, out.block_copies):
             req.draft = []

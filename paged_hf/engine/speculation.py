@@ -18,9 +18,55 @@ from ..requests.prompt_lookup import propose
 from ..requests.request import Request
 
 
-def draft_for(req: Request, budget: int) -> list[int]:
-    """The tokens ``req`` proposes this step: none unless it decodes, its params ask, and the
-    budget, its length limits and its processors leave room for them."""
+@dataclass(frozen=True)
+class DraftCosts:
+    """What a step's tokens cost (paged_hf/engine/step_time.py's fit of this engine's steps):
+    ``token_s`` is the plain step's time over the rows it decodes (what one written token costs
+    now), ``per_token`` what a token of a chunk adds, ``per_row`` what a decoding row adds."""
+
+    token_s: float
+    per_token: float
+    per_row: float
+
+    def best_length(self, alpha: float, k: int) -> int:
+        """The draft length whose expected taken tokens (a chain: the j-th is taken with
+        probability ``alpha`` ** j) are worth the most over what its positions add to the step."""
+        best, best_gain, expected = 0, 0.0, 0.0
+        for d in range(1, k + 1):
+            expected += alpha**d
+            gain = expected * self.token_s - ((d + 1) * self.per_token - self.per_row)
+            if gain > best_gain:
+                best, best_gain = d, gain
+        return best
+
+
+def draft_costs(coef: tuple[float, float, float] | None, decode_rows: int) -> DraftCosts | None:
+    """The costs of a step of ``decode_rows`` decodes from the step-time fit; None while there is
+    none (then rows draft only in a step of at most ``UNFITTED_ROWS``)."""
+    if coef is None or decode_rows == 0:
+        return None
+    base, per_row, per_token = coef
+    token_s = (base + per_row * decode_rows) / decode_rows * TAKEN_VALUE
+    return DraftCosts(token_s, per_token, per_row)
+
+
+# A taken token is valued at this share of what a written token costs the step: rows finish at
+# different steps once they draft, and the last rows of a call run in thin steps, so the call
+# saves less than the tokens' share of steps (bench_speculative.py: at a full share, 32 rows of
+# edits ran 0.86x of plain; docs/speculative.md)
+TAKEN_VALUE = 0.5
+UNFITTED_ROWS = 2  # before the engine has timed its steps: a notebook's call or two, where a step is its overhead
+
+
+def acceptance(req: Request) -> float:
+    """The chance its next draft token is taken: taken tokens over those and the verifications
+    that stopped short (a geometric chain's estimate), from one of each before any."""
+    return (req.draft_accepted + 1) / (req.draft_accepted + req.draft_rejections + 2)
+
+
+def draft_for(req: Request, budget: int, costs: DraftCosts | None, decode_rows: int) -> list[int]:
+    """The tokens ``req`` proposes this step: none unless it decodes, its params ask, the budget,
+    its length limits and its processors leave room, and the step's costs say they pay."""
     p = req.params
     if not p.prompt_lookup_num_tokens or req.num_pending_tokens != 1 or req.call is not None:
         return []
@@ -33,6 +79,10 @@ def draft_for(req: Request, budget: int) -> list[int]:
     )
     if out < p.min_new_tokens:  # EOS banned at all k + 1 positions, as the sampler bans it now
         room = min(room, p.min_new_tokens - out - 1)
+    if costs is not None:
+        room = min(room, costs.best_length(acceptance(req), room))
+    elif decode_rows > UNFITTED_ROWS:
+        return []
     if room <= 0:
         return []
     stops = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else req.eos_token_ids)
@@ -75,6 +125,7 @@ def verify(rows: list[Request], tokens: list, logprobs: list, errors: dict) -> t
             req.num_computed_tokens -= k - m  # the rejected positions' KV is left behind
             req.draft_proposed += k
             req.draft_accepted += m
+            req.draft_rejections += m < k
             verified.proposed += k
             verified.taken += m
         out_rows.append(req)

@@ -135,6 +135,7 @@ class Request:
     draft: list = field(default_factory=list)
     draft_proposed: int = 0
     draft_accepted: int = 0
+    draft_rejections: int = 0  # verifications that stopped short of the draft's end
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_ids)

@@ -36,8 +36,16 @@ def repetitive_prompts(vocab: int, seed: int = 0) -> list[list[int]]:
     ]
 
 
+def drafting_pays(engine: paged_hf.Engine) -> paged_hf.Engine:
+    """The engine's step costs pinned where every draft pays (a step 20 ms, a drafted token a
+    microsecond), so that rows draft whatever the machine: these tests check what drafts do."""
+    engine.scheduler.step_time.coef = (0.02, 0.0, 1e-6)
+    engine.scheduler.step_time.observe = lambda *args: None
+    return engine
+
+
 def run(model, prompts, params, **config) -> tuple[list[list[int]], paged_hf.Engine]:
-    engine = checked(paged_hf.Engine(model, block_size=4, **config))
+    engine = drafting_pays(checked(paged_hf.Engine(model, block_size=4, **config)))
     outs = engine.generate(prompts, params)
     assert all(o.error is None for o in outs), [o.error for o in outs]
     return [o.token_ids for o in outs], engine
@@ -97,7 +105,7 @@ def test_preemption_and_prefix_hits_on_speculating_rows():
     assert small == plain and engine.stats()["preemptions"] > 0
     # the second time from the prefix cache; then prompts that run into the first outputs, whose
     # cached blocks must hold only verified tokens' KV (a fresh engine is the reference)
-    engine = checked(paged_hf.Engine(model, block_size=4))
+    engine = drafting_pays(checked(paged_hf.Engine(model, block_size=4)))
     first = [o.token_ids for o in engine.generate(prompts, params)]
     again = [o.token_ids for o in engine.generate(prompts, params)]
     assert first == again == plain and engine.stats()["prefix_hit_tokens"] > 0
@@ -113,7 +121,7 @@ def test_watches_hear_every_accepted_token_in_order():
     model = make_tiny_model("llama")
     prompts = repetitive_prompts(model.config.vocab_size)
     heard: dict[str, list[int]] = {}
-    engine = paged_hf.Engine(model, block_size=4)
+    engine = drafting_pays(paged_hf.Engine(model, block_size=4))
     outs = engine.generate(
         prompts,
         SamplingParams(max_new_tokens=NEW, ignore_eos=True, prompt_lookup_num_tokens=6),
@@ -174,7 +182,7 @@ def test_a_proposal_stops_short_of_the_limits_the_step_would_cross():
         req.max_model_len = max_len
         req.token_ids += [1, 2, 3, 1][:outputs]
         req.num_computed_tokens = req.num_tokens - 1
-        return draft_for(req, budget)
+        return draft_for(req, budget, None, decode_rows=1)
 
     assert len(draft(outputs=2)) == 10
     assert len(draft(outputs=2, budget=4)) == 3
@@ -182,3 +190,29 @@ def test_a_proposal_stops_short_of_the_limits_the_step_would_cross():
     assert len(draft(outputs=2, max_len=70)) == 7  # 62 tokens + 7 drafted + 1 sampled = 70
     assert len(draft(outputs=2, min_new_tokens=6)) == 3  # outputs 2..5 banned alike
     assert len(draft(outputs=4, min_new_tokens=4)) == 10
+
+
+def test_drafts_are_as_long_as_their_expected_tokens_pay_for():
+    """A drafted token is worth its chance of being taken times what a written token costs the
+    step now; it costs what its position adds. Long drafts where steps are overhead (one row) and
+    acceptance high; none where a chunk's token costs what a decoding row's does, or for rows that
+    are rarely right; none in a step of many rows before the engine has timed its steps."""
+    from paged_hf.engine.speculation import TAKEN_VALUE, DraftCosts, draft_costs, draft_for
+    from paged_hf.requests.request import Request
+
+    one_row = draft_costs((0.020, 0.001, 0.0002), decode_rows=1)  # 21 ms a step, 0.2 ms a token
+    assert one_row.token_s == pytest.approx(0.021 * TAKEN_VALUE)
+    assert one_row.best_length(0.9, 10) == 10 and 3 <= one_row.best_length(0.5, 10) < 10
+    many = draft_costs((0.010, 0.0004, 0.0003), decode_rows=32)  # 0.71 ms a written token
+    assert many.best_length(0.99, 10) > 0 and many.best_length(0.5, 10) == 0
+    # the arithmetic: token j is worth alpha ** j written tokens, a draft of d costs d + 1 chunk
+    # tokens in place of one decoding row
+    assert DraftCosts(0.001, 0.0005, 0.0004).best_length(0.9, 10) == 6
+    assert DraftCosts(0.001, 0.002, 0.001).best_length(0.99, 10) == 0
+    req = Request("r", [1, 2, 3] * 20, SamplingParams(prompt_lookup_num_tokens=10))
+    req.token_ids.append(1)
+    req.num_computed_tokens = req.num_tokens - 1
+    assert len(draft_for(req, 100, None, decode_rows=2)) == 10
+    assert draft_for(req, 100, None, decode_rows=3) == []
+    req.draft_rejections = 40  # acceptance (0 + 1) / 42: not worth one token among 32 rows
+    assert draft_for(req, 100, many, decode_rows=32) == []
