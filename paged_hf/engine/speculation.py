@@ -3,9 +3,12 @@
 A decoding request whose params ask for it (``prompt_lookup_num_tokens``) proposes up to k
 tokens (paged_hf/requests/prompt_lookup.py) when it is scheduled, and the step computes its
 pending token and the draft as one chunk: its KV slots and the token budget count them, and the
-forward keeps the logits after each of the k + 1 positions. Greedy rows take the longest prefix
-of the draft that those logits' own choices repeat, and the next choice after it: the tokens a
-step at a time would pick, up to the rounding of a chunk against single steps (near-ties). The KV
+forward keeps the logits after each of the k + 1 positions, and the sampler picks a token at each
+as a plain step would. The row takes the longest prefix of the draft those picks repeat, and the
+pick after it: greedy, the tokens a step at a time would pick, up to the rounding of a chunk
+against single steps (near-ties); sampled, each token drawn from the model's distribution after
+the ones before it (a draft token is taken with its probability, else the draw is kept: the
+rejection rule of speculative sampling for a proposal of one token, exact in distribution). The KV
 of the rejected positions is left behind the request's count of computed tokens, where its next
 tokens overwrite it; the prefix index only ever takes blocks below that count.
 """

@@ -32,10 +32,10 @@ ENGINE_SETTINGS = (
     "stop_strings",
     "return_dict_in_generate",
 )
-# speculative decoding inside the engine (paged_hf/engine/speculation.py): greedy rows of a call
-# without callbacks; the same tokens up to near-ties
+# speculative decoding inside the engine (paged_hf/engine/speculation.py): rows of a call without
+# callbacks; greedy, the same tokens up to near-ties; sampled, the same distribution
 SPECULATION_SETTINGS = ("prompt_lookup_num_tokens", "max_matching_ngram_size")
-SPECULATION_NOTE = "greedy, without criteria or processors; docs/speculative.md"
+SPECULATION_NOTE = "without criteria or processors; docs/speculative.md"
 # transformers' own processor classes, run by a joint call group; with the value at which each does nothing
 JOINT_SETTINGS = {
     "no_repeat_ngram_size": 0,

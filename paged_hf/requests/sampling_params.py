@@ -101,7 +101,7 @@ class SamplingParams:
     # speculative decoding by prompt lookup (transformers' prompt_lookup_num_tokens): each decode
     # step proposes up to this many tokens, those that followed an earlier match of the last
     # tokens (up to max_matching_ngram_size of them) in the prompt and output, and one forward
-    # verifies them; greedy rows (docs/speculative.md)
+    # verifies them; greedy or sampled (docs/speculative.md)
     prompt_lookup_num_tokens: int = 0
     max_matching_ngram_size: int = 2
 
@@ -303,7 +303,6 @@ class SamplingParams:
         unsupported = [
             name
             for name, applies in (
-                (f"temperature={self.temperature}", not self.is_greedy),
                 (f"n={self.n}", self.n > 1),
                 ("logprobs", self.logprobs is not None),
                 ("prompt_logprobs", self.prompt_logprobs is not None),
@@ -320,7 +319,7 @@ class SamplingParams:
         if unsupported:
             raise NotImplementedError(
                 f"{who}: prompt_lookup_num_tokens with {', '.join(unsupported)} is not supported "
-                "yet (speculation runs greedy rows whose processors read no history)"
+                "yet (speculation runs rows whose processors read no history)"
             )
 
     @property

@@ -134,7 +134,6 @@ def test_watches_hear_every_accepted_token_in_order():
 @pytest.mark.parametrize(
     "what",
     [
-        dict(temperature=0.8),
         dict(n=2),
         dict(logprobs=1),
         dict(repetition_penalty=1.1),
@@ -216,3 +215,48 @@ def test_drafts_are_as_long_as_their_expected_tokens_pay_for():
     assert draft_for(req, 100, None, decode_rows=3) == []
     req.draft_rejections = 40  # acceptance (0 + 1) / 42: not worth one token among 32 rows
     assert draft_for(req, 100, many, decode_rows=32) == []
+
+
+def test_sampled_rows_keep_the_models_distribution(monkeypatch):
+    """Sampling with a draft: a draft token is taken when the position's draw picks it, else the
+    draw is kept, so each token is drawn from the model's distribution after the ones before it.
+    The second token's draft is the likeliest one after the first (proposer pinned, so that both
+    taking and keeping the draw happen often); (first, second) over 4000 rows against the model's
+    own probabilities (temperature 0.8, top-k 3: 9 outcomes), chi-square at p = 0.001."""
+    import paged_hf.engine.speculation as speculation
+
+    model = make_tiny_model("llama")
+    prompt = repetitive_prompts(model.config.vocab_size)[2][:6]
+    temperature, top_k, rows = 0.8, 3, 4000
+
+    @torch.no_grad()
+    def dist(ids: list[int]) -> dict[int, float]:
+        logits = model(torch.tensor([ids])).logits[0, -1] / temperature
+        top = torch.topk(logits, top_k)
+        return dict(zip(top.indices.tolist(), top.values.softmax(-1).tolist()))
+
+    first = dist(prompt)
+    second = {t: dist(prompt + [t]) for t in first}
+    likeliest = {t: max(d, key=d.get) for t, d in second.items()}
+    monkeypatch.setattr(
+        speculation,
+        "propose",
+        lambda tokens, k, ngram, stops: [likeliest[tokens[-1]]] if len(tokens) == 7 else [],
+    )
+    engine = drafting_pays(paged_hf.Engine(model, block_size=4, max_num_seqs=256))
+    params = SamplingParams(
+        temperature=temperature, top_k=top_k, max_new_tokens=3, prompt_lookup_num_tokens=1
+    )
+    torch.manual_seed(0)
+    outs = engine.generate([prompt] * rows, params)
+    counts = Counter((o.token_ids[0], o.token_ids[1]) for o in outs)
+    stats = engine.stats()
+    assert stats["draft_tokens_proposed"] == rows
+    assert 0.2 * rows < stats["draft_tokens_accepted"] < 0.95 * rows  # both ways, often
+    chi2 = 0.0
+    for t1, p1 in first.items():
+        for t2, p2 in second[t1].items():
+            expected = rows * p1 * p2
+            chi2 += (counts.pop((t1, t2), 0) - expected) ** 2 / expected
+    assert not counts, f"outcomes the model cannot give: {counts}"
+    assert chi2 < 26.12, f"chi-square {chi2:.1f} over 8 degrees of freedom"  # p = 0.001
