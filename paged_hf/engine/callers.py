@@ -60,12 +60,12 @@ class CallersMixin:
         if not self._watches:
             return failed
         drafts = self._verified.accepted  # speculation's accepted tokens come first
-        for req, last in sampled.items():
+        for req in dict.fromkeys([*drafts, *sampled]):  # a stop string may end one at a draft
             watch = self._watches.get(req.parent or req)
             if watch is None or watch.on_token is None:
                 continue
             try:
-                for tok in [*drafts.get(req, ()), last]:
+                for tok in [*drafts.get(req, ()), *([sampled[req]] if req in sampled else [])]:
                     watch.on_token(req.request_id, tok)
             except Exception as e:  # noqa: BLE001 - the callback's failure is its request's alone
                 self.fail(

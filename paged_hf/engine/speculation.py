@@ -138,10 +138,38 @@ def verify(rows: list[Request], tokens: list, logprobs: list, errors: dict) -> t
     return out_rows, out_tokens, out_lp, out_errors, verified
 
 
-def append_accepted(verified: Verified, now: float) -> None:
-    """Append each request's accepted draft tokens, before its sampled one. None ends it: a draft
-    holds no EOS or stop id and leaves room for the sampled token (``draft_for``)."""
+def append_accepted(
+    verified: Verified, sampled: dict[Request, int], now: float
+) -> tuple[list[Request], list[Request]]:
+    """Append each request's accepted draft tokens, before its sampled one, each through its stop
+    strings. None ends it by EOS or length: a draft holds no EOS or stop id and leaves room for
+    the sampled token (``draft_for``). A stop string one completes ends it there: the tokens
+    after, and its sampled one, are dropped (the accepted lists keep what was appended). Returns
+    (the requests a stop string ended, those whose stop-string check raised: they fail alone)."""
+    stopped: list[Request] = []
+    failed: list[Request] = []
     for req, tokens in verified.accepted.items():
-        for tok in tokens:
+        for j, tok in enumerate(tokens):
             if req.append_token(tok, now):
                 raise AssertionError(f"request {req.request_id}: a draft token ended it")
+            if req.stop_strings is None:
+                continue
+            try:
+                hit = req.stop_strings.push(tok)
+            except Exception as e:  # noqa: BLE001 - this request's detokenization alone
+                req.error = (
+                    f"request {req.request_id}: detokenizing its output for stop strings failed: "
+                    f"{type(e).__name__}: {e}"
+                )
+                ends = failed
+            else:
+                if hit is None:
+                    continue
+                req.stop_reason, ends = hit, stopped
+            del tokens[j + 1 :]
+            sampled.pop(req, None)
+            # it ends with these tokens: their KV is computed, no more (the prefix index reads it)
+            req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens)
+            ends.append(req)
+            break
+    return stopped, failed

@@ -249,8 +249,12 @@ class StepMixin:
         failed += self._let_calls_choose(batch.calls, sampled)
         now = self.scheduler.clock()
         sched = self.scheduler
-        append_accepted(self._verified, now)  # draft tokens before the sampled ones
+        stopped, bad = append_accepted(self._verified, sampled, now)  # drafts first
+        failed += bad
         finished = sched.update(out, sampled, now)
+        for req in stopped:  # a stop string a draft token completed
+            sched.finish(req, FinishReason.STOP, now)
+            finished.append(req)
         finished += self._finish_prefill_only(out, failed, now)
         failed += self._check_stop_strings(sampled, finished, now)
         failed += self._advance_grammars(sampled, finished, now)

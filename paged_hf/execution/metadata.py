@@ -132,7 +132,10 @@ class _HostLists:
         assert len(table) * bs >= end, (
             f"request {req.request_id}: {len(table)} blocks cannot hold {end} tokens"
         )
-        self.input_ids.extend(req.step_ids(start, end))
+        # past its own tokens: its draft's (paged_hf/engine/speculation.py)
+        self.input_ids.extend(
+            req.token_ids[start:end] if end <= req.num_tokens else req.step_ids(start, end)
+        )
         self.positions.extend(range(start, end))
         self.slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
         n_blocks = -(-end // bs)

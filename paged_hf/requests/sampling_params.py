@@ -310,7 +310,6 @@ class SamplingParams:
                 ("encoder_repetition_penalty", self.encoder_repetition_penalty != 1.0),
                 ("suppress_tokens", bool(self.suppress_tokens)),
                 ("logits_processors", bool(self.logits_processors)),
-                ("stop strings", bool(self.stop)),
                 ("structured outputs", self.constraint is not None),
                 ("output_hidden_states", self.output_hidden_states),
             )

@@ -137,7 +137,6 @@ def test_watches_hear_every_accepted_token_in_order():
         dict(n=2),
         dict(logprobs=1),
         dict(repetition_penalty=1.1),
-        dict(stop=["x"]),
         dict(output_hidden_states=True),
     ],
 )
@@ -260,3 +259,85 @@ def test_sampled_rows_keep_the_models_distribution(monkeypatch):
             chi2 += (counts.pop((t1, t2), 0) - expected) ** 2 / expected
     assert not counts, f"outcomes the model cannot give: {counts}"
     assert chi2 < 26.12, f"chi-square {chi2:.1f} over 8 degrees of freedom"  # p = 0.001
+
+
+@pytest.fixture
+def prophet(monkeypatch):
+    """(model, prompts, their plain tokens) with the proposer pinned to the plain run's own
+    continuation: every draft is taken, so what a draft token does happens inside drafts."""
+    import paged_hf.engine.speculation as speculation
+
+    model = make_tiny_model("llama")
+    prompts = repetitive_prompts(model.config.vocab_size, seed=4)
+    plain, _ = run(model, prompts, SamplingParams(max_new_tokens=NEW, ignore_eos=True))
+
+    def propose(tokens, k, ngram, stops):
+        for prompt, out in zip(prompts, plain):
+            if list(tokens[: len(prompt)]) == prompt:
+                return out[len(tokens) - len(prompt) :][:k]
+        return []
+
+    monkeypatch.setattr(speculation, "propose", propose)
+    return model, prompts, plain
+
+
+def stopped_outputs(model, tok, prompts, stops, k, heard=None) -> list[tuple]:
+    engine = drafting_pays(checked(paged_hf.Engine(model, tok, block_size=4)))
+    params = SamplingParams(
+        max_new_tokens=NEW, ignore_eos=True, stop=stops, prompt_lookup_num_tokens=k
+    )
+    hear = None if heard is None else (lambda rid, t: heard.setdefault(rid, []).append(t))
+    outs = engine.generate(prompts, params, on_token=hear)
+    assert_clean(engine)
+    if heard is not None:
+        assert [heard.get(o.request_id, []) for o in outs] == [o.token_ids for o in outs]
+    return [
+        (o.token_ids, o.finish_reason, o.completions[0].stop_reason, o.text, o.error) for o in outs
+    ]
+
+
+def test_stop_strings_end_a_row_inside_its_draft(prophet, monkeypatch):
+    """A stop string completed by an accepted draft token ends the row there, as a plain run ends
+    it: the same tokens, finish reason, stop reason and text; a watch hears each kept token."""
+    from tiny_tokenizer import make_tiny_tokenizer
+
+    import paged_hf.engine.step as step
+
+    model, prompts, plain = prophet
+    tok = make_tiny_tokenizer()
+    inside = []
+    take = step.append_accepted
+
+    def spied(verified, sampled, now):
+        stopped, failed = take(verified, sampled, now)
+        inside.extend(stopped)
+        return stopped, failed
+
+    monkeypatch.setattr(step, "append_accepted", spied)
+    stops = [tok.decode(row[9:11]) for row in plain]
+    want = stopped_outputs(model, tok, prompts, stops, 0)
+    assert not inside and all(out[1] == "stop" for out in want)
+    assert stopped_outputs(model, tok, prompts, stops, 6, heard={}) == want
+    assert inside, "no stop string fell inside a draft"
+
+
+def test_a_stop_string_check_that_raises_on_a_draft_token_fails_its_row_alone(prophet):
+    """Fault injection: the tokenizer raises on one token of row 0's output, which comes in a
+    draft; row 0 ends with the plain run's error, the other rows as in the plain run."""
+    from tiny_tokenizer import make_tiny_tokenizer
+
+    model, prompts, plain = prophet
+    poison = next(t for t in plain[0][3:] if all(t not in row for row in plain[1:]))
+    tok = make_tiny_tokenizer()
+    decode = tok.decode
+
+    def failing(ids, *args, **kwargs):
+        if poison in list(ids):
+            raise RuntimeError(f"cannot decode {poison}")
+        return decode(ids, *args, **kwargs)
+
+    tok.decode = failing
+    stops = ["never in any output \u2603"]
+    want = stopped_outputs(model, tok, prompts, stops, 0)
+    assert want[0][1] == "error" and "cannot decode" in want[0][4]
+    assert stopped_outputs(model, tok, prompts, stops, 6) == want
