@@ -86,7 +86,7 @@ def instrument(engine: Any, timer: StepTimer) -> list[Callable[[], None]]:
         timer.wrap(engine_mod, "sample", "sample"),
         timer.wrap(engine.scheduler, "update", "update"),
         timer.wrap(engine.scheduler, "mark_computed", "update"),
-        timer.wrap(engine, "_record_step", "update"),
+        timer.wrap(engine_mod, "record_step", "update"),
         timer.hook_forward(engine.model),
     ]
     backend = engine.runner.backend
