@@ -134,6 +134,14 @@ def _add_sampling_options(g: argparse.ArgumentParser) -> None:
     s.add_argument("--min-p", type=float, default=0.0)
     s.add_argument("--repetition-penalty", type=float, default=1.0)
     s.add_argument("--seed", type=int, help="row i samples with seed + i")
+    s.add_argument(
+        "--prompt-lookup-num-tokens",
+        type=int,
+        default=0,
+        metavar="K",
+        help="speculative decoding: each step a row drafts up to K tokens from its prompt and "
+        "output, verified in the step (docs/speculative.md)",
+    )
     s.add_argument("--ignore-eos", action="store_true")
     s.add_argument(
         "--stop",
@@ -194,7 +202,7 @@ def generate(args: argparse.Namespace) -> int:
     # every check that needs no data or model comes first: a mistake costs nothing
     try:
         params, engine_config = _options(args)
-    except (ValueError, TypeError) as err:
+    except (ValueError, TypeError, NotImplementedError) as err:
         return _fail(str(err))
     problem = _check_paths(args)
     if problem is not None:
@@ -257,6 +265,7 @@ def _options(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
         regex=args.regex,
         choice=args.choice,
         json_schema=_read_schema(args.json_schema),
+        prompt_lookup_num_tokens=args.prompt_lookup_num_tokens,
     )
     params.validate("sampling options")
     memory = args.kv_cache_memory

@@ -34,6 +34,8 @@ logger = logging.getLogger("paged_hf")
 # generation kwargs of lm-eval tasks that map onto SamplingParams (do_sample and temperature are
 # read first); anything else is refused, never silently ignored
 _SAMPLING_KWARGS = {"temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed"}
+# speculative decoding, as transformers' generate takes it (``--gen_kwargs prompt_lookup_num_tokens=10``)
+_SPECULATION_KWARGS = {"prompt_lookup_num_tokens", "max_matching_ngram_size"}
 
 
 @register_model("paged_hf")
@@ -308,11 +310,11 @@ class PagedHFLM(TemplateLM):
 def _sampling_params(kwargs: dict, max_new_tokens: int, stop: list[str]) -> SamplingParams:
     do_sample = bool(kwargs.pop("do_sample", False))
     temperature = float(kwargs.pop("temperature", 0.0) or 0.0)
-    unknown = sorted(set(kwargs) - _SAMPLING_KWARGS)
+    unknown = sorted(set(kwargs) - _SAMPLING_KWARGS - _SPECULATION_KWARGS)
     if unknown:
         raise NotImplementedError(
             f"paged_hf: generation kwargs {unknown} are not supported (supported: until, "
-            f"max_gen_toks, do_sample, {', '.join(sorted(_SAMPLING_KWARGS))})"
+            f"max_gen_toks, do_sample, {', '.join(sorted(_SAMPLING_KWARGS | _SPECULATION_KWARGS))})"
         )
     fields: dict[str, Any] = {}
     if do_sample:
@@ -324,6 +326,9 @@ def _sampling_params(kwargs: dict, max_new_tokens: int, stop: list[str]) -> Samp
         fields["repetition_penalty"] = float(kwargs["repetition_penalty"])
     if kwargs.get("seed") is not None:
         fields["seed"] = int(kwargs["seed"])
+    for name in _SPECULATION_KWARGS:
+        if kwargs.get(name) is not None:
+            fields[name] = int(kwargs[name])
     return SamplingParams(max_new_tokens=max_new_tokens, stop=stop, **fields)
 
 

@@ -341,3 +341,26 @@ def test_a_stop_string_check_that_raises_on_a_draft_token_fails_its_row_alone(pr
     want = stopped_outputs(model, tok, prompts, stops, 0)
     assert want[0][1] == "error" and "cannot decode" in want[0][4]
     assert stopped_outputs(model, tok, prompts, stops, 6) == want
+
+
+def test_smollm2_repeating_a_passage_in_fp32_is_transformers_greedy_search(smollm2_fp32):
+    """Real weights, the work prompt lookup is for: a patched model's ``generate`` with
+    ``prompt_lookup_num_tokens`` gives transformers' own greedy tokens (fp32), most of them taken
+    from drafts."""
+    model, tok = smollm2_fp32
+    passage = (
+        "The old lighthouse stood at the edge of the cliff for more than a hundred years. Every "
+        "night its keeper climbed the narrow stairs and polished the great lens until it shone."
+    )
+    chat = [{"role": "user", "content": f"Repeat this passage exactly:\n\n{passage}"}]
+    ids = tok.apply_chat_template(chat, add_generation_prompt=True, return_tensors="pt")
+    ids = ids["input_ids"] if not isinstance(ids, torch.Tensor) else ids
+    expected = model.generate(ids, max_new_tokens=40, do_sample=False)
+    patched = paged_hf.patch(model)
+    try:
+        out = patched.generate(ids, max_new_tokens=40, do_sample=False, prompt_lookup_num_tokens=10)
+        stats = paged_hf.engine_for(patched).stats()
+    finally:
+        paged_hf.unpatch(model)
+    assert torch.equal(out, expected)
+    assert stats["draft_tokens_accepted"] > 20, stats["draft_tokens_accepted"]

@@ -12,6 +12,7 @@ from tiny_tokenizer import make_tiny_tokenizer
 
 import paged_hf
 from paged_hf.frontends import cli
+from paged_hf.frontends import dataset_generation as cli_dataset
 
 
 @pytest.fixture(scope="module")
@@ -350,3 +351,24 @@ def test_batch_invariant_flag_reaches_the_engine_config(tmp_path):
     assert "batch_invariant" not in cli._options(cli._parser().parse_args(base))[1]
     _, engine_config = cli._options(cli._parser().parse_args(base + ["--batch-invariant"]))
     assert engine_config["batch_invariant"] is True
+
+
+def test_prompt_lookup_reaches_the_rows_and_what_it_cannot_run_is_refused(
+    model_dir, tmp_path, monkeypatch, capsys
+):
+    data = tmp_path / "in.jsonl"
+    data.write_text('{"prompt": "a b a b a b"}\n')
+    argv = ["generate", "--model", str(model_dir), "--input", str(data), "--no-progress"]
+    argv += ["--output", str(tmp_path / "o.jsonl"), "--prompt-lookup-num-tokens", "4"]
+    seen = []
+    run = cli_dataset.generate_dataset
+
+    def recording(*args, **kwargs):
+        seen.append(kwargs["sampling_params"])
+        return run(*args, **kwargs)
+
+    monkeypatch.setattr(cli_dataset, "generate_dataset", recording)
+    assert cli.main(argv) == 0
+    assert seen[0].prompt_lookup_num_tokens == 4
+    assert cli.main(argv + ["--repetition-penalty", "1.2"]) == 2
+    assert "prompt_lookup_num_tokens with repetition_penalty" in capsys.readouterr().err

@@ -339,3 +339,13 @@ def test_lm_evals_own_hf_backend_on_a_patched_model_object(tiny_dir, task_manage
         s["resps"] for s in theirs["samples"]["phf_gen"]
     ]
     assert any(s["resps"][0][0] for s in ours["samples"]["phf_gen"])
+
+
+def test_prompt_lookup_comes_as_transformers_takes_it_in_gen_kwargs():
+    """``--gen_kwargs prompt_lookup_num_tokens=10`` (lm-eval passes it to every generate_until
+    request, as its hf backend passes it to ``generate``) reaches the rows' SamplingParams."""
+    from paged_hf.integrations.lm_eval import _sampling_params
+
+    params = _sampling_params({"prompt_lookup_num_tokens": "5"}, 16, ["\n\n"])
+    assert params.prompt_lookup_num_tokens == 5 and params.stop == ("\n\n",)
+    assert _sampling_params({}, 16, []).prompt_lookup_num_tokens == 0
