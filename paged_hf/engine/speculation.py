@@ -97,6 +97,7 @@ class Verified:
     """A step's verifications: per drafting request, the tokens it takes before its sampled one."""
 
     accepted: dict[Request, list[int]] = field(default_factory=dict)
+    logprobs: dict[Request, list] = field(default_factory=dict)  # theirs, where the row asks
     proposed: int = 0
     taken: int = 0
 
@@ -124,6 +125,8 @@ def verify(rows: list[Request], tokens: list, logprobs: list, errors: dict) -> t
             chosen = tokens[i + m]
             if k:
                 verified.accepted[req] = [tokens[i + j] for j in range(m)]
+                if req.params.logprobs is not None:
+                    verified.logprobs[req] = [logprobs[i + j] for j in range(m)]
         if k:
             req.num_computed_tokens -= k - m  # the rejected positions' KV is left behind
             req.draft_proposed += k
@@ -167,6 +170,7 @@ def append_accepted(
                     continue
                 req.stop_reason, ends = hit, stopped
             del tokens[j + 1 :]
+            del req.logprobs[req.num_output_tokens :]  # what its dropped tokens had
             sampled.pop(req, None)
             # it ends with these tokens: their KV is computed, no more (the prefix index reads it)
             req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens)

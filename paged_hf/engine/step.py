@@ -244,7 +244,8 @@ class StepMixin:
                 failed.append(req)
                 continue
             sampled[req] = tok
-            if lp is not None:
+            if lp is not None:  # a draft's taken tokens' first (paged_hf/engine/speculation.py)
+                req.logprobs.extend(self._verified.logprobs.get(req, ()))
                 req.logprobs.append(lp)
         failed += self._let_calls_choose(batch.calls, sampled)
         now = self.scheduler.clock()

@@ -304,7 +304,6 @@ class SamplingParams:
             name
             for name, applies in (
                 (f"n={self.n}", self.n > 1),
-                ("logprobs", self.logprobs is not None),
                 ("prompt_logprobs", self.prompt_logprobs is not None),
                 ("repetition_penalty", self.repetition_penalty != 1.0),
                 ("encoder_repetition_penalty", self.encoder_repetition_penalty != 1.0),

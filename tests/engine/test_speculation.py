@@ -135,7 +135,6 @@ def test_watches_hear_every_accepted_token_in_order():
     "what",
     [
         dict(n=2),
-        dict(logprobs=1),
         dict(repetition_penalty=1.1),
         dict(output_hidden_states=True),
     ],
@@ -364,3 +363,32 @@ def test_smollm2_repeating_a_passage_in_fp32_is_transformers_greedy_search(smoll
         paged_hf.unpatch(model)
     assert torch.equal(out, expected)
     assert stats["draft_tokens_accepted"] > 20, stats["draft_tokens_accepted"]
+
+
+def test_logprobs_of_taken_draft_tokens_are_a_plain_runs(prophet):
+    """Each taken draft token's logprob (and top-k) comes from its own position's logits, in
+    order, as a plain run gives them (fp32, 1e-4), also where a stop string ends a row inside a
+    draft (one logprob a token)."""
+    from tiny_tokenizer import make_tiny_tokenizer
+
+    model, prompts, plain = prophet
+    tok = make_tiny_tokenizer()
+
+    def run_logprobs(k: int, stops: list[str]) -> list:
+        engine = drafting_pays(checked(paged_hf.Engine(model, tok, block_size=4)))
+        params = SamplingParams(
+            max_new_tokens=NEW, ignore_eos=True, logprobs=2, stop=stops, prompt_lookup_num_tokens=k
+        )
+        outs = engine.generate(prompts, params)
+        assert_clean(engine)
+        return [(o.token_ids, o.completions[0].logprobs) for o in outs], engine
+
+    for stops in ([], [tok.decode(row[9:11]) for row in plain]):
+        want, _ = run_logprobs(0, stops)
+        got, engine = run_logprobs(6, stops)
+        assert engine.stats()["draft_tokens_accepted"] > 0
+        for (tokens, lps), (want_tokens, want_lps) in zip(got, want):
+            assert tokens == want_tokens and len(lps) == len(tokens) == len(want_lps)
+            for (lp, top), (want_lp, want_top) in zip(lps, want_lps):
+                assert lp == pytest.approx(want_lp, abs=1e-4)
+                assert top.keys() == want_top.keys()
