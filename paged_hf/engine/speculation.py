@@ -115,18 +115,16 @@ def verify(rows: list[Request], tokens: list, logprobs: list, errors: dict) -> t
     while i < len(rows):
         req = rows[i]
         k = len(req.draft) if i + 1 < len(rows) and rows[i + 1] is req else 0
-        span = range(i, i + k + 1)
-        failed = next((j for j in span if tokens[j] is None), None)
-        if failed is not None:
-            out_errors[len(out_rows)] = errors[failed]
-            chosen, m = None, 0
-        else:
-            m = next((j for j in range(k) if tokens[i + j] != req.draft[j]), k)
-            chosen = tokens[i + m]
-            if k:
-                verified.accepted[req] = [tokens[i + j] for j in range(m)]
-                if req.params.logprobs is not None:
-                    verified.logprobs[req] = [logprobs[i + j] for j in range(m)]
+        # taken up to the first pick that is not the draft's (a failed pick, None, is not); only
+        # the positions up to there count, as a step at a time would have reached no further
+        m = next((j for j in range(k) if tokens[i + j] != req.draft[j]), k)
+        chosen = tokens[i + m]
+        if chosen is None:
+            out_errors[len(out_rows)] = errors[i + m]
+        elif k:
+            verified.accepted[req] = tokens[i : i + m]
+            if req.params.logprobs is not None:
+                verified.logprobs[req] = logprobs[i : i + m]
         if k:
             req.num_computed_tokens -= k - m  # the rejected positions' KV is left behind
             req.draft_proposed += k
@@ -136,7 +134,7 @@ def verify(rows: list[Request], tokens: list, logprobs: list, errors: dict) -> t
             verified.taken += m
         out_rows.append(req)
         out_tokens.append(chosen)
-        out_lp.append(logprobs[i + m] if chosen is not None else None)
+        out_lp.append(logprobs[i + m])
         i += k + 1
     return out_rows, out_tokens, out_lp, out_errors, verified
 

@@ -392,3 +392,39 @@ def test_logprobs_of_taken_draft_tokens_are_a_plain_runs(prophet):
             for (lp, top), (want_lp, want_top) in zip(lps, want_lps):
                 assert lp == pytest.approx(want_lp, abs=1e-4)
                 assert top.keys() == want_top.keys()
+
+
+def test_a_pick_that_fails_past_the_first_rejection_does_not_fail_the_row(monkeypatch):
+    """Fault injection: every draft is wrong (a token the rows never write), and the sampler fails
+    at every draft position after the pending token's; a step at a time never reaches those
+    positions, so the rows end as a plain run ends them, none with an error."""
+    import paged_hf.engine.speculation as speculation
+    import paged_hf.engine.step as step
+    from paged_hf.execution.sampler import SampleResult
+
+    model = make_tiny_model("llama")
+    prompts = repetitive_prompts(model.config.vocab_size, seed=5)
+    plain, _ = run(model, prompts, SamplingParams(max_new_tokens=NEW, ignore_eos=True))
+    never = next(t for t in range(4, model.config.vocab_size) if all(t not in r for r in plain))
+    monkeypatch.setattr(speculation, "propose", lambda tokens, k, ngram, stops: [never] * k)
+    sample = step.sample
+    failed = []
+
+    def failing_past_the_first(logits, rows, mask=None):
+        result = sample(logits, rows, mask)
+        tokens, errors = list(result.tokens), dict(result.errors)
+        for i in range(2, len(rows)):
+            if rows[i] is rows[i - 1] is rows[i - 2]:  # a draft position after the first
+                tokens[i], errors[i] = None, "injected: this position's pick failed"
+                failed.append(i)
+        return SampleResult(tokens, result.logprobs, errors)
+
+    monkeypatch.setattr(step, "sample", failing_past_the_first)
+    got, engine = run(
+        model,
+        prompts,
+        SamplingParams(max_new_tokens=NEW, ignore_eos=True, prompt_lookup_num_tokens=3),
+    )
+    assert failed and got == plain
+    assert engine.stats()["draft_tokens_accepted"] == 0
+    assert_clean(engine)
