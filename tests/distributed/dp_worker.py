@@ -1,16 +1,14 @@
 """One rank of the data-parallel tests (tests/distributed/test_data_parallel.py): every rank loads
 the checkpoint with transformers' ``DistributedConfig`` (data parallel: FSDP2, with or without
 tensor parallelism inside each copy), patches it, generates its copy's own prompts and runs
-``generate_dataset`` twice (the second from its checkpoint), then unpatches and runs transformers'
+``generate_dataset`` twice (rank_main.dataset_runs: the second from its checkpoint), then unpatches and runs transformers'
 own ``generate`` on the model FSDP shards again. Writes ``<out>/rank<RANK>.json``."""
 
 import torch
-from rank_main import main, outcome
+from rank_main import dataset_runs, main, outcome
 
 
 def run(job: dict, rank: int) -> dict:
-    from datasets import Dataset
-    from tiny_tokenizer import make_tiny_tokenizer
     from transformers import AutoModelForCausalLM, DistributedConfig
 
     import paged_hf
@@ -29,22 +27,7 @@ def run(job: dict, rank: int) -> dict:
 
     paged_hf.patch(model)
     out = {"copy": copy, "greedy": outcome(generate)}
-    rows = Dataset.from_dict({"prompt": job["texts"]})
-    params = paged_hf.SamplingParams(max_new_tokens=job["max_new_tokens"])
-
-    def dataset() -> list:
-        result = paged_hf.generate_dataset(
-            model,
-            make_tiny_tokenizer(),
-            rows,
-            sampling_params=params,
-            checkpoint_dir=job["checkpoint_dir"],
-            progress=False,
-        )
-        return [list(result["prompt"]), list(result["generation"])]
-
-    out["dataset"] = outcome(dataset)
-    out["dataset_resumed"] = outcome(dataset)
+    out |= dataset_runs(model, job, ("prompt", "generation"))
     paged_hf.unpatch(model)  # FSDP reshards the weights after each forward again
     out["unpatched"] = outcome(generate)
     return out

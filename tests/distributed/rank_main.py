@@ -47,3 +47,28 @@ def outcome(call, timed: bool = False) -> dict:
     except Exception as e:  # noqa: BLE001 - what each rank raised is the test's to compare
         value = {"raised": f"{type(e).__name__}: {e}"}
     return value | ({"seconds": time.perf_counter() - t0} if timed else {})
+
+
+def dataset_runs(model, job: dict, columns: tuple[str, ...]) -> dict:
+    """``generate_dataset`` over ``job["texts"]`` on every rank, then again from its checkpoint
+    (every row restored): each run's ``columns`` of what this rank returned, or what it raised."""
+    from datasets import Dataset
+    from tiny_tokenizer import make_tiny_tokenizer
+
+    import paged_hf
+
+    rows = Dataset.from_dict({"prompt": job["texts"]})
+    params = paged_hf.SamplingParams(max_new_tokens=job["max_new_tokens"])
+
+    def run() -> list:
+        result = paged_hf.generate_dataset(
+            model,
+            make_tiny_tokenizer(),
+            rows,
+            sampling_params=params,
+            checkpoint_dir=job["checkpoint_dir"],
+            progress=False,
+        )
+        return [list(result[column]) for column in columns]
+
+    return {"dataset": outcome(run), "dataset_resumed": outcome(run)}

@@ -5,7 +5,7 @@ rank 0 schedules, the others run its forwards. Writes what each call returned or
 torchrun sets."""
 
 import torch
-from rank_main import main, outcome
+from rank_main import dataset_runs, main, outcome
 
 
 def run(job: dict, rank: int) -> dict:
@@ -54,35 +54,11 @@ def run(job: dict, rank: int) -> dict:
     small = paged_hf.Engine(model, num_blocks=job["small_pool"], max_num_seqs=len(prompts))
     out["preempted"] = outcome(lambda: [o.token_ids for o in small.generate(prompts, params)])
     out["preemptions"] = small.stats()["preemptions"]
-    out |= dataset_runs(model, job)
+    out |= dataset_runs(model, job, ("generation", "generation_num_tokens"))
     out["steps"] = engine.stats()["steps"]
     out["tp_stats"] = engine.stats()["tensor_parallel"]
     out["blocks_used"] = engine.stats()["blocks_used"] + small.stats()["blocks_used"]
     return out
-
-
-def dataset_runs(model, job: dict) -> dict:
-    """generate_dataset on every rank, then again from its checkpoint (every row restored)."""
-    from datasets import Dataset
-    from tiny_tokenizer import make_tiny_tokenizer
-
-    import paged_hf
-
-    rows = Dataset.from_dict({"prompt": job["texts"]})
-    params = paged_hf.SamplingParams(max_new_tokens=job["max_new_tokens"])
-
-    def run():
-        out = paged_hf.generate_dataset(
-            model,
-            make_tiny_tokenizer(),
-            rows,
-            sampling_params=params,
-            checkpoint_dir=job["checkpoint_dir"],
-            progress=False,
-        )
-        return [list(out["generation"]), [int(n) for n in out["generation_num_tokens"]]]
-
-    return {"dataset": outcome(run), "dataset_resumed": outcome(run)}
 
 
 if __name__ == "__main__":
