@@ -1,6 +1,6 @@
 """What the tensor-parallel test workers share: one rank's main (the gloo group as torchrun's
 variables describe it, the worker's ``run(job, rank)``, its result or traceback written to
-``<out>/rank<RANK>.json``) and a call's outcome as JSON."""
+``<out>/rank<RANK>.json``), a call's outcome as JSON, and ``generate_dataset`` run twice."""
 
 import json
 import os
