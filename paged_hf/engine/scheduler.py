@@ -191,8 +191,9 @@ class Scheduler(QueuesMixin):
     ) -> bool:
         """A decode with its draft (paged_hf/engine/speculation.py) where it proposes one and its
         slots fit without preempting anyone; else (False) it decodes as any other."""
-        costs = self._draft_costs
-        rows = self._decode_rows
+        if not req.params.prompt_lookup_num_tokens:  # most rows: nothing to do on this hot path
+            return False
+        costs, rows = self._draft_costs, self._decode_rows
         req.draft = draft_for(req, budget.tokens, costs, rows) if self.speculates else []
         n = 1 + len(req.draft)
         if n == 1 or not self.kv_manager.allocate_slots(req, n, out.block_copies):
