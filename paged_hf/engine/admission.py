@@ -118,11 +118,7 @@ class AdmissionMixin:
                 f"request {rid}: stop={list(params.stop)!r} needs a tokenizer to read the text "
                 "(Engine(model, tokenizer)); stop_token_ids need none"
             )
-        if params.prompt_lookup_num_tokens and not self.scheduler.speculates:
-            raise ValueError(
-                f"request {rid}: prompt_lookup_num_tokens on a model with recurrent or convolution "
-                "state (a hybrid) is not supported: its state cannot take back rejected tokens"
-            )
+        self._check_speculation(rid, params)
         bad_stop = [t for t in params.stop_token_ids if t >= self.vocab_size]
         if bad_stop:
             raise ValueError(
@@ -147,6 +143,23 @@ class AdmissionMixin:
         if prompt_embeds is not None:
             req.prompt_embeds, req.embeds_key = self._checked_embeds(rid, prompt_embeds, len(ids))
         return self._queue(req)
+
+    def _check_speculation(self, rid: str, params: SamplingParams) -> None:
+        """A speculating request needs a model whose KV takes rejected tokens back, and a draft
+        model where it asks for one."""
+        option = (params.prompt_lookup_num_tokens and "prompt_lookup_num_tokens") or (
+            params.num_assistant_tokens and "num_assistant_tokens"
+        )
+        if option and not self.scheduler.speculates:
+            raise ValueError(
+                f"request {rid}: {option} on a model with recurrent or convolution "
+                "state (a hybrid) is not supported: its state cannot take back rejected tokens"
+            )
+        if params.num_assistant_tokens and self.scheduler.drafter is None:
+            raise ValueError(
+                f"request {rid}: num_assistant_tokens needs a draft model "
+                "(Engine.set_draft_model, or generate's assistant_model)"
+            )
 
     def _checked_embeds(self, rid: str, embeds: Any, n: int) -> tuple[torch.Tensor, str]:
         """A prompt's embeddings, checked against its length and the model's width, in the

@@ -24,6 +24,7 @@ from .admission import AdmissionMixin, eos_ids, max_model_len_for, within_limits
 from .binding import patch_state
 from .blocking_calls import BlockingCallsMixin
 from .callers import CallersMixin
+from .draft_model import Drafter
 from .engine_stats import EngineStats, snapshot
 from .kv_tiers import make_kv_tiers
 from .outputs import OutputsMixin, RequestOutput
@@ -283,6 +284,30 @@ class EngineCore(AdmissionMixin, StepMixin, OutputsMixin, BlockingCallsMixin, Ca
             else:
                 self.scheduler.finish(req, FinishReason.ERROR, self.scheduler.clock())
             self._settle(req.parent or req)
+
+    def set_draft_model(self, draft: EngineCore | None) -> None:
+        """Requests with ``num_assistant_tokens`` take their drafts from ``draft``, an engine over
+        a draft model with this model's tokenizer (paged_hf/engine/draft_model.py); None: no
+        draft model (such requests are refused)."""
+        if draft is None:
+            self.scheduler.drafter = None
+            return
+        if draft is self or self.ranks is not None or draft.ranks is not None:
+            raise NotImplementedError(
+                "a draft model needs an engine of its own, outside tensor parallelism"
+            )
+        if draft.vocab_size < self.vocab_size:
+            raise ValueError(
+                f"the draft model's vocabulary ({draft.vocab_size}) is smaller than this model's "
+                f"({self.vocab_size}): a draft model needs the same tokenizer"
+            )
+        if not self.scheduler.speculates:
+            raise ValueError(
+                "a model with recurrent or convolution state (a hybrid) does not speculate: its "
+                "state cannot take back rejected tokens"
+            )
+        with self.lock:
+            self.scheduler.drafter = Drafter(draft)
 
     def sleep(self) -> None:
         """Let go of the KV cache's memory (and a hybrid's state slots, captured CUDA graphs, packed

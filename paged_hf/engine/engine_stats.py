@@ -36,6 +36,7 @@ def snapshot(engine: Any, ttft_target_s: float | None, tpot_target_s: float | No
     slots = engine.kv_manager.state
     state = {} if slots is None else slots.stats(engine.runner.states, engine.runner.asleep)
     structured = {} if engine.structured is None else engine.structured.stats()
+    drafter = engine.scheduler.drafter
     return (
         state
         | structured
@@ -48,6 +49,7 @@ def snapshot(engine: Any, ttft_target_s: float | None, tpot_target_s: float | No
             "generated_tokens": s.generated_tokens,
             "draft_tokens_proposed": s.draft_proposed,
             "draft_tokens_accepted": s.draft_accepted,
+            "draft_model": {} if drafter is None else drafter.stats(),
             "preemptions": engine.scheduler.num_preemptions,
             "steps": s.steps,
             "num_blocks": pool.num_blocks,

@@ -15,11 +15,12 @@ from typing import TYPE_CHECKING, Any
 
 from ..cache.block_manager import BlockManager
 from ..requests.request import Request, RequestStatus
+from .draft_scheduling import DraftSchedulingMixin
 from .schedule_output import Budget, SchedulerOutput, TierLoad
 from .scheduler_queues import QueuesMixin
 from .scheduling_policy import Fcfs
 from .sibling_prefill import blocks_in_flight, waits_for_sibling_prefill
-from .speculation import draft_costs, draft_for
+from .speculation import draft_costs
 from .step_time import StepTimeModel
 
 if TYPE_CHECKING:
@@ -35,7 +36,7 @@ class Admission(enum.Enum):
     NO_SEATS = "no seats"  # max_num_seqs
 
 
-class Scheduler(QueuesMixin):
+class Scheduler(QueuesMixin, DraftSchedulingMixin):
     def __init__(
         self,
         kv_manager: BlockManager,
@@ -82,6 +83,8 @@ class Scheduler(QueuesMixin):
         # a hybrid's state cannot take back rejected draft tokens: its rows do not speculate
         self.speculates = kv_manager.state is None
         self._decode_rows, self._draft_costs = 0, None  # this step's (set as it schedules)
+        self.drafter = None  # the draft model's proposer (paged_hf/engine/draft_model.py), if any
+        self._proposals: dict[Request, list[int]] = {}  # this step's, from the draft model
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order; the tail is preempted first
         self.num_preemptions = 0
@@ -132,7 +135,11 @@ class Scheduler(QueuesMixin):
         decodes = [r for r in self.running if r.num_pending_tokens == 1]
         # what a drafted token costs this step against what a taken one saves
         self._decode_rows = len(decodes)
-        self._draft_costs = draft_costs(self.step_time.coef, len(decodes))
+        drafter = self.drafter
+        draft_s = drafter.step_s if drafter is not None else 0.0
+        self._draft_costs = draft_costs(self.step_time.coef, len(decodes), draft_s)
+        if drafter is not None:
+            self._proposals = self._propose_drafts(decodes, budget)
         prefills = sorted(
             (r for r in self.running if r.num_pending_tokens > 1), key=lambda r: urgency(r, now)
         )
@@ -185,23 +192,6 @@ class Scheduler(QueuesMixin):
                 budget.tokens -= n
                 if prefill:
                     budget.prefill_room -= n
-
-    def _schedule_draft(
-        self, req: Request, out: SchedulerOutput, chosen: dict[Request, int], budget: Budget
-    ) -> bool:
-        """A decode with its draft (paged_hf/engine/speculation.py) where it proposes one and its
-        slots fit without preempting anyone; else (False) it decodes as any other."""
-        if not req.params.prompt_lookup_num_tokens:  # most rows: nothing to do on this hot path
-            return False
-        costs, rows = self._draft_costs, self._decode_rows
-        req.draft = draft_for(req, budget.tokens, costs, rows) if self.speculates else []
-        n = 1 + len(req.draft)
-        if n == 1 or not self.kv_manager.allocate_slots(req, n, out.block_copies):
-            req.draft = []
-            return False
-        chosen[req] = n
-        budget.tokens -= n
-        return True
 
     def _schedule_waiting(
         self, out: SchedulerOutput, chosen: dict[Request, int], budget: Budget, now: float

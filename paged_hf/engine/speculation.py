@@ -25,32 +25,42 @@ from ..requests.request import Request
 class DraftCosts:
     """What a step's tokens cost (paged_hf/engine/step_time.py's fit of this engine's steps):
     ``token_s`` is the plain step's time over the rows it decodes (what one written token costs
-    now), ``per_token`` what a token of a chunk adds, ``per_row`` what a decoding row adds."""
+    now), ``per_token`` what a token of a chunk adds, ``per_row`` what a decoding row adds, and
+    ``draft_token_s`` a drafted token's share of the draft model's steps (none for prompt lookup)."""
 
     token_s: float
     per_token: float
     per_row: float
+    draft_token_s: float = 0.0
 
-    def best_length(self, alpha: float, k: int) -> int:
+    def best_length(self, alpha: float, k: int, drafted: bool = False) -> int:
         """The draft length whose expected taken tokens (a chain: the j-th is taken with
-        probability ``alpha`` ** j) are worth the most over what its positions add to the step."""
+        probability ``alpha`` ** j) are worth the most over what its positions add to the step
+        (and, ``drafted`` by a draft model, what its draft steps cost)."""
         best, best_gain, expected = 0, 0.0, 0.0
+        proposing = self.draft_token_s if drafted else 0.0
         for d in range(1, k + 1):
             expected += alpha**d
             gain = expected * self.token_s - ((d + 1) * self.per_token - self.per_row)
+            gain -= d * proposing
             if gain > best_gain:
                 best, best_gain = d, gain
         return best
 
 
-def draft_costs(coef: tuple[float, float, float] | None, decode_rows: int) -> DraftCosts | None:
-    """The costs of a step of ``decode_rows`` decodes from the step-time fit; None while there is
-    none (then rows draft only in a step of at most ``UNFITTED_ROWS``)."""
+def draft_costs(
+    coef: tuple[float, float, float] | None, decode_rows: int, draft_step_s: float = 0.0
+) -> DraftCosts | None:
+    """The costs of a step of ``decode_rows`` decodes from the step-time fit (and the draft
+    model's last step time, shared by the rows); None while there is no fit (then rows draft
+    only in a step of at most ``UNFITTED_ROWS``)."""
     if coef is None or decode_rows == 0:
         return None
     base, per_row, per_token = coef
-    token_s = (base + per_row * decode_rows) / decode_rows * TAKEN_VALUE
-    return DraftCosts(token_s, per_token, per_row)
+    # a lone row's taken token saves a whole step; among several, less (TAKEN_VALUE)
+    value = 1.0 if decode_rows == 1 else TAKEN_VALUE
+    token_s = (base + per_row * decode_rows) / decode_rows * value
+    return DraftCosts(token_s, per_token, per_row, draft_step_s / decode_rows)
 
 
 # A taken token is valued at this share of what a written token costs the step: rows finish at
@@ -67,29 +77,45 @@ def acceptance(req: Request) -> float:
     return (req.draft_accepted + 1) / (req.draft_accepted + req.draft_rejections + 2)
 
 
-def draft_for(req: Request, budget: int, costs: DraftCosts | None, decode_rows: int) -> list[int]:
-    """The tokens ``req`` proposes this step: none unless it decodes, its params ask, the budget,
-    its length limits and its processors leave room, and the step's costs say they pay."""
+def draft_room(req: Request, budget: int, costs: DraftCosts | None, decode_rows: int) -> int:
+    """How many tokens ``req`` may propose this step: none unless it decodes and its params ask;
+    what the budget, its length limits and the step's costs leave."""
     p = req.params
-    if not p.prompt_lookup_num_tokens or req.num_pending_tokens != 1 or req.call is not None:
-        return []
+    k = p.prompt_lookup_num_tokens or p.num_assistant_tokens
+    if not k or req.num_pending_tokens != 1 or req.call is not None:
+        return 0
     out = req.num_output_tokens
     room = min(
-        p.prompt_lookup_num_tokens,
+        k,
         budget - 1,
         p.max_new_tokens - out - 1,  # the step appends up to k + 1 tokens
         req.max_model_len - req.num_tokens - 1,
     )
     if out < p.min_new_tokens:  # EOS banned at all k + 1 positions, as the sampler bans it now
         room = min(room, p.min_new_tokens - out - 1)
+    drafted = bool(p.num_assistant_tokens)
     if costs is not None:
-        room = min(room, costs.best_length(acceptance(req), room))
-    elif decode_rows > UNFITTED_ROWS:
-        return []
+        return max(0, min(room, costs.best_length(acceptance(req), room, drafted)))
+    if decode_rows > UNFITTED_ROWS:
+        return 0
+    if drafted:  # untimed draft steps: as long as the row's record says its runs are
+        alpha = acceptance(req)
+        room = min(room, 1 + round(2 * alpha / (1 - alpha)))
+    return max(0, room)
+
+
+def stop_ids(req: Request) -> frozenset[int]:
+    """The tokens no draft holds: they would end the request inside it."""
+    p = req.params
+    return frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else req.eos_token_ids)
+
+
+def draft_for(req: Request, budget: int, costs: DraftCosts | None, decode_rows: int) -> list[int]:
+    """The tokens ``req`` proposes by prompt lookup this step (``draft_room`` of them at most)."""
+    room = draft_room(req, budget, costs, decode_rows)
     if room <= 0:
         return []
-    stops = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else req.eos_token_ids)
-    return propose(req.token_ids, room, p.max_matching_ngram_size, stops)
+    return propose(req.token_ids, room, req.params.max_matching_ngram_size, stop_ids(req))
 
 
 @dataclass

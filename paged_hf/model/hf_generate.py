@@ -22,6 +22,7 @@ from ..engine.ranks import digest
 from ..requests.detokenizer import StopStrings
 from ..requests.sampling_params import SamplingParams
 from . import generate_embeds
+from .generate_assistant import assisted_params, use_assistant
 from .generate_callbacks import CallPlan, plan_call
 from .generate_hidden_states import as_transformers_returns
 from .generate_options import REFUSED_SETTINGS
@@ -93,7 +94,6 @@ def paged_generate(
     """transformers' ``generate`` on the engine: each row a request, the result as transformers
     returns it; refused before anything runs where the engine cannot honour an option."""
     _refuse_arguments(
-        assistant_model=assistant_model,
         negative_prompt_ids=negative_prompt_ids,
         negative_prompt_attention_mask=negative_prompt_attention_mask,
         custom_generate=custom_generate,
@@ -123,6 +123,8 @@ def paged_generate(
         )
     # transformers' own processor applies the encoder penalty in a joint call
     call.params, call.eos = plan.params, plan.eos
+    if assistant_model is not None:
+        call.params = assisted_params(call.params, call.gc, assistant_model, plan.call is not None)
     call.encoder_rows = call.encoder_rows and not plan.joint
     state = patch_state(self)
     if state is None:
@@ -130,6 +132,7 @@ def paged_generate(
             "paged_hf generate: this model is not patched (call paged_hf.patch(model))"
         )
     engine = state.get_engine()
+    use_assistant(engine, assistant_model)
     if engine.ranks is None:
         return _run_call(engine, call, plan, streamer)
     if call.embeds is not None:

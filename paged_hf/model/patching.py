@@ -136,10 +136,37 @@ class Engine(EngineCore):
     """``paged_hf.Engine(model, tokenizer, **options)``: the engine (paged_hf/engine/core.py) over a
     model, which is checked and switched to paged attention first if it was not patched yet."""
 
-    def __init__(self, model: torch.nn.Module, tokenizer: Any = None, **config: Any) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer: Any = None,
+        *,
+        draft_model: torch.nn.Module | None = None,
+        **config: Any,
+    ) -> None:
         EngineConfig.from_kwargs(**config)  # a bad option fails before the model is touched
         ensure_attention_patched(model)
         super().__init__(model, tokenizer, **config)
+        self.use_draft_model(draft_model)
+
+    def use_draft_model(self, draft_model: torch.nn.Module | None) -> None:
+        """Requests with ``num_assistant_tokens`` take their drafts from ``draft_model`` (this
+        model's tokenizer; transformers' ``assistant_model``), run greedily in an engine of its own
+        whose pool holds as many tokens as this one's (its attention is switched to paged
+        attention, as ``Engine`` does). None: no draft model."""
+        drafter = self.scheduler.drafter
+        if draft_model is None or (drafter is not None and drafter.engine.model is draft_model):
+            if draft_model is None:
+                self.set_draft_model(None)
+            return
+        draft = Engine(
+            draft_model,
+            self.tokenizer,
+            block_size=self.config.block_size,
+            num_blocks=self.kv_manager.pool.num_blocks,
+            max_num_seqs=self.config.max_num_seqs,
+        )
+        self.set_draft_model(draft)
 
     @over_ranks("Engine.beam_search")
     def beam_search(

@@ -104,6 +104,10 @@ class SamplingParams:
     # verifies them; greedy or sampled (docs/speculative.md)
     prompt_lookup_num_tokens: int = 0
     max_matching_ngram_size: int = 2
+    # speculative decoding by a draft model (transformers' assistant_model): each decode step the
+    # engine's draft model (``Engine.set_draft_model``) proposes up to this many tokens, greedily,
+    # and one forward verifies them, as prompt lookup's are
+    num_assistant_tokens: int = 0
 
     def __post_init__(self) -> None:
         # its text is the key compiled grammars are cached by
@@ -292,14 +296,24 @@ class SamplingParams:
         self._check_speculation(who)
 
     def _check_speculation(self, who: str) -> None:
-        """Prompt lookup's sizes, and what it does not run with yet (refused by name)."""
+        """Prompt lookup's and the draft model's sizes, and what they do not run with yet
+        (refused by name)."""
         k, ngram = self.prompt_lookup_num_tokens, self.max_matching_ngram_size
         if not _is_int(k) or k < 0:
             raise _bad(who, "prompt_lookup_num_tokens", k, "an integer >= 0")
         if not _is_int(ngram) or ngram < 1:
             raise _bad(who, "max_matching_ngram_size", ngram, "an integer >= 1")
-        if not k:
+        drafted = self.num_assistant_tokens
+        if not _is_int(drafted) or drafted < 0:
+            raise _bad(who, "num_assistant_tokens", drafted, "an integer >= 0")
+        if k and drafted:
+            raise ValueError(
+                f"{who}: prompt_lookup_num_tokens and num_assistant_tokens together: a request "
+                "takes its drafts from one proposer"
+            )
+        if not (k or drafted):
             return
+        option = "prompt_lookup_num_tokens" if k else "num_assistant_tokens"
         unsupported = [
             name
             for name, applies in (
@@ -316,7 +330,7 @@ class SamplingParams:
         ]
         if unsupported:
             raise NotImplementedError(
-                f"{who}: prompt_lookup_num_tokens with {', '.join(unsupported)} is not supported "
+                f"{who}: {option} with {', '.join(unsupported)} is not supported "
                 "yet (speculation runs rows whose processors read no history)"
             )
 

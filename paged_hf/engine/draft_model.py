@@ -1,0 +1,88 @@
+"""Speculative decoding by a draft model (transformers' ``assistant_model``), inside the batch.
+
+The draft model runs in an engine of its own (its own paged KV pool and prefix index). Each step,
+the decodes that ask (``num_assistant_tokens``) become that engine's requests at once: the row's
+tokens as the prompt, greedy, as many new tokens as ``draft_room`` allows, and that engine runs
+them to the end as one batch, whose tokens are the drafts the target's step verifies
+(paged_hf/engine/speculation.py). Its prefix cache is what carries the draft's KV from one step to
+the next: the blocks of a row's tokens it computed before are hits, so a step computes the tail
+past the last whole block, and the proposal; KV of the tokens the target rejected stays under
+their own keys, where no other sequence reads it (rolled back by content, not by count). A greedy
+draft is a certain proposal, so the target's verification keeps its tokens exact (greedy) and its
+distribution exact (sampled) whatever the draft proposes: a draft that fails, or stale weights,
+cost speed only, never a token. So a failure of the draft engine ends no target request: the rows
+it failed for decode without a draft.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from ..requests.request import Request
+from ..requests.sampling_params import SamplingParams
+from .speculation import stop_ids
+
+logger = logging.getLogger("paged_hf")
+
+_SMOOTHING = 0.5  # weight of the newest draft step's time in ``step_s``
+
+
+class Drafter:
+    """Proposals from a draft model's engine (an ``EngineCore`` over the draft model)."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.step_s = 0.0  # the draft engine's step time, smoothed (what a drafted token costs)
+        self.failures = 0  # draft runs that failed (their rows decoded without a draft)
+
+    def propose(self, asks: list[tuple[Request, int]]) -> dict[Request, list[int]]:
+        """Each asking request's draft of up to its number of tokens, cut before a token that would
+        end it (EOS, a stop id); rows the draft engine refused or failed get none."""
+        engine = self.engine
+        asks = [(req, n) for req, n in asks if req.num_tokens + n <= engine.max_model_len]
+        if not asks:
+            return {}
+        prompts = [list(req.token_ids) for req, _ in asks]
+        params = [
+            SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True) for _, n in asks
+        ]
+        start = time.perf_counter()
+        try:
+            outputs = engine.generate(prompts, params)
+        except Exception as e:  # noqa: BLE001 - the draft costs speed only; the rows go on without
+            self.failures += 1
+            logger.warning(
+                "paged_hf: the draft model failed (%s: %s); its rows decode without drafts",
+                type(e).__name__,
+                e,
+            )
+            return {}
+        steps = max(n for _, n in asks)
+        spent = (time.perf_counter() - start) / steps
+        if self.step_s:
+            spent = _SMOOTHING * spent + (1 - _SMOOTHING) * self.step_s
+        self.step_s = spent
+        drafts: dict[Request, list[int]] = {}
+        for (req, _), out in zip(asks, outputs):
+            if out.error is not None:
+                self.failures += 1
+                continue
+            stops = stop_ids(req)
+            tokens = out.token_ids
+            cut = next((i for i, t in enumerate(tokens) if t in stops), len(tokens))
+            if cut:
+                drafts[req] = tokens[:cut]
+        return drafts
+
+    def stats(self) -> dict[str, Any]:
+        """The draft engine's smoothed step time, its failed runs, and its own counters."""
+        inner = self.engine.stats()
+        return {
+            "step_s": self.step_s,
+            "failures": self.failures,
+            "prefix_hit_tokens": inner["prefix_hit_tokens"],
+            "prefill_tokens_computed": inner["prefill_tokens_computed"],
+            "steps": inner["steps"],
+        }

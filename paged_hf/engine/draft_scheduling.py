@@ -1,0 +1,60 @@
+"""The scheduler's part in speculative decoding: a decode scheduled with its draft
+(paged_hf/engine/speculation.py), and the draft model's proposals for a step's decodes.
+
+Design notes: docs/speculative.md, paged_hf/engine/draft_scheduling.py.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from ..requests.request import Request
+from .schedule_output import Budget, SchedulerOutput
+from .speculation import DraftCosts, draft_for, draft_room
+
+if TYPE_CHECKING:
+    from ..cache.block_manager import BlockManager
+
+
+class DraftSchedulingMixin:
+    """Drafts into the step's plan: what fits, cut to the budget, never preempting anyone."""
+
+    kv_manager: BlockManager
+    speculates: bool
+    drafter: Any  # paged_hf/engine/draft_model.py's Drafter, or None
+    _draft_costs: DraftCosts | None
+    _decode_rows: int
+    _proposals: dict[Request, list[int]]
+
+    def _schedule_draft(
+        self, req: Request, out: SchedulerOutput, chosen: dict[Request, int], budget: Budget
+    ) -> bool:
+        """A decode with its draft (paged_hf/engine/speculation.py) where it proposes one and its
+        slots fit without preempting anyone; else (False) it decodes as any other."""
+        p = req.params
+        if not (p.prompt_lookup_num_tokens or p.num_assistant_tokens):  # most rows: the hot path
+            return False
+        if p.num_assistant_tokens:  # proposed for the step's decodes at once, cut to the budget
+            req.draft = self._proposals.pop(req, [])[: budget.tokens - 1]
+        else:
+            costs, rows = self._draft_costs, self._decode_rows
+            req.draft = draft_for(req, budget.tokens, costs, rows) if self.speculates else []
+        n = 1 + len(req.draft)
+        if n == 1 or not self.kv_manager.allocate_slots(req, n, out.block_copies):
+            req.draft = []
+            return False
+        chosen[req] = n
+        budget.tokens -= n
+        return True
+
+    def _propose_drafts(self, decodes: list[Request], budget: Budget) -> dict[Request, list[int]]:
+        """The draft model's proposals for this step's decodes that ask (one batched run of it),
+        each as long as ``draft_room`` allows with every decode's own token counted first."""
+        costs, rows = self._draft_costs, len(decodes)
+        room = budget.tokens - rows + 1  # what a decode's draft may take beside the other decodes
+        asks = [
+            (req, n)
+            for req in decodes
+            if req.params.num_assistant_tokens and (n := draft_room(req, room, costs, rows)) > 0
+        ]
+        return self.drafter.propose(asks) if asks else {}
