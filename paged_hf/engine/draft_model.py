@@ -17,7 +17,9 @@ it failed for decode without a draft.
 from __future__ import annotations
 
 import logging
+import statistics
 import time
+from collections import deque
 from typing import Any
 
 from ..requests.request import Request
@@ -26,7 +28,8 @@ from .speculation import stop_ids
 
 logger = logging.getLogger("paged_hf")
 
-_SMOOTHING = 0.5  # weight of the newest draft step's time in ``step_s``
+_RECENT_RUNS = 5  # draft runs whose step time ``step_s`` is the median of (one slow run, a
+# weight repacking or a busy machine, must not stop drafting for good: nothing would re-measure)
 
 
 class Drafter:
@@ -34,7 +37,7 @@ class Drafter:
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
-        self.step_s = 0.0  # the draft engine's step time, smoothed (what a drafted token costs)
+        self._recent: deque[float] = deque(maxlen=_RECENT_RUNS)  # seconds a draft step took
         self.failures = 0  # draft runs that failed (their rows decoded without a draft)
 
     def propose(self, asks: list[tuple[Request, int]]) -> dict[Request, list[int]]:
@@ -59,11 +62,7 @@ class Drafter:
                 e,
             )
             return {}
-        steps = max(n for _, n in asks)
-        spent = (time.perf_counter() - start) / steps
-        if self.step_s:
-            spent = _SMOOTHING * spent + (1 - _SMOOTHING) * self.step_s
-        self.step_s = spent
+        self._recent.append((time.perf_counter() - start) / max(n for _, n in asks))
         drafts: dict[Request, list[int]] = {}
         for (req, _), out in zip(asks, outputs):
             if out.error is not None:
@@ -75,6 +74,12 @@ class Drafter:
             if cut:
                 drafts[req] = tokens[:cut]
         return drafts
+
+    @property
+    def step_s(self) -> float:
+        """What a draft step costs (the median of recent runs'; 0 before any): a drafted token's
+        share of it is its cost in the cost rule (paged_hf/engine/speculation.py)."""
+        return statistics.median(self._recent) if self._recent else 0.0
 
     def stats(self) -> dict[str, Any]:
         """The draft engine's smoothed step time, its failed runs, and its own counters."""

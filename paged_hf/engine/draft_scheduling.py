@@ -16,6 +16,9 @@ if TYPE_CHECKING:
     from ..cache.block_manager import BlockManager
 
 
+SURE_DRAFT = 64  # the longest draft the step's first check prices
+
+
 class DraftSchedulingMixin:
     """Drafts into the step's plan: what fits, cut to the budget, never preempting anyone."""
 
@@ -51,6 +54,8 @@ class DraftSchedulingMixin:
         """The draft model's proposals for this step's decodes that ask (one batched run of it),
         each as long as ``draft_room`` allows with every decode's own token counted first."""
         costs, rows = self._draft_costs, len(decodes)
+        if costs is not None and costs.best_length(1.0, SURE_DRAFT, drafted=True) == 0:
+            return {}  # not even a draft sure to be taken pays this step: no row's does
         room = budget.tokens - rows + 1  # what a decode's draft may take beside the other decodes
         asks = [
             (req, n)

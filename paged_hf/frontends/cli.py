@@ -142,6 +142,19 @@ def _add_sampling_options(g: argparse.ArgumentParser) -> None:
         help="speculative decoding: each step a row drafts up to K tokens from its prompt and "
         "output, verified in the step (docs/speculative.md)",
     )
+    s.add_argument(
+        "--draft-model",
+        metavar="NAME",
+        help="speculative decoding: a smaller model with the same tokenizer drafts the tokens "
+        "(loaded as --model is, with its --dtype and --device; docs/speculative.md)",
+    )
+    s.add_argument(
+        "--num-assistant-tokens",
+        type=int,
+        default=20,
+        metavar="K",
+        help="with --draft-model: the longest draft (20, transformers' default)",
+    )
     s.add_argument("--ignore-eos", action="store_true")
     s.add_argument(
         "--stop",
@@ -217,6 +230,10 @@ def generate(args: argparse.Namespace) -> int:
         model, tokenizer = load_model(
             args.model, args.gguf_file, args.tokenizer, args.dtype, args.device, args.tp_size
         )
+        if args.draft_model:
+            engine_config["draft_model"] = load_model(
+                args.draft_model, None, args.tokenizer or args.model, args.dtype, args.device
+            )[0]
     except ValueError as err:
         return _fail(str(err))
     try:
@@ -266,6 +283,7 @@ def _options(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
         choice=args.choice,
         json_schema=_read_schema(args.json_schema),
         prompt_lookup_num_tokens=args.prompt_lookup_num_tokens,
+        num_assistant_tokens=args.num_assistant_tokens if args.draft_model else 0,
     )
     params.validate("sampling options")
     memory = args.kv_cache_memory

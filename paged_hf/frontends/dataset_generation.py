@@ -311,8 +311,12 @@ def _engine(model: Any, tokenizer: Any, engine_config: dict) -> Any:
         is_patched,
     )
 
-    if is_patched(model) and not engine_config:
+    config = dict(engine_config)
+    draft = config.pop("draft_model", None)  # the engine drafts with it (num_assistant_tokens)
+    if is_patched(model) and not config:
         engine = engine_for(model)
+        if draft is not None:
+            engine.use_draft_model(draft)
         if tokenizer is not None and engine.tokenizer is None:  # stop strings are read with it
             engine.tokenizer = tokenizer
         if engine.requests:
@@ -322,7 +326,7 @@ def _engine(model: Any, tokenizer: Any, engine_config: dict) -> Any:
                 len(engine.requests),
             )
         return engine
-    return Engine(model, tokenizer, **engine_config)
+    return Engine(model, tokenizer, draft_model=draft, **config)
 
 
 # ---- progress ------------------------------------------------------------------------------------

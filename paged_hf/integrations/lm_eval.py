@@ -26,16 +26,22 @@ except ImportError as _err:  # pragma: no cover - the message is the point
     ) from _err
 
 from ..engine.scoring import prefix_token_id, rolling_windows
+from ..model.generate_assistant import DEFAULT_ASSISTANT_TOKENS
 from ..requests.sampling_params import SamplingParams
-from .lm_eval_engine import ENGINE_OPTIONS, engine_for_eval, special_kwargs
+from .lm_eval_engine import ENGINE_OPTIONS, engine_for_eval, special_kwargs, use_draft_for_eval
 
 logger = logging.getLogger("paged_hf")
 
 # generation kwargs of lm-eval tasks that map onto SamplingParams (do_sample and temperature are
 # read first); anything else is refused, never silently ignored
 _SAMPLING_KWARGS = {"temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed"}
-# speculative decoding, as transformers' generate takes it (``--gen_kwargs prompt_lookup_num_tokens=10``)
-_SPECULATION_KWARGS = {"prompt_lookup_num_tokens", "max_matching_ngram_size"}
+# speculative decoding, as transformers' generate takes it (``--gen_kwargs prompt_lookup_num_tokens=10``;
+# ``num_assistant_tokens`` with the ``draft_model`` model arg, 20 where unset)
+_SPECULATION_KWARGS = {
+    "prompt_lookup_num_tokens",
+    "max_matching_ngram_size",
+    "num_assistant_tokens",
+}
 
 
 @register_model("paged_hf")
@@ -72,6 +78,7 @@ class PagedHFLM(TemplateLM):
         chat_template_args: dict | None = None,
         think_end_token: str | int | None = None,
         tp_size: int = 1,
+        draft_model: Any = None,
         **engine_options: Any,
     ) -> None:
         super().__init__()
@@ -100,6 +107,8 @@ class PagedHFLM(TemplateLM):
             )
         if self.engine.tokenizer is None:
             self.engine.tokenizer = tokenizer  # stop strings are read with it
+        if draft_model is not None:
+            use_draft_for_eval(self.engine, draft_model, dtype, device, revision, trust_remote_code)
         self.model = model
         self.tokenizer = tokenizer
         self._device = next(model.parameters()).device
@@ -285,7 +294,8 @@ class PagedHFLM(TemplateLM):
                 )
             ids = self.tok_encode(context, left_truncate_len=self.max_length - max_gen)
             prompts.append(ids)
-            params.append(_sampling_params(kwargs, max_gen, [s for s in until if s]))
+            stops = [s for s in until if s]
+            params.append(_sampling_params(kwargs, max_gen, stops, self.engine.scheduler.drafter))
             untils.append(until)
         outs = self.engine.generate(prompts, params, progress=not disable_tqdm)
         results = []
@@ -307,7 +317,9 @@ class PagedHFLM(TemplateLM):
 # ---- helpers ----------------------------------------------------------------------------------------
 
 
-def _sampling_params(kwargs: dict, max_new_tokens: int, stop: list[str]) -> SamplingParams:
+def _sampling_params(
+    kwargs: dict, max_new_tokens: int, stop: list[str], drafter: Any = None
+) -> SamplingParams:
     do_sample = bool(kwargs.pop("do_sample", False))
     temperature = float(kwargs.pop("temperature", 0.0) or 0.0)
     unknown = sorted(set(kwargs) - _SAMPLING_KWARGS - _SPECULATION_KWARGS)
@@ -329,6 +341,11 @@ def _sampling_params(kwargs: dict, max_new_tokens: int, stop: list[str]) -> Samp
     for name in _SPECULATION_KWARGS:
         if kwargs.get(name) is not None:
             fields[name] = int(kwargs[name])
+    if drafter is not None and not fields.keys() & {
+        "prompt_lookup_num_tokens",
+        "num_assistant_tokens",
+    }:
+        fields["num_assistant_tokens"] = DEFAULT_ASSISTANT_TOKENS  # the draft_model model arg's
     return SamplingParams(max_new_tokens=max_new_tokens, stop=stop, **fields)
 
 

@@ -84,6 +84,28 @@ def engine_for_eval(
     return engine, model, tokenizer
 
 
+def use_draft_for_eval(
+    engine: Any,
+    draft_model: Any,
+    dtype: Any,
+    device: str | None,
+    revision: str | None,
+    trust_remote_code: bool,
+) -> None:
+    """The ``draft_model`` model arg: a model, or a name loaded as ``pretrained`` is; generate_until
+    requests draft with it (docs/speculative.md)."""
+    if not isinstance(draft_model, torch.nn.Module):
+        draft_model = load_model(
+            str(draft_model),
+            dtype=dtype,
+            device=device_for(device),
+            revision=revision,
+            trust_remote_code=trust_remote_code,
+            labels={"model": "draft_model"},
+        )[0]
+    engine.use_draft_model(draft_model)
+
+
 def refuse_copies(pretrained: Any, tp_size: int) -> None:
     """What ``tp_size`` cannot do here: shard a model already loaded, or run several copies (lm-eval
     splits its requests over ranks that each hold a whole model)."""

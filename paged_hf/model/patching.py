@@ -166,6 +166,7 @@ class Engine(EngineCore):
             num_blocks=self.kv_manager.pool.num_blocks,
             max_num_seqs=self.config.max_num_seqs,
         )
+        draft.warmup()  # its first steps' one-off costs are not what a draft step costs
         self.set_draft_model(draft)
 
     @over_ranks("Engine.beam_search")

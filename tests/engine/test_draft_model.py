@@ -43,7 +43,7 @@ def drafting_engine(model, draft, **config) -> paged_hf.Engine:
 
     def free_drafts(asks):
         drafts = propose(asks)
-        drafter.step_s = 0.0
+        drafter._recent.clear()
         return drafts
 
     drafter.propose = free_drafts
@@ -255,3 +255,23 @@ def test_smollm2_fp32_drafted_by_its_bf16_copy_is_transformers_greedy_search(smo
     stats = paged_hf.engine_for(patched).stats()
     assert torch.equal(out, expected)
     assert stats["draft_tokens_accepted"] > 20, stats["draft_tokens_accepted"]
+
+
+def test_a_draft_is_as_long_as_its_tokens_pay_for_with_the_drafts_own_steps():
+    """A drafted token costs its share of a draft step besides its position in the target's step:
+    drafts are shorter than prompt lookup's at the same odds, and none where a draft step costs
+    what the target's does at these odds. The draft step's cost is the median of recent runs, so
+    one slow run (a repacking, a busy machine) does not stop drafting for good."""
+    from paged_hf.engine.draft_model import Drafter
+    from paged_hf.engine.speculation import draft_costs
+
+    free = draft_costs((0.020, 0.001, 0.0002), decode_rows=1)
+    drafted = draft_costs((0.020, 0.001, 0.0002), decode_rows=1, draft_step_s=0.008)
+    assert 0 < drafted.best_length(0.9, 20, drafted=True) < free.best_length(0.9, 20)
+    assert drafted.best_length(0.9, 20) == free.best_length(0.9, 20)  # prompt lookup's: free
+    costly = draft_costs((0.020, 0.001, 0.0002), decode_rows=1, draft_step_s=0.021)
+    assert costly.best_length(0.9, 20, drafted=True) == 0
+    drafter = Drafter(engine=None)
+    assert drafter.step_s == 0.0
+    drafter._recent.extend([2.0, 0.01, 0.012])
+    assert drafter.step_s == 0.012

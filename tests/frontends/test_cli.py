@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from tiny_models import make_tiny_model
 from tiny_tokenizer import make_tiny_tokenizer
 
@@ -372,3 +373,34 @@ def test_prompt_lookup_reaches_the_rows_and_what_it_cannot_run_is_refused(
     assert seen[0].prompt_lookup_num_tokens == 4
     assert cli.main(argv + ["--repetition-penalty", "1.2"]) == 2
     assert "prompt_lookup_num_tokens with repetition_penalty" in capsys.readouterr().err
+
+
+def test_a_draft_model_reaches_the_engine_and_leaves_the_rows_as_they_were(
+    model_dir, tmp_path, monkeypatch
+):
+    """``--draft-model`` loads the draft as --model is loaded and the rows draft with it (up to
+    --num-assistant-tokens); the tokens are the plain run's."""
+    data = tmp_path / "in.jsonl"
+    data.write_text('{"prompt": "a b a b a b"}\n{"prompt": "one two three"}\n')
+    argv = ["generate", "--model", str(model_dir), "--input", str(data), "--no-progress"]
+    argv += ["--max-new-tokens", "12", "--dtype", "float32"]
+    seen = []
+    run = cli_dataset.generate_dataset
+
+    def recording(*args, **kwargs):
+        seen.append(kwargs)
+        return run(*args, **kwargs)
+
+    monkeypatch.setattr(cli_dataset, "generate_dataset", recording)
+    plain, drafted = tmp_path / "plain.jsonl", tmp_path / "drafted.jsonl"
+    assert cli.main(argv + ["--output", str(plain)]) == 0
+    extra = ["--draft-model", str(model_dir), "--num-assistant-tokens", "5"]
+    assert cli.main(argv + ["--output", str(drafted)] + extra) == 0
+    assert "draft_model" not in seen[0] and seen[0]["sampling_params"].num_assistant_tokens == 0
+    assert isinstance(seen[1]["draft_model"], torch.nn.Module)
+    assert seen[1]["sampling_params"].num_assistant_tokens == 5
+    texts = [
+        [json.loads(line)["generation"] for line in p.read_text().splitlines()]
+        for p in (plain, drafted)
+    ]
+    assert texts[0] == texts[1]

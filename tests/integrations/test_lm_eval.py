@@ -349,3 +349,36 @@ def test_prompt_lookup_comes_as_transformers_takes_it_in_gen_kwargs():
     params = _sampling_params({"prompt_lookup_num_tokens": "5"}, 16, ["\n\n"])
     assert params.prompt_lookup_num_tokens == 5 and params.stop == ("\n\n",)
     assert _sampling_params({}, 16, []).prompt_lookup_num_tokens == 0
+
+
+def test_a_draft_model_arg_drafts_every_generate_until_request(tiny_dir, task_manager):
+    """``--model_args ...,draft_model=NAME`` loads the draft as ``pretrained`` is loaded; every
+    generate_until request drafts with it (``num_assistant_tokens`` 20 unless the gen kwargs say),
+    and the responses are those of the run without it."""
+    from paged_hf.integrations.lm_eval import _sampling_params
+
+    tm, _ = task_manager
+    plain = evaluate("paged_hf", tiny_dir, "float32", ["phf_gen"], tm, limit=3)
+    lm = get_model("paged_hf").create_from_arg_string(
+        MODEL_ARGS.format(path=tiny_dir, dtype="float32") + f",draft_model={tiny_dir}"
+    )
+    assert lm.engine.scheduler.drafter is not None
+    drafted = lm_eval.simple_evaluate(
+        model=lm,
+        tasks=["phf_gen"],
+        task_manager=tm,
+        device="cpu",
+        batch_size=4,
+        log_samples=True,
+        limit=3,
+    )
+    assert [s["resps"] for s in drafted["samples"]["phf_gen"]] == [
+        s["resps"] for s in plain["samples"]["phf_gen"]
+    ]
+    drafter = object()  # what the backend passes when its engine has a draft model
+    assert _sampling_params({}, 16, [], drafter).num_assistant_tokens == 20
+    assert (
+        _sampling_params({"num_assistant_tokens": "6"}, 16, [], drafter).num_assistant_tokens == 6
+    )
+    lookup = _sampling_params({"prompt_lookup_num_tokens": "4"}, 16, [], drafter)
+    assert lookup.num_assistant_tokens == 0 and lookup.prompt_lookup_num_tokens == 4
