@@ -33,6 +33,7 @@ from .scheduler import Scheduler
 from .scheduling_policy import make_policy
 from .speculation import Verified
 from .step import StepMixin
+from .step_time import StepTimeModel
 from .turns import TurnLock
 
 logger = logging.getLogger("paged_hf")
@@ -254,6 +255,7 @@ class EngineCore(AdmissionMixin, StepMixin, OutputsMixin, BlockingCallsMixin, Ca
         self.kv_manager.pool.drop_cached()
         self._stats = EngineStats()
         self.scheduler.num_preemptions = self.scheduler.prefix_hit_tokens = 0
+        self.scheduler.step_time = StepTimeModel()  # its one-off first steps are no step's time
         seconds = time.perf_counter() - start
         logger.info("paged_hf: warm-up took %.1f s", seconds)
         return seconds

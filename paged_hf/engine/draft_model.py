@@ -30,6 +30,7 @@ logger = logging.getLogger("paged_hf")
 
 _RECENT_RUNS = 5  # draft runs whose step time ``step_s`` is the median of (one slow run, a
 # weight repacking or a busy machine, must not stop drafting for good: nothing would re-measure)
+_DECAY = 0.98  # a step's weight in ``prior`` against the steps before it
 
 
 class Drafter:
@@ -38,6 +39,7 @@ class Drafter:
     def __init__(self, engine: Any) -> None:
         self.engine = engine
         self._recent: deque[float] = deque(maxlen=_RECENT_RUNS)  # seconds a draft step took
+        self._taken, self._stops = 0.0, 0.0  # recent verifications' (decayed)
         self.failures = 0  # draft runs that failed (their rows decoded without a draft)
 
     def propose(self, asks: list[tuple[Request, int]]) -> dict[Request, list[int]]:
@@ -75,17 +77,39 @@ class Drafter:
                 drafts[req] = tokens[:cut]
         return drafts
 
+    def learn(self, taken: int, stops: int) -> None:
+        """A step's verifications of this draft's tokens: those taken, and the drafts that
+        stopped short (every row's, including rows that end there)."""
+        self._taken = _DECAY * self._taken + taken
+        self._stops = _DECAY * self._stops + stops
+
+    @property
+    def prior(self) -> float:
+        """The chance a draft token is taken, from recent verifications (a geometric chain's
+        estimate, from one of each before any): a new row's odds before its own record."""
+        return (self._taken + 1) / (self._taken + self._stops + 2)
+
     @property
     def step_s(self) -> float:
-        """What a draft step costs (the median of recent runs'; 0 before any): a drafted token's
-        share of it is its cost in the cost rule (paged_hf/engine/speculation.py)."""
+        """What a draft run's step took (the median of recent runs'; 0 before any)."""
         return statistics.median(self._recent) if self._recent else 0.0
+
+    def step_cost(self, rows: int) -> float | None:
+        """What one more draft token costs a step of ``rows`` decodes: a decode step of the draft
+        at that many rows, from the draft engine's own step-time fit (its runs' fixed costs, a
+        prompt's tail to compute, are not a token's); the recent runs' step time before that
+        fit; None before the draft has run (the cost rule then drafts untimed)."""
+        fitted = self.engine.scheduler.step_time.predict(rows, 0)
+        if fitted is not None:
+            return fitted
+        return self.step_s or None
 
     def stats(self) -> dict[str, Any]:
         """The draft engine's smoothed step time, its failed runs, and its own counters."""
         inner = self.engine.stats()
         return {
             "step_s": self.step_s,
+            "acceptance": self.prior,
             "failures": self.failures,
             "prefix_hit_tokens": inner["prefix_hit_tokens"],
             "prefill_tokens_computed": inner["prefill_tokens_computed"],

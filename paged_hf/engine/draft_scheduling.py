@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..requests.request import Request
 from .schedule_output import Budget, SchedulerOutput
-from .speculation import DraftCosts, draft_for, draft_room
+from .speculation import DraftCosts, draft_costs, draft_for, draft_room
 
 if TYPE_CHECKING:
     from ..cache.block_manager import BlockManager
@@ -28,6 +28,9 @@ class DraftSchedulingMixin:
     _draft_costs: DraftCosts | None
     _decode_rows: int
     _proposals: dict[Request, list[int]]
+    draft_seconds: float  # this step's time in the draft model (apart from its step-time fit)
+    clock: Any
+    step_time: Any  # this engine's StepTimeModel
 
     def _schedule_draft(
         self, req: Request, out: SchedulerOutput, chosen: dict[Request, int], budget: Budget
@@ -52,14 +55,26 @@ class DraftSchedulingMixin:
 
     def _propose_drafts(self, decodes: list[Request], budget: Budget) -> dict[Request, list[int]]:
         """The draft model's proposals for this step's decodes that ask (one batched run of it),
-        each as long as ``draft_room`` allows with every decode's own token counted first."""
-        costs, rows = self._draft_costs, len(decodes)
+        each as long as ``draft_room`` allows with every decode's own token counted first: its
+        tokens priced with a draft step's cost (untimed until the draft has run), at odds from
+        the row's record, before any from the recent verifications' (the drafter's ``prior``)."""
+        drafter, rows = self.drafter, len(decodes)
+        asking = [req for req in decodes if req.params.num_assistant_tokens]
+        if not asking:
+            return {}
+        step_s = drafter.step_cost(rows)
+        costs = None if step_s is None else draft_costs(self.step_time.coef, rows, step_s)
         if costs is not None and costs.best_length(1.0, SURE_DRAFT, drafted=True) == 0:
             return {}  # not even a draft sure to be taken pays this step: no row's does
         room = budget.tokens - rows + 1  # what a decode's draft may take beside the other decodes
         asks = [
             (req, n)
-            for req in decodes
-            if req.params.num_assistant_tokens and (n := draft_room(req, room, costs, rows)) > 0
+            for req in asking
+            if (n := draft_room(req, room, costs, rows, drafter.prior)) > 0
         ]
-        return self.drafter.propose(asks) if asks else {}
+        if not asks:
+            return {}
+        start = self.clock()
+        drafts = drafter.propose(asks)
+        self.draft_seconds = self.clock() - start  # the draft's steps are not this step's time
+        return drafts

@@ -85,6 +85,7 @@ class Scheduler(QueuesMixin, DraftSchedulingMixin):
         self._decode_rows, self._draft_costs = 0, None  # this step's (set as it schedules)
         self.drafter = None  # the draft model's proposer (paged_hf/engine/draft_model.py), if any
         self._proposals: dict[Request, list[int]] = {}  # this step's, from the draft model
+        self.draft_seconds = 0.0  # this step's time in the draft model
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order; the tail is preempted first
         self.num_preemptions = 0
@@ -102,6 +103,7 @@ class Scheduler(QueuesMixin, DraftSchedulingMixin):
         waiting ones in the policy's order while they fit, then the prefills the policy
         defers in what is left."""
         out = SchedulerOutput(scheduled=[])
+        self.draft_seconds = 0.0
         chosen: dict[Request, int] = {}
         budget = Budget(
             self.throughput_call_budget
@@ -135,10 +137,8 @@ class Scheduler(QueuesMixin, DraftSchedulingMixin):
         decodes = [r for r in self.running if r.num_pending_tokens == 1]
         # what a drafted token costs this step against what a taken one saves
         self._decode_rows = len(decodes)
-        drafter = self.drafter
-        draft_s = drafter.step_s if drafter is not None else 0.0
-        self._draft_costs = draft_costs(self.step_time.coef, len(decodes), draft_s)
-        if drafter is not None:
+        self._draft_costs = draft_costs(self.step_time.coef, len(decodes))
+        if self.drafter is not None:
             self._proposals = self._propose_drafts(decodes, budget)
         prefills = sorted(
             (r for r in self.running if r.num_pending_tokens > 1), key=lambda r: urgency(r, now)

@@ -71,13 +71,15 @@ TAKEN_VALUE = 0.5
 UNFITTED_ROWS = 2  # before the engine has timed its steps: a notebook's call or two, where a step is its overhead
 
 
-def acceptance(req: Request) -> float:
+def acceptance(req: Request, prior: float = 0.5) -> float:
     """The chance its next draft token is taken: taken tokens over those and the verifications
-    that stopped short (a geometric chain's estimate), from one of each before any."""
-    return (req.draft_accepted + 1) / (req.draft_accepted + req.draft_rejections + 2)
+    that stopped short (a geometric chain's estimate), from two of ``prior``'s odds before any."""
+    return (req.draft_accepted + 2 * prior) / (req.draft_accepted + req.draft_rejections + 2)
 
 
-def draft_room(req: Request, budget: int, costs: DraftCosts | None, decode_rows: int) -> int:
+def draft_room(
+    req: Request, budget: int, costs: DraftCosts | None, decode_rows: int, prior: float = 0.5
+) -> int:
     """How many tokens ``req`` may propose this step: none unless it decodes and its params ask;
     what the budget, its length limits and the step's costs leave."""
     p = req.params
@@ -95,11 +97,11 @@ def draft_room(req: Request, budget: int, costs: DraftCosts | None, decode_rows:
         room = min(room, p.min_new_tokens - out - 1)
     drafted = bool(p.num_assistant_tokens)
     if costs is not None:
-        return max(0, min(room, costs.best_length(acceptance(req), room, drafted)))
+        return max(0, min(room, costs.best_length(acceptance(req, prior), room, drafted)))
     if decode_rows > UNFITTED_ROWS:
         return 0
     if drafted:  # untimed draft steps: as long as the row's record says its runs are
-        alpha = acceptance(req)
+        alpha = acceptance(req, prior)
         room = min(room, 1 + round(2 * alpha / (1 - alpha)))
     return max(0, room)
 
@@ -126,6 +128,9 @@ class Verified:
     logprobs: dict[Request, list] = field(default_factory=dict)  # theirs, where the row asks
     proposed: int = 0
     taken: int = 0
+    # the draft model's rows alone: their taken tokens, and verifications that stopped short
+    model_taken: int = 0
+    model_stops: int = 0
 
 
 def verify(rows: list[Request], tokens: list, logprobs: list, errors: dict) -> tuple:
@@ -158,6 +163,9 @@ def verify(rows: list[Request], tokens: list, logprobs: list, errors: dict) -> t
             req.draft_rejections += m < k
             verified.proposed += k
             verified.taken += m
+            if req.params.num_assistant_tokens:
+                verified.model_taken += m
+                verified.model_stops += m < k
         out_rows.append(req)
         out_tokens.append(chosen)
         out_lp.append(logprobs[i + m])

@@ -140,9 +140,8 @@ class StepMixin:
             self._undo_step(out, forked)
             raise
         sampled, finished = self._update(out, batch, result, decode_tokens)
-        self.scheduler.step_time.observe(
-            decode_tokens, out.num_tokens - decode_tokens, self.scheduler.clock() - start
-        )
+        seconds = self.scheduler.clock() - start - self.scheduler.draft_seconds
+        self.scheduler.step_time.observe(decode_tokens, out.num_tokens - decode_tokens, seconds)
         # waiting requests the queue refused to make room for more urgent ones end here too
         return sampled, self.scheduler.take_shed() + finished
 
@@ -215,6 +214,8 @@ class StepMixin:
         rows, tokens, lps, errors, self._verified = verify(
             batch.rows, result.tokens, result.logprobs, result.errors
         )
+        if self.scheduler.drafter is not None:
+            self.scheduler.drafter.learn(self._verified.model_taken, self._verified.model_stops)
         batch.rows = rows
         result.tokens, result.logprobs, result.errors = tokens, lps, errors
 

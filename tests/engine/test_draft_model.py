@@ -39,14 +39,7 @@ def drafting_engine(model, draft, **config) -> paged_hf.Engine:
     )
     drafter = engine.scheduler.drafter
     checked(drafter.engine)
-    propose = drafter.propose
-
-    def free_drafts(asks):
-        drafts = propose(asks)
-        drafter._recent.clear()
-        return drafts
-
-    drafter.propose = free_drafts
+    drafter.step_cost = lambda rows: 1e-6
     return engine
 
 
@@ -225,6 +218,12 @@ def test_sampled_rows_keep_the_models_distribution():
     stats = engine.stats()
     assert stats["draft_tokens_proposed"] == rows
     assert 0.1 * rows < stats["draft_tokens_accepted"] < 0.9 * rows, stats
+    # a new row's odds come from every verification, the rows a taken draft ended included
+    taken = stats["draft_tokens_accepted"] / rows
+    assert abs(engine.scheduler.drafter.prior - taken) < 0.15, (
+        engine.scheduler.drafter.prior,
+        taken,
+    )
     chi2 = 0.0
     for t1, p1 in first.items():
         for t2, p2 in second[t1].items():
@@ -275,3 +274,26 @@ def test_a_draft_is_as_long_as_its_tokens_pay_for_with_the_drafts_own_steps():
     assert drafter.step_s == 0.0
     drafter._recent.extend([2.0, 0.01, 0.012])
     assert drafter.step_s == 0.012
+
+
+def test_the_step_time_fit_does_not_count_the_drafts_steps():
+    """The engine fits its own step times (the cost rule, TPOT budgets); the draft model's runs
+    happen inside scheduling and are timed apart: a draft that takes 100 s of the (fake) clock
+    leaves every observed step under a second."""
+    model = make_tiny_model("llama")
+    engine = paged_hf.Engine(model, block_size=4, draft_model=make_tiny_model("llama"))
+    now = [0.0]
+    engine.scheduler.clock = lambda: now[0]
+    drafter = engine.scheduler.drafter
+    propose = drafter.propose
+
+    def slow(asks):
+        now[0] += 100.0
+        return propose(asks)
+
+    drafter.propose = slow
+    prompts = repetitive_prompts(model.config.vocab_size)[:1]  # one row: it drafts untimed
+    run(engine, prompts, SamplingParams(max_new_tokens=12, ignore_eos=True, num_assistant_tokens=3))
+    observed = [seconds for _, _, seconds in engine.scheduler.step_time._rows]
+    assert engine.stats()["draft_tokens_proposed"] > 0 and now[0] >= 100.0
+    assert observed and max(observed) < 1.0, observed
