@@ -64,14 +64,16 @@ def main() -> None:
         "transformers": lambda: call(theirs, None),
         "transformers + assistant_model": lambda: call(theirs, their_draft),
     }
+    engine = paged_hf.engine_for(ours)
+    before = engine.stats()
     one = timed(ways, args.repeat)
+    drafted = {key: engine.stats()[key] - before[key] for key in DRAFT_KEYS}
     print(
         f"batch 1: 3 prompts one at a time, {n} new tokens, k={args.k}, SmolLM2-135M fp32 drafted "
-        f"by its bf16 copy, {args.threads} threads, median of {args.repeat}"
+        f"by its bf16 copy, {args.threads} threads, median of {args.repeat}; drafted {drafted}"
     )
     print(table(one, 3 * n, "paged_hf"))
-    engine = paged_hf.engine_for(ours)
-    rows = {"batch 1": summary(one, 3 * n)}
+    rows = {"batch 1": dict(summary(one, 3 * n), **drafted)}
     for b in [int(x) for x in args.batches.split(",") if x]:
         for name, texts in (("edits", edits), ("chat", QUESTIONS)):
             prompts = [

@@ -297,3 +297,43 @@ def test_the_step_time_fit_does_not_count_the_drafts_steps():
     observed = [seconds for _, _, seconds in engine.scheduler.step_time._rows]
     assert engine.stats()["draft_tokens_proposed"] > 0 and now[0] >= 100.0
     assert observed and max(observed) < 1.0, observed
+
+
+def test_stop_strings_end_a_row_inside_a_draft_models_draft(monkeypatch):
+    """A draft with the target's weights proposes the plain run's own continuation, so the stop
+    strings (two tokens of each row's plain output) fall inside drafts: the rows end there with the
+    plain run's tokens, reasons and text, and a watch hears each kept token."""
+    from tiny_tokenizer import make_tiny_tokenizer
+
+    import paged_hf.engine.step as step
+
+    model, tok = make_tiny_model("llama"), make_tiny_tokenizer()
+    prompts = repetitive_prompts(model.config.vocab_size, seed=4)
+    stops = [tok.decode(row[9:11]) for row in plain_tokens(model, prompts)]
+    inside = []
+    take = step.append_accepted
+
+    def spied(verified, sampled, now):
+        stopped, failed = take(verified, sampled, now)
+        inside.extend(stopped)
+        return stopped, failed
+
+    monkeypatch.setattr(step, "append_accepted", spied)
+
+    def outputs(engine, k):
+        heard: dict[str, list[int]] = {}
+        params = SamplingParams(
+            max_new_tokens=NEW, ignore_eos=True, stop=stops, num_assistant_tokens=k
+        )
+        outs = engine.generate(
+            prompts, params, on_token=lambda rid, t: heard.setdefault(rid, []).append(t)
+        )
+        assert [heard.get(o.request_id, []) for o in outs] == [o.token_ids for o in outs]
+        return [(o.token_ids, o.finish_reason, o.completions[0].stop_reason, o.text) for o in outs]
+
+    want = outputs(paged_hf.Engine(model, tok, block_size=4), 0)
+    assert not inside and all(out[1] == "stop" for out in want)
+    engine = drafting_engine(model, make_tiny_model("llama"), tokenizer=tok)
+    assert outputs(engine, 6) == want
+    assert inside, "no stop string fell inside a draft"
+    assert_both_clean(engine)
