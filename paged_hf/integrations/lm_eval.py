@@ -107,8 +107,7 @@ class PagedHFLM(TemplateLM):
             )
         if self.engine.tokenizer is None:
             self.engine.tokenizer = tokenizer  # stop strings are read with it
-        if draft_model is not None:
-            use_draft_for_eval(self.engine, draft_model, dtype, device, revision, trust_remote_code)
+        use_draft_for_eval(self.engine, draft_model, dtype, device, revision, trust_remote_code)
         self.model = model
         self.tokenizer = tokenizer
         self._device = next(model.parameters()).device
@@ -118,11 +117,7 @@ class PagedHFLM(TemplateLM):
         self.custom_prefix_token_id = prefix_token_id
         self.truncation = truncation
         self.chat_template_args = chat_template_args or {}
-        self.think_end_token = (
-            int(think_end_token)
-            if isinstance(think_end_token, str) and think_end_token.isdigit()
-            else think_end_token
-        )
+        self.think_end_token = _token_or_id(think_end_token)
         self.pretrained = (
             pretrained if isinstance(pretrained, str) else getattr(model, "name_or_path", "")
         )
@@ -347,6 +342,11 @@ def _sampling_params(
     }:
         fields["num_assistant_tokens"] = DEFAULT_ASSISTANT_TOKENS  # the draft_model model arg's
     return SamplingParams(max_new_tokens=max_new_tokens, stop=stop, **fields)
+
+
+def _token_or_id(token: str | int | None) -> str | int | None:
+    """lm-eval's ``think_end_token``: a token id where the model arg is all digits."""
+    return int(token) if isinstance(token, str) and token.isdigit() else token
 
 
 def run_cli(argv: list[str]) -> int:

@@ -93,7 +93,9 @@ def use_draft_for_eval(
     trust_remote_code: bool,
 ) -> None:
     """The ``draft_model`` model arg: a model, or a name loaded as ``pretrained`` is; generate_until
-    requests draft with it (docs/speculative.md)."""
+    requests draft with it (docs/speculative.md). None: none."""
+    if draft_model is None:
+        return
     if not isinstance(draft_model, torch.nn.Module):
         draft_model = load_model(
             str(draft_model),
