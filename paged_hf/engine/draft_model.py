@@ -30,6 +30,7 @@ logger = logging.getLogger("paged_hf")
 
 _RECENT_RUNS = 5  # draft runs whose step time ``step_s`` is the median of (one slow run, a
 # weight repacking or a busy machine, must not stop drafting for good: nothing would re-measure)
+EXPLORE_EVERY = 64
 _DECAY = 0.98  # a step's weight in ``prior`` against the steps before it
 
 
@@ -40,6 +41,7 @@ class Drafter:
         self.engine = engine
         self._recent: deque[float] = deque(maxlen=_RECENT_RUNS)  # seconds a draft step took
         self._taken, self._stops = 0.0, 0.0  # recent verifications' (decayed)
+        self._priced = 0  # steps priced by the cost rule
         self.failures = 0  # draft runs that failed (their rows decoded without a draft)
 
     def propose(self, asks: list[tuple[Request, int]]) -> dict[Request, list[int]]:
@@ -76,6 +78,12 @@ class Drafter:
             if cut:
                 drafts[req] = tokens[:cut]
         return drafts
+
+    def explores(self) -> bool:
+        """Whether this step drafts untimed (one in ``EXPLORE_EVERY``): drafting priced out by a
+        slow measurement would never measure again otherwise."""
+        self._priced += 1
+        return self._priced % EXPLORE_EVERY == 0
 
     def learn(self, taken: int, stops: int) -> None:
         """A step's verifications of this draft's tokens: those taken, and the drafts that

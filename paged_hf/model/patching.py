@@ -167,6 +167,7 @@ class Engine(EngineCore):
             max_num_seqs=self.config.max_num_seqs,
         )
         draft.warmup()  # its first steps' one-off costs are not what a draft step costs
+        draft.calibrate()  # and the cost rule prices draft tokens from the first call
         self.set_draft_model(draft)
 
     @over_ranks("Engine.beam_search")

@@ -337,3 +337,27 @@ def test_stop_strings_end_a_row_inside_a_draft_models_draft(monkeypatch):
     assert outputs(engine, 6) == want
     assert inside, "no stop string fell inside a draft"
     assert_both_clean(engine)
+
+
+def test_a_priced_out_draft_is_tried_now_and_then_and_costs_are_known_from_the_start():
+    """The draft engine times a few steps when attached (its step-time fit exists before the
+    first call); and where the costs say a draft never pays (a slow measurement, a busy machine),
+    one step in EXPLORE_EVERY drafts untimed all the same, or nothing would measure again."""
+    from paged_hf.engine.draft_model import EXPLORE_EVERY
+
+    model = make_tiny_model("llama")
+    engine = drafting_pays(
+        paged_hf.Engine(model, block_size=4, draft_model=make_tiny_model("llama"))
+    )
+    drafter = engine.scheduler.drafter
+    assert drafter.engine.scheduler.step_time.coef is not None
+    assert_clean(drafter.engine)  # calibration leaves nothing behind
+    drafter.step_cost = lambda rows: 10.0  # a drafted token costs 10 s: never pays
+    runs = []
+    propose = drafter.propose
+    drafter.propose = lambda asks: runs.append(asks) or propose(asks)
+    new = 3 * EXPLORE_EVERY + 2
+    prompt = repetitive_prompts(model.config.vocab_size)[:1]
+    params = SamplingParams(max_new_tokens=new, ignore_eos=True, num_assistant_tokens=4)
+    assert run(engine, prompt, params) == plain_tokens(model, prompt, max_new_tokens=new)
+    assert 2 <= len(runs) <= 4, len(runs)  # about one a EXPLORE_EVERY steps, no more
