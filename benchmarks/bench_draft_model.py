@@ -20,7 +20,16 @@ import omp_env
 
 omp_env.setup()  # before torch: OpenMP reads its wait policy when libgomp loads
 
-from bench_speculative import DRAFT_KEYS, PASSAGES, TASKS, summary, table, timed  # noqa: E402
+from bench_speculative import (  # noqa: E402
+    DRAFT_KEYS,
+    PASSAGES,
+    TASKS,
+    chat_ids,
+    each_alone,
+    summary,
+    table,
+    timed,
+)
 from bench_threads import QUESTIONS  # noqa: E402
 
 import paged_hf  # noqa: E402
@@ -49,14 +58,9 @@ def main() -> None:
     inputs = [tok.apply_chat_template([{"role": "user", "content": c}], **chat) for c in edits]
     n = args.new_tokens
 
-    def call(model, assistant):  # batch 1, each prompt alone: a notebook's calls
+    def call(model, assistant):
         extra = {"assistant_model": assistant} if assistant is not None else {}
-        return [
-            model.generate(**x, max_new_tokens=n, min_new_tokens=n, do_sample=False, **extra)[
-                0, x["input_ids"].shape[1] :
-            ].tolist()
-            for x in inputs[:3]
-        ]
+        return each_alone(model, inputs[:3], n, **extra)
 
     ways = {
         "paged_hf": lambda: call(ours, None),
@@ -76,13 +80,7 @@ def main() -> None:
     rows = {"batch 1": dict(summary(one, 3 * n), **drafted)}
     for b in [int(x) for x in args.batches.split(",") if x]:
         for name, texts in (("edits", edits), ("chat", QUESTIONS)):
-            prompts = [
-                tok.apply_chat_template(
-                    [{"role": "user", "content": c}], tokenize=False, add_generation_prompt=True
-                )
-                for c in (texts * (b // len(texts) + 1))[:b]
-            ]
-            ids = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
+            ids = chat_ids(tok, texts, b)
 
             def batch(k: int, ids=ids) -> list[list[int]]:
                 params = paged_hf.SamplingParams(

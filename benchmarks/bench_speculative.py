@@ -59,14 +59,10 @@ def main() -> None:
     inputs = [tok.apply_chat_template([{"role": "user", "content": c}], **chat) for c in edits]
     n, k = args.new_tokens, args.k
 
-    def call(model, lookup):  # batch 1, each prompt alone: a notebook's calls
-        extra = {"prompt_lookup_num_tokens": k} if lookup else {}
-        return [
-            model.generate(**x, max_new_tokens=n, min_new_tokens=n, do_sample=False, **extra)[
-                0, x["input_ids"].shape[1] :
-            ].tolist()
-            for x in inputs[:3]
-        ]
+    def call(model, lookup):
+        return each_alone(
+            model, inputs[:3], n, **({"prompt_lookup_num_tokens": k} if lookup else {})
+        )
 
     ways = {
         "paged_hf": lambda: call(ours, False),
@@ -84,13 +80,7 @@ def main() -> None:
     rows = {"batch 1": summary(one, 3 * n)}
     for b in [int(x) for x in args.batches.split(",") if x]:
         for name, texts in (("edits", edits), ("chat", QUESTIONS)):
-            prompts = [
-                tok.apply_chat_template(
-                    [{"role": "user", "content": c}], tokenize=False, add_generation_prompt=True
-                )
-                for c in (texts * (b // len(texts) + 1))[:b]
-            ]
-            ids = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
+            ids = chat_ids(tok, texts, b)
             batch = {
                 mode: (
                     lambda s=k * (mode != "plain"): [
@@ -115,6 +105,27 @@ def main() -> None:
 
 
 DRAFT_KEYS = ("draft_tokens_proposed", "draft_tokens_accepted")
+
+
+def each_alone(model, inputs: list, n: int, **extra) -> list[list[int]]:
+    """Batch 1, each prompt alone (a notebook's calls): ``n`` greedy tokens each."""
+    return [
+        model.generate(**x, max_new_tokens=n, min_new_tokens=n, do_sample=False, **extra)[
+            0, x["input_ids"].shape[1] :
+        ].tolist()
+        for x in inputs
+    ]
+
+
+def chat_ids(tok, texts: list[str], b: int) -> list[list[int]]:
+    """``b`` user turns cycling through ``texts``, chat-templated, as token ids."""
+    prompts = [
+        tok.apply_chat_template(
+            [{"role": "user", "content": c}], tokenize=False, add_generation_prompt=True
+        )
+        for c in (texts * (b // len(texts) + 1))[:b]
+    ]
+    return [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
 
 
 def timed(ways: dict, repeat: int) -> dict:

@@ -15,7 +15,13 @@ import pytest
 import torch
 from engine_state import assert_clean, checked
 from oracle import assert_teacher_forced
-from test_speculation import drafting_pays, repetitive_prompts
+from test_speculation import (
+    assert_two_token_odds,
+    drafting_pays,
+    repeat_a_passage,
+    repetitive_prompts,
+    two_token_odds,
+)
 from tiny_models import make_tiny_model
 
 import paged_hf
@@ -201,14 +207,7 @@ def test_sampled_rows_keep_the_models_distribution():
     prompt = repetitive_prompts(model.config.vocab_size)[2][:6]
     temperature, top_k, rows = 0.8, 3, 3000
 
-    @torch.no_grad()
-    def dist(ids: list[int]) -> dict[int, float]:
-        logits = model(torch.tensor([ids])).logits[0, -1] / temperature
-        top = torch.topk(logits, top_k)
-        return dict(zip(top.indices.tolist(), top.values.softmax(-1).tolist()))
-
-    first = dist(prompt)
-    second = {t: dist(prompt + [t]) for t in first}
+    first, second = two_token_odds(model, prompt, temperature, top_k)
     engine = drafting_engine(model, make_tiny_model("llama"), max_num_seqs=256)
     params = SamplingParams(
         temperature=temperature, top_k=top_k, max_new_tokens=3, num_assistant_tokens=1
@@ -224,13 +223,7 @@ def test_sampled_rows_keep_the_models_distribution():
         engine.scheduler.drafter.prior,
         taken,
     )
-    chi2 = 0.0
-    for t1, p1 in first.items():
-        for t2, p2 in second[t1].items():
-            expected = rows * p1 * p2
-            chi2 += (counts.pop((t1, t2), 0) - expected) ** 2 / expected
-    assert not counts, f"outcomes the model cannot give: {counts}"
-    assert chi2 < 26.12, f"chi-square {chi2:.1f} over 8 degrees of freedom"  # p = 0.001
+    assert_two_token_odds(first, second, counts, rows)
     assert_both_clean(engine)
 
 
@@ -241,13 +234,7 @@ def test_smollm2_fp32_drafted_by_its_bf16_copy_is_transformers_greedy_search(smo
 
     model, tok = load_default_model(dtype=torch.float32, cache_dir=smollm2_cache)
     draft, _ = load_default_model(dtype=torch.bfloat16, cache_dir=smollm2_cache)
-    passage = (
-        "The old lighthouse stood at the edge of the cliff for more than a hundred years. Every "
-        "night its keeper climbed the narrow stairs and polished the great lens until it shone."
-    )
-    chat = [{"role": "user", "content": f"Repeat this passage exactly:\n\n{passage}"}]
-    ids = tok.apply_chat_template(chat, add_generation_prompt=True, return_tensors="pt")
-    ids = ids["input_ids"] if not isinstance(ids, torch.Tensor) else ids
+    ids = repeat_a_passage(tok)
     expected = model.generate(ids, max_new_tokens=40, do_sample=False)
     patched = paged_hf.patch(model)
     out = patched.generate(ids, max_new_tokens=40, do_sample=False, assistant_model=draft)

@@ -44,6 +44,33 @@ def drafting_pays(engine: paged_hf.Engine) -> paged_hf.Engine:
     return engine
 
 
+@torch.no_grad()
+def two_token_odds(model, prompt: list[int], temperature: float, top_k: int) -> tuple:
+    """The model's own odds of its first token after ``prompt``, and of the second after each
+    first (temperature, then top-k: what the sampler draws from)."""
+
+    def odds(ids: list[int]) -> dict[int, float]:
+        logits = model(torch.tensor([ids])).logits[0, -1] / temperature
+        top = torch.topk(logits, top_k)
+        return dict(zip(top.indices.tolist(), top.values.softmax(-1).tolist()))
+
+    first = odds(prompt)
+    return first, {t: odds(prompt + [t]) for t in first}
+
+
+def assert_two_token_odds(first: dict, second: dict, counts: Counter, rows: int) -> None:
+    """``counts`` of (first, second) over ``rows`` sampled rows against those odds: no outcome the
+    model cannot give, and chi-square at p = 0.001 (the outcomes less one degrees of freedom)."""
+    chi2, outcomes = 0.0, 0
+    for t1, p1 in first.items():
+        for t2, p2 in second[t1].items():
+            expected = rows * p1 * p2
+            chi2 += (counts.pop((t1, t2), 0) - expected) ** 2 / expected
+            outcomes += 1
+    assert not counts, f"outcomes the model cannot give: {counts}"
+    assert outcomes == 9 and chi2 < 26.12, f"chi-square {chi2:.1f} over 8 degrees of freedom"
+
+
 def run(model, prompts, params, **config) -> tuple[list[list[int]], paged_hf.Engine]:
     engine = drafting_pays(checked(paged_hf.Engine(model, block_size=4, **config)))
     outs = engine.generate(prompts, params)
@@ -230,14 +257,7 @@ def test_sampled_rows_keep_the_models_distribution(monkeypatch):
     prompt = repetitive_prompts(model.config.vocab_size)[2][:6]
     temperature, top_k, rows = 0.8, 3, 4000
 
-    @torch.no_grad()
-    def dist(ids: list[int]) -> dict[int, float]:
-        logits = model(torch.tensor([ids])).logits[0, -1] / temperature
-        top = torch.topk(logits, top_k)
-        return dict(zip(top.indices.tolist(), top.values.softmax(-1).tolist()))
-
-    first = dist(prompt)
-    second = {t: dist(prompt + [t]) for t in first}
+    first, second = two_token_odds(model, prompt, temperature, top_k)
     likeliest = {t: max(d, key=d.get) for t, d in second.items()}
     monkeypatch.setattr(
         speculation,
@@ -254,13 +274,7 @@ def test_sampled_rows_keep_the_models_distribution(monkeypatch):
     stats = engine.stats()
     assert stats["draft_tokens_proposed"] == rows
     assert 0.2 * rows < stats["draft_tokens_accepted"] < 0.95 * rows  # both ways, often
-    chi2 = 0.0
-    for t1, p1 in first.items():
-        for t2, p2 in second[t1].items():
-            expected = rows * p1 * p2
-            chi2 += (counts.pop((t1, t2), 0) - expected) ** 2 / expected
-    assert not counts, f"outcomes the model cannot give: {counts}"
-    assert chi2 < 26.12, f"chi-square {chi2:.1f} over 8 degrees of freedom"  # p = 0.001
+    assert_two_token_odds(first, second, counts, rows)
 
 
 @pytest.fixture
@@ -345,18 +359,23 @@ def test_a_stop_string_check_that_raises_on_a_draft_token_fails_its_row_alone(pr
     assert stopped_outputs(model, tok, prompts, stops, 6) == want
 
 
-def test_smollm2_repeating_a_passage_in_fp32_is_transformers_greedy_search(smollm2_fp32):
-    """Real weights, the work prompt lookup is for: a patched model's ``generate`` with
-    ``prompt_lookup_num_tokens`` gives transformers' own greedy tokens (fp32), most of them taken
-    from drafts."""
-    model, tok = smollm2_fp32
+def repeat_a_passage(tok) -> torch.Tensor:
+    """A chat prompt asking to repeat a short passage, as ids: the work drafts are for."""
     passage = (
         "The old lighthouse stood at the edge of the cliff for more than a hundred years. Every "
         "night its keeper climbed the narrow stairs and polished the great lens until it shone."
     )
     chat = [{"role": "user", "content": f"Repeat this passage exactly:\n\n{passage}"}]
     ids = tok.apply_chat_template(chat, add_generation_prompt=True, return_tensors="pt")
-    ids = ids["input_ids"] if not isinstance(ids, torch.Tensor) else ids
+    return ids["input_ids"] if not isinstance(ids, torch.Tensor) else ids
+
+
+def test_smollm2_repeating_a_passage_in_fp32_is_transformers_greedy_search(smollm2_fp32):
+    """Real weights, the work prompt lookup is for: a patched model's ``generate`` with
+    ``prompt_lookup_num_tokens`` gives transformers' own greedy tokens (fp32), most of them taken
+    from drafts."""
+    model, tok = smollm2_fp32
+    ids = repeat_a_passage(tok)
     expected = model.generate(ids, max_new_tokens=40, do_sample=False)
     patched = paged_hf.patch(model)
     try:
