@@ -252,9 +252,7 @@ class EngineCore(AdmissionMixin, StepMixin, OutputsMixin, BlockingCallsMixin, Ca
         finally:
             self.scheduler.max_waiting = bound
         self.run_until_done(rids)
-        self.kv_manager.pool.drop_cached()
-        self._stats = EngineStats()
-        self.scheduler.num_preemptions = self.scheduler.prefix_hit_tokens = 0
+        self._forget_throwaway_runs()
         self.scheduler.step_time = StepTimeModel()  # its one-off first steps are no step's time
         seconds = time.perf_counter() - start
         logger.info("paged_hf: warm-up took %.1f s", seconds)
@@ -271,6 +269,10 @@ class EngineCore(AdmissionMixin, StepMixin, OutputsMixin, BlockingCallsMixin, Ca
         params = SamplingParams(max_new_tokens=8, ignore_eos=True)
         for _ in range(2):
             self.generate(prompts, params)
+        self._forget_throwaway_runs()
+
+    def _forget_throwaway_runs(self) -> None:
+        """After warm-up or calibration: no cached blocks, stats and counters at zero."""
         self.kv_manager.pool.drop_cached()
         self._stats = EngineStats()
         self.scheduler.num_preemptions = self.scheduler.prefix_hit_tokens = 0

@@ -113,7 +113,8 @@ class Drafter:
         return self.step_s or None
 
     def stats(self) -> dict[str, Any]:
-        """The draft engine's smoothed step time, its failed runs, and its own counters."""
+        """The draft runs' median step time, the odds a draft token is taken, the failed runs, and
+        the draft engine's own counters."""
         inner = self.engine.stats()
         return {
             "step_s": self.step_s,

@@ -20,6 +20,7 @@ from test_speculation import (
     drafting_pays,
     repeat_a_passage,
     repetitive_prompts,
+    rows_stopped_inside_drafts,
     two_token_odds,
 )
 from tiny_models import make_tiny_model
@@ -292,20 +293,10 @@ def test_stop_strings_end_a_row_inside_a_draft_models_draft(monkeypatch):
     plain run's tokens, reasons and text, and a watch hears each kept token."""
     from tiny_tokenizer import make_tiny_tokenizer
 
-    import paged_hf.engine.step as step
-
     model, tok = make_tiny_model("llama"), make_tiny_tokenizer()
     prompts = repetitive_prompts(model.config.vocab_size, seed=4)
     stops = [tok.decode(row[9:11]) for row in plain_tokens(model, prompts)]
-    inside = []
-    take = step.append_accepted
-
-    def spied(verified, sampled, now):
-        stopped, failed = take(verified, sampled, now)
-        inside.extend(stopped)
-        return stopped, failed
-
-    monkeypatch.setattr(step, "append_accepted", spied)
+    inside = rows_stopped_inside_drafts(monkeypatch)
 
     def outputs(engine, k):
         heard: dict[str, list[int]] = {}

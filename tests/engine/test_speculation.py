@@ -312,15 +312,10 @@ def stopped_outputs(model, tok, prompts, stops, k, heard=None) -> list[tuple]:
     ]
 
 
-def test_stop_strings_end_a_row_inside_its_draft(prophet, monkeypatch):
-    """A stop string completed by an accepted draft token ends the row there, as a plain run ends
-    it: the same tokens, finish reason, stop reason and text; a watch hears each kept token."""
-    from tiny_tokenizer import make_tiny_tokenizer
-
+def rows_stopped_inside_drafts(monkeypatch) -> list:
+    """The rows a stop string ends inside a draft, as steps append their drafts' tokens."""
     import paged_hf.engine.step as step
 
-    model, prompts, plain = prophet
-    tok = make_tiny_tokenizer()
     inside = []
     take = step.append_accepted
 
@@ -330,6 +325,17 @@ def test_stop_strings_end_a_row_inside_its_draft(prophet, monkeypatch):
         return stopped, failed
 
     monkeypatch.setattr(step, "append_accepted", spied)
+    return inside
+
+
+def test_stop_strings_end_a_row_inside_its_draft(prophet, monkeypatch):
+    """A stop string completed by an accepted draft token ends the row there, as a plain run ends
+    it: the same tokens, finish reason, stop reason and text; a watch hears each kept token."""
+    from tiny_tokenizer import make_tiny_tokenizer
+
+    model, prompts, plain = prophet
+    tok = make_tiny_tokenizer()
+    inside = rows_stopped_inside_drafts(monkeypatch)
     stops = [tok.decode(row[9:11]) for row in plain]
     want = stopped_outputs(model, tok, prompts, stops, 0)
     assert not inside and all(out[1] == "stop" for out in want)
