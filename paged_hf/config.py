@@ -92,6 +92,10 @@ class EngineConfig:
     cpu_packed_weights: bool | str = True
     # with packed weights: linears called on the same input (q/k/v, gate/up) run as one GEMM, same results
     cpu_fused_projections: bool = True
+    # with oneDNN's bf16 packed weights, on AVX-512 bf16 CPUs: GEMMs of 1-8 rows on a second copy laid out
+    # for a kernel that streams it (~1.9x oneDNN there; within one bf16 rounding of its results, checked;
+    # paged_hf/execution/cpu/small_rows.py). Not under batch_invariant
+    cpu_small_row_gemm: bool = True
     # on a CPU: RMSNorm, SiLU-and-multiply and rotary embedding as one C++ op each, where checked on the
     # model to give its modules' outputs (paged_hf/execution/cpu/fused_ops.py)
     cpu_fused_ops: bool = True
@@ -157,6 +161,7 @@ class EngineConfig:
             "use_cuda_graphs",
             "keep_every_kv_block",
             "cpu_fused_projections",
+            "cpu_small_row_gemm",
             "cpu_fused_ops",
             "cpu_compact_layers",
             "cpu_tune_malloc",

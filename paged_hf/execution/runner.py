@@ -162,9 +162,17 @@ class ModelRunner:
         if not how:
             return None
         packed = cpu_linear.PackedLinears(
-            model, how, self.dtype, fuse=config.cpu_fused_projections, row_invariant=invariant
+            model,
+            how,
+            self.dtype,
+            fuse=config.cpu_fused_projections,
+            row_invariant=invariant,
+            small=config.cpu_small_row_gemm,
         )
         ok, why = cpu_linear.affordable(packed.nbytes)
+        if not ok and packed.small:  # oneDNN's copy alone: the few-row kernel's is the one to spare
+            packed.small = False
+            ok, why = cpu_linear.affordable(packed.nbytes)
         if ok:
             return packed
         if invariant:

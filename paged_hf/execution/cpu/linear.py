@@ -15,6 +15,9 @@ import torch
 import torch.nn.functional as F
 
 from ...cache.coherence import is_dtensor
+from . import small_rows
+from .roundings import one_rounding_apart, within_a_rounding  # noqa: F401 - this module's words too
+from .siblings import find_siblings
 
 logger = logging.getLogger("paged_hf")
 
@@ -131,29 +134,6 @@ def _check(how: str, dtype: torch.dtype) -> bool:
         return False
 
 
-def one_rounding_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Per element: bf16 ``a`` equals ``b`` or is the bf16 value next to it (one unit in the last place)."""
-    ia, ib = a.view(torch.int16).to(torch.int32), b.view(torch.int16).to(torch.int32)
-    # bf16 bit patterns as a monotone integer line: negatives mirrored below zero
-    ia = torch.where(ia < 0, -32768 - ia, ia)
-    ib = torch.where(ib < 0, -32768 - ib, ib)
-    return (ia - ib).abs() <= 1
-
-
-def within_a_rounding(
-    got: torch.Tensor, want: torch.Tensor, x: torch.Tensor, w: torch.Tensor
-) -> bool:
-    """``got`` and ``want``, two results of ``x @ w.T`` (+ bias) summed in fp32 in different orders, part by
-    no more than that: each element one bf16 rounding apart (bf16), or by less than 1e-5 of the sum of
-    the magnitudes of its products (fp32's error for another order of the sum; near-zero results of
-    large products may part by more than a bf16 step)."""
-    order = 1e-5 * (x.abs().float() @ w.abs().float().T)
-    close = (got.float() - want.float()).abs() <= order
-    if got.dtype == torch.bfloat16:
-        close |= one_rounding_apart(got, want)
-    return bool(close.all())
-
-
 def onednn_gemm(
     rows: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
@@ -173,6 +153,7 @@ class PackedWeight:
         biases: list[torch.Tensor] | None,
         batch_hint: int = 64,
         row_invariant: bool = False,
+        small: bool = False,
     ) -> None:
         self.how, self.dtype = how, weights[0].dtype
         # a bf16 weight's fp32 copy reads twice the bytes: at one row (a lone sequence's decode) the
@@ -194,6 +175,10 @@ class PackedWeight:
                 if len(biases) == 1
                 else torch.cat([b.detach() for b in biases])
             )
+            # 1-8 rows on a copy laid out for small_rows' kernel (``small``: asked for, and available)
+            fits = small and how == ONEDNN and not row_invariant and small_rows.fits(weight)
+            fits = fits and small_rows.available()
+            self.small = small_rows.SmallRowsWeight(weight, bias) if fits else None
             if how == FP32:
                 weight, bias = weight.float(), None if bias is None else bias.float()
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint)
@@ -209,7 +194,9 @@ class PackedWeight:
         # the rows as a matrix: the same GEMM, ~10 us a call less than a [1, T, K] input costs the op
         # (a lone decode's step makes 121 of them; the same bits: tests/kernels/test_cpu_linear.py)
         rows = x.view(-1, x.shape[-1]) if x.dim() != 2 else x
-        if self.by_tiles and rows.shape[0]:
+        if self.small is not None and 0 < rows.shape[0] <= small_rows.MAX_ROWS:
+            out = self.small(rows)
+        elif self.by_tiles and rows.shape[0]:
             out = self._by_tiles(rows)
         elif self.how == ONEDNN:
             out = onednn_gemm(rows, self.packed, self.bias)
@@ -231,47 +218,6 @@ class PackedWeight:
         return (parts[0] if len(parts) == 1 else torch.cat(parts))[:n]
 
 
-def find_siblings(
-    model: torch.nn.Module, modules: list[torch.nn.Linear]
-) -> list[list[torch.nn.Linear]]:
-    """Groups of ``modules`` that a forward of a few tokens calls on the very same input tensor, each
-    module once, in call order, with one input width and biases all or none."""
-    calls: list[tuple[torch.nn.Module, torch.Tensor]] = []
-    hooks = [
-        m.register_forward_pre_hook(lambda mod, args: calls.append((mod, args[0]))) for m in modules
-    ]
-    try:
-        vocab = model.config.get_text_config().vocab_size
-        with torch.inference_mode():
-            model(input_ids=torch.arange(3, 9)[None] % vocab, use_cache=False)
-    except Exception:  # noqa: BLE001 - a model this forward does not suit: nothing is fused
-        return []
-    finally:
-        for h in hooks:
-            h.remove()
-    times: dict[torch.nn.Module, int] = {}
-    for mod, _ in calls:
-        times[mod] = times.get(mod, 0) + 1
-    groups: list[tuple[torch.Tensor, list]] = []
-    for mod, x in calls:
-        for seen, members in groups:
-            if seen is x:
-                members.append(mod)
-                break
-        else:
-            groups.append((x, [mod]))
-    out = []
-    for _, members in groups:
-        if (
-            len(members) > 1
-            and all(times[m] == 1 for m in members)
-            and len({m.in_features for m in members}) == 1
-            and len({m.bias is None for m in members}) == 1
-        ):
-            out.append(members)
-    return out
-
-
 class PackedLinears:
     """The model's ``nn.Linear`` modules with 2-D bf16 CPU weights, packed ``how`` (``mode``) on first
     use; siblings (``find_siblings``) fused into one GEMM when ``fuse``."""
@@ -284,6 +230,7 @@ class PackedLinears:
         batch_hint: int = 64,
         fuse: bool = True,
         row_invariant: bool = False,
+        small: bool = False,
     ) -> None:
         if how not in MODES or (how, dtype) not in (
             (ONEDNN, torch.bfloat16),
@@ -306,8 +253,8 @@ class PackedLinears:
             and m.weight.dim() == 2
         ]
         self.batch_hint, self.row_invariant = batch_hint, row_invariant
-        # the packed copies' size: the weights again (twice over for bf16 weights in fp32)
-        self.nbytes = sum(m.weight.numel() * (4 if how == FP32 else 2) for m in self.modules)
+        # 1-8 row GEMMs on a second copy laid out for small_rows' kernel, where asked for and it serves
+        self.small = small and how == ONEDNN and not row_invariant and small_rows.available()
         # (no modules, no probe forward: a tensor-parallel model's would be a collective for nothing)
         self.siblings = find_siblings(model, self.modules) if fuse and self.modules else []
         self.fused: list[list[torch.nn.Linear]] = []  # the sibling groups packed as one GEMM
@@ -315,6 +262,13 @@ class PackedLinears:
         self._weights: dict[tuple[int, ...], PackedWeight] = {}
         self._fusable: dict[tuple, bool] = {}  # per group, shapes: one GEMM gives the parts' bits
         self._forwards: list | None = None
+
+    @property
+    def nbytes(self) -> int:
+        """The packed copies' size: the weights again (twice over for bf16 weights in fp32 or with
+        small_rows' copy too)."""
+        per = 4 if self.how == FP32 or self.small else 2
+        return sum(m.weight.numel() * per for m in self.modules)
 
     def reset(self) -> None:
         """Forget the packed copies (the weights changed); the next step packs them again."""
@@ -324,7 +278,12 @@ class PackedLinears:
     def _packed(self, modules: list[torch.nn.Linear]) -> PackedWeight:
         biases = None if modules[0].bias is None else [m.bias for m in modules]
         return PackedWeight(
-            self.how, [m.weight for m in modules], biases, self.batch_hint, self.row_invariant
+            self.how,
+            [m.weight for m in modules],
+            biases,
+            self.batch_hint,
+            self.row_invariant,
+            self.small,
         )
 
     def weight_for(self, modules: list[torch.nn.Linear]) -> "PackedWeight | None":

@@ -1,8 +1,9 @@
 """paged_hf's one C++ library for the CPU (``csrc/``): built by ``torch.utils.cpp_extension`` on
 first use into ``$PAGED_HF_EXTENSIONS_DIR`` (default ``<paged_hf cache>/extensions``) under a name
 that hashes the sources, torch's version and the flags, then loaded; its ops are the paged
-attention, the gated delta rule, the fused element-wise ops, the sampler's greedy pick and the
-allocator hooks. Without a compiler (or with ``PAGED_HF_CPU_KERNEL=0``) ``load()`` is False, once warned.
+attention, the gated delta rule, the fused element-wise ops, the sampler's greedy pick, the
+allocator hooks and the few-row bf16 GEMM. Without a compiler (or with ``PAGED_HF_CPU_KERNEL=0``)
+``load()`` is False, once warned.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ SOURCES = [
         "fused_ops.cpp",
         "sampling.cpp",
         "cpu_allocator.cpp",
+        "small_rows_gemm.cpp",
     )
 ]
 HEADERS = [Path(__file__).resolve().parent / "csrc" / "paged_attention.h"]
@@ -135,6 +137,12 @@ def _register_fake() -> None:
         return logits.new_empty(logits.shape[0]), logits.new_empty(
             logits.shape[0], dtype=torch.long
         )
+
+    if hasattr(torch.ops.paged_hf, "small_rows_gemm"):  # built for AVX-512 bf16 CPUs only
+
+        @torch.library.register_fake("paged_hf::small_rows_gemm")
+        def _fake_small_rows_gemm(x, packed, bias, n):
+            return x.new_empty(x.shape[0], n)
 
 
 def load(verbose: bool = False) -> bool:

@@ -1,0 +1,68 @@
+"""A bf16 GEMM for steps of 1-8 rows on CPUs with AVX-512 bf16 (``csrc/small_rows_gemm.cpp``).
+
+At a few rows a decode step's GEMMs are the time it takes to read the weights, and oneDNN's bf16
+GEMM reads them at about half the rate memory gives (SmolLM2, 2 cores: ~20 GB/s against ~35-40).
+This kernel streams a copy of each weight laid out for it, once a step, each load serving every
+row. Its sums are fp32 in another order than oneDNN's, so an output may be the bf16 value next to
+oneDNN's (``roundings.within_a_rounding``, checked here once per process before any use).
+``PackedWeight`` takes it for 1-8 rows unless packed row-invariant (``batch_invariant=True``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .roundings import within_a_rounding
+
+MAX_ROWS = 8
+_CHECKED: list[bool] = []
+
+
+def available() -> bool:
+    """Whether the kernel serves here: built (an AVX-512 bf16 CPU) and within a rounding of
+    ``F.linear`` on random data at every row count it takes, with and without bias."""
+    if not _CHECKED:
+        _CHECKED.append(_built() and _check())
+    return _CHECKED[0]
+
+
+def _built() -> bool:
+    from . import ops
+
+    return ops.load() and hasattr(torch.ops.paged_hf, "small_rows_gemm")
+
+
+def _check() -> bool:
+    g = torch.Generator().manual_seed(0)
+    w = (
+        torch.randn(70, 98, generator=g) * 0.1
+    ).bfloat16()  # a tile and a part, K not 32's multiple
+    b = torch.randn(70, generator=g).bfloat16()
+    for bias in (None, b):
+        weight = SmallRowsWeight(w, bias)
+        for rows in range(1, MAX_ROWS + 1):
+            x = torch.randn(rows, 98, generator=g).bfloat16()
+            got, want = weight(x), F.linear(x, w, bias)
+            if got.dtype != torch.bfloat16 or not within_a_rounding(got, want, x, w):
+                return False
+    return True
+
+
+def fits(weight: torch.Tensor) -> bool:
+    """Whether a weight of this shape and dtype can be packed for the kernel."""
+    return weight.dtype == torch.bfloat16 and weight.dim() == 2 and weight.shape[1] % 2 == 0
+
+
+class SmallRowsWeight:
+    """One GEMM's weight ([N, K] bf16, a sibling group's concatenated) packed for the kernel; called
+    on [M, K] bf16 rows, 1 <= M <= MAX_ROWS."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.out_features = weight.shape[0]
+        with torch.no_grad():
+            self.packed = torch.ops.paged_hf.small_rows_pack(weight.detach())
+            self.bias = None if bias is None else bias.detach().float().contiguous()
+
+    def __call__(self, rows: torch.Tensor) -> torch.Tensor:
+        return torch.ops.paged_hf.small_rows_gemm(rows, self.packed, self.bias, self.out_features)

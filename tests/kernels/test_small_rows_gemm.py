@@ -1,0 +1,147 @@
+"""The few-row bf16 GEMM (paged_hf/execution/cpu/small_rows.py): its products against the exact ones,
+its row invariance within 1-8 rows, where PackedWeight takes it, and an engine's tokens on it
+teacher-forced against transformers. On a CPU without AVX-512 bf16 the kernel is not built, and
+the tests there check that nothing takes it and the results are oneDNN's (or F.linear's) own."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from oracle import assert_teacher_forced
+from tiny_models import make_tiny_model, tiny_prompts
+
+import paged_hf
+from paged_hf.execution.cpu import linear as cpu_linear
+from paged_hf.execution.cpu import small_rows
+
+HERE = small_rows.available()
+NATIVE = cpu_linear.mode(torch.bfloat16, torch.device("cpu")) == cpu_linear.ONEDNN
+SMALL = {"block_size": 4, "max_num_batched_tokens": 16, "max_num_seqs": 8}
+BF16_TOL = 0.125  # teacher forcing against transformers' bf16 forward (as test_cpu_linear.py)
+
+
+def _weights(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(n, k, generator=g) * 0.1).bfloat16(), torch.randn(n, generator=g).bfloat16()
+
+
+@pytest.mark.parametrize("n,k", [(70, 98), (1536, 576), (96, 1538)])
+def test_the_kernel_is_within_a_rounding_of_the_exact_product(n, k):
+    """Every output the exact (float64) product rounded to bf16 or the bf16 value next to it (or, a
+    near-zero sum of large products, within fp32's error for its sum); nearly all F.linear's own;
+    and a weight 2% off is caught by the same measure."""
+    if not HERE:  # not built here: a weight asked to take it does not
+        w, _ = _weights(8, 8, seed=0)
+        assert cpu_linear.PackedWeight(cpu_linear.FP32, [w], None, small=True).small is None
+        return
+    w, b = _weights(n, k, seed=n + k)
+    g = torch.Generator().manual_seed(1)
+    for bias in (None, b):
+        weight = small_rows.SmallRowsWeight(w, bias)
+        for rows in range(1, small_rows.MAX_ROWS + 1):
+            x = torch.randn(rows, k, generator=g).bfloat16()
+            got = weight(x)
+            exact = (x.double() @ w.double().T + (0 if bias is None else bias.double())).bfloat16()
+            assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+            assert cpu_linear.within_a_rounding(got, exact, x, w), (rows, bias is None)
+            assert (got != F.linear(x, w, bias)).float().mean() < 0.01
+            wrong = small_rows.SmallRowsWeight(w * 1.02, bias)(x)
+            assert not cpu_linear.within_a_rounding(wrong, exact, x, w)
+
+
+def test_a_row_has_the_same_bits_at_any_row_count_from_1_to_8():
+    if not HERE:
+        assert not small_rows.available()
+        return
+    w, b = _weights(200, 576, seed=3)
+    weight = small_rows.SmallRowsWeight(w, b)
+    x = torch.randn(8, 576, generator=torch.Generator().manual_seed(4)).bfloat16()
+    alone = torch.cat([weight(x[i : i + 1]) for i in range(8)])
+    for rows in range(2, 9):
+        assert torch.equal(weight(x[:rows].contiguous()), alone[:rows])
+
+
+def test_the_kernel_refuses_what_it_cannot_compute():
+    if not HERE:
+        assert not small_rows.available()
+        return
+    w, _ = _weights(64, 96, seed=5)
+    weight = small_rows.SmallRowsWeight(w, None)
+    with pytest.raises(RuntimeError, match="1 <= M <= 8"):
+        weight(torch.zeros(9, 96, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="does not match"):
+        weight(torch.zeros(2, 94, dtype=torch.bfloat16))
+    assert not small_rows.fits(torch.zeros(4, 7, dtype=torch.bfloat16))  # K odd
+    assert not small_rows.fits(torch.zeros(4, 8))  # fp32
+
+
+@pytest.mark.parametrize("row_invariant", [False, True])
+def test_a_packed_weight_takes_the_kernel_for_1_to_8_rows_only(row_invariant):
+    """1-8 rows on the kernel, 9 and more on oneDNN (F.linear's bits); never where packed
+    row-invariant (batch_invariant=True: a row's bits must not follow its step's row count)."""
+    if not NATIVE:
+        assert cpu_linear.mode(torch.bfloat16, torch.device("cpu")) != cpu_linear.ONEDNN
+        return
+    ws = [_weights(n, 576, seed=n)[0] for n in (576, 192, 192)]  # a q/k/v group
+    packed = cpu_linear.PackedWeight(
+        cpu_linear.ONEDNN, ws, None, row_invariant=row_invariant, small=True
+    )
+    assert (packed.small is not None) == (HERE and not row_invariant)
+    g = torch.Generator().manual_seed(6)
+    whole = torch.cat(ws)
+    for rows in (1, 5, 8, 9, 40):
+        x = torch.randn(1, rows, 576, generator=g).bfloat16()
+        got = packed(x)
+        if packed.small is not None and rows <= small_rows.MAX_ROWS:
+            assert torch.equal(got[0], packed.small(x[0]))
+        elif not row_invariant:
+            assert torch.equal(got, F.linear(x, whole))
+        assert cpu_linear.within_a_rounding(got, F.linear(x, whole), x, whole)
+
+
+def _engine(model, **kw):
+    return paged_hf.Engine(model, cpu_packed_weights="onednn" if NATIVE else True, **SMALL, **kw)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma2", "phi3"])
+def test_engine_tokens_on_the_kernel_agree_with_transformers(family):
+    """bf16 models' decodes (1-4 rows a step here) on the kernel: every token teacher-forced against
+    transformers' own bf16 forward, and the kernel did run (counted)."""
+    model = make_tiny_model(family, dtype=torch.bfloat16)
+    engine = _engine(model)
+    packed = engine.runner.packed
+    assert packed.small == (HERE and NATIVE)
+    calls = []
+    if packed.small:
+        real = small_rows.SmallRowsWeight.__call__
+        small_rows.SmallRowsWeight.__call__ = lambda self, rows: calls.append(1) or real(self, rows)
+    try:
+        prompts = tiny_prompts(model.config.vocab_size, 4, [1, 6, 19, 41], seed=5)
+        outs = engine.generate(prompts, paged_hf.SamplingParams(max_new_tokens=8, ignore_eos=True))
+    finally:
+        if packed.small:
+            small_rows.SmallRowsWeight.__call__ = real
+    assert bool(calls) == packed.small
+    for prompt, out in zip(prompts, outs):
+        assert len(out.token_ids) == 8
+        assert_teacher_forced(
+            model, prompt, out.token_ids, tol=BF16_TOL, what=f"{family}/small rows"
+        )
+
+
+def test_the_option_off_keeps_onednn_and_memory_short_drops_the_second_copy(monkeypatch, caplog):
+    model = make_tiny_model("llama", dtype=torch.bfloat16)
+    assert not _engine(model, cpu_small_row_gemm=False).runner.packed.small
+    if not (HERE and NATIVE):
+        assert not _engine(model).runner.packed.small
+        return
+    one_copy = sum(m.weight.numel() * 2 for m in _engine(model).runner.packed.modules)
+    # room for oneDNN's copy, not for both
+    monkeypatch.setattr(cpu_linear, "affordable", lambda nbytes: (nbytes <= one_copy, "short"))
+    with caplog.at_level("WARNING", logger="paged_hf"):
+        packed = _engine(model).runner.packed
+    assert packed is not None and not packed.small and packed.nbytes == one_copy
+    assert "not packed" not in caplog.text
+    with pytest.raises(ValueError, match="cpu_small_row_gemm"):
+        paged_hf.Engine(model, cpu_small_row_gemm="yes")
