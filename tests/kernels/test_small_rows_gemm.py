@@ -1,5 +1,5 @@
 """The few-row bf16 GEMM (paged_hf/execution/cpu/small_rows.py): its products against the exact ones,
-its row invariance within 1-8 rows, where PackedWeight takes it, and an engine's tokens on it
+its row invariance, where PackedWeight takes it, and an engine's tokens on it
 teacher-forced against transformers. On a CPU without AVX-512 bf16 the kernel is not built, and
 the tests there check that nothing takes it and the results are oneDNN's (or F.linear's) own."""
 
@@ -39,7 +39,7 @@ def test_the_kernel_is_within_a_rounding_of_the_exact_product(n, k):
     g = torch.Generator().manual_seed(1)
     for bias in (None, b):
         weight = small_rows.SmallRowsWeight(w, bias)
-        for rows in range(1, small_rows.MAX_ROWS + 1):
+        for rows in (*range(1, 10), 16, 23, 64):
             x = torch.randn(rows, k, generator=g).bfloat16()
             got = weight(x)
             exact = (x.double() @ w.double().T + (0 if bias is None else bias.double())).bfloat16()
@@ -50,15 +50,15 @@ def test_the_kernel_is_within_a_rounding_of_the_exact_product(n, k):
             assert not cpu_linear.within_a_rounding(wrong, exact, x, w)
 
 
-def test_a_row_has_the_same_bits_at_any_row_count_from_1_to_8():
+def test_a_row_has_the_same_bits_at_any_row_count():
     if not HERE:
         assert not small_rows.available()
         return
     w, b = _weights(200, 576, seed=3)
     weight = small_rows.SmallRowsWeight(w, b)
-    x = torch.randn(8, 576, generator=torch.Generator().manual_seed(4)).bfloat16()
-    alone = torch.cat([weight(x[i : i + 1]) for i in range(8)])
-    for rows in range(2, 9):
+    x = torch.randn(70, 576, generator=torch.Generator().manual_seed(4)).bfloat16()
+    alone = torch.cat([weight(x[i : i + 1]) for i in range(70)])
+    for rows in (*range(2, 18), 31, 64, 70):
         assert torch.equal(weight(x[:rows].contiguous()), alone[:rows])
 
 
@@ -68,8 +68,8 @@ def test_the_kernel_refuses_what_it_cannot_compute():
         return
     w, _ = _weights(64, 96, seed=5)
     weight = small_rows.SmallRowsWeight(w, None)
-    with pytest.raises(RuntimeError, match="1 <= M <= 8"):
-        weight(torch.zeros(9, 96, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="contiguous bf16"):
+        weight(torch.zeros(9, 192, dtype=torch.bfloat16)[:, ::2])
     with pytest.raises(RuntimeError, match="does not match"):
         weight(torch.zeros(2, 94, dtype=torch.bfloat16))
     assert not small_rows.fits(torch.zeros(4, 7, dtype=torch.bfloat16))  # K odd
@@ -77,9 +77,10 @@ def test_the_kernel_refuses_what_it_cannot_compute():
 
 
 @pytest.mark.parametrize("row_invariant", [False, True])
-def test_a_packed_weight_takes_the_kernel_for_1_to_8_rows_only(row_invariant):
-    """1-8 rows on the kernel, 9 and more on oneDNN (F.linear's bits); never where packed
-    row-invariant (batch_invariant=True: a row's bits must not follow its step's row count)."""
+def test_a_packed_weight_takes_the_kernel_up_to_its_rows_only(row_invariant):
+    """Up to ``max_rows()`` rows on the kernel (64; 8 beside AMX), more on oneDNN (F.linear's
+    bits); never where packed row-invariant (batch_invariant=True: a row's bits must not follow
+    its step's row count)."""
     if not NATIVE:
         assert cpu_linear.mode(torch.bfloat16, torch.device("cpu")) != cpu_linear.ONEDNN
         return
@@ -88,12 +89,14 @@ def test_a_packed_weight_takes_the_kernel_for_1_to_8_rows_only(row_invariant):
         cpu_linear.ONEDNN, ws, None, row_invariant=row_invariant, small=True
     )
     assert (packed.small is not None) == (HERE and not row_invariant)
+    most = small_rows.max_rows()
+    assert most == (8 if torch.cpu._is_amx_tile_supported() else 64)
     g = torch.Generator().manual_seed(6)
     whole = torch.cat(ws)
-    for rows in (1, 5, 8, 9, 40):
+    for rows in (1, 5, 8, 9, most, most + 1, 300):
         x = torch.randn(1, rows, 576, generator=g).bfloat16()
         got = packed(x)
-        if packed.small is not None and rows <= small_rows.MAX_ROWS:
+        if packed.small is not None and rows <= most:
             assert torch.equal(got[0], packed.small(x[0]))
         elif not row_invariant:
             assert torch.equal(got, F.linear(x, whole))

@@ -175,10 +175,11 @@ class PackedWeight:
                 if len(biases) == 1
                 else torch.cat([b.detach() for b in biases])
             )
-            # 1-8 rows on a copy laid out for small_rows' kernel (``small``: asked for, and available)
+            # few rows on a copy laid out for small_rows' kernel (``small``: asked for, and available)
             fits = small and how == ONEDNN and not row_invariant and small_rows.fits(weight)
             fits = fits and small_rows.available()
             self.small = small_rows.SmallRowsWeight(weight, bias) if fits else None
+            self.small_rows = small_rows.max_rows() if fits else 0
             if how == FP32:
                 weight, bias = weight.float(), None if bias is None else bias.float()
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint)
@@ -194,7 +195,7 @@ class PackedWeight:
         # the rows as a matrix: the same GEMM, ~10 us a call less than a [1, T, K] input costs the op
         # (a lone decode's step makes 121 of them; the same bits: tests/kernels/test_cpu_linear.py)
         rows = x.view(-1, x.shape[-1]) if x.dim() != 2 else x
-        if self.small is not None and 0 < rows.shape[0] <= small_rows.MAX_ROWS:
+        if 0 < rows.shape[0] <= self.small_rows:
             out = self.small(rows)
         elif self.by_tiles and rows.shape[0]:
             out = self._by_tiles(rows)
@@ -253,7 +254,7 @@ class PackedLinears:
             and m.weight.dim() == 2
         ]
         self.batch_hint, self.row_invariant = batch_hint, row_invariant
-        # 1-8 row GEMMs on a second copy laid out for small_rows' kernel, where asked for and it serves
+        # few-row GEMMs on a second copy laid out for small_rows' kernel, where asked for and it serves
         self.small = small and how == ONEDNN and not row_invariant and small_rows.available()
         # (no modules, no probe forward: a tensor-parallel model's would be a collective for nothing)
         self.siblings = find_siblings(model, self.modules) if fuse and self.modules else []

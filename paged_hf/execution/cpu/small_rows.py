@@ -1,11 +1,12 @@
-"""A bf16 GEMM for steps of 1-8 rows on CPUs with AVX-512 bf16 (``csrc/small_rows_gemm.cpp``).
+"""A bf16 GEMM for steps of few rows on CPUs with AVX-512 bf16 (``csrc/small_rows_gemm.cpp``).
 
 At a few rows a decode step's GEMMs are the time it takes to read the weights, and oneDNN's bf16
 GEMM reads them at about half the rate memory gives (SmolLM2, 2 cores: ~20 GB/s against ~35-40).
-This kernel streams a copy of each weight laid out for it, once a step, each load serving every
-row. Its sums are fp32 in another order than oneDNN's, so an output may be the bf16 value next to
+This kernel streams a copy of each weight laid out for it, once a step, each load serving 8 rows.
+Its sums are fp32 in another order than oneDNN's, so an output may be the bf16 value next to
 oneDNN's (``roundings.within_a_rounding``, checked here once per process before any use).
-``PackedWeight`` takes it for 1-8 rows unless packed row-invariant (``batch_invariant=True``).
+``PackedWeight`` takes it up to ``max_rows()`` rows unless packed row-invariant
+(``batch_invariant=True``).
 """
 
 from __future__ import annotations
@@ -15,13 +16,22 @@ import torch.nn.functional as F
 
 from .roundings import within_a_rounding
 
-MAX_ROWS = 8
+# rows it serves: up to 64 it measured 1.2-1.9x oneDNN's bf16 GEMM (AMD Zen 4, 2 threads,
+# SmolLM2's shapes; 1.1x at 512, left to oneDNN: docs/measurements.md). Where the CPU has AMX, oneDNN
+# runs tile products from 16 rows on, not measured against this, so there it serves 1-8 rows only
+ROWS, ROWS_BESIDE_AMX = 64, 8
 _CHECKED: list[bool] = []
+
+
+def max_rows() -> int:
+    """Up to how many rows a GEMM runs on this kernel on this CPU."""
+    amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
+    return ROWS_BESIDE_AMX if amx else ROWS
 
 
 def available() -> bool:
     """Whether the kernel serves here: built (an AVX-512 bf16 CPU) and within a rounding of
-    ``F.linear`` on random data at every row count it takes, with and without bias."""
+    ``F.linear`` on random data at a few row counts (each 8 and the rest), with and without bias."""
     if not _CHECKED:
         _CHECKED.append(_built() and _check())
     return _CHECKED[0]
@@ -41,7 +51,7 @@ def _check() -> bool:
     b = torch.randn(70, generator=g).bfloat16()
     for bias in (None, b):
         weight = SmallRowsWeight(w, bias)
-        for rows in range(1, MAX_ROWS + 1):
+        for rows in (*range(1, 10), 23):
             x = torch.randn(rows, 98, generator=g).bfloat16()
             got, want = weight(x), F.linear(x, w, bias)
             if got.dtype != torch.bfloat16 or not within_a_rounding(got, want, x, w):
@@ -56,7 +66,7 @@ def fits(weight: torch.Tensor) -> bool:
 
 class SmallRowsWeight:
     """One GEMM's weight ([N, K] bf16, a sibling group's concatenated) packed for the kernel; called
-    on [M, K] bf16 rows, 1 <= M <= MAX_ROWS."""
+    on [M, K] contiguous bf16 rows, M >= 1."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.out_features = weight.shape[0]

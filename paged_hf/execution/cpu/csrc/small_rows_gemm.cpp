@@ -1,18 +1,19 @@
-// paged_hf's bf16 GEMM for steps of a few rows (1-8: a lone chat's decode, a handful of them).
+// paged_hf's bf16 GEMM for steps of few rows (a lone chat's decode, a handful of them, a decode batch).
 //
 // At a few rows a GEMM is reading its weight: SmolLM2's 270 MB a decode step. oneDNN's bf16 GEMM
 // reads it at ~20 GB/s there on a 2-core AVX-512 bf16 machine, where a plain stream reaches ~35.
 // This kernel streams the weight once, in the order it lies in memory, each 64-byte load serving
-// every row: ~1.9x oneDNN's speed at 1-8 rows (docs/measurements.md, issue 59).
+// 8 rows (a tile stays in L1/L2 while the next 8 pass): ~1.9x oneDNN's speed at 1-8 rows, 1.2-1.4x
+// at 16-64 (docs/measurements.md, issue 59).
 //
 //   small_rows_pack(weight [N, K] bf16) -> [ceil(N/32), K/2, 64] bf16
 //       32 output columns a tile, the tile's K in pairs: (k, k+1) of each of its 32 columns lie
 //       side by side, so one 64-byte load is 16 columns' next two products (vdpbf16ps' operand).
-//   small_rows_gemm(x [M, K] bf16, packed, bias [N] fp32 or None, N) -> [M, N] bf16, M <= 8
+//   small_rows_gemm(x [M, K] bf16, packed, bias [N] fp32 or None, N) -> [M, N] bf16
 //       y = bf16(x @ weight.T + bias): products summed in fp32, k-pair by k-pair in order, bias
-//       added last, one rounding to bf16. Each row is summed alike at any M (row-invariant within
-//       1-8 rows); against oneDNN's order, within one bf16 rounding (checked on the model's machine
-//       before use: paged_hf/execution/cpu/small_rows.py).
+//       added last, one rounding to bf16. Each row is summed alike at any M (row-invariant);
+//       against oneDNN's order, within one bf16 rounding (checked on the model's machine before
+//       use: paged_hf/execution/cpu/small_rows.py, which also says up to how many rows it serves).
 // Built where the compiler targets AVX-512 bf16 only; elsewhere the ops do not exist and the
 // engine keeps oneDNN's GEMM.
 #include <ATen/Parallel.h>
@@ -32,7 +33,7 @@
 namespace {
 
 constexpr int64_t kTile = 32;  // output columns a tile: two 16-lane fp32 accumulators a row
-constexpr int64_t kMaxRows = 8;
+constexpr int64_t kChunk = 8;  // rows a tile's pass carries: 16 accumulators
 
 template <int M>
 void tile_product(const uint16_t* x, int64_t k_pairs, const uint16_t* w, const float* bias,
@@ -62,14 +63,24 @@ void tile_product(const uint16_t* x, int64_t k_pairs, const uint16_t* w, const f
   }
 }
 
-template <int M>
-void product(const uint16_t* x, int64_t k_pairs, const uint16_t* w, const float* bias, int64_t n,
-             uint16_t* y) {
-  const int64_t tiles = (n + kTile - 1) / kTile;
-  at::parallel_for(0, tiles, 4, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t)
-      tile_product<M>(x, k_pairs, w + t * k_pairs * 2 * kTile, bias, t * kTile, n, y);
-  });
+// Every row of x against one tile: 8 rows at a time (the tile stays in L1/L2 while they pass), then the rest.
+void tile_rows(int64_t rows, const uint16_t* x, int64_t k_pairs, const uint16_t* w, const float* bias,
+               int64_t col0, int64_t n, uint16_t* y) {
+  int64_t r = 0;
+  for (; r + kChunk <= rows; r += kChunk)
+    tile_product<kChunk>(x + r * 2 * k_pairs, k_pairs, w, bias, col0, n, y + r * n);
+  const uint16_t* xr = x + r * 2 * k_pairs;
+  uint16_t* yr = y + r * n;
+  switch (rows - r) {
+#define PAGED_HF_ROWS(m) \
+  case m:                \
+    tile_product<m>(xr, k_pairs, w, bias, col0, n, yr); \
+    break;
+    PAGED_HF_ROWS(1) PAGED_HF_ROWS(2) PAGED_HF_ROWS(3) PAGED_HF_ROWS(4)
+    PAGED_HF_ROWS(5) PAGED_HF_ROWS(6) PAGED_HF_ROWS(7)
+#undef PAGED_HF_ROWS
+    default: break;
+  }
 }
 
 at::Tensor small_rows_pack(const at::Tensor& weight) {
@@ -95,9 +106,8 @@ at::Tensor small_rows_pack(const at::Tensor& weight) {
 
 at::Tensor small_rows_gemm(const at::Tensor& x, const at::Tensor& packed,
                            const c10::optional<at::Tensor>& bias, int64_t n) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16 &&
-                  x.size(0) >= 1 && x.size(0) <= kMaxRows,
-              "paged_hf::small_rows_gemm: x must be [M, K] contiguous bf16 with 1 <= M <= 8");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16 && x.size(0) >= 1,
+              "paged_hf::small_rows_gemm: x must be [M, K] contiguous bf16 with M >= 1");
   TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && packed.size(2) == 2 * kTile &&
                   packed.size(1) * 2 == x.size(1) && packed.size(0) * kTile >= n &&
                   packed.scalar_type() == at::kBFloat16,
@@ -110,16 +120,11 @@ at::Tensor small_rows_gemm(const at::Tensor& x, const at::Tensor& packed,
   const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr());
   const float* bp = bias ? bias->data_ptr<float>() : nullptr;
   auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
-  const int64_t k_pairs = packed.size(1);
-  switch (x.size(0)) {
-#define PAGED_HF_ROWS(m) \
-  case m:                \
-    product<m>(xp, k_pairs, wp, bp, n, yp); \
-    break;
-    PAGED_HF_ROWS(1) PAGED_HF_ROWS(2) PAGED_HF_ROWS(3) PAGED_HF_ROWS(4)
-    PAGED_HF_ROWS(5) PAGED_HF_ROWS(6) PAGED_HF_ROWS(7) PAGED_HF_ROWS(8)
-#undef PAGED_HF_ROWS
-  }
+  const int64_t k_pairs = packed.size(1), rows = x.size(0), tiles = (n + kTile - 1) / kTile;
+  at::parallel_for(0, tiles, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t)
+      tile_rows(rows, xp, k_pairs, wp + t * k_pairs * 2 * kTile, bp, t * kTile, n, yp);
+  });
   return y;
 }
 
