@@ -10,6 +10,8 @@ the lm_head) and each row count, GFLOP/s of:
 - ``F.linear bf16``: transformers' own call on bf16 weights;
 - ``oneDNN bf16``: the weight packed once for oneDNN's bf16 matmul (``cpu_packed_weights="onednn"``;
   only where the CPU has a bf16 matmul: AVX-512 bf16 or AMX);
+- ``few-row kernel bf16``: paged_hf's own GEMM on its copy of the weight (``cpu_small_row_gemm``,
+  which the engine runs up to ``small_rows.max_rows()`` rows; only where AVX-512 bf16 built it);
 - ``oneDNN fp32 (bf16 in/out)``: an fp32 copy packed for oneDNN, input cast up, output rounded to
   bf16 (``"fp32"``, the default on CPUs without a bf16 matmul);
 - ``F.linear fp32``: an fp32 model's call, for scale.
@@ -31,6 +33,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from paged_hf.execution.cpu import linear as cpu_linear  # noqa: E402
+from paged_hf.execution.cpu import small_rows  # noqa: E402
 
 # SmolLM2-135M: hidden 576, 9 query heads and 3 KV heads of 64, intermediate 1536, vocabulary 49152
 SHAPES = {
@@ -47,6 +50,9 @@ def ways(w16: torch.Tensor) -> dict:
     out = {"F.linear bf16": lambda x: F.linear(x, w16)}
     if cpu_linear.mode(torch.bfloat16, torch.device("cpu")) == cpu_linear.ONEDNN:
         out["oneDNN bf16"] = cpu_linear.PackedWeight(cpu_linear.ONEDNN, [w16], None)
+    if small_rows.available():
+        few = small_rows.SmallRowsWeight(w16, None)
+        out["few-row kernel bf16"] = lambda x: few(x.view(-1, x.shape[-1]))
     out["oneDNN fp32 (bf16 in/out)"] = cpu_linear.PackedWeight(cpu_linear.FP32, [w16], None)
     out["F.linear fp32"] = lambda x: F.linear(x.float(), w32)
     return out

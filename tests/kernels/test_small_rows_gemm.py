@@ -78,7 +78,7 @@ def test_the_kernel_refuses_what_it_cannot_compute():
 
 @pytest.mark.parametrize("row_invariant", [False, True])
 def test_a_packed_weight_takes_the_kernel_up_to_its_rows_only(row_invariant):
-    """Up to ``max_rows()`` rows on the kernel (64; 8 beside AMX), more on oneDNN (F.linear's
+    """Up to ``max_rows()`` rows on the kernel (512; 8 beside AMX), more on oneDNN (F.linear's
     bits); never where packed row-invariant (batch_invariant=True: a row's bits must not follow
     its step's row count)."""
     if not NATIVE:
@@ -90,7 +90,7 @@ def test_a_packed_weight_takes_the_kernel_up_to_its_rows_only(row_invariant):
     )
     assert (packed.small is not None) == (HERE and not row_invariant)
     most = small_rows.max_rows()
-    assert most == (8 if torch.cpu._is_amx_tile_supported() else 64)
+    assert most == (8 if torch.cpu._is_amx_tile_supported() else 512)
     g = torch.Generator().manual_seed(6)
     whole = torch.cat(ws)
     for rows in (1, 5, 8, 9, most, most + 1, 300):

@@ -16,10 +16,11 @@ import torch.nn.functional as F
 
 from .roundings import within_a_rounding
 
-# rows it serves: up to 64 it measured 1.2-1.9x oneDNN's bf16 GEMM (AMD Zen 4, 2 threads,
-# SmolLM2's shapes; 1.1x at 512, left to oneDNN: docs/measurements.md). Where the CPU has AMX, oneDNN
-# runs tile products from 16 rows on, not measured against this, so there it serves 1-8 rows only
-ROWS, ROWS_BESIDE_AMX = 64, 8
+# rows it serves: a step's token budget (512). It measured 1.4-2.4x oneDNN's bf16 GEMM at 1-8 rows,
+# 1.1-1.3x at 32, 1.0-1.1x at 512 (AMD Zen 4, 2 threads, SmolLM2's shapes: bench_cpu_linear.py);
+# above, a blocking call's 2048-token steps stay oneDNN's. Where the CPU has AMX, oneDNN runs tile
+# products from 16 rows on, not measured against this, so there it serves 1-8 rows only
+ROWS, ROWS_BESIDE_AMX = 512, 8
 _CHECKED: list[bool] = []
 
 

@@ -3,8 +3,8 @@
 // At a few rows a GEMM is reading its weight: SmolLM2's 270 MB a decode step. oneDNN's bf16 GEMM
 // reads it at ~20 GB/s there on a 2-core AVX-512 bf16 machine, where a plain stream reaches ~35.
 // This kernel streams the weight once, in the order it lies in memory, each 64-byte load serving
-// 8 rows (a tile stays in L1/L2 while the next 8 pass): ~1.9x oneDNN's speed at 1-8 rows, 1.2-1.4x
-// at 16-64 (docs/measurements.md, issue 59).
+// 8 rows (a tile stays in L1/L2 while the next 8 pass): 1.4-2.4x oneDNN's speed at 1-8 rows, 1.1-1.3x
+// at 32, 1.0-1.1x at 512 (benchmarks/bench_cpu_linear.py, issue 59).
 //
 //   small_rows_pack(weight [N, K] bf16) -> [ceil(N/32), K/2, 64] bf16
 //       32 output columns a tile, the tile's K in pairs: (k, k+1) of each of its 32 columns lie
