@@ -5,6 +5,7 @@ Design notes: docs/internals.md, paged_hf/execution/sampler.py.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -139,10 +140,11 @@ def _greedy_as_they_are(logits: torch.Tensor) -> SampleResult | None:
     if picked is None:
         return None
     best, tokens = picked
-    token_list: list[int | None] = torch.where(torch.isfinite(best), tokens, -1).tolist()
+    token_list: list[int | None] = tokens.tolist()
     errors: dict[int, str] = {}
-    for row, tok in enumerate(token_list):
-        if tok < 0:
+    # read as numbers (torch.isfinite's ops on a few values cost ~80 us a step)
+    for row, value in enumerate(best.tolist()):
+        if not math.isfinite(value):
             errors[row] = "its logits are not finite (NaN or inf), or every token was excluded"
             token_list[row] = None
     return SampleResult(token_list, [None] * len(token_list), errors)
