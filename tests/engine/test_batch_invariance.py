@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 
 import paged_hf
 from paged_hf import SamplingParams
-from paged_hf.execution.cpu import batch_invariance
+from paged_hf.execution.cpu import batch_invariance, small_rows
 from paged_hf.execution.cpu import linear as cpu_linear
 from paged_hf.execution.cpu import paged_attention as cpa
 from paged_hf.model.tiny_configs import build_model
@@ -125,7 +125,10 @@ def test_a_gemm_that_sums_by_row_count_forks_the_default_mode_and_not_the_invari
 ):
     """The machine's own GEMM may sum alike at every row count (AMD Zen 4 does, on SmolLM2's
     prompts), so the test above may pass with the row-invariant GEMM turned off; one that does not
-    stands in for it here: the default mode's tokens fork between layouts, the invariant mode's do not."""
+    stands in for it here: the default mode's tokens fork between layouts where oneDNN computes them,
+    the invariant mode's do not. Steps of up to ``small_rows.max_rows()`` rows run on paged_hf's
+    own few-row GEMM by default, which sums a row alike at any row count: there they do not fork
+    either."""
     if (
         not holds_here()
         or cpu_linear.mode(torch.bfloat16, torch.device("cpu")) != cpu_linear.ONEDNN
@@ -136,8 +139,11 @@ def test_a_gemm_that_sums_by_row_count_forks_the_default_mode_and_not_the_invari
     model = build_model(config, AutoModelForCausalLM, dtype=torch.bfloat16)
     prompts = tiny_prompts(config.vocab_size, 3, [40, 45, 50], seed=7)
     monkeypatch.setattr(cpu_linear, "onednn_gemm", row_count_gemm(cpu_linear.onednn_gemm))
-    default = tokens_by_layout(model, prompts)
+    default = tokens_by_layout(model, prompts, cpu_small_row_gemm=False)
     assert any(layout != default[0] for layout in default[1:]), "the stand-in forks nothing"
+    if small_rows.available() and small_rows.max_rows() >= 64:  # every step here is under 64 rows
+        few_rows = tokens_by_layout(model, prompts)
+        assert all(layout == few_rows[0] for layout in few_rows[1:])
     invariant = tokens_by_layout(model, prompts, batch_invariant=True)
     assert all(layout == invariant[0] for layout in invariant[1:])
 

@@ -11,6 +11,7 @@ from tiny_models import SLIDING_WINDOW, make_tiny_model, tiny_prompts
 from transformers.models.llama import modeling_llama as llama
 
 import paged_hf
+from paged_hf.execution.cpu import compact_layers, small_rows
 
 PARAMS = paged_hf.SamplingParams(max_new_tokens=10, logprobs=2, ignore_eos=True)
 
@@ -40,6 +41,7 @@ def _same(a, b) -> None:
         ("llama_mqa", torch.bfloat16),
         ("mistral", torch.bfloat16),
         ("qwen2", torch.float32),
+        ("qwen2", torch.bfloat16),
     ],
 )
 def test_served_layers_give_their_own_codes_results(family, dtype):
@@ -99,6 +101,25 @@ def test_layers_of_other_math_run_their_own_code(family):
     """Qwen3's per-head q/k norms pass the structural look and fail the check on the model;
     Gemma 3's four norms a layer and Phi-3's fused projections fail the look."""
     assert _served(paged_hf.Engine(make_tiny_model(family, dtype=torch.bfloat16))) == 0
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+def test_the_few_row_halves_give_the_layer_by_layer_bits(family, monkeypatch):
+    """bf16 layers whose GEMMs run on the few-row kernel make each half around attention one C++
+    call (csrc/compact_rows.cpp): the same tokens and logprobs, bit for bit, as the same layers
+    made op by op from Python (qwen2's q/k/v biases, mistral's sliding layers), and the calls
+    counted. Where the kernel is not built, no layer takes them."""
+    model = make_tiny_model(family, dtype=torch.bfloat16)
+    prompts = _prompts(model)
+    calls = []
+    real = compact_layers._forward_few_rows
+    monkeypatch.setattr(compact_layers, "_forward_few_rows", lambda *a: calls.append(1) or real(*a))
+    got = paged_hf.Engine(model).generate(prompts, PARAMS)
+    assert bool(calls) == small_rows.available()
+    monkeypatch.setattr(compact_layers, "_few_rows", lambda weights: 0)
+    calls.clear()
+    _same(got, paged_hf.Engine(model).generate(prompts, PARAMS))
+    assert not calls
 
 
 def test_a_layer_whose_output_differs_is_found_by_the_check():

@@ -45,6 +45,9 @@ class _Plan:
         # the norms' weights
         self.weights: tuple[PackedWeight | None, ...] | None = None
         self.norm_1_weight = self.norm_2_weight = None
+        # up to how many rows every GEMM runs on the few-row kernel, so the halves around attention
+        # run as one C++ call each (csrc/compact_rows.cpp); 0: never
+        self.few_rows = 0
         stock = type(layer).forward.__get__(layer)
         self.forward = lambda *a, **k: _forward(self, stock, *a, **k)  # installed during steps
 
@@ -126,6 +129,8 @@ def _forward(
             position_embeddings=position_embeddings,
             **kwargs,
         )
+    if 0 < hidden_states.shape[1] <= plan.few_rows:
+        return _forward_few_rows(plan, hidden_states, position_embeddings)
     qkv_w, o_w, gate_up_w, down_w = plan.weights
     shape = (*hidden_states.shape[:-1], -1, plan.head_dim)
     x = _rms_norm(hidden_states, plan.norm_1_weight, plan.eps_1, False)
@@ -145,6 +150,27 @@ def _forward(
     return h + down_w(_silu_and_mul(gate_up[..., :width], gate_up[..., width:]))
 
 
+def _forward_few_rows(
+    plan: _Plan, hidden_states: torch.Tensor, position_embeddings: tuple
+) -> torch.Tensor:
+    """``_forward``'s ops, the same in the same order, with each half around attention one call."""
+    qkv, o, gate_up, down = (w.small for w in plan.weights)
+    hidden = hidden_states[0]
+    cos, sin = position_embeddings
+    q, k, v = torch.ops.paged_hf.small_rows_attn_in(
+        hidden, plan.norm_1_weight, plan.eps_1, qkv.packed, qkv.bias, qkv.out_features,
+        plan.q_end, plan.k_end, plan.head_dim, cos, sin,
+    )  # fmt: skip
+    scaling, window, softcap = plan.call
+    out, _ = attention.paged_attention_forward(
+        plan.attn, q, k, v, None, scaling=scaling, sliding_window=window, softcap=softcap
+    )
+    return torch.ops.paged_hf.small_rows_mlp_out(
+        out[0], hidden, o.packed, o.bias, plan.norm_2_weight, plan.eps_2,
+        gate_up.packed, gate_up.bias, plan.intermediate, down.packed, down.bias,
+    ).view(hidden_states.shape)  # fmt: skip
+
+
 def _rope_checked(plan: _Plan, position_embeddings: Any) -> bool:
     """cos and sin of a width the rotary op was checked at (partial rotary: less than the head)."""
     if not isinstance(position_embeddings, tuple) or len(position_embeddings) != 2:
@@ -156,6 +182,15 @@ def _rope_checked(plan: _Plan, position_embeddings: Any) -> bool:
         and cos.shape[-1] in plan.rope_widths
         and cos.dtype == plan.dtype
     )
+
+
+def _few_rows(weights: tuple) -> int:
+    """Rows up to which every one of a layer's GEMMs runs on the few-row kernel (0: not all do)."""
+    if None in weights or any(w.small is None for w in weights):
+        return 0
+    if not hasattr(torch.ops.paged_hf, "small_rows_mlp_out"):
+        return 0
+    return min(w.small_rows for w in weights)
 
 
 class _Recorder:
@@ -240,6 +275,7 @@ class CompactLayers:
                 self.packed.weight_for([p.mlp.down_proj]),
             )
             p.norm_1_weight, p.norm_2_weight = p.norm_1.weight.detach(), p.norm_2.weight.detach()
+            p.few_rows = _few_rows(p.weights)
         self._packed_forwards = self.packed._forwards
 
     def _checked(self, candidates: list[_Plan], layout: Any) -> list[_Plan]:

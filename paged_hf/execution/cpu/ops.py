@@ -2,7 +2,7 @@
 first use into ``$PAGED_HF_EXTENSIONS_DIR`` (default ``<paged_hf cache>/extensions``) under a name
 that hashes the sources, torch's version and the flags, then loaded; its ops are the paged
 attention, the gated delta rule, the fused element-wise ops, the sampler's greedy pick, the
-allocator hooks and the few-row bf16 GEMM. Without a compiler (or with ``PAGED_HF_CPU_KERNEL=0``)
+allocator hooks, the few-row bf16 GEMM and the compact layer's halves on it. Without a compiler (or with ``PAGED_HF_CPU_KERNEL=0``)
 ``load()`` is False, once warned.
 """
 
@@ -30,6 +30,7 @@ SOURCES = [
         "sampling.cpp",
         "cpu_allocator.cpp",
         "small_rows_gemm.cpp",
+        "compact_rows.cpp",
     )
 ]
 HEADERS = [Path(__file__).resolve().parent / "csrc" / "paged_attention.h"]
