@@ -94,7 +94,8 @@ class EngineConfig:
     cpu_fused_projections: bool = True
     # with oneDNN's bf16 packed weights, on AVX-512 bf16 CPUs: GEMMs of up to 512 rows (8 beside AMX) on a
     # second copy laid out for a kernel that streams it (1.4-2.4x oneDNN at 1-8 rows, 1.0-1.3x above; within
-    # one bf16 rounding of its results, checked; paged_hf/execution/cpu/small_rows.py). Not under batch_invariant
+    # one bf16 rounding of its results, checked; paged_hf/execution/cpu/small_rows.py). Not under batch_invariant;
+    # with memory for one packed copy only, this one where it serves a step's whole budget (no AMX)
     cpu_small_row_gemm: bool = True
     # on a CPU: RMSNorm, SiLU-and-multiply and rotary embedding as one C++ op each, where checked on the
     # model to give its modules' outputs (paged_hf/execution/cpu/fused_ops.py)

@@ -17,7 +17,7 @@ from ..config import EngineConfig
 from ..requests.request import Request
 from .attention import active_backend
 from .backends import select_backend
-from .cpu import batch_invariance, compact_layers, fused_ops
+from .cpu import batch_invariance, compact_layers, fused_ops, small_rows
 from .cpu import linear as cpu_linear
 from .cpu import malloc as cpu_malloc
 from .decode_accelerator import DecodeAccelerator, wants_decode_accelerator
@@ -170,8 +170,13 @@ class ModelRunner:
             small=config.cpu_small_row_gemm,
         )
         ok, why = cpu_linear.affordable(packed.nbytes)
-        if not ok and packed.small:  # oneDNN's copy alone: the few-row kernel's is the one to spare
-            packed.small = False
+        if not ok and packed.small:
+            # room for one copy: the few-row kernel's where it serves a step's whole default budget
+            # (no AMX; past it the modules' own F.linear, oneDNN's results), else oneDNN's
+            if small_rows.max_rows() == small_rows.ROWS:
+                packed.onednn = False
+            else:
+                packed.small = False
             ok, why = cpu_linear.affordable(packed.nbytes)
         if ok:
             return packed

@@ -133,18 +133,49 @@ def test_engine_tokens_on_the_kernel_agree_with_transformers(family):
         )
 
 
-def test_the_option_off_keeps_onednn_and_memory_short_drops_the_second_copy(monkeypatch, caplog):
+def test_without_onednn_s_copy_rows_past_the_kernel_run_the_modules_own_f_linear():
+    """Memory for one copy: the kernel's, and past its rows each module's own F.linear (oneDNN's
+    results, checked per process), no oneDNN copy made."""
+    if not (HERE and NATIVE):
+        assert not (HERE and NATIVE)
+        return
+    ws = [_weights(n, 576, seed=n)[0] for n in (576, 192, 192)]
+    packed = cpu_linear.PackedWeight(cpu_linear.ONEDNN, ws, None, small=True, onednn=False)
+    assert packed.packed is None and packed.small is not None
+    g = torch.Generator().manual_seed(8)
+    for rows in (1, 8, packed.small_rows, packed.small_rows + 1):
+        x = torch.randn(1, rows, 576, generator=g).bfloat16()
+        own = torch.cat([F.linear(x, w) for w in ws], dim=-1)
+        if rows <= packed.small_rows:
+            assert torch.equal(packed(x)[0], packed.small(x[0]))
+        else:
+            assert torch.equal(packed(x), own)
+
+
+def test_the_option_off_keeps_onednn_and_memory_for_one_copy_keeps_one(monkeypatch, caplog):
+    """Room for both copies: both. For one: the kernel's where it serves a step's whole default
+    budget (no AMX), else oneDNN's; the tokens teacher-forced either way."""
     model = make_tiny_model("llama", dtype=torch.bfloat16)
     assert not _engine(model, cpu_small_row_gemm=False).runner.packed.small
     if not (HERE and NATIVE):
         assert not _engine(model).runner.packed.small
         return
-    one_copy = sum(m.weight.numel() * 2 for m in _engine(model).runner.packed.modules)
-    # room for oneDNN's copy, not for both
+    both = _engine(model).runner.packed
+    assert both.small and both.onednn
+    one_copy = sum(m.weight.numel() * 2 for m in both.modules)
+    assert both.nbytes == 2 * one_copy
     monkeypatch.setattr(cpu_linear, "affordable", lambda nbytes: (nbytes <= one_copy, "short"))
     with caplog.at_level("WARNING", logger="paged_hf"):
-        packed = _engine(model).runner.packed
-    assert packed is not None and not packed.small and packed.nbytes == one_copy
+        engine = _engine(model)
+    packed = engine.runner.packed
+    assert packed is not None and packed.nbytes == one_copy
+    assert (packed.small, packed.onednn) == (
+        (True, False) if small_rows.max_rows() == small_rows.ROWS else (False, True)
+    )
     assert "not packed" not in caplog.text
+    prompts = tiny_prompts(model.config.vocab_size, 3, [5, 30, 70], seed=9)
+    params = paged_hf.SamplingParams(max_new_tokens=6, ignore_eos=True)
+    for prompt, out in zip(prompts, engine.generate(prompts, params)):
+        assert_teacher_forced(model, prompt, out.token_ids, tol=BF16_TOL, what="one copy")
     with pytest.raises(ValueError, match="cpu_small_row_gemm"):
         paged_hf.Engine(model, cpu_small_row_gemm="yes")

@@ -154,6 +154,7 @@ class PackedWeight:
         batch_hint: int = 64,
         row_invariant: bool = False,
         small: bool = False,
+        onednn: bool = True,
     ) -> None:
         self.how, self.dtype = how, weights[0].dtype
         # a bf16 weight's fp32 copy reads twice the bytes: at one row (a lone sequence's decode) the
@@ -182,21 +183,25 @@ class PackedWeight:
             self.small_rows = small_rows.max_rows() if fits else 0
             if how == FP32:
                 weight, bias = weight.float(), None if bias is None else bias.float()
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint)
+            # without oneDNN's copy (memory for one: ``onednn=False``) rows past the kernel's run the
+            # modules' own F.linear, oneDNN's results (``_check``)
+            self.packed = (
+                torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint)
+                if onednn or self.small is None
+                else None
+            )
         self.bias = bias
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.one_row_in_bf16 and x.numel() == x.shape[-1]:
-            parts = [
-                F.linear(x, w, b)
-                for w, b in zip(self.weights, self.biases or [None] * len(self.weights))
-            ]
-            return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+            return self._own_linears(x)
         # the rows as a matrix: the same GEMM, ~10 us a call less than a [1, T, K] input costs the op
         # (a lone decode's step makes 121 of them; the same bits: tests/kernels/test_cpu_linear.py)
         rows = x.view(-1, x.shape[-1]) if x.dim() != 2 else x
         if 0 < rows.shape[0] <= self.small_rows:
             out = self.small(rows)
+        elif self.packed is None:
+            out = self._own_linears(rows)
         elif self.by_tiles and rows.shape[0]:
             out = self._by_tiles(rows)
         elif self.how == ONEDNN:
@@ -204,6 +209,14 @@ class PackedWeight:
         else:
             out = onednn_gemm(rows.float(), self.packed, self.bias).to(self.dtype)
         return out if x.dim() == 2 else out.view(*x.shape[:-1], out.shape[-1])
+
+    def _own_linears(self, x: torch.Tensor) -> torch.Tensor:
+        """Each module's own ``F.linear`` on the weights as the model has them, side by side."""
+        parts = [
+            F.linear(x, w, b)
+            for w, b in zip(self.weights, self.biases or [None] * len(self.weights))
+        ]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
 
     def _by_tiles(self, rows: torch.Tensor) -> torch.Tensor:
         """The rows in GEMMs of 32 rows (the last of 16), padded with zeros: oneDNN's bf16 GEMM sums a
@@ -254,8 +267,10 @@ class PackedLinears:
             and m.weight.dim() == 2
         ]
         self.batch_hint, self.row_invariant = batch_hint, row_invariant
-        # few-row GEMMs on a second copy laid out for small_rows' kernel, where asked for and it serves
+        # few-row GEMMs on a second copy laid out for small_rows' kernel, where asked for and it serves;
+        # oneDNN's copy besides unless memory holds one copy only (``onednn``: the runner decides)
         self.small = small and how == ONEDNN and not row_invariant and small_rows.available()
+        self.onednn = True
         # (no modules, no probe forward: a tensor-parallel model's would be a collective for nothing)
         self.siblings = find_siblings(model, self.modules) if fuse and self.modules else []
         self.fused: list[list[torch.nn.Linear]] = []  # the sibling groups packed as one GEMM
@@ -266,9 +281,9 @@ class PackedLinears:
 
     @property
     def nbytes(self) -> int:
-        """The packed copies' size: the weights again (twice over for bf16 weights in fp32 or with
-        small_rows' copy too)."""
-        per = 4 if self.how == FP32 or self.small else 2
+        """The packed copies' size: the weights again (twice over for bf16 weights in fp32, or for
+        small_rows' copy beside oneDNN's)."""
+        per = 4 if self.how == FP32 or (self.small and self.onednn) else 2
         return sum(m.weight.numel() * per for m in self.modules)
 
     def reset(self) -> None:
@@ -285,6 +300,7 @@ class PackedLinears:
             self.batch_hint,
             self.row_invariant,
             self.small,
+            self.onednn,
         )
 
     def weight_for(self, modules: list[torch.nn.Linear]) -> "PackedWeight | None":
