@@ -2,7 +2,7 @@
 // on the few-row kernel (small_rows_gemm.cpp): the same ops in the same order as
 // paged_hf/execution/cpu/compact_layers.py's _forward makes them one by one from Python, so the
 // same bits (checked on the model, layer by layer, before use), without ~20 Python-level calls a
-// layer (~60 us of a decode step's layer at 1-8 rows on a 2-core Zen 4).
+// layer (SmolLM2 at one row: 14.9 -> 11.6 ms a decode step, ~110 us a layer, on a 2-core Zen 4).
 //
 //   small_rows_attn_in(hidden [T, H], norm_w, eps, qkv, qkv_bias, n_qkv, q_end, k_end, head_dim, cos, sin)
 //       -> (q [1, Hq, T, D], k [1, Hkv, T, D], v [1, Hkv, T, D])
