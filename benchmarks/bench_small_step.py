@@ -2,6 +2,8 @@
 default model, each part's milliseconds a step (bench_profile.py's timers: the scheduler, the
 step's metadata, the attention plan, the forward with its packed GEMMs and attention broken out,
 sampling, the bookkeeping after it, and the rest of the step), medians of ``--repeat`` rounds.
+Where a compact layer's halves run as one C++ call each (the few-row kernel, compact_rows.cpp) its
+GEMMs are inside them: "linear" is then the lm_head alone and the layers' GEMMs are "forward rest".
 
     python benchmarks/bench_small_step.py                   # 1,2,4,8 rows, 64 steps, 3 rounds
     python benchmarks/bench_small_step.py --rows 1 --steps 32 --repeat 1

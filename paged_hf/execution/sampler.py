@@ -61,15 +61,7 @@ def sample(
                     and requests[i].params.logprobs is not None
                 ):
                     processed[i] = probs[j].log()
-    tokens = torch.where(torch.isfinite(best), tokens, -1)
-    token_list: list[int | None] = tokens.tolist()
-    for row, tok in enumerate(token_list):
-        if row in errors:
-            token_list[row] = None
-        elif tok < 0:
-            errors[row] = "its logits are not finite (NaN or inf), or every token was excluded"
-            token_list[row] = None
-
+    token_list = _picked(best, tokens, errors)
     logprobs = _logprobs(raw, logits, requests, token_list, processed, errors)
     return SampleResult(token_list, logprobs, errors)
 
@@ -140,14 +132,23 @@ def _greedy_as_they_are(logits: torch.Tensor) -> SampleResult | None:
     if picked is None:
         return None
     best, tokens = picked
-    token_list: list[int | None] = tokens.tolist()
     errors: dict[int, str] = {}
-    # read as numbers (torch.isfinite's ops on a few values cost ~80 us a step)
+    token_list = _picked(best, tokens, errors)
+    return SampleResult(token_list, [None] * len(token_list), errors)
+
+
+def _picked(best: torch.Tensor, tokens: torch.Tensor, errors: dict[int, str]) -> list[int | None]:
+    """The rows' tokens, None for a row with an error or whose maximum ``best`` is not finite (NaN and
+    +inf propagate through max; -inf: nothing left to pick), which becomes its error. The maxima are
+    read as numbers: torch.isfinite's ops on a few values cost ~80 us a step."""
+    token_list: list[int | None] = tokens.tolist()
     for row, value in enumerate(best.tolist()):
-        if not math.isfinite(value):
+        if row in errors:
+            token_list[row] = None
+        elif not math.isfinite(value):
             errors[row] = "its logits are not finite (NaN or inf), or every token was excluded"
             token_list[row] = None
-    return SampleResult(token_list, [None] * len(token_list), errors)
+    return token_list
 
 
 def _row_max(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -185,10 +185,9 @@ def _rope_checked(plan: _Plan, position_embeddings: Any) -> bool:
 
 
 def _few_rows(weights: tuple) -> int:
-    """Rows up to which every one of a layer's GEMMs runs on the few-row kernel (0: not all do)."""
-    if None in weights or any(w.small is None for w in weights):
-        return 0
-    if not hasattr(torch.ops.paged_hf, "small_rows_mlp_out"):
+    """Rows up to which every one of a layer's GEMMs runs on the few-row kernel (0: not all do; a
+    weight without the kernel's copy serves 0 rows on it)."""
+    if None in weights or not hasattr(torch.ops.paged_hf, "small_rows_mlp_out"):
         return 0
     return min(w.small_rows for w in weights)
 

@@ -134,6 +134,12 @@ def _check(how: str, dtype: torch.dtype) -> bool:
         return False
 
 
+def takes_small_rows(asked: bool, how: str, row_invariant: bool) -> bool:
+    """Whether weights packed ``how`` take small_rows' kernel: asked for, oneDNN's bf16 way, not
+    row-invariant (its rows past the kernel's would be oneDNN's), and the kernel serves here."""
+    return asked and how == ONEDNN and not row_invariant and small_rows.available()
+
+
 def onednn_gemm(
     rows: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
@@ -176,9 +182,8 @@ class PackedWeight:
                 if len(biases) == 1
                 else torch.cat([b.detach() for b in biases])
             )
-            # few rows on a copy laid out for small_rows' kernel (``small``: asked for, and available)
-            fits = small and how == ONEDNN and not row_invariant and small_rows.fits(weight)
-            fits = fits and small_rows.available()
+            # few rows on a copy laid out for small_rows' kernel (``small``: asked for, and it serves)
+            fits = takes_small_rows(small, how, row_invariant) and small_rows.fits(weight)
             self.small = small_rows.SmallRowsWeight(weight, bias) if fits else None
             self.small_rows = small_rows.max_rows() if fits else 0
             if how == FP32:
@@ -269,7 +274,7 @@ class PackedLinears:
         self.batch_hint, self.row_invariant = batch_hint, row_invariant
         # few-row GEMMs on a second copy laid out for small_rows' kernel, where asked for and it serves;
         # oneDNN's copy besides unless memory holds one copy only (``onednn``: the runner decides)
-        self.small = small and how == ONEDNN and not row_invariant and small_rows.available()
+        self.small = takes_small_rows(small, how, row_invariant)
         self.onednn = True
         # (no modules, no probe forward: a tensor-parallel model's would be a collective for nothing)
         self.siblings = find_siblings(model, self.modules) if fuse and self.modules else []
