@@ -26,15 +26,33 @@ def _weights(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return (torch.randn(n, k, generator=g) * 0.1).bfloat16(), torch.randn(n, generator=g).bfloat16()
 
 
+def _not_taken() -> None:
+    """Where the kernel does not serve: a weight asked to take it does not, on either way this CPU
+    has (the fp32 way never does; oneDNN's where the kernel is not built)."""
+    w, _ = _weights(64, 64, seed=0)
+    for how in (cpu_linear.ONEDNN,) * NATIVE + (cpu_linear.FP32,):
+        weight = cpu_linear.PackedWeight(how, [w], None, small=True)
+        assert weight.small is None and weight.small_rows == 0
+
+
+def test_the_kernel_serves_wherever_the_cpu_builds_it():
+    """An AVX-512 bf16 CPU builds it, and a built kernel serves: one that fails its own check
+    against F.linear (``available``) is a bug in it, not a limit of the machine, and would
+    otherwise only turn the kernel off unseen."""
+    from paged_hf.execution.cpu import ops
+
+    built = ops.load() and "avx512_bf16" in ops._cpu_flags()
+    assert small_rows._built() == built
+    assert small_rows.available() == built
+
+
 @pytest.mark.parametrize("n,k", [(70, 98), (1536, 576), (96, 1538)])
 def test_the_kernel_is_within_a_rounding_of_the_exact_product(n, k):
     """Every output the exact (float64) product rounded to bf16 or the bf16 value next to it (or, a
     near-zero sum of large products, within fp32's error for its sum); nearly all F.linear's own;
     and a weight 2% off is caught by the same measure."""
-    if not HERE:  # not built here: a weight asked to take it does not
-        w, _ = _weights(8, 8, seed=0)
-        assert cpu_linear.PackedWeight(cpu_linear.FP32, [w], None, small=True).small is None
-        return
+    if not HERE:
+        return _not_taken()
     w, b = _weights(n, k, seed=n + k)
     g = torch.Generator().manual_seed(1)
     for bias in (None, b):
@@ -52,8 +70,7 @@ def test_the_kernel_is_within_a_rounding_of_the_exact_product(n, k):
 
 def test_a_row_has_the_same_bits_at_any_row_count():
     if not HERE:
-        assert not small_rows.available()
-        return
+        return _not_taken()
     w, b = _weights(200, 576, seed=3)
     weight = small_rows.SmallRowsWeight(w, b)
     x = torch.randn(70, 576, generator=torch.Generator().manual_seed(4)).bfloat16()
@@ -64,8 +81,7 @@ def test_a_row_has_the_same_bits_at_any_row_count():
 
 def test_the_kernel_refuses_what_it_cannot_compute():
     if not HERE:
-        assert not small_rows.available()
-        return
+        return _not_taken()
     w, _ = _weights(64, 96, seed=5)
     weight = small_rows.SmallRowsWeight(w, None)
     with pytest.raises(RuntimeError, match="contiguous bf16"):
@@ -82,8 +98,7 @@ def test_a_packed_weight_takes_the_kernel_up_to_its_rows_only(row_invariant):
     bits); never where packed row-invariant (batch_invariant=True: a row's bits must not follow
     its step's row count)."""
     if not NATIVE:
-        assert cpu_linear.mode(torch.bfloat16, torch.device("cpu")) != cpu_linear.ONEDNN
-        return
+        return _not_taken()
     ws = [_weights(n, 576, seed=n)[0] for n in (576, 192, 192)]  # a q/k/v group
     packed = cpu_linear.PackedWeight(
         cpu_linear.ONEDNN, ws, None, row_invariant=row_invariant, small=True
@@ -137,8 +152,7 @@ def test_without_onednn_s_copy_rows_past_the_kernel_run_the_modules_own_f_linear
     """Memory for one copy: the kernel's, and past its rows each module's own F.linear (oneDNN's
     results, checked per process), no oneDNN copy made."""
     if not (HERE and NATIVE):
-        assert not (HERE and NATIVE)
-        return
+        return _not_taken()
     ws = [_weights(n, 576, seed=n)[0] for n in (576, 192, 192)]
     packed = cpu_linear.PackedWeight(cpu_linear.ONEDNN, ws, None, small=True, onednn=False)
     assert packed.packed is None and packed.small is not None
