@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench install
+.PHONY: demo test test-avx2 lint bench install
 
 install: $(STAMP)
 
@@ -24,7 +24,7 @@ demo: $(STAMP)
 	$(PY) examples/quickstart.py
 
 test: $(STAMP)
-	PAGED_HF_REQUIRE_FLASHINFER_API=1 $(PY) -m pytest -q
+	PAGED_HF_REQUIRE_FLASHINFER_API=1 $(PY) -m pytest -q -rs
 
 # ruff's rules and formatting at 100 columns (pyproject.toml); CI runs it before the tests
 lint: $(STAMP)
@@ -33,3 +33,9 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench.py --quick
+
+# the suite as an AVX2-only CPU (AMD Zen 2/3) runs it, on a machine with more: paged_hf's kernels and
+# torch's own capped at AVX2 (paged_hf/execution/cpu/isa.py)
+test-avx2: $(STAMP)
+	PAGED_HF_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 \
+		PAGED_HF_REQUIRE_FLASHINFER_API=1 $(PY) -m pytest -q -rs

@@ -82,3 +82,10 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if str(item.fspath).startswith(kernels):
             item.add_marker(pytest.mark.compiler)
+
+
+def pytest_report_header(config):
+    """Which CPU kernels this run tests (tests for another CPU's are reported as skipped)."""
+    from cpu_isa import header
+
+    return header()

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from cpu_isa import needs
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from oracle import assert_teacher_forced
@@ -22,6 +23,7 @@ from tiny_models import FAMILIES, make_tiny_model, tiny_prompts
 
 import paged_hf
 from paged_hf.execution.backends import TorchBackend, select_backend
+from paged_hf.execution.cpu import isa
 from paged_hf.execution.cpu import ops as cpu_ops
 from paged_hf.execution.cpu import paged_attention as cpa
 
@@ -194,7 +196,7 @@ def test_bf16_16_token_blocks_match_a_float64_reference(dk, dv, window, softcap,
     got = run_op(q, k_cache, v_cache, seqs, dk**-0.5, window, softcap)
     want = reference(q, k_cache, v_cache, seqs, dk**-0.5, window, softcap)
     torch.testing.assert_close(got.double(), want, atol=1.6e-2, rtol=1.6e-2)
-    if "avx512_bf16" in cpu_ops._cpu_flags():
+    if isa.at_least("avx512_bf16"):
         assert "-mavx512bf16" in cpu_ops.compile_flags()
 
 
@@ -337,6 +339,10 @@ def test_bf16_a_window_s_freed_blocks_do_not_move_its_rows(window, bf16_path):
         run_op(q, k_cache, v_cache, held, d**-0.5, window, 0.0, offsets=[1, 0, 0])
 
 
+@needs(
+    "avx512",
+    "the bf16 path's gathering of small pages (built for AVX-512; the portable path's sums follow the page size)",
+)
 @pytest.mark.parametrize("page", [4, 8, 2])
 def test_bf16_pages_smaller_than_16_give_the_rows_16_token_pages_give(page, bf16_path):
     """Both bf16 paths gather each block's (AMX: tile's) 16 keys from pages of 2, 4 or 8 tokens (lm-eval's

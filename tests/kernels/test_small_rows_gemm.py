@@ -1,21 +1,24 @@
 """The few-row bf16 GEMM (paged_hf/execution/cpu/small_rows.py): its products against the exact ones,
 its row invariance, where PackedWeight takes it, and an engine's tokens on it
-teacher-forced against transformers. On a CPU without AVX-512 bf16 the kernel is not built, and
-the tests there check that nothing takes it and the results are oneDNN's (or F.linear's) own."""
+teacher-forced against transformers. The kernel is built for AVX-512 bf16 CPUs: its own tests run
+there and are reported skipped elsewhere (naming the CPU); that nothing takes it where it is not
+built is tested on such CPUs and reported skipped here."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
+from cpu_isa import lacks, needs
 from oracle import assert_teacher_forced
 from tiny_models import make_tiny_model, tiny_prompts
 
 import paged_hf
+from paged_hf.execution.cpu import isa, small_rows
 from paged_hf.execution.cpu import linear as cpu_linear
-from paged_hf.execution.cpu import small_rows
 
 HERE = small_rows.available()
+KERNEL = needs("avx512_bf16", "the few-row bf16 GEMM (vdpbf16ps)")
 NATIVE = cpu_linear.mode(torch.bfloat16, torch.device("cpu")) == cpu_linear.ONEDNN
 SMALL = {"block_size": 4, "max_num_batched_tokens": 16, "max_num_seqs": 8}
 BF16_TOL = 0.125  # teacher forcing against transformers' bf16 forward (as test_cpu_linear.py)
@@ -26,13 +29,16 @@ def _weights(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return (torch.randn(n, k, generator=g) * 0.1).bfloat16(), torch.randn(n, generator=g).bfloat16()
 
 
-def _not_taken() -> None:
-    """Where the kernel does not serve: a weight asked to take it does not, on either way this CPU
-    has (the fp32 way never does; oneDNN's where the kernel is not built)."""
+@lacks("avx512_bf16", "a CPU without the few-row kernel")
+def test_where_the_kernel_is_not_built_nothing_takes_it():
+    """A weight asked to take it does not, on either way this CPU has (the fp32 way never does;
+    oneDNN's where the kernel is not built), and an engine's packed set says so."""
+    assert not HERE
     w, _ = _weights(64, 64, seed=0)
     for how in (cpu_linear.ONEDNN,) * NATIVE + (cpu_linear.FP32,):
         weight = cpu_linear.PackedWeight(how, [w], None, small=True)
         assert weight.small is None and weight.small_rows == 0
+    assert not _engine(make_tiny_model("llama", dtype=torch.bfloat16)).runner.packed.small
 
 
 def test_the_kernel_serves_wherever_the_cpu_builds_it():
@@ -41,18 +47,17 @@ def test_the_kernel_serves_wherever_the_cpu_builds_it():
     otherwise only turn the kernel off unseen."""
     from paged_hf.execution.cpu import ops
 
-    built = ops.load() and "avx512_bf16" in ops._cpu_flags()
+    built = ops.load() and isa.at_least("avx512_bf16")
     assert small_rows._built() == built
     assert small_rows.available() == built
 
 
+@KERNEL
 @pytest.mark.parametrize("n,k", [(70, 98), (1536, 576), (96, 1538)])
 def test_the_kernel_is_within_a_rounding_of_the_exact_product(n, k):
     """Every output the exact (float64) product rounded to bf16 or the bf16 value next to it (or, a
     near-zero sum of large products, within fp32's error for its sum); nearly all F.linear's own;
     and a weight 2% off is caught by the same measure."""
-    if not HERE:
-        return _not_taken()
     w, b = _weights(n, k, seed=n + k)
     g = torch.Generator().manual_seed(1)
     for bias in (None, b):
@@ -68,9 +73,8 @@ def test_the_kernel_is_within_a_rounding_of_the_exact_product(n, k):
             assert not cpu_linear.within_a_rounding(wrong, exact, x, w)
 
 
+@KERNEL
 def test_a_row_has_the_same_bits_at_any_row_count():
-    if not HERE:
-        return _not_taken()
     w, b = _weights(200, 576, seed=3)
     weight = small_rows.SmallRowsWeight(w, b)
     x = torch.randn(70, 576, generator=torch.Generator().manual_seed(4)).bfloat16()
@@ -79,9 +83,8 @@ def test_a_row_has_the_same_bits_at_any_row_count():
         assert torch.equal(weight(x[:rows].contiguous()), alone[:rows])
 
 
+@KERNEL
 def test_the_kernel_refuses_what_it_cannot_compute():
-    if not HERE:
-        return _not_taken()
     w, _ = _weights(64, 96, seed=5)
     weight = small_rows.SmallRowsWeight(w, None)
     with pytest.raises(RuntimeError, match="contiguous bf16"):
@@ -92,20 +95,19 @@ def test_the_kernel_refuses_what_it_cannot_compute():
     assert not small_rows.fits(torch.zeros(4, 8))  # fp32
 
 
+@KERNEL
 @pytest.mark.parametrize("row_invariant", [False, True])
 def test_a_packed_weight_takes_the_kernel_up_to_its_rows_only(row_invariant):
     """Up to ``max_rows()`` rows on the kernel (512; 8 beside AMX), more on oneDNN (F.linear's
     bits); never where packed row-invariant (batch_invariant=True: a row's bits must not follow
     its step's row count)."""
-    if not NATIVE:
-        return _not_taken()
     ws = [_weights(n, 576, seed=n)[0] for n in (576, 192, 192)]  # a q/k/v group
     packed = cpu_linear.PackedWeight(
         cpu_linear.ONEDNN, ws, None, row_invariant=row_invariant, small=True
     )
     assert (packed.small is not None) == (HERE and not row_invariant)
     most = small_rows.max_rows()
-    assert most == (8 if torch.cpu._is_amx_tile_supported() else 512)
+    assert most == (8 if isa.at_least("amx") else 512)
     g = torch.Generator().manual_seed(6)
     whole = torch.cat(ws)
     for rows in (1, 5, 8, 9, most, most + 1, 300):
@@ -148,11 +150,10 @@ def test_engine_tokens_on_the_kernel_agree_with_transformers(family):
         )
 
 
+@KERNEL
 def test_without_onednn_s_copy_rows_past_the_kernel_run_the_modules_own_f_linear():
     """Memory for one copy: the kernel's, and past its rows each module's own F.linear (oneDNN's
     results, checked per process), no oneDNN copy made."""
-    if not (HERE and NATIVE):
-        return _not_taken()
     ws = [_weights(n, 576, seed=n)[0] for n in (576, 192, 192)]
     packed = cpu_linear.PackedWeight(cpu_linear.ONEDNN, ws, None, small=True, onednn=False)
     assert packed.packed is None and packed.small is not None
@@ -166,14 +167,12 @@ def test_without_onednn_s_copy_rows_past_the_kernel_run_the_modules_own_f_linear
             assert torch.equal(packed(x), own)
 
 
+@KERNEL
 def test_the_option_off_keeps_onednn_and_memory_for_one_copy_keeps_one(monkeypatch, caplog):
     """Room for both copies: both. For one: the kernel's where it serves a step's whole default
     budget (no AMX), else oneDNN's; the tokens teacher-forced either way."""
     model = make_tiny_model("llama", dtype=torch.bfloat16)
     assert not _engine(model, cpu_small_row_gemm=False).runner.packed.small
-    if not (HERE and NATIVE):
-        assert not _engine(model).runner.packed.small
-        return
     both = _engine(model).runner.packed
     assert both.small and both.onednn
     one_copy = sum(m.weight.numel() * 2 for m in both.modules)

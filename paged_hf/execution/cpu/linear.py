@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from ...cache.coherence import is_dtensor
-from . import small_rows
+from . import isa, small_rows
 from .roundings import one_rounding_apart, within_a_rounding  # noqa: F401 - this module's words too
 from .siblings import find_siblings
 
@@ -69,11 +69,7 @@ def native_bf16() -> bool:
         return False
     if platform.machine() not in ("x86_64", "AMD64"):
         return True
-    cpu = torch.cpu
-    return bool(
-        getattr(cpu, "_is_avx512_bf16_supported", lambda: False)()
-        or getattr(cpu, "_is_amx_tile_supported", lambda: False)()
-    )
+    return isa.at_least("avx512_bf16")
 
 
 def supported(dtype: torch.dtype, device: torch.device) -> bool:

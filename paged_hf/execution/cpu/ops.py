@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from . import isa
+
 # one library for paged_hf's CPU ops: the paged attention (and its K/V writes), the gated delta rule of hybrid
 # models' mixers (paged_hf/execution/cpu/mixer_kernels.py), the fused element-wise ops
 # (paged_hf/execution/cpu/fused_ops.py) and the sampler's greedy pick (paged_hf/execution/sampler.py)
@@ -48,17 +50,6 @@ def extensions_dir() -> Path:
     return Path(cache).expanduser() / "extensions"
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
 def compile_flags() -> list[str]:
     """at::vec's widest path this CPU runs (AVX-512, AVX2, or its portable default)."""
     # -ffp-contract=off: a multiply and an add stay two roundings unless the code asks for an fma
@@ -71,11 +62,8 @@ def compile_flags() -> list[str]:
         "-fvisibility-inlines-hidden",
         "-ffp-contract=off",
     ]
-    cpu = _cpu_flags()
-    import platform
-
-    if platform.machine() in ("x86_64", "AMD64"):
-        if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= cpu:
+    if isa.at_least("avx2"):
+        if isa.at_least("avx512"):
             flags += [
                 "-mavx512f",
                 "-mavx512bw",
@@ -87,11 +75,11 @@ def compile_flags() -> list[str]:
                 "-DCPU_CAPABILITY=AVX512",
                 "-DCPU_CAPABILITY_AVX512",
             ]
-            if "avx512_bf16" in cpu:  # bf16 pair dot products (vdpbf16ps) for bf16 caches
+            if isa.at_least("avx512_bf16"):  # bf16 pair dot products (vdpbf16ps) for bf16 caches
                 flags.append("-mavx512bf16")
-                if {"amx_tile", "amx_bf16"} <= cpu:  # tile products (paged_attention_amx.cpp)
+                if isa.at_least("amx"):  # tile products (paged_attention_amx.cpp)
                     flags += ["-mamx-tile", "-mamx-bf16"]
-        elif {"avx2", "fma", "f16c"} <= cpu:
+        else:
             flags += ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
     return flags
 

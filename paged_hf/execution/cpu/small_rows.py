@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import isa
 from .roundings import within_a_rounding
 
 # rows it serves: a step's token budget (512). It measured 1.4-2.4x oneDNN's bf16 GEMM at 1-8 rows,
@@ -26,8 +27,7 @@ _CHECKED: list[bool] = []
 
 def max_rows() -> int:
     """Up to how many rows a GEMM runs on this kernel on this CPU."""
-    amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
-    return ROWS_BESIDE_AMX if amx else ROWS
+    return ROWS_BESIDE_AMX if isa.at_least("amx") else ROWS
 
 
 def available() -> bool:
