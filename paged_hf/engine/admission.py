@@ -20,7 +20,7 @@ from ..config import EngineConfig
 from ..execution.runner import max_positions
 from ..requests.detokenizer import StopStrings
 from ..requests.request import AUTO_ID_PREFIX, Request
-from ..requests.sampling_params import SamplingParams
+from ..requests.sampling_params import MAX_SEED, SamplingParams
 from .binding import check_still_patched
 from .structured import StructuredOutputs
 
@@ -132,7 +132,7 @@ class AdmissionMixin:
         req.tpot_target_s = (
             params.tpot_target_s if params.tpot_target_s is not None else self.config.tpot_target_s
         )
-        req.generator = self._generator(params, 0)
+        req.seed = self._row_seed(params)
         req.stop_strings = stop_strings if stop_strings is not None else self._stop_strings(params)
         req.grammar = self._grammar(rid, params)
         if encoder_token_ids is not None:
@@ -297,13 +297,27 @@ class AdmissionMixin:
             )
         return ids
 
-    def _generator(self, params: SamplingParams, sample_index: int) -> torch.Generator | None:
-        """A seeded request's own generator, on the logits' device (a CPU generator cannot draw
-        CUDA noise). Unseeded requests have none: they share torch's default generator, one draw
-        for the whole batch, so torch.manual_seed reproduces a run."""
-        if params.is_greedy or params.seed is None:
+    def _row_seed(self, params: SamplingParams) -> int | None:
+        """The key of a sampled request's random stream (paged_hf/execution/random_streams.py): its
+        seed, else one drawn now (``with_drawn_seed``). Greedy requests draw nothing."""
+        if params.is_greedy:
             return None
-        return torch.Generator(device=self.runner.device).manual_seed(params.seed + sample_index)
+        return params.seed if params.seed is not None else _drawn_seed(params)
+
+
+def with_drawn_seed(params: SamplingParams) -> SamplingParams:
+    """``params`` with a seed: its own, else one drawn from torch's default generator, which a
+    caller should do in its own thread when it asks (``add_request`` does; a background engine's
+    ``submit`` before handing the request to its loop), so a call under ``torch.manual_seed`` gets
+    the same streams whatever the engine does after. Greedy params are returned as they are."""
+    if params.is_greedy or params.seed is not None:
+        return params
+    return params.with_(seed=_drawn_seed(params))
+
+
+def _drawn_seed(params: SamplingParams) -> int:
+    # one draw a request, however many samples (sample k keys its stream with seed + k)
+    return int(torch.randint(0, MAX_SEED - params.n, ()))
 
 
 def max_model_len_for(model: torch.nn.Module, asked: int | None) -> int:

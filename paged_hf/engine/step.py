@@ -93,7 +93,6 @@ class StepMixin:
     page_bytes: int
     _stats: Any  # EngineStats
     _patch_state: Any
-    _generator: Callable[[Any, int], torch.Generator | None]
     check_weights: Callable[[], None]
     wake_up: Callable[[], None]
     lock: Any  # TurnLock
@@ -423,7 +422,8 @@ class StepMixin:
             parent=parent,
         )
         child.num_cached_tokens = parent.num_cached_tokens
-        child.generator = self._generator(parent.params, k)
+        # sample k draws from the stream of the request's seed + k (a seed of its own, when drawn)
+        child.seed = None if parent.seed is None else parent.seed + k
         child.stop_strings = (
             parent.stop_strings.fresh() if parent.stop_strings is not None else None
         )

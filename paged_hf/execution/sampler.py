@@ -12,6 +12,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ..requests.request import Request
+from . import random_streams
 from .cpu import greedy as cpu_greedy
 
 
@@ -227,7 +228,28 @@ def _draw_rows(
         if not kept:
             return None
         rows, probs = kept, torch.cat(parts)
-    return rows, _inverse_cdf_draw(probs, [requests[i].generator for i in rows]), probs
+    return rows, _inverse_cdf_draw(probs, _row_uniforms(requests, rows, probs.device)), probs
+
+
+def _row_uniforms(requests: list[Request], rows: list[int], device: torch.device) -> torch.Tensor:
+    """Each row's uniform: its request's stream at the index of the token it draws (the outputs so
+    far, plus its place among the request's rows before it in this step: a speculative step
+    verifies k draft positions and the one after as consecutive rows). A request made outside an
+    engine may have no seed: such rows share one draw from torch's default generator."""
+    seen: dict[int, int] = {}
+    offsets = []
+    for i, req in enumerate(requests):
+        offsets.append(seen.get(id(req), 0))
+        seen[id(req)] = offsets[-1] + 1
+    u = torch.empty(len(rows), dtype=torch.float32)
+    unseeded = [j for j, i in enumerate(rows) if requests[i].seed is None]
+    if unseeded:
+        u[unseeded] = torch.rand(len(unseeded))
+    seeded = [(j, i) for j, i in enumerate(rows) if requests[i].seed is not None]
+    if seeded:
+        keys = [(requests[i].seed, requests[i].num_output_tokens + offsets[i]) for _, i in seeded]
+        u[[j for j, _ in seeded]] = random_streams.uniforms(keys)
+    return u.to(device)
 
 
 def drawn_probs(logits: torch.Tensor, requests: list[Any]) -> torch.Tensor:
@@ -237,19 +259,11 @@ def drawn_probs(logits: torch.Tensor, requests: list[Any]) -> torch.Tensor:
     return _filtered_probs(logits / temps[:, None], requests)
 
 
-def _inverse_cdf_draw(
-    probs: torch.Tensor, generators: list[torch.Generator | None]
-) -> torch.Tensor:
-    """One token per row of ``probs`` from one uniform draw per row: rows without a generator share
-    one draw from torch's default generator, a seeded row draws from its own. (A Gumbel/exponential
-    race needs a random number per vocabulary entry: 63 ms for 64 x 49k rows on this CPU, against
+def _inverse_cdf_draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One token per row of ``probs`` from its uniform ``u`` in [0, 1). (A Gumbel/exponential race
+    needs a random number per vocabulary entry: 63 ms for 64 x 49k rows on this CPU, against
     ~3 ms for the cumulative sum.)"""
-    u = torch.empty(probs.shape[0], dtype=probs.dtype, device=probs.device)
-    if any(g is None for g in generators):
-        u.uniform_()
-    for row, g in enumerate(generators):
-        if g is not None:
-            u[row : row + 1].uniform_(generator=g)
+    u = u.to(probs.dtype)
     cdf = probs.cumsum(dim=-1)
     # first index whose cumulative sum exceeds u * total: a zero-probability token never qualifies,
     # as its cumulative sum equals its predecessor's

@@ -12,6 +12,7 @@ from typing import Any, Iterator
 
 import torch
 
+from ..engine.admission import with_drawn_seed
 from ..engine.outputs import RequestOutput
 from ..requests.detokenizer import IncrementalDetokenizer, StopStrings
 from ..requests.sampling_params import SamplingParams
@@ -170,6 +171,10 @@ class BackgroundEngine:
         its next step, so this waits at most one step; its TTFT counts from this call). Without
         ``request_id`` the engine makes one. A full queue (``max_waiting``) raises ``QueueFull``."""
         arrival = self.engine.scheduler.clock()
+        if isinstance(
+            params, SamplingParams
+        ):  # its random stream keyed here, in the caller's thread
+            params = with_drawn_seed(params)
         handle = RequestHandle(self, request_id, self.tokenizer, params)
         self._call("add", handle, prompt, params, arrival)
         return handle

@@ -13,8 +13,6 @@ from typing import TYPE_CHECKING, Any
 from .sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    import torch
-
     from .detokenizer import StopStrings
     from .lock_step_call import LockStepCall
 
@@ -96,7 +94,9 @@ class Request:
     # hybrids: (position, checkpoint slot) of the state snapshots this step takes, attached after it
     pending_checkpoints: list = field(default_factory=list)
     logprobs: list = field(default_factory=list)
-    generator: "torch.Generator | None" = None
+    # the key of its random stream (paged_hf/execution/random_streams.py): its params' seed (+ its
+    # sample index), else drawn from torch's default generator when it was added; None: greedy
+    seed: int | None = None
     error: str | None = None  # why it finished with FinishReason.ERROR
     # prefix-cache namespace it was admitted under (the weights' generation)
     cache_namespace: Any = None
