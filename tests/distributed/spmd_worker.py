@@ -59,11 +59,40 @@ def run(job: dict, rank: int) -> dict:
     small = paged_hf.Engine(model, num_blocks=job["small_pool"], max_num_seqs=len(prompts))
     out["preempted"] = outcome(lambda: [o.token_ids for o in small.generate(prompts, params)])
     out["preemptions"] = small.stats()["preemptions"]
+    out |= copy_on_write_runs(model, prompts, new)
     out |= dataset_runs(model, job, ("generation", "generation_num_tokens"))
     out["steps"] = engine.stats()["steps"]
     out["tp_stats"] = engine.stats()["tensor_parallel"]
     out["blocks_used"] = engine.stats()["blocks_used"] + small.stats()["blocks_used"]
     return out
+
+
+def copy_on_write_runs(model, prompts: list[list[int]], new: int) -> dict:
+    """Seeded n=3 sampling and a beam search on an engine of 4-token blocks: each prompt's partly
+    filled last block is shared by its samples (beams) and copied on their first write, so the
+    leader's step sends the followers block copies to apply. Also how many block copies this
+    rank's runner applied."""
+    import paged_hf
+
+    engine = paged_hf.Engine(model, block_size=4)
+    copies = []
+    execute = engine.runner.execute
+
+    def counting(scheduled, block_copies):
+        copies.extend(block_copies)
+        return execute(scheduled, block_copies)
+
+    engine.runner.execute = counting  # the leader's steps and the followers' forwards alike
+    params = paged_hf.SamplingParams(
+        max_new_tokens=new, n=3, seed=7, temperature=1.0, ignore_eos=True
+    )
+    return {
+        "cow_sampled": outcome(
+            lambda: [[c.token_ids for c in o.completions] for o in engine.generate(prompts, params)]
+        ),
+        "cow_beams": outcome(lambda: engine.beam_search(prompts, num_beams=3, max_new_tokens=new)),
+        "cow_copies": len(copies),
+    }
 
 
 if __name__ == "__main__":

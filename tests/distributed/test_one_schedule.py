@@ -2,14 +2,17 @@
 tiny qwen3_moe's heads (transformers' ``tp_plan="auto"``, gloo); every rank makes the same calls
 and rank 0 alone schedules and samples, the other running its forwards
 (paged_hf/engine/ranks.py). Every rank returns the unsharded model's tokens under transformers'
-own ``generate`` (fp32), the same samples, scores and errors; arguments that differ between ranks
-fail on every rank, naming the rank."""
+own ``generate`` (fp32), the same samples, scores and errors, and one process's seeded samples
+and beams where blocks are copied on write; arguments that differ between ranks fail on every
+rank, naming the rank."""
 
+import json
 from pathlib import Path
 
 import pytest
 from datasets import Dataset
 from spmd_launch import launch
+from spmd_worker import copy_on_write_runs
 from tiny_models import EOS_ID, left_pad, make_arch_model, make_tiny_model, tiny_prompts
 from tiny_tokenizer import make_tiny_tokenizer
 
@@ -45,10 +48,14 @@ def ranks(request, tmp_path_factory):
     alone = paged_hf.generate_dataset(
         paged_hf.patch(model), make_tiny_tokenizer(), rows, sampling_params=params, progress=False
     )
+    # seeded n=3 sampling and beams on 4-token blocks in one process: the ranks' copy-on-write
+    prompts = [row[m.bool()].tolist() for row, m in zip(ids, mask)]
+    cow_alone = json.loads(json.dumps(copy_on_write_runs(model, prompts, NEW_TOKENS)))
     results = launch(WORKER, job, tmp)
     for rank, r in enumerate(results):
         assert "error" not in r, f"rank {rank}:\n{r['error']}"
         r["alone"] = [list(alone["generation"]), [int(n) for n in alone["generation_num_tokens"]]]
+        r["cow_alone"] = cow_alone
     return oracle[:, ids.shape[1] :].tolist(), results
 
 
@@ -103,6 +110,25 @@ def test_arguments_that_differ_fail_on_every_rank_naming_the_rank(ranks):
     _, results = ranks
     for r in results:
         assert "rank(s) [1] than on rank 0" in r["differ"]["raised"]
+
+
+def test_blocks_copied_on_write_are_copied_on_every_rank(ranks):
+    """Seeded n=3 sampling and a 3-beam search on 4-token blocks, where each prompt's partly
+    filled last block is shared by its samples (beams) and copied on their first write: every
+    rank returns what one process running the unsharded model returns (the same samples; the same
+    beams, their scores to 1e-4), and each rank's runner made as many block copies as the one
+    process (a follower that skipped them would attend over pages never written: other samples)."""
+    _, results = ranks
+    for rank, r in enumerate(results):
+        alone = r["cow_alone"]
+        assert "value" in alone["cow_sampled"] and "value" in alone["cow_beams"], alone
+        assert r["cow_sampled"] == alone["cow_sampled"], f"rank {rank}"
+        assert "value" in r["cow_beams"], f"rank {rank}: {r['cow_beams']}"
+        for got, want in zip(r["cow_beams"]["value"], alone["cow_beams"]["value"], strict=True):
+            assert [t for t, _ in got] == [t for t, _ in want], f"rank {rank}"
+            assert [s for _, s in got] == pytest.approx([s for _, s in want], abs=1e-4)
+    copies = results[0]["cow_alone"]["cow_copies"]
+    assert copies > 0 and [r["cow_copies"] for r in results] == [copies] * len(results)
 
 
 def test_generate_dataset_on_every_rank_is_the_one_process_result(ranks):

@@ -6,6 +6,7 @@ import copy
 
 import pytest
 import torch
+from engine_state import assert_clean, checked
 from oracle import assert_teacher_forced
 from tiny_models import EOS_ID, FAMILIES, PAD_ID, left_pad, make_tiny_model, tiny_prompts
 
@@ -209,6 +210,80 @@ def test_hf_num_return_sequences_shape_and_sampling_reproducible():
     )
     assert a.shape[0] == 6 and torch.equal(a, b)
     assert torch.equal(a[0::3, : ids.shape[1]], ids)
+
+
+def first_ending(rows: list[list[int]]) -> tuple[int, int]:
+    """(token, length): a token of ``rows[0]`` that ends it there, the earliest one that no other
+    row has written by then, so that with it as a stop token row 0 ends first and alone (every
+    row draws as in ``rows`` until one of them ends)."""
+    for p in range(1, len(rows[0])):
+        t = rows[0][p]
+        if t not in rows[0][:p] and all(t not in row[: p + 1] for row in rows[1:]):
+            return t, p + 1
+    raise AssertionError(f"no token ends row 0 before the others: {rows}")
+
+
+def test_samples_ending_at_different_steps_each_run_to_their_own_end():
+    """n=4 seeded samples (sample k draws with seed + k) where one ends on a stop token steps
+    before the others: ``Engine.generate`` returns when every sample is over, not the first, each
+    completion with its finish reason, as the same request stepped by hand on a fresh engine (no
+    blocking call: what it returns does not depend on when a call thinks a request is over)."""
+    model = make_tiny_model("llama")
+    prompt = tiny_prompts(model.config.vocab_size, 1, 10, seed=10)[0]
+    sampled = paged_hf.SamplingParams(
+        max_new_tokens=10, temperature=1.0, seed=3, n=4, ignore_eos=True
+    )
+    free = paged_hf.Engine(model, block_size=4).generate([prompt], sampled)
+    stop, ends_at = first_ending([c.token_ids for c in free[0].completions])
+    params = sampled.with_(stop_token_ids=(stop,))
+
+    by_hand = paged_hf.Engine(model, block_size=4)
+    root = by_hand.requests[by_hand.add_request(prompt, params)]
+    while by_hand.has_unfinished:
+        by_hand.step()
+    want = [(c.token_ids, c.finish_reason) for c in by_hand.collect([root]).completions]
+    assert len(want[0][0]) == ends_at and want[0][1] == "stop"
+    assert all(len(tokens) > ends_at for tokens, _ in want[1:])  # the others go on
+
+    engine = checked(paged_hf.Engine(model, block_size=4))
+    out = engine.generate([prompt], params)[0]
+    assert [(c.token_ids, c.finish_reason) for c in out.completions] == want
+    assert all(c.finish_reason in ("stop", "length") for c in out.completions)
+    assert_clean(engine)
+
+
+def test_hf_num_return_sequences_rows_ending_on_eos_at_different_steps():
+    """The drop-in call: ``num_return_sequences=3`` sampled rows where EOS ends one steps before
+    the others. Each row runs to its own end (its first EOS, then padding, or max_new_tokens),
+    and the call is the same call on a freshly patched model (the global seed set alike); the
+    engine is left with nothing running."""
+    max_new = 8
+    model = paged_hf.patch(make_tiny_model("llama"))
+    ids = torch.tensor(tiny_prompts(model.config.vocab_size, 1, [7], seed=11))
+    width = ids.shape[1]
+
+    def call(model, eos):
+        torch.manual_seed(0)
+        return model.generate(
+            ids,
+            do_sample=True,
+            max_new_tokens=max_new,
+            num_return_sequences=3,
+            eos_token_id=eos,
+            pad_token_id=PAD_ID,
+        )
+
+    free = call(model, None)[:, width:].tolist()  # no EOS (None: not the config's, as in HF)
+    eos, ends_at = first_ending(free)
+    out = call(model, eos)
+    rows = out[:, width:].tolist()
+    lengths = [row.index(eos) + 1 if eos in row else len(row) for row in rows]
+    assert lengths[0] == ends_at and all(n > ends_at for n in lengths[1:]), lengths
+    for row, n in zip(rows, lengths):
+        assert row[n:] == [PAD_ID] * (len(row) - n) if eos in row else n == max_new, row
+    assert torch.equal(out[:, :width], ids.expand(3, -1))
+    assert_clean(paged_hf.engine_for(model))
+    assert torch.equal(out, call(paged_hf.patch(make_tiny_model("llama")), eos))
 
 
 def test_stop_tokens_min_new_tokens_logprobs_and_eos_padding():

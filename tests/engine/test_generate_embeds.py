@@ -55,6 +55,36 @@ def test_equal_embeddings_share_cached_kv_and_others_do_not(setup):
     assert_clean(engine)
 
 
+def test_embeddings_that_share_only_their_first_block_share_no_more_kv(setup):
+    """Two prompts of 12 embedded positions, equal over the first 4-token block only, behind the
+    same placeholder ids: the second is served from the cache at most what the two share (its
+    key reads every position, not the first), and gives transformers' own tokens from its
+    ``inputs_embeds``, as the first does."""
+    reference = setup[0]
+    engine = paged_hf.Engine(make_tiny_model("llama"), block_size=4)
+    first_ids, other_ids = tiny_prompts(reference.config.vocab_size, 2, [12, 12], seed=33)
+    with torch.no_grad():  # soft prompts: not any token's embedding
+        first = reference.get_input_embeddings()(torch.tensor(first_ids)) * 1.5 + 0.01
+        other = reference.get_input_embeddings()(torch.tensor(other_ids)) * 1.5 + 0.01
+    shared = 4
+    second = torch.cat([first[:shared], other[shared:]])
+    params = SamplingParams(max_new_tokens=8)
+
+    def run(embeds: torch.Tensor, cached_at_most: int) -> int:
+        rid = engine.add_request(first_ids, params, prompt_embeds=embeds)
+        (out,) = engine.run_until_done([rid])
+        assert out.num_cached_tokens <= cached_at_most, out.num_cached_tokens
+        theirs = reference.generate(inputs_embeds=embeds[None], max_new_tokens=8, do_sample=False)
+        assert out.token_ids == theirs[0].tolist()
+        return out.num_cached_tokens
+
+    run(first, cached_at_most=0)
+    # the same embeddings again: the cache serves past the first block
+    assert run(first, cached_at_most=len(first_ids)) > shared
+    run(second, cached_at_most=shared)
+    assert_clean(engine)
+
+
 def test_embedding_rows_share_steps_with_others(setup):
     reference, model, ids, mask, embeds = setup
     engine = paged_hf.engine_for(model)

@@ -456,3 +456,36 @@ def test_a_pick_that_fails_past_the_first_rejection_does_not_fail_the_row(monkey
     assert failed and got == plain
     assert engine.stats()["draft_tokens_accepted"] == 0
     assert_clean(engine)
+
+
+def test_the_sampled_tokens_logprob_after_a_rejected_draft_is_a_plain_runs():
+    """The token a step samples where its draft was rejected takes its logprob (and top-k) from
+    the position of the first wrong draft token, not the draft's last: the real proposer on
+    repetitive prompts, whose drafts tiny models partly reject, greedy and fp32; every logprob
+    and top-k entry as a plain run gives it (1e-4), the tokens the same. (The prophet's drafts
+    above are always taken, so no draft there is rejected.)"""
+    model = make_tiny_model("llama")
+    prompts = repetitive_prompts(model.config.vocab_size, seed=1)
+
+    def run_logprobs(k: int) -> tuple[list, list]:
+        engine = drafting_pays(checked(paged_hf.Engine(model, block_size=4)))
+        params = SamplingParams(
+            max_new_tokens=NEW, ignore_eos=True, logprobs=3, prompt_lookup_num_tokens=k
+        )
+        outs = engine.generate(prompts, params)
+        assert all(o.error is None for o in outs), [o.error for o in outs]
+        assert_clean(engine)
+        return [(o.token_ids, o.completions[0].logprobs) for o in outs], outs
+
+    want, _ = run_logprobs(0)
+    got, outs = run_logprobs(6)
+    proposed = sum(o.draft_tokens_proposed for o in outs)
+    accepted = sum(o.draft_tokens_accepted for o in outs)
+    assert 0 < accepted < proposed, (accepted, proposed)  # drafts taken, and some rejected
+    for (tokens, lps), (want_tokens, want_lps) in zip(got, want):
+        assert tokens == want_tokens and len(lps) == len(tokens) == len(want_lps)
+        for j, ((lp, top), (want_lp, want_top)) in enumerate(zip(lps, want_lps)):
+            assert lp == pytest.approx(want_lp, abs=1e-4), j
+            assert top.keys() == want_top.keys(), j
+            for t, v in want_top.items():
+                assert top[t] == pytest.approx(v, abs=1e-4), (j, t)
