@@ -42,6 +42,9 @@ def run(job: dict, rank: int) -> dict:
     # sampling: rank 0 samples, every rank returns its tokens (each rank seeds its own generator)
     torch.manual_seed(1000 + rank)
     out["sampled"] = outcome(lambda: generate(do_sample=True, top_k=0, temperature=1.0))
+    # the same seed again, its prompts now cached: the same samples (issue 72)
+    torch.manual_seed(1000 + rank)
+    out["sampled_again"] = outcome(lambda: generate(do_sample=True, top_k=0, temperature=1.0))
     prompts = [row[m.bool()].tolist() for row, m in zip(ids, mask)]
     params = paged_hf.SamplingParams(max_new_tokens=new)
     out["engine_generate"] = outcome(

@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from datasets import Dataset
 from spmd_launch import launch
 from spmd_worker import copy_on_write_runs
@@ -51,11 +52,22 @@ def ranks(request, tmp_path_factory):
     # seeded n=3 sampling and beams on 4-token blocks in one process: the ranks' copy-on-write
     prompts = [row[m.bool()].tolist() for row, m in zip(ids, mask)]
     cow_alone = json.loads(json.dumps(copy_on_write_runs(model, prompts, NEW_TOKENS)))
+    # the leader's sampled call in one process: its seed (spmd_worker.py) keys the same streams
+    torch.manual_seed(1000)
+    sampled = model.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=NEW_TOKENS,
+        do_sample=True,
+        top_k=0,
+        temperature=1.0,
+    )[:, ids.shape[1] :].tolist()
     results = launch(WORKER, job, tmp)
     for rank, r in enumerate(results):
         assert "error" not in r, f"rank {rank}:\n{r['error']}"
         r["alone"] = [list(alone["generation"]), [int(n) for n in alone["generation_num_tokens"]]]
         r["cow_alone"] = cow_alone
+        r["sampled_alone"] = sampled
     return oracle[:, ids.shape[1] :].tolist(), results
 
 
@@ -104,6 +116,16 @@ def test_samples_scores_and_errors_are_the_same_on_every_rank(ranks, call):
     request's error are the leader's too."""
     _, (leader, follower) = ranks
     assert "value" in leader[call] and leader[call] == follower[call]
+
+
+def test_seeded_samples_are_one_process_s_and_the_same_again(ranks):
+    """Under the same torch.manual_seed, the leader's sampled call gives what one process gives
+    (the rows' streams are keyed when the call starts, on rank 0) and, its prompts cached, the same
+    samples again (issue 72)."""
+    _, results = ranks
+    for rank, r in enumerate(results):
+        assert r["sampled"]["value"] == r["sampled_alone"], f"rank {rank}"
+        assert r["sampled_again"] == r["sampled"], f"rank {rank}"
 
 
 def test_arguments_that_differ_fail_on_every_rank_naming_the_rank(ranks):
