@@ -8,6 +8,7 @@ is 128 steps of B rows), with paged_hf's ratio to vLLM. A table to stdout, every
 
     python benchmarks/bench_small_batch.py                  # rows 1 and 8, 8 rounds, bf16, 2 threads
     python benchmarks/bench_small_batch.py --rows 1 --rounds 3 --systems paged_hf,vllm_cpu
+    python benchmarks/bench_small_batch.py --systems paged_hf --packed True,fp32,rows   # the ways
 """
 
 from __future__ import annotations
@@ -84,6 +85,12 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     common.add_threads(ap, default=2)
     common.add_omp(ap)
+    ap.add_argument(
+        "--packed",
+        default="True",
+        help="cpu_packed_weights of paged_hf's engine, comma list: one paged_hf system each "
+        "(True: this CPU's default way; onednn, fp32, rows)",
+    )
     ap.add_argument("--out", default="bench_small_batch.json")
     args = common.parse(ap)
     systems = args.systems.split(",")
@@ -95,12 +102,19 @@ def main() -> None:
     if "vllm_cpu" in systems:  # saves the weights as a plain checkpoint: before patching
         vllm = S.VllmCpu(VLLM_PYTHON, model, model.dtype, args.threads)
         runs["vllm_cpu"] = lambda p: run_vllm(vllm, p)
-    engine = paged_hf.Engine(model, tok)
-    runs = {"paged_hf": lambda p: run_paged(engine, p), **runs}
+    ways = ["True" if w == "True" else w for w in args.packed.split(",")]
+    engines = {
+        "paged_hf" if w == ways[0] else f"paged_hf/{w}": paged_hf.Engine(
+            model, tok, cpu_packed_weights=True if w == "True" else w
+        )
+        for w in ways
+    }
+    runs = {name: (lambda p, e=e: run_paged(e, p)) for name, e in engines.items()} | runs
     if theirs is not None:
         runs["transformers"] = lambda p: run_transformers(theirs, p, pad)
-    runs = {name: run for name, run in runs.items() if name in systems}
+    runs = {name: run for name, run in runs.items() if name.split("/")[0] in systems}
     result = {"dtype": args.dtype, "threads": args.threads, "new_tokens": NEW_TOKENS, "rows": {}}
+    result["ways"] = {name: e.runner.packed and e.runner.packed.how for name, e in engines.items()}
     lines = []
     for rows in [int(r) for r in args.rows.split(",")]:
         warm = rounds_of(rows, 1, vocab, seed=10_000 + rows)[0]

@@ -151,10 +151,10 @@ class EngineConfig:
         """The options that take one of a few values."""
         if not (
             isinstance(self.cpu_packed_weights, bool)
-            or self.cpu_packed_weights in ("onednn", "fp32")
+            or self.cpu_packed_weights in ("onednn", "fp32", "rows")
         ):
             raise ValueError(
-                f"cpu_packed_weights={self.cpu_packed_weights!r}, must be True, False, 'onednn' or 'fp32'"
+                f"cpu_packed_weights={self.cpu_packed_weights!r}: True, False, 'onednn', 'fp32' or 'rows'"
             )
         for name in (
             "batch_invariant",

@@ -15,15 +15,15 @@ import torch
 import torch.nn.functional as F
 
 from ...cache.coherence import is_dtensor
-from . import isa, small_rows
+from . import isa, small_rows, weight_rows
 from .roundings import one_rounding_apart, within_a_rounding  # noqa: F401 - this module's words too
 from .siblings import find_siblings
 
 logger = logging.getLogger("paged_hf")
 
-ONEDNN, FP32 = "onednn", "fp32"
+ONEDNN, FP32, ROWS = "onednn", "fp32", "rows"
 TILE_ROWS = 16  # a row-invariant bf16 GEMM's granule (PackedWeight._by_tiles)
-MODES = (ONEDNN, FP32)
+MODES = (ONEDNN, FP32, ROWS)
 _CHECKED: dict[str, bool] = {}
 
 
@@ -48,8 +48,17 @@ def mode(dtype: torch.dtype, device: torch.device, wanted: bool | str = True) ->
                 "use True or 'fp32'"
             )
         return FP32 if _checked(FP32, dtype) else None
-    if wanted != FP32 and native_bf16() and _checked(ONEDNN, dtype):
+    if wanted not in (FP32, ROWS) and native_bf16() and _checked(ONEDNN, dtype):
         return ONEDNN
+    # no bf16 matmul here: paged_hf's GEMM on the weights as they are, no copy, at any row count
+    # (AVX2: 1.1-3x oneDNN's fp32 copies from 16 rows; bench_cpu_linear.py, docs/measurements.md)
+    if wanted in (True, ROWS) and weight_rows.available():
+        return ROWS
+    if wanted == ROWS:
+        raise ValueError(
+            "cpu_packed_weights='rows': paged_hf's weight-rows GEMM is not built here (it needs an "
+            "x86 CPU with AVX2 and FMA); use True"
+        )
     if wanted == ONEDNN:
         raise ValueError(
             "cpu_packed_weights='onednn': this CPU's oneDNN has no bf16 matmul that gives F.linear's "
@@ -159,12 +168,17 @@ class PackedWeight:
         onednn: bool = True,
     ) -> None:
         self.how, self.dtype = how, weights[0].dtype
+        self.weights, self.biases = weights, biases
+        if how == ROWS:  # the weights where they lie; the biases' fp32 copies (weight_rows.gemm)
+            self.small, self.small_rows, self.packed, self.bias = None, 0, None, None
+            self.rows_kernel = all(weight_rows.fits(w) for w in weights)
+            self.row_biases = None if biases is None else [b.detach().float() for b in biases]
+            return
         # a bf16 weight's fp32 copy reads twice the bytes: at one row (a lone sequence's decode) the
         # weights' own bf16 F.linear is faster (SmolLM2's, Zen 3: 13-16 against 8-15 GFLOP/s), but
         # sums in another order than at more rows (``row_invariant``: never)
         self.one_row_in_bf16 = how == FP32 and self.dtype == torch.bfloat16 and not row_invariant
         self.by_tiles = how == ONEDNN and row_invariant
-        self.weights, self.biases = weights, biases
         with torch.no_grad():
             weight = (
                 weights[0].detach()
@@ -194,6 +208,11 @@ class PackedWeight:
         self.bias = bias
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.how == ROWS:
+            if not self.rows_kernel or not x.numel():
+                return self._own_linears(x)
+            out = weight_rows.gemm(x.view(-1, x.shape[-1]), self.weights, self.row_biases)
+            return out.view(*x.shape[:-1], out.shape[-1])
         if self.one_row_in_bf16 and x.numel() == x.shape[-1]:
             return self._own_linears(x)
         # the rows as a matrix: the same GEMM, ~10 us a call less than a [1, T, K] input costs the op
@@ -251,6 +270,7 @@ class PackedLinears:
             (ONEDNN, torch.bfloat16),
             (FP32, torch.bfloat16),
             (FP32, torch.float32),
+            (ROWS, torch.bfloat16),
         ):
             raise ValueError(
                 f"how={how!r} for {dtype} weights; one of {MODES} for bf16, {FP32!r} for fp32"
@@ -283,7 +303,9 @@ class PackedLinears:
     @property
     def nbytes(self) -> int:
         """The packed copies' size: the weights again (twice over for bf16 weights in fp32, or for
-        small_rows' copy beside oneDNN's)."""
+        small_rows' copy beside oneDNN's); none where the weight-rows GEMM reads them in place."""
+        if self.how == ROWS:
+            return 0
         per = 4 if self.how == FP32 or (self.small and self.onednn) else 2
         return sum(m.weight.numel() * per for m in self.modules)
 

@@ -33,6 +33,7 @@ SOURCES = [
         "cpu_allocator.cpp",
         "small_rows_gemm.cpp",
         "compact_rows.cpp",
+        "weight_rows_gemm.cpp",
     )
 ]
 HEADERS = [Path(__file__).resolve().parent / "csrc" / "paged_attention.h"]
