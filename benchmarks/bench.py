@@ -390,6 +390,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     opt("--repeat", type=int, default=1, help=h)
     h = "paged_hf's backend (default auto: the CPU kernel where it builds; torch: the pure-PyTorch"
     opt("--backend", choices=("auto", "torch"), help=h + " path, e.g. for --profile before/after)")
+    h = "paged_hf samples at this temperature (default 0: greedy, as every system here); a "
+    opt("--temperature", type=float, default=0.0, help=h + "sampler's cost in the step")
     opt("--block-size", type=int, help="paged_hf block_size (default: the engine's)")
     opt("--max-num-batched-tokens", type=int, help="paged_hf token budget per step")
     opt("--max-num-seqs", type=int, help="paged_hf max running sequences")
@@ -478,6 +480,7 @@ def machine_info(args) -> dict:
 def benchmark(args) -> dict:
     eng_cfg = engine_config(args)
     result: dict[str, Any] = {"meta": {**machine_info(args), "notes": NOTES}}
+    result["meta"]["paged_hf_temperature"] = args.temperature
     result["args"] = {k: v for k, v in vars(args).items() if not k.startswith("_")}
     result |= {"engine_config_overrides": eng_cfg, "ceilings": {}, "workloads": {}, "rows": []}
     t_run = time.perf_counter()
@@ -585,6 +588,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     # one allocator setting for every system in the process (transformers' rows included), set before any runs
     args._malloc = S.set_malloc(args.tune_malloc)
+    S.PAGED_SAMPLING["temperature"] = args.temperature
     if args.profile_decode or args.profile:
         import bench_profile
 

@@ -229,11 +229,15 @@ def run_hf_cb(model: torch.nn.Module, w: Workload) -> RunResult:
     )
 
 
+# paged_hf's sampling in bench.py's runs (``--temperature``): greedy unless asked
+PAGED_SAMPLING: dict[str, float] = {"temperature": 0.0}
+
+
 def paged_params(n_out: int) -> Any:
     from paged_hf import SamplingParams
 
     return SamplingParams(
-        max_new_tokens=n_out, min_new_tokens=n_out, ignore_eos=True, temperature=0.0
+        max_new_tokens=n_out, min_new_tokens=n_out, ignore_eos=True, **PAGED_SAMPLING
     )
 
 

@@ -89,3 +89,16 @@ def pytest_report_header(config):
     from cpu_isa import header
 
     return header()
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The same at the end, where ``-q`` shows it too, with how many tests of other CPUs' kernels
+    were skipped (their reasons: ``-rs``)."""
+    from cpu_isa import header
+
+    other = [
+        r
+        for r in terminalreporter.stats.get("skipped", [])
+        if "this CPU:" in str(getattr(r, "longrepr", ""))
+    ]
+    terminalreporter.write_line(f"{header()}; {len(other)} test(s) of other CPUs' kernels skipped")
