@@ -1,6 +1,6 @@
-"""``EngineConfig(batch_invariant=True)``: a bf16 prompt's tokens are the same bits however its KV was
-had (computed whole, behind a prefix-cache hit, read from the disk tier) and whatever shares its
-steps; where that cannot hold the engine refuses with the reason."""
+"""``EngineConfig(batch_invariant=True)``: a bf16 prompt's tokens, greedy or seeded samples, are the
+same bits however its KV was had (computed whole, behind a prefix-cache hit, read from the disk
+tier) and whatever shares its steps; where that cannot hold the engine refuses with the reason."""
 
 from __future__ import annotations
 
@@ -56,12 +56,12 @@ def test_it_is_refused_on_a_machine_where_it_cannot_hold(smollm2):
         paged_hf.Engine(*smollm2, batch_invariant=True)
 
 
-def alone(model, tok, prompt, split=None, **options):
+def alone(model, tok, prompt, split=None, params=PARAMS, **options):
     """One prompt's tokens from a fresh engine, its first ``split`` tokens computed by an earlier call."""
     engine = paged_hf.Engine(model, tok, batch_invariant=True, **options)
     if split:
         engine.generate([prompt[:split]], SamplingParams(max_new_tokens=1))
-    out = engine.generate([prompt], PARAMS)[0].token_ids
+    out = engine.generate([prompt], params)[0].token_ids
     assert_clean(engine)
     return out
 
@@ -86,6 +86,14 @@ def test_tokens_do_not_depend_on_prefix_hits_batches_or_the_disk_tier(smollm2, p
         assert [o.token_ids for o in engine.generate(prompts, PARAMS)] == whole
         engine.flush_kv_tiers()
     assert engine.stats()["kv_tiers"]["disk"]["hit_tokens"] > 3 * 250
+    # seeded sampling (issue 72): the same logits' bits and each row's own random stream, so the
+    # same samples behind a prefix hit and in a shared call
+    sampled = PARAMS.with_(temperature=1.0, seed=3)
+    want = [alone(model, tok, p, params=sampled) for p in prompts]
+    assert want != whole
+    assert alone(model, tok, prompts[0], SPLITS[0], params=sampled) == want[0]
+    engine = paged_hf.Engine(model, tok, batch_invariant=True, max_num_batched_tokens=96)
+    assert [o.token_ids for o in engine.generate(prompts, sampled)] == want
 
 
 def row_count_gemm(real):
