@@ -12,7 +12,7 @@ import threading
 
 import pytest
 import torch
-from test_speculation import drafting_pays
+from test_speculation import drafting_pays, propose_continuations
 from tiny_models import left_pad, make_tiny_model, tiny_prompts
 
 import paged_hf
@@ -125,20 +125,11 @@ def test_a_draft_of_the_plain_run_s_samples_is_taken_whole(monkeypatch):
     """A proposer that offers what a plain seeded run sampled next: at temperature 1 every draft
     position draws what the plain run drew there, so every draft is taken and the tokens are the
     plain run's (a draft position drawing with its row's first value would part at once)."""
-    import paged_hf.engine.speculation as speculation
-
     model = make_tiny_model("llama")
     prompts = tiny_prompts(model.config.vocab_size, 3, [6, 13, 22], seed=7)
     params = SamplingParams(max_new_tokens=NEW, temperature=1.0, seed=5, ignore_eos=True)
     plain = [o.token_ids for o in paged_hf.Engine(model).generate(prompts, params)]
-
-    def propose(tokens, k, ngram, stops):
-        for prompt, out in zip(prompts, plain):
-            if list(tokens[: len(prompt)]) == prompt:
-                return out[len(tokens) - len(prompt) :][:k]
-        return []
-
-    monkeypatch.setattr(speculation, "propose", propose)
+    propose_continuations(monkeypatch, prompts, plain)
     engine = drafting_pays(paged_hf.Engine(model, block_size=4))
     got = engine.generate(prompts, params.with_(prompt_lookup_num_tokens=4))
     assert [o.token_ids for o in got] == plain

@@ -281,20 +281,25 @@ def test_sampled_rows_keep_the_models_distribution(monkeypatch):
 def prophet(monkeypatch):
     """(model, prompts, their plain tokens) with the proposer pinned to the plain run's own
     continuation: every draft is taken, so what a draft token does happens inside drafts."""
-    import paged_hf.engine.speculation as speculation
 
     model = make_tiny_model("llama")
     prompts = repetitive_prompts(model.config.vocab_size, seed=4)
     plain, _ = run(model, prompts, SamplingParams(max_new_tokens=NEW, ignore_eos=True))
+    propose_continuations(monkeypatch, prompts, plain)
+    return model, prompts, plain
+
+
+def propose_continuations(monkeypatch, prompts: list, continuations: list) -> None:
+    """Pin the proposer to each prompt's given continuation: a row drafts what comes next there."""
+    import paged_hf.engine.speculation as speculation
 
     def propose(tokens, k, ngram, stops):
-        for prompt, out in zip(prompts, plain):
+        for prompt, out in zip(prompts, continuations):
             if list(tokens[: len(prompt)]) == prompt:
                 return out[len(tokens) - len(prompt) :][:k]
         return []
 
     monkeypatch.setattr(speculation, "propose", propose)
-    return model, prompts, plain
 
 
 def stopped_outputs(model, tok, prompts, stops, k, heard=None) -> list[tuple]:
