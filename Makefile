@@ -24,7 +24,7 @@ demo: $(STAMP)
 	$(PY) examples/quickstart.py
 
 test: $(STAMP)
-	PAGED_HF_REQUIRE_FLASHINFER_API=1 $(PY) -m pytest -q -rs
+	PAGED_HF_REQUIRE_FLASHINFER_API=1 $(PY) -m pytest -q -rfEs
 
 # ruff's rules and formatting at 100 columns (pyproject.toml); CI runs it before the tests
 lint: $(STAMP)
@@ -38,4 +38,4 @@ bench: $(STAMP)
 # torch's own capped at AVX2 (paged_hf/execution/cpu/isa.py)
 test-avx2: $(STAMP)
 	PAGED_HF_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 \
-		PAGED_HF_REQUIRE_FLASHINFER_API=1 $(PY) -m pytest -q -rs
+		PAGED_HF_REQUIRE_FLASHINFER_API=1 $(PY) -m pytest -q -rfEs

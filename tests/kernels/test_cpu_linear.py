@@ -14,7 +14,7 @@ from oracle import assert_logprobs_close, assert_teacher_forced
 from tiny_models import FAMILIES, make_tiny_model, tiny_prompts
 
 import paged_hf
-from paged_hf.execution.cpu import batch_invariance, isa, weight_rows
+from paged_hf.execution.cpu import batch_invariance, isa
 from paged_hf.execution.cpu import linear as cpu_linear
 
 NATIVE = cpu_linear.mode(torch.bfloat16, torch.device("cpu")) == cpu_linear.ONEDNN
@@ -30,10 +30,9 @@ BF16_TOL = 0.125  # teacher forcing against transformers' bf16 forward (as tests
 
 
 def test_the_default_way_follows_the_cpu():
-    """oneDNN's bf16 matmul where the CPU has one; else the weight-rows GEMM (AVX2 and up), else
-    fp32 copies."""
-    rows = weight_rows.available()
-    want = cpu_linear.ONEDNN if NATIVE else cpu_linear.ROWS if rows else cpu_linear.FP32
+    """oneDNN's bf16 matmul where the CPU has one, else fp32 copies (the weight-rows GEMM only when
+    asked for)."""
+    want = cpu_linear.ONEDNN if NATIVE else cpu_linear.FP32
     assert cpu_linear.mode(torch.bfloat16, torch.device("cpu")) == want
     assert (
         paged_hf.Engine(make_tiny_model("llama", dtype=torch.bfloat16), **SMALL).runner.packed.how

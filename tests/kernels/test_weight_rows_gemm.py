@@ -96,7 +96,7 @@ def test_it_refuses_what_it_cannot_compute():
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "gemma2", "phi3"])
 def test_an_engine_on_the_weights_as_they_are_agrees_with_transformers(family):
-    """``cpu_packed_weights="rows"`` (the default on x86 CPUs without a bf16 matmul): no copy of any
+    """``cpu_packed_weights="rows"``: no copy of any
     weight, the kernel run (counted) for prompt chunks and decodes alike, every token teacher-forced
     against transformers' own bf16 forward (qwen2's q/k/v biases, gemma2's, phi3's fused ones)."""
     model = make_tiny_model(family, dtype=torch.bfloat16)
@@ -133,12 +133,11 @@ def test_an_in_place_weight_update_reaches_the_next_step():
     assert [o.token_ids for o in after] == [o.token_ids for o in fresh]
 
 
-def test_the_way_is_this_cpu_s_default_only_without_a_bf16_matmul():
-    """True picks oneDNN's bf16 matmul where the CPU has one, the weight-rows GEMM elsewhere; an
-    fp32 model keeps its fp32 copies."""
+def test_the_way_is_asked_for():
+    """``"rows"`` where asked for (not yet a default); an fp32 model keeps its fp32 copies."""
     native = cpu_linear.native_bf16()
     assert cpu_linear.mode(torch.bfloat16, torch.device("cpu")) == (
-        cpu_linear.ONEDNN if native else cpu_linear.ROWS
+        cpu_linear.ONEDNN if native else cpu_linear.FP32
     )
     assert cpu_linear.mode(torch.bfloat16, torch.device("cpu"), "rows") == cpu_linear.ROWS
     assert cpu_linear.mode(torch.float32, torch.device("cpu")) == cpu_linear.FP32

@@ -50,9 +50,11 @@ def mode(dtype: torch.dtype, device: torch.device, wanted: bool | str = True) ->
         return FP32 if _checked(FP32, dtype) else None
     if wanted not in (FP32, ROWS) and native_bf16() and _checked(ONEDNN, dtype):
         return ONEDNN
-    # no bf16 matmul here: paged_hf's GEMM on the weights as they are, no copy, at any row count
-    # (AVX2: 1.1-3x oneDNN's fp32 copies from 16 rows; bench_cpu_linear.py, docs/measurements.md)
-    if wanted in (True, ROWS) and weight_rows.available():
+    # paged_hf's GEMM on the weights as they are, no copy, at any row count, when asked for (AVX2:
+    # 1.1-1.5x oneDNN's fp32 copies from 16 rows; docs/measurements.md). Not the default yet: with
+    # the fused element-wise ops on, SmolLM2 gave wrong tokens on it capped at AVX2 (as the fp32
+    # copies do on an AVX-512 bf16 CPU), which tiny models do not show (issue 67's note)
+    if wanted == ROWS and weight_rows.available():
         return ROWS
     if wanted == ROWS:
         raise ValueError(
