@@ -51,9 +51,8 @@ def mode(dtype: torch.dtype, device: torch.device, wanted: bool | str = True) ->
     if wanted not in (FP32, ROWS) and native_bf16() and _checked(ONEDNN, dtype):
         return ONEDNN
     # paged_hf's GEMM on the weights as they are, no copy, at any row count, when asked for (AVX2:
-    # 1.1-1.5x oneDNN's fp32 copies from 16 rows; docs/measurements.md). Not the default yet: with
-    # the fused element-wise ops on, SmolLM2 gave wrong tokens on it capped at AVX2 (as the fp32
-    # copies do on an AVX-512 bf16 CPU), which tiny models do not show (issue 67's note)
+    # 1.1-1.5x oneDNN's fp32 copies from 16 rows; docs/measurements.md). Not the default yet: the
+    # suite's SmolLM2 answers sit on a near-tie that its roundings cross (issue 67's note)
     if wanted == ROWS and weight_rows.available():
         return ROWS
     if wanted == ROWS:
