@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 
 import paged_hf
 from paged_hf import SamplingParams
-from paged_hf.execution.cpu import batch_invariance, small_rows
+from paged_hf.execution.cpu import batch_invariance, isa, small_rows
 from paged_hf.execution.cpu import linear as cpu_linear
 from paged_hf.execution.cpu import paged_attention as cpa
 from paged_hf.model.tiny_configs import build_model
@@ -31,7 +31,8 @@ def holds_here() -> bool:
     """Whether this machine has what batch invariance takes (the CPU attention kernel's bf16 path, a
     row-invariant packed GEMM); where it does not, the tests check the refusal instead."""
     how = cpu_linear.mode(torch.bfloat16, torch.device("cpu"))
-    return cpa.available() and how is not None and batch_invariance.gemm_rows_invariant(how)
+    bf16_path = cpa.available() and isa.at_least("avx512")  # the kernel's bf16 path is AVX-512's
+    return bf16_path and how is not None and batch_invariance.gemm_rows_invariant(how)
 
 
 @pytest.fixture(scope="module")
