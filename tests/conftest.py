@@ -99,6 +99,6 @@ def pytest_terminal_summary(terminalreporter):
     other = [
         r
         for r in terminalreporter.stats.get("skipped", [])
-        if "this CPU:" in str(getattr(r, "longrepr", ""))
+        if "; this CPU: " in str(getattr(r, "longrepr", ""))
     ]
     terminalreporter.write_line(f"{header()}; {len(other)} test(s) of other CPUs' kernels skipped")
