@@ -102,7 +102,7 @@ def main() -> None:
     if "vllm_cpu" in systems:  # saves the weights as a plain checkpoint: before patching
         vllm = S.VllmCpu(VLLM_PYTHON, model, model.dtype, args.threads)
         runs["vllm_cpu"] = lambda p: run_vllm(vllm, p)
-    ways = ["True" if w == "True" else w for w in args.packed.split(",")]
+    ways = args.packed.split(",")
     engines = {
         "paged_hf" if w == ways[0] else f"paged_hf/{w}": paged_hf.Engine(
             model, tok, cpu_packed_weights=True if w == "True" else w

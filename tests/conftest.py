@@ -94,11 +94,11 @@ def pytest_report_header(config):
 def pytest_terminal_summary(terminalreporter):
     """The same at the end, where ``-q`` shows it too, with how many tests of other CPUs' kernels
     were skipped (their reasons: ``-rs``)."""
-    from cpu_isa import header
+    from cpu_isa import THIS_CPU, header
 
     other = [
         r
         for r in terminalreporter.stats.get("skipped", [])
-        if "; this CPU: " in str(getattr(r, "longrepr", ""))
+        if THIS_CPU in str(getattr(r, "longrepr", ""))
     ]
     terminalreporter.write_line(f"{header()}; {len(other)} test(s) of other CPUs' kernels skipped")

@@ -11,6 +11,10 @@ import torch
 
 from paged_hf.execution.cpu import isa
 
+# in every skip reason these marks give, before the CPU's description (the run's closing line
+# counts the skips by it)
+THIS_CPU = "; this CPU: "
+
 
 def describe() -> str:
     """This CPU as paged_hf's kernels and torch's see it, e.g. 'avx2 (capped by
@@ -23,7 +27,7 @@ def describe() -> str:
 def needs(level: str, what: str):
     """Run where this CPU reaches ``level``; elsewhere skip saying so."""
     return pytest.mark.skipif(
-        not isa.at_least(level), reason=f"{what} needs {level}; this CPU: {describe()}"
+        not isa.at_least(level), reason=f"{what} needs {level}{THIS_CPU}{describe()}"
     )
 
 
@@ -31,7 +35,7 @@ def lacks(level: str, what: str):
     """Run where this CPU does not reach ``level`` (the path such CPUs take); elsewhere skip."""
     return pytest.mark.skipif(
         isa.at_least(level),
-        reason=f"{what} is what CPUs without {level} run; this CPU: {describe()}",
+        reason=f"{what} is what CPUs without {level} run{THIS_CPU}{describe()}",
     )
 
 

@@ -35,6 +35,6 @@ def uniform(seed: int, index: int) -> float:
     return (_mix((key + (index + 1) * _GOLDEN) & _MASK) >> (64 - _BITS)) / (1 << _BITS)
 
 
-def uniforms(keys: list[tuple[int, int]], device: torch.device | str = "cpu") -> torch.Tensor:
-    """``uniform(seed, index)`` for each (seed, index), as float32 on ``device``."""
-    return torch.tensor([uniform(s, i) for s, i in keys], dtype=torch.float32, device=device)
+def uniforms(keys: list[tuple[int, int]]) -> torch.Tensor:
+    """``uniform(seed, index)`` for each (seed, index), as float32 on the CPU."""
+    return torch.tensor([uniform(s, i) for s, i in keys], dtype=torch.float32)

@@ -171,9 +171,8 @@ class BackgroundEngine:
         its next step, so this waits at most one step; its TTFT counts from this call). Without
         ``request_id`` the engine makes one. A full queue (``max_waiting``) raises ``QueueFull``."""
         arrival = self.engine.scheduler.clock()
-        if isinstance(
-            params, SamplingParams
-        ):  # its random stream keyed here, in the caller's thread
+        # its random stream keyed here, in the caller's thread (the loop adds it later)
+        if isinstance(params, SamplingParams):
             params = with_drawn_seed(params)
         handle = RequestHandle(self, request_id, self.tokenizer, params)
         self._call("add", handle, prompt, params, arrival)

@@ -104,13 +104,13 @@ def test_an_engine_on_the_weights_as_they_are_agrees_with_transformers(family):
     packed = engine.runner.packed
     assert packed.how == cpu_linear.ROWS and packed.nbytes == 0
     calls = []
-    real = weight_rows.gemm
+    real = weight_rows.run
     prompts = tiny_prompts(model.config.vocab_size, 4, [1, 6, 19, 41], seed=5)
     try:
-        cpu_linear.weight_rows.gemm = lambda rows, *a: calls.append(len(rows)) or real(rows, *a)
+        cpu_linear.weight_rows.run = lambda rows, *a: calls.append(len(rows)) or real(rows, *a)
         outs = engine.generate(prompts, paged_hf.SamplingParams(max_new_tokens=8, ignore_eos=True))
     finally:
-        cpu_linear.weight_rows.gemm = real
+        cpu_linear.weight_rows.run = real
     assert max(calls) > 8 and min(calls) <= 4  # prompt chunks and decode steps
     for prompt, out in zip(prompts, outs):
         assert len(out.token_ids) == 8

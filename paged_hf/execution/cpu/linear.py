@@ -50,15 +50,13 @@ def mode(dtype: torch.dtype, device: torch.device, wanted: bool | str = True) ->
         return FP32 if _checked(FP32, dtype) else None
     if wanted not in (FP32, ROWS) and native_bf16() and _checked(ONEDNN, dtype):
         return ONEDNN
-    # paged_hf's GEMM on the weights as they are, no copy, at any row count, when asked for (AVX2:
-    # 1.1-1.5x oneDNN's fp32 copies from 16 rows; docs/measurements.md). Not the default yet: the
-    # suite's SmolLM2 answers sit on a near-tie that its roundings cross (issue 67's note)
-    if wanted == ROWS and weight_rows.available():
-        return ROWS
+    # the weights as they are, no copy, when asked for (AVX2: 1.1-1.5x the fp32 copies from 16 rows);
+    # not the default yet: the suite's SmolLM2 answers sit on a near-tie its roundings cross
     if wanted == ROWS:
+        if weight_rows.available():
+            return ROWS
         raise ValueError(
-            "cpu_packed_weights='rows': paged_hf's weight-rows GEMM is not built here (it needs an "
-            "x86 CPU with AVX2 and FMA); use True"
+            "cpu_packed_weights='rows': the weight-rows GEMM needs AVX2 and FMA; use True"
         )
     if wanted == ONEDNN:
         raise ValueError(
@@ -170,10 +168,12 @@ class PackedWeight:
     ) -> None:
         self.how, self.dtype = how, weights[0].dtype
         self.weights, self.biases = weights, biases
-        if how == ROWS:  # the weights where they lie; the biases' fp32 copies (weight_rows.gemm)
+        if (
+            how == ROWS
+        ):  # the weights where they lie; the biases' fp32 copies (weight_rows.prepared)
             self.small, self.small_rows, self.packed, self.bias = None, 0, None, None
             self.rows_kernel = all(weight_rows.fits(w) for w in weights)
-            self.row_biases = None if biases is None else [b.detach().float() for b in biases]
+            self.row_args = weight_rows.prepared(weights, biases)
             return
         # a bf16 weight's fp32 copy reads twice the bytes: at one row (a lone sequence's decode) the
         # weights' own bf16 F.linear is faster (SmolLM2's, Zen 3: 13-16 against 8-15 GFLOP/s), but
@@ -212,7 +212,7 @@ class PackedWeight:
         if self.how == ROWS:
             if not self.rows_kernel or not x.numel():
                 return self._own_linears(x)
-            out = weight_rows.gemm(x.view(-1, x.shape[-1]), self.weights, self.row_biases)
+            out = weight_rows.run(x.view(-1, x.shape[-1]), *self.row_args)
             return out.view(*x.shape[:-1], out.shape[-1])
         if self.one_row_in_bf16 and x.numel() == x.shape[-1]:
             return self._own_linears(x)

@@ -2,7 +2,8 @@
 first use into ``$PAGED_HF_EXTENSIONS_DIR`` (default ``<paged_hf cache>/extensions``) under a name
 that hashes the sources, torch's version and the flags, then loaded; its ops are the paged
 attention, the gated delta rule, the fused element-wise ops, the sampler's greedy pick, the
-allocator hooks, the few-row bf16 GEMM and the compact layer's halves on it. Without a compiler (or with ``PAGED_HF_CPU_KERNEL=0``)
+allocator hooks, the few-row bf16 GEMM and the compact layer's halves on it, and the weight-rows
+GEMM (the weights where they lie). Without a compiler (or with ``PAGED_HF_CPU_KERNEL=0``)
 ``load()`` is False, once warned.
 """
 
